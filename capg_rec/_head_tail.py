@@ -1,0 +1,62 @@
+"""Head/tail summary of a catalog for the inclusion-probability methods (private).
+
+The "head" of a row is the union of every expert's top-H items plus the target items; it is
+kept item by item. The rest of the catalog (the "tail") is summarised by its log power sums
+``log Σ_tail exp(p · s)``, ``p = 1..P``, which one streaming pass computes for any placement of
+the catalog. For a small catalog the head is the whole catalog and the tail is empty.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from capg_rec.catalog import CatalogScores
+
+
+@dataclass
+class HeadTail:
+    """``head_ids [B, T]`` (−1 marks an unused slot), ``head_scores [B, M, T]`` (−inf in unused
+    slots), ``target_pos [B, L]`` (each target's slot in the head), ``tail_log_power_sums
+    [B, M, P]`` (−inf when the tail is empty)."""
+
+    head_ids: Tensor
+    head_scores: Tensor
+    target_pos: Tensor
+    tail_log_power_sums: Tensor
+
+
+def head_size_for(num_items: int, num_candidates: int, *, full_up_to: int = 2048) -> int:
+    """Items per expert kept exactly: the whole catalog when small, else ``max(8K, 1024)``."""
+    if num_items <= full_up_to:
+        return num_items
+    return min(num_items, max(8 * num_candidates, 1024))
+
+
+def summarize(catalog: CatalogScores, targets: Tensor, head_size: int, num_powers: int) -> HeadTail:
+    """Build the head (union of top-``head_size`` per expert plus ``targets [B, L]``) and the tail."""
+    batch, num_targets = targets.shape
+    if head_size >= catalog.num_items:
+        ids = torch.arange(catalog.num_items, device=catalog.device).expand(batch, -1)
+    else:
+        ids = catalog.top_items(head_size).reshape(batch, -1)
+    ids = torch.cat([ids, targets], dim=1)
+    sorted_ids, order = ids.sort(dim=1, stable=True)
+    first = torch.ones_like(sorted_ids, dtype=torch.bool)
+    first[:, 1:] = sorted_ids[:, 1:] != sorted_ids[:, :-1]
+    head_ids = torch.where(first, sorted_ids, torch.full_like(sorted_ids, -1))
+    # Each target's slot: the first sorted occurrence of its id.
+    slot = torch.arange(ids.shape[1], device=ids.device).expand(batch, -1)
+    first_slot = torch.where(first, slot, torch.zeros_like(slot)).cummax(dim=1).values
+    inverse = order.argsort(dim=1)
+    target_pos = first_slot.gather(1, inverse[:, ids.shape[1] - num_targets:])
+    scores = catalog.gather(head_ids.clamp(min=0))
+    head_scores = scores.masked_fill((head_ids < 0).unsqueeze(1), -torch.inf)
+    if head_size >= catalog.num_items:
+        tail = torch.full((batch, catalog.num_experts, num_powers), -torch.inf,
+                          dtype=catalog.dtype, device=catalog.device)
+    else:
+        tail = catalog.log_power_sums(head_ids, num_powers)
+    return HeadTail(head_ids, head_scores, target_pos, tail)

@@ -1,0 +1,239 @@
+"""Catalog scores: what the estimators need from the catalog, for any placement of it.
+
+Every estimator in capg_rec touches the catalog only through a :class:`CatalogScores` object,
+which exposes the scaled scores ``s[b, m, n] = logit_m(x_b, n) / τ`` (B contexts, M experts,
+N items) through four reductions that can be computed block by block and combined:
+
+* :meth:`~CatalogScores.gather`: the scores of a few named items (differentiable),
+* :meth:`~CatalogScores.log_power_sums`: ``log Σ_{n ∉ exclude} exp(p · s[b, m, n])`` for
+  ``p = 1..P`` (differentiable; ``p = 1`` is the softmax normalizer),
+* :meth:`~CatalogScores.top_items`: the ids of the k best items, optionally after Gumbel
+  perturbation (no gradient; this is also the sampler).
+
+Two placements live here: :class:`DenseCatalog` (a logits tensor) and :class:`EmbeddingCatalog`
+(user and item embeddings scored chunk by chunk, recomputed in backward, so memory stays
+``O(B·M·chunk)``). The TorchRec integration adds a third, whose item rows are sharded over ranks.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from capg_rec._checks import check_count, check_float_tensor, check_positive
+from capg_rec._numerics import gumbel_like, masked_logsumexp
+
+__all__ = ["CatalogScores", "DenseCatalog", "EmbeddingCatalog", "as_catalog"]
+
+
+class CatalogScores(abc.ABC):
+    """Scaled scores ``s[b, m, n]`` of N items under M experts for B contexts (abstract).
+
+    Implementations must provide the attributes ``batch_size``, ``num_experts``, ``num_items``,
+    ``dtype``, ``device`` and the three reductions below. Item ids are global catalog ids in
+    ``[0, num_items)``; an ``exclude`` tensor ``[B, E]`` may be padded with ``-1``.
+    """
+
+    batch_size: int
+    num_experts: int
+    num_items: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @abc.abstractmethod
+    def gather(self, items: Tensor) -> Tensor:
+        """Scores of named items: ``items [B, L]`` → ``[B, M, L]`` (differentiable)."""
+
+    @abc.abstractmethod
+    def log_power_sums(self, exclude: Tensor | None = None, num_powers: int = 1) -> Tensor:
+        """``log Σ_{n ∉ exclude[b]} exp(p · s[b, m, n])`` for ``p = 1..P`` → ``[B, M, P]``.
+
+        Differentiable. A row whose items are all excluded gives ``-inf``.
+        """
+
+    @abc.abstractmethod
+    def top_items(self, k: int, *, experts: Sequence[int] | None = None, exclude: Tensor | None = None,
+                  generator: torch.Generator | None = None, perturb: bool = False) -> Tensor:
+        """Ids of the k highest scores per row and expert → ``[B, len(experts), k]``, best first.
+
+        With ``perturb=True`` fresh Gumbel(0, 1) noise (drawn through ``generator``) is added
+        to the scores first, which makes the result an exact Plackett-Luce draw of k items.
+        Excluded items are never returned. No gradient.
+        """
+
+    def log_normalizer(self) -> Tensor:
+        """``logsumexp_n s[b, m, n]`` → ``[B, M]`` (differentiable)."""
+        return self.log_power_sums(None, 1)[..., 0]
+
+
+def as_catalog(scores: Tensor | CatalogScores, temperature: float = 1.0) -> CatalogScores:
+    """Wrap logits ``[B, N]`` / ``[B, M, N]`` in a :class:`DenseCatalog`; pass catalogs through.
+
+    A catalog object carries its own temperature, so ``temperature`` must then be 1.
+    """
+    if isinstance(scores, CatalogScores):
+        if check_positive("temperature", temperature) != 1.0:
+            raise ValueError("temperature must be 1.0 when a CatalogScores object is given: "
+                             f"set the temperature on the catalog instead (got {temperature})")
+        return scores
+    return DenseCatalog(scores, temperature)
+
+
+def _exclusion_mask(exclude: Tensor | None, batch_size: int, start: int, stop: int,
+                    device: torch.device) -> Tensor | None:
+    """``[B, stop - start]`` bool, True where item ``start + j`` is excluded in row b."""
+    if exclude is None or exclude.numel() == 0:
+        return None
+    width = stop - start
+    inside = (exclude >= start) & (exclude < stop)
+    hits = torch.zeros(batch_size, width, device=device)
+    hits.scatter_add_(1, (exclude - start).clamp(0, width - 1), inside.to(hits.dtype))
+    return hits > 0
+
+
+class DenseCatalog(CatalogScores):
+    """A catalog given as a logits tensor ``[B, N]`` (one logit model) or ``[B, M, N]`` (MoE)."""
+
+    def __init__(self, logits: Tensor, temperature: float = 1.0) -> None:
+        logits = check_float_tensor("logits", logits, ndims=(2, 3))
+        tau = check_positive("temperature", temperature)
+        scores = logits.unsqueeze(1) if logits.dim() == 2 else logits
+        self.scores = scores / tau if tau != 1.0 else scores  # [B, M, N]
+        self.batch_size, self.num_experts, self.num_items = self.scores.shape
+        self.dtype, self.device = self.scores.dtype, self.scores.device
+
+    def gather(self, items: Tensor) -> Tensor:
+        idx = items.unsqueeze(1).expand(-1, self.num_experts, -1)
+        return self.scores.gather(2, idx)
+
+    def _masked(self, scores: Tensor, exclude: Tensor | None) -> Tensor:
+        mask = _exclusion_mask(exclude, self.batch_size, 0, self.num_items, self.device)
+        if mask is None:
+            return scores
+        return scores.masked_fill(mask.unsqueeze(1), -torch.inf)
+
+    def log_power_sums(self, exclude: Tensor | None = None, num_powers: int = 1) -> Tensor:
+        check_count("num_powers", num_powers)
+        mask = _exclusion_mask(exclude, self.batch_size, 0, self.num_items, self.device)
+        if mask is None:
+            return torch.stack([torch.logsumexp(p * self.scores, dim=2) for p in range(1, num_powers + 1)], -1)
+        keep = ~mask.unsqueeze(1).expand_as(self.scores)
+        return torch.stack([masked_logsumexp(p * self.scores, keep, dim=2)
+                            for p in range(1, num_powers + 1)], -1)
+
+    def top_items(self, k: int, *, experts: Sequence[int] | None = None, exclude: Tensor | None = None,
+                  generator: torch.Generator | None = None, perturb: bool = False) -> Tensor:
+        with torch.no_grad():
+            s = self.scores if experts is None else self.scores[:, list(experts)]
+            if perturb:
+                s = s + gumbel_like(tuple(s.shape), generator=generator, dtype=s.dtype, device=s.device)
+            return self._masked(s, exclude).topk(k, dim=2).indices
+
+
+class _ChunkedLogPowerSums(torch.autograd.Function):
+    """``log Σ_n exp(p · <u[b,m], v[n,m]>)`` over non-excluded n, streamed over item chunks.
+
+    Backward recomputes each chunk's scores, so no ``[B, M, N]`` tensor is ever kept.
+    """
+
+    @staticmethod
+    def forward(ctx, user: Tensor, item: Tensor, exclude: Tensor | None, num_powers: int,
+                chunk_size: int) -> Tensor:
+        batch, experts, _ = user.shape
+        powers = torch.arange(1, num_powers + 1, dtype=user.dtype, device=user.device)
+        out = torch.full((batch, experts, num_powers), -torch.inf, dtype=user.dtype, device=user.device)
+        for start in range(0, item.shape[0], chunk_size):
+            stop = min(start + chunk_size, item.shape[0])
+            s = torch.einsum("bmd,nmd->bmn", user, item[start:stop])
+            mask = _exclusion_mask(exclude, batch, start, stop, user.device)
+            if mask is not None:
+                s = s.masked_fill(mask.unsqueeze(1), -torch.inf)
+            out = torch.logaddexp(out, torch.logsumexp(s.unsqueeze(-1) * powers, dim=2))
+        ctx.save_for_backward(user, item, out, exclude if exclude is not None else torch.empty(0))
+        ctx.chunk_size, ctx.has_exclude = chunk_size, exclude is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        user, item, out, exclude = ctx.saved_tensors
+        exclude = exclude if ctx.has_exclude else None
+        batch = user.shape[0]
+        powers = torch.arange(1, out.shape[-1] + 1, dtype=user.dtype, device=user.device)
+        # d out_p / d s = p · exp(p·s - out_p); rows with out_p = -inf have no support.
+        finite = torch.isfinite(out)
+        safe_out = torch.where(finite, out, torch.zeros_like(out))
+        coef = torch.where(finite, grad_out * powers, torch.zeros_like(grad_out))  # [B, M, P]
+        grad_user = torch.zeros_like(user)
+        grad_item = torch.zeros_like(item)
+        for start in range(0, item.shape[0], ctx.chunk_size):
+            stop = min(start + ctx.chunk_size, item.shape[0])
+            v = item[start:stop]
+            s = torch.einsum("bmd,nmd->bmn", user, v)
+            w = torch.exp(s.unsqueeze(-1) * powers - safe_out.unsqueeze(2))  # [B, M, c, P]
+            grad_s = (w * coef.unsqueeze(2)).sum(-1)
+            mask = _exclusion_mask(exclude, batch, start, stop, user.device)
+            if mask is not None:
+                grad_s = grad_s.masked_fill(mask.unsqueeze(1), 0.0)
+            grad_user += torch.einsum("bmn,nmd->bmd", grad_s, v)
+            grad_item[start:stop] = torch.einsum("bmn,bmd->nmd", grad_s, user)
+        return grad_user, grad_item, None, None, None
+
+
+class EmbeddingCatalog(CatalogScores):
+    """A catalog scored from embeddings: ``s[b, m, n] = <user[b, m], item[n, m]> / τ``.
+
+    ``user`` is ``[B, D]`` or ``[B, M, D]``; ``item`` is ``[N, D]`` or ``[N, M, D]``. Catalog-wide
+    reductions stream over ``chunk_size`` items at a time, with recomputation in backward, so
+    memory is ``O(B·M·chunk_size)`` beyond the embeddings themselves.
+    """
+
+    def __init__(self, user: Tensor, item: Tensor, temperature: float = 1.0, *,
+                 chunk_size: int = 8192) -> None:
+        user = check_float_tensor("user", user, ndims=(2, 3))
+        item = check_float_tensor("item", item, ndims=(2, 3))
+        tau = check_positive("temperature", temperature)
+        self.chunk_size = check_count("chunk_size", chunk_size)
+        user = user.unsqueeze(1) if user.dim() == 2 else user
+        item = item.unsqueeze(1) if item.dim() == 2 else item
+        if user.shape[1:] != item.shape[1:]:
+            raise ValueError(f"user [B, M, D] and item [N, M, D] must agree on (M, D), got "
+                             f"{tuple(user.shape[1:])} and {tuple(item.shape[1:])}")
+        if user.dtype != item.dtype:
+            raise ValueError(f"user and item must share a dtype, got {user.dtype} and {item.dtype}")
+        self.user = user / tau if tau != 1.0 else user  # [B, M, D], temperature folded in
+        self.item = item  # [N, M, D]
+        self.batch_size, self.num_experts = self.user.shape[:2]
+        self.num_items = item.shape[0]
+        self.dtype, self.device = user.dtype, user.device
+
+    def gather(self, items: Tensor) -> Tensor:
+        return torch.einsum("bmd,blmd->bml", self.user, self.item[items])
+
+    def log_power_sums(self, exclude: Tensor | None = None, num_powers: int = 1) -> Tensor:
+        check_count("num_powers", num_powers)
+        return _ChunkedLogPowerSums.apply(self.user, self.item, exclude, num_powers, self.chunk_size)
+
+    def top_items(self, k: int, *, experts: Sequence[int] | None = None, exclude: Tensor | None = None,
+                  generator: torch.Generator | None = None, perturb: bool = False) -> Tensor:
+        user = self.user if experts is None else self.user[:, list(experts)]
+        item = self.item if experts is None else self.item[:, list(experts)]
+        batch, num_sel = user.shape[:2]
+        best_val = torch.full((batch, num_sel, 0), -torch.inf, dtype=self.dtype, device=self.device)
+        best_idx = torch.zeros((batch, num_sel, 0), dtype=torch.long, device=self.device)
+        with torch.no_grad():
+            for start in range(0, self.num_items, self.chunk_size):
+                stop = min(start + self.chunk_size, self.num_items)
+                s = torch.einsum("bmd,nmd->bmn", user, item[start:stop])
+                if perturb:
+                    s = s + gumbel_like(tuple(s.shape), generator=generator, dtype=s.dtype, device=s.device)
+                mask = _exclusion_mask(exclude, batch, start, stop, self.device)
+                if mask is not None:
+                    s = s.masked_fill(mask.unsqueeze(1), -torch.inf)
+                ids = torch.arange(start, stop, device=self.device).expand(batch, num_sel, -1)
+                vals, pos = torch.cat([best_val, s], 2).topk(min(k, best_val.shape[2] + stop - start), dim=2)
+                best_idx = torch.cat([best_idx, ids], 2).gather(2, pos)
+                best_val = vals
+        return best_idx

@@ -1,0 +1,94 @@
+"""Plackett-Luce (mixture-of-experts) retrieval: sampling and ordered-draw log-probabilities.
+
+The ESR draws K distinct items one position at a time; position k uses expert ``m(k)`` and picks
+item a with probability ``exp(s_{m(k)}(a)) / Σ_{b not drawn yet} exp(s_{m(k)}(b))``, where
+``s = logits / τ``. Positions are grouped into contiguous expert blocks (:func:`expert_of_position`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from capg_rec._checks import check_count, check_items
+from capg_rec.catalog import CatalogScores, as_catalog
+
+__all__ = ["expert_of_position", "sample_candidates", "greedy_candidates", "candidate_log_prob"]
+
+
+def expert_of_position(num_candidates: int, num_experts: int) -> Tensor:
+    """Position → expert map ``m(k)`` as ``LongTensor[K]``: contiguous blocks, the first blocks
+    taking the remainder (K=10, M=5 → 0,0,1,1,2,2,3,3,4,4; K=7, M=3 → 0,0,0,1,1,2,2)."""
+    check_count("num_candidates", num_candidates)
+    check_count("num_experts", num_experts)
+    base, extra = divmod(num_candidates, num_experts)
+    sizes = torch.full((num_experts,), base, dtype=torch.long)
+    sizes[:extra] += 1
+    return torch.repeat_interleave(torch.arange(num_experts), sizes)
+
+
+def expert_runs(experts: Tensor) -> list[tuple[int, int]]:
+    """Maximal runs of equal experts in a position → expert map: ``[(expert, count), ...]``."""
+    values, counts = torch.unique_consecutive(experts, return_counts=True)
+    return [(int(v), int(c)) for v, c in zip(values, counts)]
+
+
+def _checked(logits: Tensor | CatalogScores, num_candidates: int, temperature: float) -> CatalogScores:
+    catalog = as_catalog(logits, temperature)
+    check_count("num_candidates", num_candidates, high=catalog.num_items)
+    return catalog
+
+
+def _draw(catalog: CatalogScores, num_candidates: int, *, perturb: bool,
+          generator: torch.Generator | None) -> Tensor:
+    picks: list[Tensor] = []
+    for expert, count in expert_runs(expert_of_position(num_candidates, catalog.num_experts)):
+        exclude = torch.cat(picks, dim=1) if picks else None
+        picks.append(catalog.top_items(count, experts=[expert], exclude=exclude,
+                                       generator=generator, perturb=perturb)[:, 0])
+    return torch.cat(picks, dim=1)
+
+
+def sample_candidates(logits: Tensor | CatalogScores, num_candidates: int, *, temperature: float = 1.0,
+                      generator: torch.Generator | None = None) -> Tensor:
+    """Draw K candidates from the PL(-MoE) ESR, exactly, in draw order → ``LongTensor[B, K]``.
+
+    ``logits`` is ``[B, N]``, ``[B, M, N]`` or a :class:`~capg_rec.catalog.CatalogScores`. Each
+    expert block is a Gumbel top-k over the items not drawn yet with *fresh* noise (one noise
+    vector shared by all blocks, as in the paper's appendix, is biased when experts differ).
+    """
+    catalog = _checked(logits, num_candidates, temperature)
+    return _draw(catalog, num_candidates, perturb=True, generator=generator)
+
+
+def greedy_candidates(logits: Tensor | CatalogScores, num_candidates: int, *,
+                      temperature: float = 1.0) -> Tensor:
+    """The noise-free draw: each block takes its expert's best remaining items → ``LongTensor[B, K]``."""
+    catalog = _checked(logits, num_candidates, temperature)
+    return _draw(catalog, num_candidates, perturb=False, generator=None)
+
+
+def candidate_log_prob(logits: Tensor | CatalogScores, candidates: Tensor, *, temperature: float = 1.0,
+                       with_replacement: bool = False) -> Tensor:
+    """``log π(A^K | x)`` of the ordered draw ``candidates [B, K]`` → ``[B]`` (the V-PG score).
+
+    Without replacement each position is normalised over the items not drawn yet; the
+    remaining mass is summed directly (items outside the draw plus the later draws), never
+    obtained by subtraction, so confident policies stay finite. With ``with_replacement=True``
+    every position is normalised over the whole catalog (the V-PG-SwR score).
+    """
+    catalog = as_catalog(logits, temperature)
+    candidates = check_items("candidates", candidates, batch_size=catalog.batch_size,
+                             num_items=catalog.num_items)
+    num_candidates = candidates.shape[1]
+    experts = expert_of_position(num_candidates, catalog.num_experts).to(catalog.device)
+    scores = catalog.gather(candidates)  # [B, M, K]
+    idx = experts.view(1, 1, -1).expand(catalog.batch_size, 1, -1)
+    picked = scores.gather(1, idx)[:, 0]  # [B, K]: s_{m(k)}(a_k)
+    if with_replacement:
+        log_norm = catalog.log_normalizer().gather(1, idx[:, 0])  # [B, K]
+        return (picked - log_norm).sum(dim=1)
+    outside = catalog.log_power_sums(candidates, 1)[..., 0]  # [B, M]: items never drawn
+    later = torch.logcumsumexp(scores.flip(2), dim=2).flip(2)  # [B, M, K]: Σ_{j ≥ k}
+    remaining = torch.logaddexp(outside.unsqueeze(2), later).gather(1, idx)[:, 0]  # [B, K]
+    return (picked - remaining).sum(dim=1)

@@ -1,0 +1,16 @@
+"""Shared test configuration: deterministic hypothesis profiles and single-threaded torch."""
+
+import os
+
+import torch
+from hypothesis import HealthCheck, settings
+
+torch.set_num_threads(1)
+
+settings.register_profile("ci", derandomize=True, max_examples=25, deadline=None, database=None,
+                          print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("dev", max_examples=25, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("nightly", max_examples=500, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
