@@ -48,5 +48,5 @@ def log1mexp_exp(y: Tensor) -> Tensor:
     """
     small = y < -10.0
     y_small = torch.where(small, y, torch.full_like(y, -20.0))
-    y_big = torch.where(small, torch.zeros_like(y), y)
+    y_big = torch.where(small, torch.zeros_like(y), y).clamp(max=30.0)  # beyond 30 the value is 0
     return torch.where(small, y_small - 0.5 * torch.exp(y_small), log1mexp(-torch.exp(y_big)))

@@ -18,7 +18,7 @@ Two placements live here: :class:`DenseCatalog` (a logits tensor) and :class:`Em
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -182,6 +182,32 @@ class _ChunkedLogPowerSums(torch.autograd.Function):
         return grad_user, grad_item, None, None, None
 
 
+def _chunked_top_k(user: Tensor, item: Tensor, k: int, exclude: Tensor | None,
+                   noise: Callable[[int, int], Tensor] | None, chunk_size: int) -> tuple[Tensor, Tensor]:
+    """The ``min(k, N)`` best of ``<user[b,m], item[n,m]> + noise(start, stop)[b,m,n-start]``.
+
+    ``user [B, M, D]``, ``item [N, M, D]``, streamed over ``chunk_size`` items; ``noise`` (or None)
+    gives the perturbation of items ``[start, stop)`` as ``[B, M, stop - start]``. Returns
+    ``(values, ids) [B, M, min(k, N)]``, best first, ids in ``[0, N)``; excluded items score -inf.
+    """
+    batch, num_sel = user.shape[:2]
+    best_val = torch.full((batch, num_sel, 0), -torch.inf, dtype=user.dtype, device=user.device)
+    best_idx = torch.zeros((batch, num_sel, 0), dtype=torch.long, device=user.device)
+    with torch.no_grad():
+        for start in range(0, item.shape[0], chunk_size):
+            stop = min(start + chunk_size, item.shape[0])
+            s = torch.einsum("bmd,nmd->bmn", user, item[start:stop])
+            if noise is not None:
+                s = s + noise(start, stop)
+            mask = _exclusion_mask(exclude, batch, start, stop, user.device)
+            if mask is not None:
+                s = s.masked_fill(mask.unsqueeze(1), -torch.inf)
+            ids = torch.arange(start, stop, device=user.device).expand(batch, num_sel, -1)
+            best_val, pos = torch.cat([best_val, s], 2).topk(min(k, best_val.shape[2] + stop - start), dim=2)
+            best_idx = torch.cat([best_idx, ids], 2).gather(2, pos)
+    return best_val, best_idx
+
+
 class EmbeddingCatalog(CatalogScores):
     """A catalog scored from embeddings: ``s[b, m, n] = <user[b, m], item[n, m]> / τ``.
 
@@ -220,20 +246,9 @@ class EmbeddingCatalog(CatalogScores):
                   generator: torch.Generator | None = None, perturb: bool = False) -> Tensor:
         user = self.user if experts is None else self.user[:, list(experts)]
         item = self.item if experts is None else self.item[:, list(experts)]
-        batch, num_sel = user.shape[:2]
-        best_val = torch.full((batch, num_sel, 0), -torch.inf, dtype=self.dtype, device=self.device)
-        best_idx = torch.zeros((batch, num_sel, 0), dtype=torch.long, device=self.device)
-        with torch.no_grad():
-            for start in range(0, self.num_items, self.chunk_size):
-                stop = min(start + self.chunk_size, self.num_items)
-                s = torch.einsum("bmd,nmd->bmn", user, item[start:stop])
-                if perturb:
-                    s = s + gumbel_like(tuple(s.shape), generator=generator, dtype=s.dtype, device=s.device)
-                mask = _exclusion_mask(exclude, batch, start, stop, self.device)
-                if mask is not None:
-                    s = s.masked_fill(mask.unsqueeze(1), -torch.inf)
-                ids = torch.arange(start, stop, device=self.device).expand(batch, num_sel, -1)
-                vals, pos = torch.cat([best_val, s], 2).topk(min(k, best_val.shape[2] + stop - start), dim=2)
-                best_idx = torch.cat([best_idx, ids], 2).gather(2, pos)
-                best_val = vals
-        return best_idx
+        noise = None
+        if perturb:
+            def noise(start: int, stop: int) -> Tensor:
+                shape = (user.shape[0], user.shape[1], stop - start)
+                return gumbel_like(shape, generator=generator, dtype=self.dtype, device=self.device)
+        return _chunked_top_k(user, item, k, exclude, noise, self.chunk_size)[1]

@@ -1,0 +1,207 @@
+"""Inclusion probabilities ``log π(a ∈ A^K | x)`` of the PL(-MoE) ESR: the CA-PG score.
+
+Methods (all differentiable, all computed in log-space):
+
+* ``"exact"``: the exponential-race integral with an exact Poisson-binomial count (exact up to
+  quadrature for one expert; "block-exact" for a mixture: exact inside each expert block,
+  survival across blocks treated as independent).
+* ``"mean_field"``: Rosén's successive-sampling approximation ``1 - exp(-w_a t)`` with
+  ``Σ_b (1 - exp(-w_b t)) = K``, run block by block for a mixture. O(N).
+* ``"plugin"``: the paper's arg-top-(k-1) plug-in: the hazard at position k is evaluated at the
+  most probable prefix of k-1 items *that excludes the target*.
+* ``"swr"``: sampling with replacement, ``log Σ_k π_{m(k)}(a)`` — the CA-PG-SwR / TOP1-PG score.
+  Not a probability (it can exceed 1); its gradient is what CA-PG-SwR uses.
+
+Large catalogs are handled through a head/tail summary (:mod:`capg_rec._head_tail`): every
+expert's best items and the targets item by item, the rest through a few streamed power sums.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from capg_rec._checks import check_count, check_items
+from capg_rec._head_tail import HeadTail, head_size_for, summarize
+from capg_rec._numerics import log1mexp, log1mexp_exp, masked_logsumexp
+from capg_rec.catalog import CatalogScores, as_catalog
+from capg_rec.plackett_luce import expert_of_position, expert_runs
+
+__all__ = ["inclusion_log_prob", "METHODS", "DEFAULT_METHOD"]
+
+Runs = Sequence[tuple[int, int]]
+
+DEFAULT_METHOD = "mean_field"
+
+_MEAN_FIELD_POWERS = 4
+_BISECTION_STEPS = 60
+
+
+def _swr(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
+    """``log Σ_m n_m exp(s_m(a) - A_m)``: the CA-PG-SwR score → ``[B, L]``."""
+    experts = torch.tensor([m for m, _ in runs], device=catalog.device)
+    log_counts = torch.tensor([math.log(n) for _, n in runs], dtype=catalog.dtype, device=catalog.device)
+    log_softmax = catalog.gather(items) - catalog.log_normalizer().unsqueeze(2)  # [B, M, L]
+    return torch.logsumexp(log_softmax[:, experts] + log_counts.view(1, -1, 1), dim=1)
+
+
+def _target_scores(ht: HeadTail) -> Tensor:
+    """Targets' scores under every expert → ``[B, L, M]``."""
+    idx = ht.target_pos.unsqueeze(1).expand(-1, ht.head_scores.shape[1], -1)
+    return ht.head_scores.gather(2, idx).transpose(1, 2)
+
+
+def _plugin(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
+    """The paper's plug-in: ``1 - Π_k (1 - h_k)`` with each hazard at the greedy prefix that
+    excludes the target → ``[B, L]``. Denominators are summed directly, never subtracted."""
+    num_candidates = sum(n for _, n in runs)
+    ht = summarize(catalog, items, min(num_candidates, catalog.num_items), 1)
+    batch, num_experts, slots = ht.head_scores.shape
+    num_targets = items.shape[1]
+    slot = torch.arange(slots, device=catalog.device)
+    available = (ht.head_ids >= 0).unsqueeze(1) & (slot.view(1, 1, -1) != ht.target_pos.unsqueeze(2))
+    prefix: list[Tensor] = []
+    left = num_candidates - 1  # the prefix of position K has K-1 items
+    with torch.no_grad():
+        for expert, count in runs:
+            take = min(count, left)
+            if take == 0:
+                break
+            s = ht.head_scores[:, expert].unsqueeze(1).expand(-1, num_targets, -1)
+            picked = s.masked_fill(~available, -torch.inf).topk(take, dim=2).indices  # [B, L, take]
+            available = available.scatter(2, picked, False)
+            prefix.append(picked)
+            left -= take
+    scores = ht.head_scores.unsqueeze(1).expand(-1, num_targets, -1, -1)  # [B, L, M, T]
+    # Mass left once the whole prefix is drawn: the tail plus head items outside the prefix
+    # (the target among them).
+    left_in_head = available | (slot.view(1, 1, -1) == ht.target_pos.unsqueeze(2))
+    rest = torch.logaddexp(ht.tail_log_power_sums[..., 0].unsqueeze(1),
+                           masked_logsumexp(scores, left_in_head.unsqueeze(2).expand_as(scores), dim=3))
+    if prefix:
+        pre = torch.cat(prefix, dim=2)
+        pre_scores = scores.gather(3, pre.unsqueeze(2).expand(-1, -1, num_experts, -1))  # [B, L, M, K-1]
+        later = torch.logcumsumexp(pre_scores.flip(3), dim=3).flip(3)
+        later = torch.cat([later, later.new_full((*later.shape[:3], 1), -torch.inf)], dim=3)
+    else:
+        later = scores.new_full((batch, num_targets, num_experts, 1), -torch.inf)
+    denom = torch.logaddexp(rest.unsqueeze(3), later)  # [B, L, M, K]: mass before position k
+    experts = expert_of_position(num_candidates, catalog.num_experts).to(catalog.device)
+    idx = experts.view(1, 1, 1, -1).expand(batch, num_targets, 1, -1)
+    log_hazard = (_target_scores(ht).unsqueeze(3) - denom).gather(2, idx)[:, :, 0]  # [B, L, K]
+    log_hazard = log_hazard.clamp(max=-torch.finfo(log_hazard.dtype).tiny)
+    # π = Σ_k h_k Π_{j<k} (1 - h_j): first drawn at position k. Summed in log-space, this stays
+    # exact where 1 - Π (1 - h) would round to 0 (tiny probabilities).
+    log_miss = log1mexp(log_hazard)
+    log_miss_before = torch.nn.functional.pad(torch.cumsum(log_miss, dim=2)[..., :-1], (1, 0))
+    return torch.logsumexp(log_hazard + log_miss_before, dim=2)
+
+
+def _clock(scores: Tensor, kappa: Tensor, valid: Tensor) -> Tensor:
+    """``e^{s - κ}`` (the rate of an item's exponential clock at time ``e^{-κ}``) → ``[B, T]``.
+
+    Clamped where ``1 - exp(-x)`` is already exactly 1, so neither value nor gradient overflows.
+    """
+    return torch.exp((scores - kappa.unsqueeze(1)).clamp(max=60.0)).masked_fill(~valid, 0.0)
+
+
+def _mean_field(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
+    """Rosén's mean-field inclusion probabilities, block by block → ``[B, L]``.
+
+    Block m solves ``Σ_b ρ_b (1 - exp(-e^{s_mb - κ_m})) = n_m`` for κ_m, where ρ_b is the chance
+    that b survived the earlier blocks; tail items enter through a 4-term power-series expansion
+    (valid because the head holds at least 8K items per expert, so tail items are unlikely).
+    """
+    num_candidates = sum(n for _, n in runs)
+    head = head_size_for(catalog.num_items, num_candidates)
+    ht = summarize(catalog, items, head, _MEAN_FIELD_POWERS)
+    scores, tail = ht.head_scores, ht.tail_log_power_sums  # [B, M, T], [B, M, P]
+    valid = ht.head_ids >= 0  # [B, T]
+    has_tail = bool(torch.isfinite(tail[..., 0]).any())
+    powers = torch.arange(1, _MEAN_FIELD_POWERS + 1, dtype=scores.dtype, device=scores.device)
+    tail_coef = torch.tensor([(-1.0) ** (p + 1) / math.factorial(p) for p in range(1, _MEAN_FIELD_POWERS + 1)],
+                             dtype=scores.dtype, device=scores.device)
+    log_survival = torch.zeros_like(scores[:, 0])  # [B, T]
+    kappas = []
+    drawn = 0
+    for expert, count in runs:
+        s, lz = scores[:, expert], tail[:, expert]  # [B, T], [B, P]
+
+        def excess(kappa: Tensor) -> tuple[Tensor, Tensor]:
+            """``f(κ) - n`` and ``f'(κ)`` for κ ``[B]``."""
+            x = _clock(s, kappa, valid)
+            rho = torch.exp(log_survival)
+            f = (rho * -torch.expm1(-x)).sum(1) - count
+            df = -(rho * x * torch.exp(-x)).sum(1)
+            if has_tail:
+                t = torch.exp(lz - powers * kappa.unsqueeze(1)).nan_to_num(0.0)  # e^{-pκ} Z_p
+                f = f + (tail_coef * t).sum(1)
+                df = df - (tail_coef * powers * t).sum(1)
+            return f, df
+
+        with torch.no_grad():
+            s_valid = s.masked_fill(~valid, -torch.inf)
+            total = torch.logaddexp(torch.logsumexp(s_valid, 1), lz[:, 0])
+            hi = total - math.log(count)  # f(hi) ≤ Σ x = n
+            if has_tail:  # every head item likely enough that the tail expansion stays accurate
+                nth = s_valid.topk(min(head, s.shape[1]), dim=1).values[:, -1]
+                share = count / max(head - drawn, count)
+                lo = nth - math.log(-math.log1p(-share))
+            else:
+                lo = s.masked_fill(~valid, torch.inf).min(1).values - 50.0
+            lo = torch.minimum(lo, hi - 1.0)
+            for _ in range(_BISECTION_STEPS):
+                mid = 0.5 * (lo + hi)
+                above = excess(mid)[0] > 0
+                lo, hi = torch.where(above, mid, lo), torch.where(above, hi, mid)
+            kappa0 = 0.5 * (lo + hi)
+        f, df = excess(kappa0)  # one differentiable Newton step: implicit-function gradient
+        df = df.detach()
+        ok = torch.isfinite(df) & (df < 0)
+        kappa = kappa0 - torch.where(ok, f / torch.where(ok, df, torch.ones_like(df)), torch.zeros_like(f))
+        kappas.append(kappa)
+        log_survival = log_survival - _clock(s, kappa, valid)
+        drawn += count
+    experts = torch.tensor([m for m, _ in runs], device=scores.device)
+    hazard_logits = _target_scores(ht)[:, :, experts] - torch.stack(kappas, 1).unsqueeze(1)  # [B, L, R]
+    return log1mexp_exp(torch.logsumexp(hazard_logits, dim=2))
+
+
+def _exact(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
+    from capg_rec._exact import EXACT_NUM_POWERS, exact_log_inclusion
+
+    num_candidates = sum(n for _, n in runs)
+    ht = summarize(catalog, items, head_size_for(catalog.num_items, num_candidates), EXACT_NUM_POWERS)
+    return exact_log_inclusion(ht, runs)
+
+
+_METHODS: dict[str, Callable[[CatalogScores, Tensor, Runs], Tensor]] = {
+    "exact": _exact,
+    "mean_field": _mean_field,
+    "plugin": _plugin,
+    "swr": _swr,
+}
+METHODS = tuple(_METHODS)
+
+
+def inclusion_log_prob(logits: Tensor | CatalogScores, items: Tensor, num_candidates: int, *,
+                       temperature: float = 1.0, method: str = DEFAULT_METHOD) -> Tensor:
+    """``log π(S^K(a) | x)``: log-probability that each item of ``items [B, L]`` is among the K
+    candidates drawn from ``logits`` (``[B, N]``, ``[B, M, N]`` or a CatalogScores) → ``[B, L]``.
+
+    ``method`` is one of ``"exact"``, ``"mean_field"``, ``"plugin"``, ``"swr"`` (see the module
+    docstring); ``"swr"`` returns the CA-PG-SwR score, which is not a log-probability.
+    """
+    if method not in _METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    catalog = as_catalog(logits, temperature)
+    check_count("num_candidates", num_candidates, high=catalog.num_items)
+    items = check_items("items", items, batch_size=catalog.batch_size, num_items=catalog.num_items,
+                        unique=False)
+    runs = expert_runs(expert_of_position(num_candidates, catalog.num_experts))
+    if method != "swr" and num_candidates == catalog.num_items:  # every item is drawn
+        return catalog.gather(items)[:, 0] * 0.0
+    return _METHODS[method](catalog, items, runs)
