@@ -1,0 +1,171 @@
+"""The losses: expected-gradient identities by enumeration, semantics, numerics, input checks."""
+
+import pytest
+import torch
+
+from capg_rec import (CAPGLoss, EmbeddingCatalog, TOP1PGLoss, VPGLoss, candidate_log_prob, dcg_weights,
+                      expert_of_position, inclusion_log_prob, sample_candidates)
+from capg_rec._enumerate import all_draws, draw_log_probs, inclusion_probs
+
+ESTIMATORS = {
+    "vpg": lambda k, **kw: VPGLoss(k, **kw),
+    "vpg_swr": lambda k, **kw: VPGLoss(k, with_replacement=True, **kw),
+    "capg_exact": lambda k, **kw: CAPGLoss(k, method="exact", **kw),
+    "capg_mean_field": lambda k, **kw: CAPGLoss(k, method="mean_field", **kw),
+    "capg_plugin": lambda k, **kw: CAPGLoss(k, method="plugin", **kw),
+    "top1": lambda k, **kw: TOP1PGLoss(k, **kw),
+}
+
+
+def _enumerated_rollouts(n, k, m, seed, lsr_temperature=0.5):
+    """Every (ordered draw A, LSR pick a) with its weight π(A)·π_LSR(a|A) (LSR: softmax of q/τ
+    over A, one output), plus the logits and the expected rewards q."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(1, m, n, generator=g, dtype=torch.float64).requires_grad_()
+    q = 1.0 + torch.rand(n, generator=g, dtype=torch.float64)
+    draws = all_draws(n, k)
+    log_pi = draw_log_probs(logits, draws, expert_of_position(k, m))[0]  # [S]
+    lsr = torch.softmax(q[draws] / lsr_temperature, dim=1)  # [S, K]: π_LSR(a_j | A)
+    rows_draw = torch.arange(len(draws)).repeat_interleave(k)
+    chosen = draws.reshape(-1, 1)
+    weight = (log_pi.exp()[rows_draw] * lsr.reshape(-1)).detach()
+    return logits, q, draws, log_pi, lsr, rows_draw, chosen, weight
+
+
+@pytest.mark.parametrize(("n", "k", "m"), [(5, 2, 1), (5, 3, 1), (6, 3, 2), (5, 3, 3)])
+def test_vpg_expected_gradient_is_policy_gradient(n, k, m):
+    """E[∇ V-PG loss] = -∇V exactly, V = Σ_A π(A) Σ_a π_LSR(a|A) q(a)."""
+    logits, q, draws, log_pi, lsr, rows_draw, chosen, weight = _enumerated_rollouts(n, k, m, seed=n + k + m)
+    value = (log_pi.exp() * (lsr * q[draws]).sum(1)).sum()
+    (grad_value,) = torch.autograd.grad(value, logits, retain_graph=True)
+    loss = VPGLoss(k, reduction="none")(logits.expand(len(chosen), -1, -1), draws[rows_draw], chosen,
+                                        q[chosen])
+    (grad_loss,) = torch.autograd.grad((weight * loss).sum(), logits)
+    torch.testing.assert_close(grad_loss, -grad_value)
+
+
+@pytest.mark.parametrize(("n", "k"), [(5, 2), (6, 3), (4, 3)])
+def test_capg_expected_gradient_is_the_papers_lemma(n, k):
+    """E[∇ CA-PG loss] = -Σ_a ∇π(S^K(a)) · E[π_LSR(a|A) | a ∈ A] · q(a) (the paper's Lemma:
+    an LSR-propensity-discounted reward), with the exact inclusion probability."""
+    logits, q, draws, log_pi, lsr, rows_draw, chosen, weight = _enumerated_rollouts(n, k, 1, seed=n * k)
+    incl = inclusion_probs(logits, expert_of_position(k, 1))[0]  # [N], differentiable
+    shown = torch.zeros(n, dtype=torch.float64).index_add_(0, chosen[:, 0], weight)  # P(a shown)
+    discount = (shown / incl).detach()  # E[π_LSR(a|A) | a ∈ A]
+    (grad_lemma,) = torch.autograd.grad((incl * discount * q).sum(), logits, retain_graph=True)
+    loss = CAPGLoss(k, method="exact", reduction="none")(logits.expand(len(chosen), -1, -1), draws[rows_draw],
+                                                         chosen, q[chosen])
+    (grad_loss,) = torch.autograd.grad((weight * loss).sum(), logits)
+    torch.testing.assert_close(grad_loss, -grad_lemma, rtol=1e-4, atol=1e-7)
+
+
+def _batch(seed=0, b=6, m=2, n=40, k=6, l=3, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(b, m, n, generator=g, dtype=dtype)
+    cand = sample_candidates(logits, k, generator=g)
+    chosen = cand[:, torch.tensor([4, 0, 2])[:l]]
+    rewards = torch.rand(b, l, generator=g, dtype=dtype) + 0.5
+    return logits, cand, chosen, rewards
+
+
+def test_loss_values_are_the_documented_formulas():
+    logits, cand, chosen, rewards = _batch()
+    alpha = dcg_weights(3, dtype=torch.float64)
+    adv = rewards * alpha
+    vpg = VPGLoss(6, temperature=0.5)(logits, cand, chosen, rewards, position_weights=alpha)
+    torch.testing.assert_close(vpg, -(adv.sum(1) * candidate_log_prob(logits, cand, temperature=0.5)).mean())
+    for method in ("mean_field", "plugin", "swr"):
+        capg = CAPGLoss(6, method=method)(logits, cand, chosen, rewards, position_weights=alpha)
+        score = inclusion_log_prob(logits, chosen, 6, method=method)
+        torch.testing.assert_close(capg, -(adv * score).sum(1).mean())
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_baseline_weights_and_reduction(name):
+    logits, cand, chosen, rewards = _batch(seed=1)
+    loss_fn = ESTIMATORS[name](6, reduction="none")
+    per_row = loss_fn(logits, cand, chosen, rewards)
+    assert per_row.shape == (6,)
+    torch.testing.assert_close(ESTIMATORS[name](6)(logits, cand, chosen, rewards), per_row.mean())
+    torch.testing.assert_close(ESTIMATORS[name](6, reduction="sum")(logits, cand, chosen, rewards), per_row.sum())
+    b = torch.rand(6, dtype=torch.float64)
+    torch.testing.assert_close(loss_fn(logits, cand, chosen, rewards, baseline=b),
+                               loss_fn(logits, cand, chosen, rewards - b[:, None]))
+    b2 = torch.rand(6, 3, dtype=torch.float64)
+    alpha = torch.tensor([1.0, 0.5, 0.25], dtype=torch.float64)
+    torch.testing.assert_close(loss_fn(logits, cand, chosen, rewards, baseline=b2, position_weights=alpha),
+                               loss_fn(logits, cand, chosen, (rewards - b2) * alpha))
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_embedding_catalog_is_a_drop_in(name):
+    g = torch.Generator().manual_seed(3)
+    user = torch.randn(5, 2, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    item = torch.randn(60, 2, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    catalog = EmbeddingCatalog(user, item, temperature=0.7, chunk_size=16)
+    cand = sample_candidates(catalog, 5, generator=g)
+    chosen, rewards = cand[:, :2], torch.rand(5, 2, generator=g, dtype=torch.float64)
+    loss_e = ESTIMATORS[name](5)(catalog, cand, chosen, rewards)
+    loss_d = ESTIMATORS[name](5, temperature=0.7)(torch.einsum("bmd,nmd->bmn", user, item), cand, chosen, rewards)
+    torch.testing.assert_close(loss_e, loss_d)
+    grads_e = torch.autograd.grad(loss_e, (user, item))
+    grads_d = torch.autograd.grad(loss_d, (user, item))
+    for a, b in zip(grads_e, grads_d):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+@pytest.mark.parametrize("gap", [30.0, 1e4])
+def test_float32_extreme_logits_give_finite_loss_and_grad(name, gap):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(8, 1000, generator=g)
+    logits[:, :20] += gap  # a confident policy: the top-20 hold all the mass
+    logits.requires_grad_()
+    cand = sample_candidates(logits, 20, generator=g)
+    chosen = torch.cat([cand[:, :2], cand[:, -1:]], 1)
+    loss = ESTIMATORS[name](20)(logits, cand, chosen, torch.rand(8, 3, generator=g))
+    (grad,) = torch.autograd.grad(loss, logits)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+
+
+def test_bad_inputs_raise():
+    logits, cand, chosen, rewards = _batch()
+    loss = CAPGLoss(6)
+    with pytest.raises(ValueError, match="subset"):
+        loss(logits, cand, (cand[:, :3] + 1) % 40, rewards)
+    with pytest.raises(ValueError, match="rewards"):
+        loss(logits, cand, chosen, rewards[:, :2])
+    with pytest.raises(ValueError, match="rewards"):
+        loss(logits, cand, chosen, torch.full_like(rewards, float("nan")))
+    with pytest.raises(ValueError, match="rewards"):
+        loss(logits, cand, chosen, rewards.long())
+    with pytest.raises(ValueError, match="baseline"):
+        loss(logits, cand, chosen, rewards, baseline=torch.zeros(5, dtype=torch.float64))
+    with pytest.raises(ValueError, match="position_weights"):
+        loss(logits, cand, chosen, rewards, position_weights=torch.ones(4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="candidates"):
+        loss(logits, cand[:, :5], chosen, rewards)
+    dup = cand.clone()
+    dup[:, 1] = dup[:, 0]
+    with pytest.raises(ValueError, match="candidates"):
+        loss(logits, dup, chosen[:, :1], rewards[:, :1])
+    with pytest.raises(ValueError, match="chosen"):
+        loss(logits, cand, cand[:, [0, 0, 1]], rewards)
+    with pytest.raises(ValueError, match="logits"):
+        loss(logits.masked_fill(logits > 2, float("inf")), cand, chosen, rewards)
+    with pytest.raises(ValueError, match="reduction"):
+        VPGLoss(6, reduction="avg")
+    with pytest.raises(ValueError, match="method"):
+        CAPGLoss(6, method="approx")
+    with pytest.raises(ValueError, match="temperature"):
+        TOP1PGLoss(6, temperature=0.0)
+    with pytest.raises(ValueError, match="num_candidates"):
+        VPGLoss(0)
+    with pytest.raises(ValueError, match="num_candidates"):
+        VPGLoss(50)(logits, torch.arange(50).expand(6, 50) % 40, chosen, rewards)
+
+
+def test_dcg_weights():
+    torch.testing.assert_close(dcg_weights(3), torch.tensor([1.0, 1 / 1.5849625, 0.5]))
+    with pytest.raises(ValueError, match="length"):
+        dcg_weights(0)
