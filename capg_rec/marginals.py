@@ -37,7 +37,7 @@ Runs = Sequence[tuple[int, int]]
 DEFAULT_METHOD = "mean_field"
 
 _MEAN_FIELD_POWERS = 4
-_BISECTION_STEPS = 60
+_ROOT_STEPS = 40
 
 
 def _swr(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
@@ -153,11 +153,14 @@ def _mean_field(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
             else:
                 lo = s.masked_fill(~valid, torch.inf).min(1).values - 50.0
             lo = torch.minimum(lo, hi - 1.0)
-            for _ in range(_BISECTION_STEPS):
-                mid = 0.5 * (lo + hi)
-                above = excess(mid)[0] > 0
-                lo, hi = torch.where(above, mid, lo), torch.where(above, hi, mid)
             kappa0 = 0.5 * (lo + hi)
+            for _ in range(_ROOT_STEPS):  # Newton, falling back to bisection outside the bracket
+                f, df = excess(kappa0)
+                above = f > 0
+                lo, hi = torch.where(above, kappa0, lo), torch.where(above, hi, kappa0)
+                newton = kappa0 - f / df
+                inside = torch.isfinite(newton) & (newton > lo) & (newton < hi)
+                kappa0 = torch.where(inside, newton, 0.5 * (lo + hi))
         f, df = excess(kappa0)  # one differentiable Newton step: implicit-function gradient
         df = df.detach()
         ok = torch.isfinite(df) & (df < 0)

@@ -79,7 +79,7 @@ def candidate_log_prob(logits: Tensor | CatalogScores, candidates: Tensor, *, te
     """
     catalog = as_catalog(logits, temperature)
     candidates = check_items("candidates", candidates, batch_size=catalog.batch_size,
-                             num_items=catalog.num_items)
+                             num_items=catalog.num_items, unique=not with_replacement)
     num_candidates = candidates.shape[1]
     experts = expert_of_position(num_candidates, catalog.num_experts).to(catalog.device)
     scores = catalog.gather(candidates)  # [B, M, K]

@@ -1,0 +1,175 @@
+"""``capg-rec bench``: what each estimator costs and how accurate each inclusion method is.
+
+Two tables, measured in one run:
+
+(a) cost: forward+backward time and extra peak memory of each estimator's loss, as ratios to
+    "bare scoring" (the chunked catalog logits + logsumexp, forward and backward) on the same
+    embeddings. Every case runs in a fresh process so that its peak memory is its own.
+(b) accuracy: mean relative error of every method's inclusion probabilities against a
+    Monte-Carlo estimate (N = 1000 standard-normal logits, as in the paper's table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+
+ESTIMATORS = ("bare", "vpg", "vpg_swr", "capg_exact", "capg_mean_field", "capg_plugin", "top1")
+
+
+def _loss(name: str, k: int):
+    from capg_rec import CAPGLoss, TOP1PGLoss, VPGLoss
+
+    return {"vpg": lambda: VPGLoss(k), "vpg_swr": lambda: VPGLoss(k, with_replacement=True),
+            "capg_exact": lambda: CAPGLoss(k, method="exact"),
+            "capg_mean_field": lambda: CAPGLoss(k, method="mean_field"),
+            "capg_plugin": lambda: CAPGLoss(k, method="plugin"), "top1": lambda: TOP1PGLoss(k)}[name]()
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def run_case(name: str, batch: int, num_items: int, k: int, experts: int, dim: int, reps: int) -> dict:
+    """Time one estimator's forward+backward in this process → ``{"seconds", "peak_mib"}``."""
+    from capg_rec import EmbeddingCatalog, sample_candidates
+
+    torch.manual_seed(0)
+    user = (torch.randn(batch, experts, dim) / dim**0.5).requires_grad_()
+    item = (torch.randn(num_items, experts, dim)).requires_grad_()
+    catalog = EmbeddingCatalog(user, item)
+    cand = sample_candidates(catalog, k, generator=torch.Generator().manual_seed(0))
+    chosen, rewards = cand[:, :1], torch.rand(batch, 1)
+    base = _rss_mib()
+
+    def step() -> None:
+        cat = EmbeddingCatalog(user, item)
+        loss = cat.log_normalizer().sum() if name == "bare" else _loss(name, k)(cat, cand, chosen, rewards)
+        loss.backward()
+        user.grad = item.grad = None
+
+    step()  # warm-up
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB → MiB
+    return {"seconds": statistics.median(times), "peak_mib": max(peak - base, 0.0)}
+
+
+def cost_table(sizes: list[int], configs: list[tuple[int, int]], batch: int, dim: int, reps: int) -> list[dict]:
+    rows = []
+    for num_items in sizes:
+        for k, experts in configs:
+            results = {}
+            for name in ESTIMATORS:
+                cmd = [sys.executable, "-m", "capg_rec.bench", "--case", name, "--batch", str(batch),
+                       "--items", str(num_items), "--k", str(k), "--experts", str(experts), "--dim", str(dim),
+                       "--reps", str(reps)]
+                out = subprocess.run(cmd, capture_output=True, text=True)
+                if out.returncode != 0:
+                    results[name] = {"error": out.stderr.strip().splitlines()[-1]}
+                else:
+                    results[name] = json.loads(out.stdout.strip().splitlines()[-1])
+            bare = results["bare"]
+            for name in ESTIMATORS:
+                r = results[name]
+                row = {"N": num_items, "K": k, "M": experts, "estimator": name}
+                if "error" in r:
+                    row["error"] = r["error"]
+                else:
+                    row.update(seconds=r["seconds"], time_ratio=r["seconds"] / bare["seconds"],
+                               peak_mib=r["peak_mib"], memory_ratio=r["peak_mib"] / max(bare["peak_mib"], 1.0))
+                rows.append(row)
+                print(_format_cost(row), flush=True)
+    return rows
+
+
+def _format_cost(row: dict) -> str:
+    head = f"N={row['N']:>8} K={row['K']:>3} M={row['M']}  {row['estimator']:<16}"
+    if "error" in row:
+        return f"{head} ERROR {row['error']}"
+    return (f"{head} {row['seconds'] * 1e3:9.1f} ms  x{row['time_ratio']:5.2f} time   "
+            f"{row['peak_mib']:8.1f} MiB  x{row['memory_ratio']:5.2f} memory")
+
+
+def accuracy_table(num_samples: int, seed: int = 0) -> list[dict]:
+    """Relative error of each method vs Monte-Carlo at N = 1000, standard-normal logits."""
+    from capg_rec import METHODS, inclusion_log_prob, sample_candidates
+
+    rows = []
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(1, 1000, generator=gen, dtype=torch.float64)
+    items = torch.arange(1000).unsqueeze(0)
+    for tau in (1.0, 0.5, 0.2):
+        for k in (10, 20, 50, 100):
+            counts = torch.zeros(1000, dtype=torch.float64)
+            for start in range(0, num_samples, 5000):
+                n = min(5000, num_samples - start)
+                draws = sample_candidates((logits / tau).expand(n, -1), k, generator=gen)
+                counts += torch.bincount(draws.reshape(-1), minlength=1000)
+            p_mc = (counts / num_samples).numpy()
+            keep = p_mc * num_samples >= 100  # items whose MC estimate is resolved to ≲ 10%
+            noise = float(np.mean(np.sqrt((1 - p_mc[keep]) / (p_mc[keep] * num_samples))))
+            row = {"tau": tau, "K": k, "items": int(keep.sum()), "mc_noise": noise}
+            for method in METHODS:
+                if method == "swr":
+                    p = (inclusion_log_prob(logits, items, k, temperature=tau, method=method).exp() / k)[0]
+                    p = (1 - (1 - p) ** k).numpy()  # SwR: P(drawn at least once in K draws)
+                else:
+                    p = inclusion_log_prob(logits, items, k, temperature=tau, method=method).exp()[0].numpy()
+                row[method] = float(np.mean(np.abs(p[keep] - p_mc[keep]) / p_mc[keep]))
+            rows.append(row)
+            print("  ".join(f"{key}={val:.3g}" if isinstance(val, float) else f"{key}={val}"
+                            for key, val in row.items()), flush=True)
+    return rows
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="cost and accuracy tables of every estimator")
+    p.add_argument("--sizes", type=int, nargs="+", default=[1_000, 100_000, 1_000_000])
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--dim", type=int, default=16)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--mc-samples", type=int, default=100_000)
+    p.add_argument("--skip-cost", action="store_true")
+    p.add_argument("--skip-accuracy", action="store_true")
+    p.add_argument("--out", default="runs/bench.json", help="where the tables are written as JSON")
+    p.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> None:
+    import pathlib
+
+    result = {}
+    if not args.skip_cost:
+        print("(a) cost: forward+backward of each loss, ratio to bare scoring (chunked logits + logsumexp)")
+        result["cost"] = cost_table(args.sizes, [(10, 1), (200, 5)], args.batch, args.dim, args.reps)
+    if not args.skip_accuracy:
+        print("(b) accuracy: mean relative error of inclusion probabilities vs Monte-Carlo "
+              f"({args.mc_samples} draws), N=1000")
+        result["accuracy"] = accuracy_table(args.mc_samples)
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"tables written to {out}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--case", choices=ESTIMATORS, required=True)
+    for flag in ("batch", "items", "k", "experts", "dim", "reps"):
+        parser.add_argument(f"--{flag}", type=int, required=True)
+    a = parser.parse_args()
+    torch.set_num_threads(1)
+    print(json.dumps(run_case(a.case, a.batch, a.items, a.k, a.experts, a.dim, a.reps)))

@@ -1,0 +1,23 @@
+"""The ``capg-rec`` command line: ``demo``, ``train``, ``reproduce``, ``bench``, ``validate``."""
+
+from __future__ import annotations
+
+import argparse
+
+from capg_rec import bench
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="capg-rec", description=__doc__)
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    bench.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()
