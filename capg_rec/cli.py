@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 
 from capg_rec import bench
+from capg_rec.validate import cli as validate_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="capg-rec", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
     bench.register(subparsers)
+    validate_cli.register(subparsers)
     return parser
 
 

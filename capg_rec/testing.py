@@ -1,0 +1,140 @@
+"""Test helpers for users' own suites: Hypothesis strategies and a validation assertion.
+
+Strategies return Hypothesis ``SearchStrategy`` objects; Hypothesis is imported only when a
+strategy is built, so this module imports without it. Tensors are built from drawn values or
+from a drawn seed through an explicit ``torch.Generator`` (never global random state), so a
+failing example replays exactly.
+
+    from hypothesis import given
+    from capg_rec.testing import esr_cases
+
+    @given(esr_cases(max_items=6))
+    def test_my_sampler(case):
+        logits, k, tau, seed = case
+        ...
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from capg_rec._checks import check_count, check_positive
+from capg_rec.validate import ESR, ValidationReport, validate_esr
+
+__all__ = ["EXTREME_LOGIT", "logits", "num_candidates", "num_experts", "temperatures", "seeds",
+           "contexts", "esr_cases", "assert_esr_valid"]
+
+EXTREME_LOGIT = 1e4
+"""Magnitude of the extreme logits :func:`logits` mixes in (``±1e4``)."""
+
+
+def _st():
+    try:
+        from hypothesis import strategies
+    except ImportError as err:
+        raise ImportError("capg_rec.testing strategies need Hypothesis: pip install hypothesis "
+                          "(or pip install 'capg-rec[test]')") from err
+    return strategies
+
+
+def logits(*, max_batch: int = 3, max_experts: int = 1, min_items: int = 1, max_items: int = 8,
+           scale: float = 5.0, extreme: bool = True, ties: bool = True, dtype: torch.dtype = torch.float32):
+    """Logits ``[B, N]`` (``max_experts == 1``) or ``[B, M, N]``, with ``1 ≤ B ≤ max_batch``.
+
+    Values are finite floats in ``[-scale, scale]``; with ``extreme`` about a quarter are
+    ``±EXTREME_LOGIT``; with ``ties`` many entries repeat a small drawn pool of values.
+    """
+    st = _st()
+    check_count("max_batch", max_batch)
+    check_count("max_experts", max_experts)
+    check_count("min_items", min_items)
+    check_count("max_items", max_items, low=min_items)
+    check_positive("scale", scale)
+
+    @st.composite
+    def build(draw) -> Tensor:
+        batch = draw(st.integers(1, max_batch))
+        experts = draw(st.integers(1, max_experts))
+        items = draw(st.integers(min_items, max_items))
+        element = st.floats(-scale, scale, allow_nan=False, allow_infinity=False, allow_subnormal=False,
+                            width=32)
+        if extreme:
+            element = st.one_of(element, element, element, st.sampled_from([-EXTREME_LOGIT, EXTREME_LOGIT]))
+        if ties:
+            pool = draw(st.lists(element, min_size=1, max_size=3))
+            element = st.one_of(element, st.sampled_from(pool))
+        shape = (batch, items) if max_experts == 1 else (batch, experts, items)
+        size = batch * experts * items
+        values = draw(st.lists(element, min_size=size, max_size=size))
+        return torch.tensor(values, dtype=dtype).reshape(shape)
+
+    return build()
+
+
+def num_candidates(num_items: int):
+    """K with ``1 ≤ K ≤ num_items``."""
+    return _st().integers(1, check_count("num_items", num_items))
+
+
+def num_experts(max_experts: int = 4):
+    """M with ``1 ≤ M ≤ max_experts``."""
+    return _st().integers(1, check_count("max_experts", max_experts))
+
+
+def temperatures(low: float = 0.05, high: float = 5.0):
+    """τ in ``[low, high]``, including both ends and 1."""
+    st = _st()
+    low, high = check_positive("low", low), check_positive("high", high)
+    if high < low:
+        raise ValueError(f"high must be >= low={low}, got {high}")
+    ends = sorted({x for x in (low, 1.0, high) if low <= x <= high})
+    return st.one_of(st.sampled_from(ends), st.floats(low, high))
+
+
+def seeds():
+    """A seed for an explicit ``torch.Generator`` / ``numpy.random.default_rng``."""
+    return _st().integers(0, 2**32 - 1)
+
+
+def contexts(*, max_batch: int = 4, dim: int = 8, scale: float = 1.0, dtype: torch.dtype = torch.float32):
+    """Context features ``[B, dim]`` (standard normal × ``scale``, from a drawn seed)."""
+    st = _st()
+    check_count("max_batch", max_batch)
+    check_count("dim", dim)
+    check_positive("scale", scale)
+
+    @st.composite
+    def build(draw) -> Tensor:
+        batch = draw(st.integers(1, max_batch))
+        g = torch.Generator().manual_seed(draw(seeds()))
+        return scale * torch.randn(batch, dim, generator=g, dtype=dtype)
+
+    return build()
+
+
+def esr_cases(*, max_batch: int = 3, max_experts: int = 1, min_items: int = 1, max_items: int = 8,
+              extreme: bool = True, ties: bool = True):
+    """``(logits, K, τ, seed)`` with ``K ≤ N``: a complete PL(-MoE) problem to test against."""
+    st = _st()
+
+    @st.composite
+    def build(draw) -> tuple[Tensor, int, float, int]:
+        x = draw(logits(max_batch=max_batch, max_experts=max_experts, min_items=min_items, max_items=max_items,
+                        extreme=extreme, ties=ties))
+        return x, draw(num_candidates(x.shape[-1])), draw(temperatures()), draw(seeds())
+
+    return build()
+
+
+def assert_esr_valid(esr: ESR, contexts: Any = None, *, num_samples: int = 20_000, alpha: float = 1e-4,
+                     seed: int = 0, **kwargs: Any) -> ValidationReport:
+    """Run :func:`~capg_rec.validate.validate_esr` and raise ``AssertionError`` with the report
+    if it fails; returns the report. Choose ``alpha`` below 1 / (number of such assertions in the
+    suite) so that a correct ESR fails the suite rarely; fix ``seed`` so that it never flakes."""
+    report = validate_esr(esr, contexts, num_samples=num_samples, alpha=alpha, seed=seed, **kwargs)
+    if not report.passed:
+        raise AssertionError(f"ESR claims disagree with its samples:\n{report}")
+    return report

@@ -1,0 +1,150 @@
+"""What a retriever must offer to be validated, and adapters for capg_rec's own ESRs.
+
+A custom ESR implements :class:`ESR`: it samples K candidates per context and reports the
+log-probabilities it claims. :class:`CatalogESR` makes anything that produces logits or a
+:class:`~capg_rec.catalog.CatalogScores` (a tensor, a catalog, a model such as a two-tower
+retriever) satisfy it, using capg_rec's sampler and estimators.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from capg_rec._checks import check_count, check_positive
+from capg_rec._enumerate import inclusion_probs
+from capg_rec.catalog import CatalogScores, DenseCatalog, EmbeddingCatalog, as_catalog
+from capg_rec.marginals import METHODS, inclusion_log_prob
+from capg_rec.plackett_luce import candidate_log_prob, expert_of_position, sample_candidates
+
+__all__ = ["ESR", "CatalogESR"]
+
+ScoresSource = Tensor | CatalogScores | Callable[[Any], Tensor | CatalogScores]
+
+_MAX_ENUMERATED_ITEMS = 8
+
+
+@runtime_checkable
+class ESR(Protocol):
+    """An early-stage retriever that can be validated.
+
+    Required:
+
+    * ``num_candidates``: K, the number of candidates per draw.
+    * ``sample(contexts, num_samples, generator)`` → ``LongTensor[B, S, K]``: S independent
+      draws per context, in draw order, randomness only from ``generator``.
+    * ``inclusion_log_prob(contexts)`` → ``[B, N]``: the claimed ``log P(a ∈ A^K | x_b)`` for
+      every item a (−inf for items that are never drawn).
+
+    Optional:
+
+    * ``with_replacement`` (default False): the K positions are drawn independently (items
+      may repeat) and ``inclusion_log_prob`` claims ``log E[#times a is drawn]`` instead; this
+      is what the CA-PG-SwR score ``log Σ_k π_{m(k)}(a)`` means.
+    * ``candidate_log_prob(contexts, candidates [B, C, K])`` → ``[B, C]``: the claimed
+      log-probability of each ordered draw; checked exactly on tiny catalogs.
+    """
+
+    num_candidates: int
+
+    def sample(self, contexts: Any, num_samples: int, generator: torch.Generator) -> Tensor: ...
+
+    def inclusion_log_prob(self, contexts: Any) -> Tensor: ...
+
+
+def _replicate(catalog: CatalogScores, copies: int) -> CatalogScores:
+    """The same catalog with every row repeated ``copies`` times (row ``b·c + j``)."""
+    if isinstance(catalog, DenseCatalog):
+        return DenseCatalog(catalog.scores.repeat_interleave(copies, 0))
+    if isinstance(catalog, EmbeddingCatalog):
+        return EmbeddingCatalog(catalog.user.repeat_interleave(copies, 0), catalog.item,
+                                chunk_size=catalog.chunk_size)
+    raise TypeError(f"cannot replicate {type(catalog).__name__}")
+
+
+class CatalogESR:
+    """capg_rec's PL(-MoE) ESR over ``scores`` as an :class:`ESR`.
+
+    ``scores`` is logits ``[B, N]`` / ``[B, M, N]``, a :class:`CatalogScores`, or a callable
+    (e.g. a ``torch.nn.Module`` such as a two-tower retriever) mapping contexts to either; a
+    tensor or catalog ignores the contexts. Sampling is :func:`~capg_rec.sample_candidates`
+    (or, for ``method="swr"``, one independent softmax draw per position); claims come from
+    :func:`~capg_rec.inclusion_log_prob` with ``method`` and :func:`~capg_rec.candidate_log_prob`.
+    ``method="enumerate"`` claims exact inclusion probabilities by enumerating every ordered
+    draw (N ≤ 8; the exact reference for mixtures, where ``"exact"`` is block-exact).
+    ``max_elements`` bounds the ``B·copies·M·N`` scores held at once while sampling.
+    """
+
+    def __init__(self, scores: ScoresSource, num_candidates: int, *, temperature: float = 1.0,
+                 method: str = "exact", max_elements: int = 1 << 22) -> None:
+        if not isinstance(scores, (Tensor, CatalogScores)) and not callable(scores):
+            raise ValueError("scores must be a logits tensor, a CatalogScores or a callable returning "
+                             f"one, got {type(scores).__name__}")
+        if method not in (*METHODS, "enumerate"):
+            raise ValueError(f"method must be one of {(*METHODS, 'enumerate')}, got {method!r}")
+        self.scores = scores
+        self.num_candidates = check_count("num_candidates", num_candidates)
+        self.temperature = check_positive("temperature", temperature)
+        self.method = method
+        self.max_elements = check_count("max_elements", max_elements)
+        self.with_replacement = method == "swr"
+
+    def catalog(self, contexts: Any) -> CatalogScores:
+        """The catalog scores for ``contexts`` (no gradient is tracked)."""
+        with torch.no_grad():
+            out = self.scores(contexts) if callable(self.scores) else self.scores
+        return as_catalog(out.detach() if isinstance(out, Tensor) else out, self.temperature)
+
+    def _over_copies(self, catalog: CatalogScores, copies: int, fn: Callable[[CatalogScores, slice], Tensor]
+                     ) -> Tensor:
+        """``fn(replicated catalog, copy slice)`` over ``copies`` copies of every row → ``[B, copies, ...]``.
+
+        Dense and embedding catalogs are replicated in chunks; any other catalog is used as is,
+        one copy at a time.
+        """
+        batch = catalog.batch_size
+        replicable = isinstance(catalog, (DenseCatalog, EmbeddingCatalog))
+        step = max(1, self.max_elements // (batch * catalog.num_experts * catalog.num_items)) if replicable else 1
+        out = []
+        for start in range(0, copies, step):
+            size = min(step, copies - start)
+            rep = _replicate(catalog, size) if replicable else catalog
+            res = fn(rep, slice(start, start + size))
+            out.append(res.reshape(batch, size, *res.shape[1:]))
+        return torch.cat(out, dim=1)
+
+    def sample(self, contexts: Any, num_samples: int, generator: torch.Generator) -> Tensor:
+        """``num_samples`` draws per context → ``LongTensor[B, S, K]``."""
+        catalog = self.catalog(contexts)
+        k = self.num_candidates
+        if self.with_replacement:
+            experts = expert_of_position(k, catalog.num_experts).tolist()
+            return self._over_copies(catalog, num_samples, lambda rep, _: rep.top_items(
+                1, experts=experts, generator=generator, perturb=True)[..., 0])
+        return self._over_copies(catalog, num_samples,
+                                 lambda rep, _: sample_candidates(rep, k, generator=generator))
+
+    def inclusion_log_prob(self, contexts: Any) -> Tensor:
+        """Claimed ``log P(a ∈ A^K)`` (``log E[count]`` for ``"swr"``) of every item → ``[B, N]``."""
+        catalog = self.catalog(contexts)
+        items = torch.arange(catalog.num_items, device=catalog.device).expand(catalog.batch_size, -1)
+        with torch.no_grad():
+            if self.method != "enumerate":
+                return inclusion_log_prob(catalog, items, self.num_candidates, method=self.method)
+            if catalog.num_items > _MAX_ENUMERATED_ITEMS:
+                raise ValueError(f"method='enumerate' needs num_items <= {_MAX_ENUMERATED_ITEMS}, "
+                                 f"got {catalog.num_items}")
+            experts = expert_of_position(self.num_candidates, catalog.num_experts)
+            probs = inclusion_probs(catalog.gather(items).double(), experts)
+            return probs.log().to(catalog.dtype)
+
+    def candidate_log_prob(self, contexts: Any, candidates: Tensor) -> Tensor:
+        """Claimed log-probability of each ordered draw ``candidates [B, C, K]`` → ``[B, C]``."""
+        catalog = self.catalog(contexts)
+        k = candidates.shape[-1]
+        with torch.no_grad():
+            return self._over_copies(catalog, candidates.shape[1], lambda rep, sl: candidate_log_prob(
+                rep, candidates[:, sl].reshape(-1, k), with_replacement=self.with_replacement))

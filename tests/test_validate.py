@@ -1,0 +1,364 @@
+"""capg_rec.validate: own ESRs pass, planted bugs fail, false alarms stay at or under α."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+from torch import nn
+
+from capg_rec import DenseCatalog, EmbeddingCatalog
+from capg_rec.catalog import CatalogScores
+from capg_rec.validate import CatalogESR, ESR, validate_esr
+from capg_rec.validate import _stats
+from capg_rec.validate.cli import load_factory, register
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_example(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+planted = _load_example("planted_bugs")
+
+
+def randn(*shape: int, seed: int = 0, scale: float = 1.5) -> torch.Tensor:
+    return scale * torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def names(report, passed: bool) -> set[str]:
+    return {c.name for c in report.checks if c.passed == passed}
+
+
+# ---------------------------------------------------------------- capg_rec's own ESRs pass
+
+OWN = {
+    "exact_tiny": (lambda: CatalogESR(randn(2, 5), 2, method="exact"), True),
+    "exact": (lambda: CatalogESR(randn(3, 40, seed=1), 6, temperature=0.7, method="exact"), False),
+    "moe_enumerate": (lambda: CatalogESR(randn(2, 3, 6, seed=2), 4, method="enumerate"), True),
+    "swr_moe_tiny": (lambda: CatalogESR(randn(2, 2, 5, seed=3), 3, method="swr"), True),
+    "swr_moe": (lambda: CatalogESR(randn(2, 3, 30, seed=4), 7, method="swr"), False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OWN))
+def test_own_exact_esrs_pass(case):
+    make, tiny = OWN[case]
+    report = validate_esr(make(), num_samples=20_000, alpha=1e-3, seed=11)
+    assert report.passed, str(report)
+    assert ("ordered_draws" in names(report, True)) == tiny
+
+
+def test_moe_block_exact_passes_within_its_tolerance_only():
+    """For M > 1 "exact" is block-exact, an approximation: on a tiny catalog it is off by a few
+    percent, which many draws resolve; a documented tolerance accepts it."""
+    esr = CatalogESR(randn(2, 2, 6, seed=5), 4, method="exact")
+    strict = validate_esr(esr, num_samples=200_000, alpha=1e-3, seed=1)
+    assert not strict.check("inclusion").passed, str(strict)
+    tolerant = validate_esr(esr, num_samples=200_000, alpha=1e-3, seed=1, tolerance=0.03)
+    assert tolerant.check("inclusion").passed, str(tolerant)
+
+
+class TwoTowerLike(nn.Module):
+    """A model whose forward maps contexts ``[B, D]`` to an EmbeddingCatalog (like the
+    TorchRec two-tower retriever, which returns a CatalogScores)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.user = nn.Linear(4, 3)
+        self.item = nn.Parameter(randn(7, 3, seed=6, scale=1.0))
+
+    def forward(self, contexts: torch.Tensor) -> CatalogScores:
+        return EmbeddingCatalog(self.user(contexts), self.item, temperature=0.5, chunk_size=3)
+
+
+def test_model_returning_catalog_scores_passes():
+    torch.manual_seed(0)  # nn.Linear's initialisation only; sampling uses the validation seed
+    esr = CatalogESR(TwoTowerLike(), 3, method="enumerate")
+    report = validate_esr(esr, randn(2, 4, seed=7), num_samples=20_000, seed=3)
+    assert report.passed, str(report)
+    assert "ordered_draws" in names(report, True)
+
+
+class OpaqueCatalog(CatalogScores):
+    """A catalog type the adapter cannot replicate: sampled one copy at a time."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.inner = DenseCatalog(logits)
+        self.batch_size, self.num_experts, self.num_items = self.inner.scores.shape
+        self.dtype, self.device = self.inner.dtype, self.inner.device
+
+    def gather(self, items):
+        return self.inner.gather(items)
+
+    def log_power_sums(self, exclude=None, num_powers=1):
+        return self.inner.log_power_sums(exclude, num_powers)
+
+    def top_items(self, k, **kwargs):
+        return self.inner.top_items(k, **kwargs)
+
+
+def test_torchrec_two_tower_retriever_passes():
+    """The TorchRec retriever's forward returns a (sharded-embedding) CatalogScores; the adapter
+    takes the model itself and a KeyedJaggedTensor batch as the contexts."""
+    pytest.importorskip("torchrec")
+    from torchrec.modules.embedding_configs import EmbeddingConfig
+    from torchrec.modules.embedding_modules import EmbeddingCollection
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from capg_rec.torchrec.retriever import TwoTowerRetriever
+
+    torch.manual_seed(0)  # table initialisation only
+    tables = [EmbeddingConfig(name="item_table", embedding_dim=4, num_embeddings=5, feature_names=["item_id"]),
+              EmbeddingConfig(name="user_table", embedding_dim=4, num_embeddings=10, feature_names=["user_id"])]
+    model = TwoTowerRetriever(EmbeddingCollection(tables=tables), item_table="item_table", num_experts=2,
+                              user_features=["user_id"], temperature=0.5)
+    batch = model.with_catalog(KeyedJaggedTensor.from_lengths_sync(["user_id"], torch.tensor([1, 2, 7]),
+                                                                   torch.tensor([1, 2])))
+    report = validate_esr(CatalogESR(model, 3, method="enumerate"), batch, num_samples=600, seed=1)
+    assert report.passed, str(report)
+    assert "ordered_draws" in names(report, True)
+
+
+def test_every_item_drawn_passes():
+    report = validate_esr(CatalogESR(randn(2, 3), 3), num_samples=200, progress=True)
+    assert report.passed and report.samples_needed is None and np.all(report.claimed == 1.0)
+
+
+def test_unreplicable_catalog_passes():
+    report = validate_esr(CatalogESR(OpaqueCatalog(randn(2, 2, 5, seed=8)), 3, method="enumerate"),
+                          num_samples=1_500, seed=2)
+    assert report.passed, str(report)
+
+
+def test_adapter_samples_equal_core_sampler_draws():
+    """The replicated sampler is the core sampler on repeated rows: same generator, same draws."""
+    from capg_rec import sample_candidates
+
+    logits = randn(2, 2, 6, seed=9)
+    got = CatalogESR(logits, 3).sample(None, 5, torch.Generator().manual_seed(4))
+    want = sample_candidates(logits.repeat_interleave(5, 0), 3, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(got, want.view(2, 5, 3))
+
+
+# ---------------------------------------------------------------- planted bugs fail
+
+PLANTED = {  # bug: (draws per context, checks that must fail, checks that must pass)
+    "shared_noise": (2_000, {"inclusion", "ordered_draws"}, {"claims", "distinct", "draw_claims"}),
+    "swapped_prefix": (20_000, {"claims", "inclusion"}, {"distinct"}),
+    "temperature_twice": (5_000, {"inclusion"}, {"claims", "distinct"}),
+    "swr_block_power": (1_000, {"claims", "expected_count"}, set()),
+}
+
+
+@pytest.mark.parametrize("bug", sorted(PLANTED))
+def test_planted_bug_fails(bug):
+    num_samples, failing, passing = PLANTED[bug]
+    report = validate_esr(planted.planted_esrs()[bug], num_samples=num_samples, alpha=1e-3, seed=0)
+    assert not report.passed
+    assert names(report, False) == failing, str(report)
+    assert passing <= names(report, True), str(report)
+
+
+def test_swapped_prefix_plugin_matches_its_definition():
+    """The planted plug-in is the bug it claims to be (loop reference, swap in place)."""
+    s = randn(2, 9, seed=10).double()
+    for k in (2, 3, 5):
+        got = planted.swapped_prefix_plugin(s, k).exp()
+        for b in range(2):
+            w = s[b].exp()
+            order = s[b].argsort(descending=True).tolist()
+            for a in range(9):
+                prefix = [order[k - 1] if x == a else x for x in order[:k - 1]]
+                survive = math.prod(1 - w[a] / (w.sum() - w[prefix[:j]].sum()) for j in range(k))
+                assert got[b, a].item() == pytest.approx(1 - float(survive), rel=1e-12)
+
+
+# ---------------------------------------------------------------- false alarms at most α
+
+@pytest.mark.parametrize("method", ["enumerate", "swr"])
+def test_false_alarm_rate_at_most_alpha(method):
+    """200 seeds of a correct ESR at α = 0.05: failures stay within the binomial (200, α) upper
+    bound that a correct implementation exceeds with probability 1e-4."""
+    alpha, runs = 0.05, 200
+    esr = CatalogESR(randn(2, 4, seed=12), 2, method=method)
+    failures = sum(not validate_esr(esr, num_samples=400, alpha=alpha, seed=s).passed for s in range(runs))
+    assert failures <= stats.binom.isf(1e-4, runs, alpha)
+
+
+# ---------------------------------------------------------------- statistics
+
+@pytest.mark.parametrize("trials,prob", [(20, 0.3), (200, 0.02), (50, 0.97), (30, 0.5)])
+def test_binomial_p_values_are_super_uniform(trials, prob):
+    """P(p-value ≤ u) ≤ u under the hypothesis, computed exactly over every count."""
+    counts = np.arange(trials + 1)
+    p = _stats.binomial_p_values(counts, trials, np.full(counts.shape, prob), np.full(counts.shape, prob))
+    pmf = stats.binom.pmf(counts, trials, prob)
+    for u in (1e-4, 1e-3, 0.01, 0.05, 0.2):
+        assert pmf[p <= u].sum() <= u * (1 + 1e-9)
+
+
+def test_binomial_surrogate_is_valid_for_poisson_binomial_counts():
+    """With replacement an item's count over n draws is Poisson-binomial (n·K trials with the
+    per-position probabilities). The Binomial(nK, μ/K) p-value stays super-uniform for it."""
+    per_position = np.array([0.6, 0.6, 0.05, 0.05, 0.3])  # π_{m(k)}(a) for K = 5 positions
+    n = 40
+    pmf = np.ones(1)
+    for q in np.tile(per_position, n):
+        pmf = np.convolve(pmf, [1 - q, q])
+    counts = np.arange(pmf.size)
+    mean = per_position.sum() / per_position.size
+    p = _stats.binomial_p_values(counts, pmf.size - 1, np.full(counts.shape, mean), np.full(counts.shape, mean))
+    for u in (1e-4, 1e-3, 0.01, 0.05, 0.2):
+        assert pmf[p <= u].sum() <= u
+
+
+def test_multinomial_p_value():
+    probs = np.array([0.5, 0.3, 0.19, 0.005, 0.005])
+    assert _stats.multinomial_p_value(np.array([500, 300, 190, 5, 5]), probs) > 0.9
+    assert _stats.multinomial_p_value(np.array([400, 400, 190, 5, 5]), probs) < 1e-6
+    assert _stats.multinomial_p_value(np.array([500, 300, 190, 5, 5]), np.array([0.5, 0.3, 0.19, 0.01, 0.0])) == 0.0
+    assert _stats.multinomial_p_value(np.array([10, 0]), np.array([1.0, 0.0])) == 1.0
+
+
+def test_sample_size_advice_is_consistent():
+    esr = CatalogESR(randn(2, 5), 2, method="enumerate")
+    first = validate_esr(esr, num_samples=1_000, rel_error=0.05)
+    again = validate_esr(esr, num_samples=first.samples_needed, rel_error=0.05)
+    assert again.detectable_rel_error == pytest.approx(0.05, rel=1e-3)
+    assert first.detectable_rel_error > 0.05
+    assert first.reference_claim == pytest.approx(float(np.sort(first.claimed, 1)[:, -2].min()))
+
+
+def test_calibration_error_separates_bias_from_noise():
+    good = validate_esr(CatalogESR(randn(2, 20), 5), num_samples=5_000)
+    bad = validate_esr(planted.planted_esrs()["temperature_twice"], num_samples=5_000)
+    assert good.calibration_error < 3 * good.calibration_noise
+    assert bad.calibration_error > 10 * bad.calibration_noise
+
+
+# ---------------------------------------------------------------- report, CLI
+
+def test_report_text_json_and_plot(tmp_path):
+    report = validate_esr(planted.planted_esrs()["shared_noise"], num_samples=2_000, num_worst=3)
+    text = str(report)
+    assert text.startswith("ESR validation: FAIL") and "[FAIL] ordered_draws" in text
+    assert len(report.worst) == 3 and abs(report.worst[0].z) == pytest.approx(report.max_abs_z)
+    assert json.loads(json.dumps(report.to_dict()))["passed"] is False
+    png = report.plot(tmp_path / "r.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="name must be one of"):
+        report.check("nope")
+
+
+def _cli(argv):
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    args.func(args)
+
+
+def test_cli(tmp_path, monkeypatch, capsys):
+    (tmp_path / "my_esrs.py").write_text(
+        "import torch\nfrom capg_rec.validate import CatalogESR\n"
+        "def good():\n    return CatalogESR(torch.tensor([[0.0, 1.0, 2.0, 3.0]]), 2, method='enumerate'), None\n"
+        "def bad():\n    esr = CatalogESR(torch.tensor([[0.0, 1.0, 2.0, 3.0]]), 2, temperature=0.5)\n"
+        "    esr.inclusion_log_prob = CatalogESR(torch.tensor([[0.0, 1.0, 2.0, 3.0]]), 2,"
+        " method='enumerate').inclusion_log_prob\n    return esr\n"
+        "def not_an_esr():\n    return 3\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    _cli(["validate", "my_esrs:good", "--samples", "2000", "--json", "g.json", "--plot", "g.png",
+          "--progress"])
+    assert "PASS" in capsys.readouterr().out
+    assert json.loads((tmp_path / "g.json").read_text())["passed"] is True and (tmp_path / "g.png").exists()
+    with pytest.raises(SystemExit) as exit_info:
+        _cli(["validate", "my_esrs:bad", "--samples", "2000"])
+    assert exit_info.value.code == 1 and "FAIL" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="factory my_esrs:not_an_esr must return an ESR"):
+        load_factory("my_esrs:not_an_esr")
+    with pytest.raises(ValueError, match="factory must look like"):
+        load_factory("my_esrs")
+
+
+# ---------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"num_samples": 0}, "num_samples"), ({"num_samples": 2.5}, "num_samples"),
+    ({"alpha": 0.0}, "alpha"), ({"alpha": 1.0}, "alpha"), ({"power": 1.0}, "power"),
+    ({"seed": -1}, "seed"), ({"tolerance": -0.1}, "tolerance"), ({"sum_tolerance": math.inf}, "sum_tolerance"),
+    ({"rel_error": 0.0}, "rel_error"), ({"num_worst": -1}, "num_worst"),
+    ({"max_enumerated_draws": -1}, "max_enumerated_draws"),
+])
+def test_bad_arguments_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        validate_esr(CatalogESR(randn(1, 4), 2), **kwargs)
+
+
+class Broken:
+    """An ESR whose outputs can be broken one at a time."""
+
+    num_candidates = 2
+
+    def __init__(self, claims=None, draws=None) -> None:
+        self.claims = claims if claims is not None else torch.full((1, 4), math.log(0.5))
+        self.draws = draws
+
+    def inclusion_log_prob(self, contexts):
+        return self.claims
+
+    def sample(self, contexts, num_samples, generator):
+        return self.draws if self.draws is not None else torch.tensor([[0, 1]]).expand(1, num_samples, 2)
+
+
+@pytest.mark.parametrize("esr,match", [
+    (object(), "esr must implement the ESR protocol"),
+    (Broken(claims=torch.zeros(4)), r"esr.inclusion_log_prob must return shape \[B, N\]"),
+    (Broken(claims=torch.zeros(1, 4, dtype=torch.long)), "floating"),
+    (Broken(claims=torch.full((1, 4), math.nan)), "NaN"),
+    (Broken(claims=torch.zeros(1, 1)), "num_candidates must be <= num_items=1"),
+    (Broken(draws=torch.zeros(1, 3, 2, dtype=torch.long)), r"esr.sample must return shape \[B=1, S=5, K=2\]"),
+    (Broken(draws=torch.full((1, 5, 2), 4)), r"ids in \[0, 4\)"),
+    (Broken(draws=torch.zeros(1, 5, 2)), "integer"),
+])
+def test_protocol_violations_raise(esr, match):
+    with pytest.raises(ValueError, match=match):
+        validate_esr(esr, num_samples=5)
+
+
+def test_repeated_items_fail_the_distinct_check():
+    report = validate_esr(Broken(draws=torch.zeros(1, 5, 2, dtype=torch.long)), num_samples=5)
+    assert names(report, False) >= {"distinct"}
+
+
+@pytest.mark.parametrize("args,kwargs,match", [
+    ((3, 2), {}, "scores must be a logits tensor"),
+    ((randn(1, 4), 0), {}, "num_candidates"),
+    ((randn(1, 4), 2), {"method": "nope"}, "method must be one of"),
+    ((randn(1, 4), 2), {"temperature": 0.0}, "temperature"),
+    ((randn(1, 4), 2), {"max_elements": 0}, "max_elements"),
+])
+def test_catalog_esr_bad_arguments(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CatalogESR(*args, **kwargs)
+
+
+def test_enumerate_needs_a_tiny_catalog():
+    with pytest.raises(ValueError, match="num_items <= 8"):
+        CatalogESR(randn(1, 9), 2, method="enumerate").inclusion_log_prob(None)
+
+
+def test_catalog_esr_is_an_esr():
+    assert isinstance(CatalogESR(randn(1, 4), 2), ESR)
