@@ -1,0 +1,101 @@
+"""Dense user × item bandit environments: every expected reward is a table lookup.
+
+An environment holds three precomputed tables over U users and N items:
+
+* ``q [U, N]``: the expected reward ``q(x, a) = E[r | x, a]`` (what the policy value averages),
+* ``reward_std [U, N]``: the standard deviation of the Gaussian observed reward,
+* ``lsr_scores [U, N]``: what the oracle late-stage rankers order candidates by (a monotone
+  transform of ``q``, e.g. the synthetic environment's pre-softplus ``q_raw``).
+
+A training step only gathers from these tables; nothing is recomputed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from capg_rec._checks import check_count
+
+__all__ = ["MatrixEnv"]
+
+
+@dataclass(frozen=True, eq=False)
+class MatrixEnv:
+    """A contextual bandit over a dense expected-reward table (users are the contexts).
+
+    ``q``, ``reward_std`` and ``lsr_scores`` are float tensors of one shape ``[U, N]``;
+    ``reward_std`` must be ``>= 0``. Observed rewards are ``r ~ N(q, reward_std²)``.
+    """
+
+    q: Tensor
+    reward_std: Tensor
+    lsr_scores: Tensor
+    name: str = "matrix"
+
+    def __post_init__(self) -> None:
+        for field in ("q", "reward_std", "lsr_scores"):
+            value = getattr(self, field)
+            if not isinstance(value, Tensor) or not value.is_floating_point() or value.dim() != 2:
+                raise ValueError(f"{field} must be a 2-d float tensor [U, N], got "
+                                 f"{type(value).__name__} {getattr(value, 'shape', '')}")
+            if value.shape != self.q.shape:
+                raise ValueError(f"{field} must have the shape of q {tuple(self.q.shape)}, "
+                                 f"got {tuple(value.shape)}")
+            if not bool(torch.isfinite(value).all()):
+                raise ValueError(f"{field} must be finite (no NaN or inf)")
+        if bool((self.reward_std < 0).any()):
+            raise ValueError(f"reward_std must be >= 0, got min {float(self.reward_std.min())}")
+
+    @property
+    def num_users(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def num_items(self) -> int:
+        return self.q.shape[1]
+
+    def sample_users(self, batch_size: int, generator: torch.Generator | None = None) -> Tensor:
+        """``batch_size`` users drawn uniformly with replacement → ``LongTensor[B]``."""
+        check_count("batch_size", batch_size)
+        return torch.randint(self.num_users, (batch_size,), generator=generator, device=self.q.device)
+
+    def expected_reward(self, users: Tensor, items: Tensor) -> Tensor:
+        """``q(x_b, a_{b,l})``: ``users [B]``, ``items [B, L]`` → ``[B, L]``."""
+        return self.q[users.unsqueeze(1), items]
+
+    def ranking_scores(self, users: Tensor, items: Tensor) -> Tensor:
+        """The LSR's scores of the given items: ``users [B]``, ``items [B, K]`` → ``[B, K]``."""
+        return self.lsr_scores[users.unsqueeze(1), items]
+
+    def sample_reward(self, users: Tensor, items: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        """Observed rewards ``r ~ N(q, reward_std²)``: ``users [B]``, ``items [B, L]`` → ``[B, L]``."""
+        idx = (users.unsqueeze(1), items)
+        noise = torch.randn(items.shape, generator=generator, dtype=self.q.dtype, device=self.q.device)
+        return self.q[idx] + self.reward_std[idx] * noise
+
+    def optimal_value(self, num_outputs: int = 1) -> float:
+        """Best achievable policy value: the mean over users of the mean of the top-L ``q``."""
+        check_count("num_outputs", num_outputs, high=self.num_items)
+        return float(self.q.topk(num_outputs, dim=1).values.mean())
+
+    @classmethod
+    def from_table(cls, q: Tensor, *, relative_noise: float = 0.3, name: str = "matrix") -> MatrixEnv:
+        """An environment from an expected-reward table ``q [U, N]`` with multiplicative noise
+        ``r = q · (1 + ε)``, ``ε ~ N(0, relative_noise²)``; the LSRs rank by ``q`` itself."""
+        if not isinstance(q, Tensor) or not q.is_floating_point():
+            raise ValueError(f"q must be a float tensor [U, N], got {type(q).__name__}")
+        if isinstance(relative_noise, bool) or not isinstance(relative_noise, (int, float)) or relative_noise < 0:
+            raise ValueError(f"relative_noise must be a number >= 0, got {relative_noise!r}")
+        return cls(q, relative_noise * q.abs(), q, name=name)
+
+    def subset(self, users: Tensor | None = None, items: Tensor | None = None) -> MatrixEnv:
+        """The environment restricted to some users and/or items (ids re-numbered from 0)."""
+        tables = [self.q, self.reward_std, self.lsr_scores]
+        if users is not None:
+            tables = [t[users] for t in tables]
+        if items is not None:
+            tables = [t[:, items] for t in tables]
+        return MatrixEnv(*tables, name=self.name)

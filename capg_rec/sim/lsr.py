@@ -1,0 +1,123 @@
+"""Late-stage rankers (LSR): pick L of the K candidates the ESR retrieved.
+
+An LSR is any callable ``lsr(scores, num_outputs, generator) -> (picks, propensities)``:
+
+* ``scores [B, K]``: the environment's ranking scores of the candidates (``MatrixEnv.lsr_scores``),
+* ``picks [B, L]``: positions in the candidate list (``0..K-1``, distinct per row), ranked,
+* ``propensities [B, L]`` or ``None``: ``π(pick_l | earlier picks)``, the probability of the l-th
+  pick given the earlier ones (the Plackett-Luce factor; 1 for a deterministic ranker). Their
+  product is the probability of the ranking.
+
+The built-in rankers also give ``expected_value(scores, q, num_outputs) → [B]``: the exact
+``E[mean_l q(a_l)]`` under the ranker, which the trainer's evaluation uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from capg_rec._checks import check_count, check_positive
+from capg_rec._numerics import gumbel_like
+
+__all__ = ["LSRPolicy", "OptimalLSR", "AntiOptimalLSR", "NoisyLSR", "UniformLSR", "make_lsr", "LSR_NAMES"]
+
+LSRPolicy = Callable[[Tensor, int, torch.Generator | None], tuple[Tensor, Tensor | None]]
+
+
+def _check(scores: Tensor, num_outputs: int) -> None:
+    if not isinstance(scores, Tensor) or not scores.is_floating_point() or scores.dim() != 2:
+        raise ValueError(f"scores must be a float tensor [B, K], got {getattr(scores, 'shape', scores)!r}")
+    check_count("num_outputs", num_outputs, high=scores.shape[1])
+
+
+def _pl_factors(scores: Tensor, picks: Tensor) -> Tensor:
+    """Log Plackett-Luce factors ``log π(pick_l | earlier)`` of ranked picks → ``[B, L]``."""
+    available = torch.ones_like(scores, dtype=torch.bool)
+    out = []
+    for l in range(picks.shape[1]):
+        pick = picks[:, l : l + 1]
+        log_norm = torch.logsumexp(scores.masked_fill(~available, -torch.inf), dim=1, keepdim=True)
+        out.append(scores.gather(1, pick) - log_norm)
+        available = available.scatter(1, pick, False)
+    return torch.cat(out, dim=1)
+
+
+class OptimalLSR:
+    """The oracle ranker: the top-L candidates by score (propensities 1)."""
+
+    sign = 1.0
+
+    def __call__(self, scores: Tensor, num_outputs: int, generator: torch.Generator | None = None
+                 ) -> tuple[Tensor, Tensor]:
+        _check(scores, num_outputs)
+        picks = (self.sign * scores).topk(num_outputs, dim=1).indices
+        return picks, torch.ones(picks.shape, dtype=scores.dtype, device=scores.device)
+
+    def expected_value(self, scores: Tensor, q: Tensor, num_outputs: int) -> Tensor:
+        picks, _ = self(scores, num_outputs)
+        return q.gather(1, picks).mean(dim=1)
+
+
+class AntiOptimalLSR(OptimalLSR):
+    """The anti-oracle: the bottom-L candidates by score (propensities 1)."""
+
+    sign = -1.0
+
+
+class NoisyLSR:
+    """Plackett-Luce over the candidates with ``softmax(scores / τ)``, without replacement.
+
+    The paper's "noisy-optimal" ranker is ``τ = 1`` on the synthetic ``q_raw``.
+    """
+
+    def __init__(self, temperature: float = 1.0) -> None:
+        self.temperature = check_positive("temperature", temperature)
+
+    def __call__(self, scores: Tensor, num_outputs: int, generator: torch.Generator | None = None
+                 ) -> tuple[Tensor, Tensor]:
+        _check(scores, num_outputs)
+        s = scores / self.temperature
+        noise = gumbel_like(tuple(s.shape), generator=generator, dtype=s.dtype, device=s.device)
+        picks = (s + noise).topk(num_outputs, dim=1).indices
+        return picks, _pl_factors(s, picks).exp()
+
+    def expected_value(self, scores: Tensor, q: Tensor, num_outputs: int) -> Tensor:
+        s = scores / self.temperature
+        if num_outputs == 1:
+            return (torch.softmax(s, dim=1) * q).sum(dim=1)
+        from capg_rec.marginals import inclusion_log_prob  # mean over positions = Σ_a q(a) P(a in top-L) / L
+
+        items = torch.arange(s.shape[1], device=s.device).expand(s.shape[0], -1)
+        inclusion = inclusion_log_prob(s, items, num_outputs, method="exact").exp()
+        return (inclusion * q).sum(dim=1) / num_outputs
+
+
+class UniformLSR:
+    """A uniformly random ranking of L candidates (propensities ``1 / (K - l + 1)``)."""
+
+    def __call__(self, scores: Tensor, num_outputs: int, generator: torch.Generator | None = None
+                 ) -> tuple[Tensor, Tensor]:
+        _check(scores, num_outputs)
+        keys = torch.rand(scores.shape, generator=generator, device=scores.device)
+        picks = keys.topk(num_outputs, dim=1).indices
+        left = scores.shape[1] - torch.arange(num_outputs, dtype=scores.dtype, device=scores.device)
+        return picks, (1.0 / left).expand(scores.shape[0], -1)
+
+    def expected_value(self, scores: Tensor, q: Tensor, num_outputs: int) -> Tensor:
+        return q.mean(dim=1)
+
+
+LSR_NAMES = ("optimal", "noisy", "uniform", "anti")
+
+
+def make_lsr(name: str | LSRPolicy) -> LSRPolicy:
+    """An LSR by name (``"optimal"``, ``"noisy"`` (τ = 1), ``"uniform"``, ``"anti"``) or a callable."""
+    if callable(name):
+        return name
+    table = {"optimal": OptimalLSR, "noisy": NoisyLSR, "uniform": UniformLSR, "anti": AntiOptimalLSR}
+    if name not in table:
+        raise ValueError(f"lsr must be one of {LSR_NAMES} or a callable, got {name!r}")
+    return table[name]()

@@ -1,0 +1,229 @@
+"""Environments and late-stage rankers of capg_rec.sim."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from scipy import stats
+
+from capg_rec.sim import (AntiOptimalLSR, MatrixEnv, NoisyLSR, OptimalLSR, UniformLSR, load_kuairec, make_lsr,
+                          movielens_env, synthetic_env)
+from capg_rec.sim.kuairec import KUAIREC_COLUMNS
+from capg_rec.sim.movielens import fit_matrix_factorization, load_movielens_ratings
+
+ALPHA = 1e-6  # family-wise false-alarm rate of every Monte-Carlo test
+
+
+# ---------------------------------------------------------------------------- synthetic
+@pytest.fixture(scope="module")
+def paper_env() -> MatrixEnv:
+    return synthetic_env()
+
+
+def test_synthetic_shapes_and_formulas(paper_env):
+    env = paper_env
+    assert env.q.shape == env.reward_std.shape == env.lsr_scores.shape == (1000, 1000)
+    assert env.q.dtype == torch.float32
+    assert bool((env.q > 1).all())
+    torch.testing.assert_close(env.q, F.softplus(env.lsr_scores) + 1)  # q = softplus(q_raw) + 1
+    assert bool(((env.reward_std > 0) & (env.reward_std < 1)).all())  # a sigmoid
+    # The paper's environment (its seed, its coupling): best achievable value ≈ 9.1.
+    assert env.optimal_value(1) == pytest.approx(9.109, abs=1e-3)
+
+
+def test_synthetic_determinism_and_options():
+    a, b = synthetic_env(3, num_users=50, num_items=40), synthetic_env(3, num_users=50, num_items=40)
+    assert torch.equal(a.q, b.q) and torch.equal(a.reward_std, b.reward_std)
+    assert not torch.equal(a.q, synthetic_env(4, num_users=50, num_items=40).q)
+    independent = synthetic_env(3, num_users=50, num_items=40, paper_coupling=False)
+    assert independent.q.shape == (50, 40) and not torch.equal(independent.q, a.q)
+    # Paper coupling: the item vectors are the user vectors, so raw + rawᵀ = scale · X (M0 + M0ᵀ) Xᵀ
+    # has rank <= d = 10; with independent draws (and η now mixing M0 and Mz) the rank is higher.
+    def sym_rank(env: MatrixEnv) -> int:
+        raw = env.lsr_scores.double()
+        return int(torch.linalg.matrix_rank(raw + raw.T, atol=1e-3))
+
+    assert sym_rank(synthetic_env(3, num_users=30, num_items=30)) == 10
+    assert sym_rank(synthetic_env(3, num_users=30, num_items=30, paper_coupling=False)) > 10
+    with pytest.raises(ValueError, match="num_users"):
+        synthetic_env(num_users=0)
+    with pytest.raises(ValueError, match="seed"):
+        synthetic_env(1.5)
+    with pytest.raises(ValueError, match="scale"):
+        synthetic_env(scale=-1.0)
+
+
+def test_tables_are_lookups_and_rewards_are_gaussian(paper_env):
+    env = paper_env
+    users = torch.tensor([0, 5, 999])
+    items = torch.tensor([[1, 2], [3, 4], [998, 0]])
+    expected = env.expected_reward(users, items)
+    assert torch.equal(expected, torch.stack([env.q[0, [1, 2]], env.q[5, [3, 4]], env.q[999, [998, 0]]]))
+    n = 20000
+    g = torch.Generator().manual_seed(0)
+    u = torch.full((n,), 7)
+    it = torch.full((n, 1), 11)
+    r = env.sample_reward(u, it, g)[:, 0].double()
+    q, sd = float(env.q[7, 11]), float(env.reward_std[7, 11])
+    z = stats.norm.ppf(1 - ALPHA / 4)  # mean and variance checks, two-sided
+    assert abs(float(r.mean()) - q) <= z * sd / math.sqrt(n)
+    # Sample variance of n Gaussians: (n-1) s² / σ² ~ χ²(n-1).
+    lo, hi = stats.chi2.ppf([ALPHA / 4, 1 - ALPHA / 4], n - 1)
+    assert lo <= (n - 1) * float(r.var()) / sd**2 <= hi
+    assert env.sample_users(64, g).shape == (64,)
+
+
+def test_matrix_env_validation():
+    q = torch.ones(3, 4)
+    with pytest.raises(ValueError, match="reward_std"):
+        MatrixEnv(q, torch.ones(3, 5), q)
+    with pytest.raises(ValueError, match="reward_std"):
+        MatrixEnv(q, -torch.ones(3, 4), q)
+    with pytest.raises(ValueError, match="q"):
+        MatrixEnv(torch.ones(3), torch.ones(3), torch.ones(3))
+    with pytest.raises(ValueError, match="lsr_scores"):
+        MatrixEnv(q, q, q * float("nan"))
+    with pytest.raises(ValueError, match="relative_noise"):
+        MatrixEnv.from_table(q, relative_noise=-0.1)
+    sub = MatrixEnv.from_table(torch.arange(12.0).view(3, 4)).subset(torch.tensor([2]), torch.tensor([0, 3]))
+    assert torch.equal(sub.q, torch.tensor([[8.0, 11.0]]))
+
+
+# ----------------------------------------------------------------------------- KuaiRec
+def _write_kuairec(path, rows, header=KUAIREC_COLUMNS):
+    lines = [",".join(header)]
+    for user, video, ratio in rows:
+        lines.append(f"{user},{video},1000,2000,2020-07-05 05:27:48.378,20200705.0,1593898068.378,{ratio}")
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_kuairec_loader(tmp_path):
+    rows = [(14, 148, 0.5), (14, 183, 12.0), (19, 148, 1.5), (19, 148, 2.5), (21, 183, -1.0), (21, 148, 1.0)]
+    env = load_kuairec(_write_kuairec(tmp_path / "small_matrix.csv", rows))
+    # users 14, 19, 21 -> 0, 1, 2; videos 148, 183 -> 0, 1; ratio clipped to [0, 10];
+    # the duplicate (19, 148) is averaged; the missing (19, 183) gets video 183's mean (10 + 0) / 2.
+    expected = torch.tensor([[0.5, 10.0], [2.0, 5.0], [1.0, 0.0]])
+    torch.testing.assert_close(env.q, expected)
+    torch.testing.assert_close(env.reward_std, 0.3 * expected)
+    torch.testing.assert_close(env.lsr_scores, expected)
+
+
+@pytest.mark.parametrize("case", ["header", "text", "nan", "empty", "no_file", "id"])
+def test_kuairec_bad_files(tmp_path, case):
+    path = tmp_path / "bad.csv"
+    if case == "header":
+        _write_kuairec(path, [(1, 2, 0.5)], header=("user_id", "video_id", "watch_ratio"))
+    elif case == "text":
+        _write_kuairec(path, [(1, 2, "abc")])
+    elif case == "nan":
+        _write_kuairec(path, [(1, 2, "nan")])
+    elif case == "empty":
+        _write_kuairec(path, [])
+    elif case == "id":
+        _write_kuairec(path, [(1.5, 2, 0.5)])
+    # "no_file": the path does not exist
+    with pytest.raises(ValueError, match="path|bad.csv"):
+        load_kuairec(path)
+
+
+# --------------------------------------------------------------------------- MovieLens
+def test_movielens_env_builds():
+    env = movielens_env()
+    assert env.q.shape == (610, 2269)
+    assert float(env.q.min()) >= 0.5 and float(env.q.max()) <= 5.0
+    assert 4.0 < env.optimal_value(1) <= 5.0
+    users, items, ratings = load_movielens_ratings(1)
+    assert len(ratings) == 100_836 and int(users.max()) + 1 == 610 and int(items.max()) + 1 == 9724
+
+
+def test_matrix_factorization_recovers_a_low_rank_table_and_is_seeded():
+    g = torch.Generator().manual_seed(0)
+    truth = 3 + torch.randn(40, 2, generator=g, dtype=torch.float64) @ torch.randn(2, 30, generator=g,
+                                                                                  dtype=torch.float64)
+    users, items = torch.meshgrid(torch.arange(40), torch.arange(30), indexing="ij")
+    fit = fit_matrix_factorization(users.flatten(), items.flatten(), truth.flatten(), rank=2, reg=1e-6,
+                                   iterations=50, seed=1)
+    assert float((fit - truth).abs().max()) < 1e-3
+    again = fit_matrix_factorization(users.flatten(), items.flatten(), truth.flatten(), rank=2, reg=1e-6,
+                                     iterations=50, seed=1)
+    assert torch.equal(fit, again)
+
+
+# -------------------------------------------------------------------------------- LSRs
+SCORES = torch.tensor([[0.3, -1.0, 2.0, 0.7]])  # K = 4
+
+
+def _pl_prob(scores: list[float], order: tuple[int, ...]) -> float:
+    w = [math.exp(s) for s in scores]
+    p, left = 1.0, sum(w)
+    for i in order:
+        p *= w[i] / left
+        left -= w[i]
+    return p
+
+
+def test_optimal_and_anti_optimal_pick_top_and_bottom():
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(50, 8, generator=g)
+    picks, prop = OptimalLSR()(scores, 3)
+    assert torch.equal(picks, scores.argsort(dim=1, descending=True)[:, :3])
+    assert torch.equal(prop, torch.ones(50, 3))
+    picks, _ = AntiOptimalLSR()(scores, 2)
+    assert torch.equal(picks, scores.argsort(dim=1)[:, :2])
+    q = torch.rand(50, 8, generator=g)
+    top = scores.argsort(dim=1, descending=True)[:, :3]
+    torch.testing.assert_close(OptimalLSR().expected_value(scores, q, 3), q.gather(1, top).mean(1))
+
+
+@pytest.mark.parametrize("lsr", [NoisyLSR(), UniformLSR()])
+def test_stochastic_lsr_frequencies_and_propensities(lsr):
+    n, length = 20000, 2
+    scores = SCORES.expand(n, -1)
+    g = torch.Generator().manual_seed(1)
+    picks, prop = lsr(scores, length, g)
+    assert picks.shape == prop.shape == (n, length)
+    orders = list(itertools.permutations(range(4), length))
+    base = SCORES[0].tolist() if isinstance(lsr, NoisyLSR) else [0.0] * 4
+    exact = {o: _pl_prob(base, o) for o in orders}
+    assert sum(exact.values()) == pytest.approx(1.0)
+    # Propensities are the PL factors: their product is the probability of the ranking.
+    products = prop.double().prod(dim=1)
+    keys = [tuple(row) for row in picks.tolist()]
+    for key, product in zip(keys[:200], products[:200].tolist()):
+        assert product == pytest.approx(exact[key], rel=1e-5)
+    counts = {o: 0 for o in orders}
+    for key in keys:
+        counts[key] += 1
+    for o in orders:  # exact binomial interval per outcome, Bonferroni over the 12 outcomes
+        lo, hi = stats.binom.interval(1 - ALPHA / len(orders), n, exact[o])
+        assert lo <= counts[o] <= hi, (o, counts[o], exact[o] * n)
+
+
+def test_expected_values_match_enumeration():
+    q = torch.tensor([[1.0, 2.0, 5.0, 3.0]])
+    orders = list(itertools.permutations(range(4), 2))
+    exact = sum(_pl_prob(SCORES[0].tolist(), o) * (q[0, o[0]] + q[0, o[1]]) / 2 for o in orders)
+    torch.testing.assert_close(NoisyLSR().expected_value(SCORES, q, 2), exact.view(1), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(NoisyLSR().expected_value(SCORES, q, 1), (SCORES.softmax(1) * q).sum(1))
+    torch.testing.assert_close(UniformLSR().expected_value(SCORES, q, 2), q.mean(1))
+
+
+def test_lsr_validation():
+    with pytest.raises(ValueError, match="lsr"):
+        make_lsr("greedy")
+    with pytest.raises(ValueError, match="num_outputs"):
+        OptimalLSR()(SCORES, 5)
+    with pytest.raises(ValueError, match="scores"):
+        NoisyLSR()(torch.zeros(4), 1)
+    with pytest.raises(ValueError, match="temperature"):
+        NoisyLSR(0.0)
+
+    def custom(scores, length, generator):
+        return scores.topk(length, dim=1).indices, None
+
+    assert make_lsr(custom) is custom
