@@ -1,0 +1,218 @@
+"""Single-process tests of the TorchRec integration (the multi-rank ones are in test_torchrec_multirank.py)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("torchrec")
+
+from torch import nn  # noqa: E402
+from torchrec import EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor  # noqa: E402
+
+from capg_rec import CAPGLoss, DenseCatalog, EmbeddingCatalog, TOP1PGLoss, VPGLoss, sample_candidates  # noqa: E402
+from capg_rec._enumerate import all_draws, draw_log_probs  # noqa: E402
+from capg_rec.plackett_luce import expert_of_position  # noqa: E402
+from capg_rec.torchrec import ShardedEmbeddingCatalog, TwoTowerRetriever  # noqa: E402
+from capg_rec.torchrec._hash_noise import _mul32, hashed_gumbel, row_keys  # noqa: E402
+from tests.stats import assert_counts_match  # noqa: E402
+
+
+def make_retriever(num_items=40, num_experts=2, dim=3, num_users=10, tower=None, **kw) -> TwoTowerRetriever:
+    torch.manual_seed(0)
+    width = num_experts * dim
+    ec = EmbeddingCollection(tables=[
+        EmbeddingConfig(name="item_table", embedding_dim=width, num_embeddings=num_items, feature_names=["catalog"]),
+        EmbeddingConfig(name="user_table", embedding_dim=width, num_embeddings=num_users, feature_names=["user_id"])])
+    return TwoTowerRetriever(ec, item_table="item_table", num_experts=num_experts, user_features=["user_id"],
+                             user_tower=tower, **kw)
+
+
+def user_batch(users: list[int]) -> KeyedJaggedTensor:
+    ids = torch.tensor(users)
+    return KeyedJaggedTensor.from_lengths_sync(["user_id"], ids, torch.ones_like(ids))
+
+
+def reference(retriever: TwoTowerRetriever, users: list[int], temperature: float, chunk_size=5) -> EmbeddingCatalog:
+    m = retriever.num_experts
+    u = retriever.embeddings.embeddings["user_table"].weight[users].view(len(users), m, -1)
+    v = retriever.embeddings.embeddings["item_table"].weight.view(retriever.num_items, m, -1)
+    return EmbeddingCatalog(u, v, temperature, chunk_size=chunk_size)
+
+
+def test_import_error_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchrec", None)
+    for name in [n for n in sys.modules if n.startswith("capg_rec.torchrec")]:
+        monkeypatch.delitem(sys.modules, name)
+    with pytest.raises(ImportError, match="pip install --no-deps torchrec"):
+        importlib.import_module("capg_rec.torchrec")
+
+
+@pytest.mark.parametrize("num_experts", [1, 3])
+def test_unsharded_scores_match_embedding_catalog(num_experts):
+    retriever = make_retriever(num_experts=num_experts, temperature=0.7, chunk_size=7)
+    users = [1, 4, 4, 9]
+    cat = retriever(retriever.with_catalog(user_batch(users)))
+    ref = reference(retriever, users, 0.7)
+    assert (cat.batch_size, cat.num_experts, cat.num_items) == (4, num_experts, 40)
+    exclude = torch.tensor([[0, 5, -1], [39, 4, 5], [-1, -1, -1], [7, 8, 9]])
+    items = torch.tensor([[1, 2], [3, 39], [0, 0], [5, 6]])
+    torch.testing.assert_close(cat.log_power_sums(exclude, 3), ref.log_power_sums(exclude, 3))
+    torch.testing.assert_close(cat.log_normalizer(), ref.log_normalizer())
+    torch.testing.assert_close(cat.gather(items), ref.gather(items))
+    assert torch.equal(cat.top_items(6, exclude=exclude), ref.top_items(6, exclude=exclude))
+
+
+def test_losses_accept_the_retriever_output_and_gradients_reach_the_tables():
+    retriever = make_retriever(num_experts=2, temperature=0.5, chunk_size=6)
+    users, k = [0, 3, 5], 5
+    catalog = retriever(retriever.with_catalog(user_batch(users)))
+    cand = sample_candidates(catalog, k, generator=torch.Generator().manual_seed(0))
+    chosen, rewards = cand[:, [1, 3]], torch.tensor([[1.0, 0.5], [0.0, 2.0], [1.5, -1.0]])
+    u = retriever.embeddings.embeddings["user_table"].weight
+    v = retriever.embeddings.embeddings["item_table"].weight
+    for loss_fn in [VPGLoss(k), VPGLoss(k, with_replacement=True), CAPGLoss(k, method="plugin"),
+                    CAPGLoss(k, method="exact"), TOP1PGLoss(k)]:
+        retriever.zero_grad()
+        loss = loss_fn(retriever(retriever.with_catalog(user_batch(users))), cand, chosen, rewards)
+        loss.backward()
+        got = (u.grad.clone(), v.grad.clone())
+        logits = torch.einsum("bmd,nmd->bmn", u[users].view(3, 2, 3), v.view(40, 2, 3))
+        u.grad, v.grad = None, None
+        expected = loss_fn(DenseCatalog(logits, 0.5), cand, chosen, rewards)
+        expected.backward()
+        torch.testing.assert_close(loss, expected)
+        torch.testing.assert_close(got[0], u.grad)
+        torch.testing.assert_close(got[1], v.grad)
+
+
+def test_dense_features_through_a_tower():
+    tower = nn.Sequential(nn.Linear(4 + 2, 8), nn.ReLU(), nn.Linear(8, 4))
+    retriever = make_retriever(num_experts=2, dim=2, tower=tower)
+    dense = torch.randn(3, 2)
+    cat = retriever(retriever.with_catalog(user_batch([1, 2, 3])), dense)
+    user = tower(torch.cat([retriever.embeddings.embeddings["user_table"].weight[[1, 2, 3]], dense], 1))
+    ref = EmbeddingCatalog(user.view(3, 2, 2), retriever.embeddings.embeddings["item_table"].weight.view(40, 2, 2))
+    torch.testing.assert_close(cat.log_normalizer(), ref.log_normalizer())
+
+
+def test_catalog_gradcheck_float64():
+    g = torch.Generator().manual_seed(1)
+    user = torch.randn(3, 2, 2, dtype=torch.float64, generator=g, requires_grad=True)
+    item = torch.randn(9, 2, 2, dtype=torch.float64, generator=g, requires_grad=True)
+    exclude = torch.tensor([[0, 3], [8, -1], [-1, -1]])
+    items = torch.tensor([[1, 2], [0, 8], [4, 4]])
+
+    def f(u, v):
+        cat = ShardedEmbeddingCatalog(u, v, num_items=9, temperature=0.8, chunk_size=4)
+        return cat.log_power_sums(exclude, 2), cat.gather(items)
+
+    assert torch.autograd.gradcheck(f, (user, item))
+
+
+def test_sampling_is_exact_plackett_luce_moe():
+    """Hashed-noise Gumbel top-k draws follow the exact sequential PL-MoE law (enumeration)."""
+    num_items, k, rows = 5, 3, 6000
+    g = torch.Generator().manual_seed(3)
+    user = torch.randn(1, 2, 2, generator=g).expand(rows, -1, -1)
+    item = torch.randn(num_items, 2, 2, generator=g)
+    cat = ShardedEmbeddingCatalog(user, item, num_items=num_items, chunk_size=2)
+    draws = all_draws(num_items, k)
+    index = {tuple(d): i for i, d in enumerate(draws.tolist())}
+    counts = np.zeros(len(draws))
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):  # three calls: three seeds from the generator
+        for row in sample_candidates(cat, k, generator=gen).tolist():
+            counts[index[tuple(row)]] += 1
+    scores = torch.einsum("bmd,nmd->bmn", user[:1], item)
+    probs = draw_log_probs(scores, draws, expert_of_position(k, 2))[0].exp().double().numpy()
+    assert_counts_match(counts, probs, 3 * rows)
+
+
+def test_sampling_does_not_depend_on_chunking_or_rank_layout():
+    """Noise is keyed on (seed, user, expert, item): chunking and row offsets leave the draw unchanged."""
+    g = torch.Generator().manual_seed(5)
+    user, item = torch.randn(4, 2, 3, generator=g), torch.randn(50, 2, 3, generator=g)
+    draws = [sample_candidates(ShardedEmbeddingCatalog(user, item, num_items=50, chunk_size=c), 6,
+                               generator=torch.Generator().manual_seed(9)) for c in (1, 7, 50)]
+    assert torch.equal(draws[0], draws[1]) and torch.equal(draws[0], draws[2])
+    keys = row_keys(torch.tensor([3, 4]), torch.arange(4), torch.tensor([1]))
+    whole = hashed_gumbel(keys, torch.arange(50), torch.float32)
+    torch.testing.assert_close(hashed_gumbel(keys, torch.arange(20, 50), torch.float32), whole[..., 20:])
+
+
+def test_hash_multiplication_has_no_int64_overflow():
+    x = torch.tensor([0, 1, 2**16 - 1, 2**16, 2**31, 2**32 - 1, 123456789, 3735928559])
+    for c in (0x7FEB352D, 0x846CA68B, 2**32 - 1):
+        expected = torch.tensor([(int(v) * c) % 2**32 for v in x])
+        assert torch.equal(_mul32(x, c), expected)
+
+
+def test_noise_is_finite_for_extreme_ids_and_dtypes():
+    keys = row_keys(torch.tensor([2**31 - 2, 0]), torch.tensor([0, 2**32 - 1]), torch.tensor([0, 7]))
+    for dtype in (torch.float32, torch.float64):
+        noise = hashed_gumbel(keys, torch.tensor([0, 1, 2**31, 2**32 - 1]), dtype)
+        assert noise.dtype == dtype and bool(torch.isfinite(noise).all())
+
+
+def test_with_catalog_appends_the_rows():
+    retriever = make_retriever(num_items=6)
+    kjt = retriever.with_catalog(user_batch([1, 2]))
+    assert kjt.keys() == ["user_id", "catalog"]
+    assert kjt["catalog"].values().tolist() == list(range(6))
+    assert kjt["catalog"].lengths().tolist() == [6, 0]
+    assert retriever.catalog_ids().tolist() == list(range(6))
+
+
+def test_bad_setups_raise_clear_errors():
+    width_ec = EmbeddingCollection(tables=[
+        EmbeddingConfig(name="item_table", embedding_dim=6, num_embeddings=10, feature_names=["catalog"])])
+    with pytest.raises(ValueError, match="not a multiple of num_experts=4"):
+        TwoTowerRetriever(width_ec, item_table="item_table", num_experts=4, user_tower=nn.Identity())
+    with pytest.raises(ValueError, match="item_table must name a table"):
+        TwoTowerRetriever(width_ec, item_table="nope", user_tower=nn.Identity())
+    with pytest.raises(ValueError, match="catalog_feature must be a feature"):
+        TwoTowerRetriever(width_ec, item_table="item_table", user_tower=nn.Identity(), catalog_feature="x")
+    with pytest.raises(ValueError, match="user_features must be features"):
+        TwoTowerRetriever(width_ec, item_table="item_table", user_features=["catalog"])
+    with pytest.raises(ValueError, match="give user_features, a user_tower"):
+        TwoTowerRetriever(width_ec, item_table="item_table")
+    with pytest.raises(ValueError, match="EmbeddingCollection"):
+        TwoTowerRetriever(nn.Linear(2, 2), item_table="item_table")
+    retriever = make_retriever()
+    with pytest.raises(ValueError, match="with_catalog"):
+        retriever(user_batch([1]))
+    bad_rows = KeyedJaggedTensor.concat([user_batch([1]), KeyedJaggedTensor.from_lengths_sync(
+        ["catalog"], torch.arange(5), torch.tensor([5]))])
+    with pytest.raises(ValueError, match="must list this rank's item rows"):
+        retriever(bad_rows)
+    with pytest.raises(ValueError, match="dense features need a user_tower"):
+        retriever(retriever.with_catalog(user_batch([1])), torch.zeros(1, 2))
+    mismatched = make_retriever(tower=nn.Linear(6, 5))
+    with pytest.raises(ValueError, match=r"num_experts·D = 6.*got \(1, 5\)"):
+        mismatched(mismatched.with_catalog(user_batch([1])))
+
+
+def test_catalog_argument_errors():
+    user, item = torch.randn(2, 3), torch.randn(10, 3)
+    with pytest.raises(ValueError, match="must hold the whole catalog"):
+        ShardedEmbeddingCatalog(user, item[:5], num_items=10)
+    with pytest.raises(ValueError, match="must agree on"):
+        ShardedEmbeddingCatalog(user, torch.randn(10, 4), num_items=10)
+    with pytest.raises(ValueError, match="item must be a floating tensor"):
+        ShardedEmbeddingCatalog(user, torch.ones(10, 3, dtype=torch.long), num_items=10)
+    with pytest.raises(ValueError, match="temperature"):
+        ShardedEmbeddingCatalog(user, item, num_items=10, temperature=0.0)
+    cat = ShardedEmbeddingCatalog(user, item, num_items=10)
+    with pytest.raises(ValueError, match=r"items must hold ids in \[0, 10\)"):
+        cat.gather(torch.tensor([[0], [10]]))
+    with pytest.raises(ValueError, match=r"items must be an integer tensor \[B=2, L\]"):
+        cat.gather(torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="k must be in"):
+        cat.top_items(11)
+    with pytest.raises(ValueError, match="experts must be in"):
+        cat.top_items(2, experts=[1])
