@@ -143,7 +143,6 @@ class _ChunkedLogPowerSums(torch.autograd.Function):
     def forward(ctx, user: Tensor, item: Tensor, exclude: Tensor | None, num_powers: int,
                 chunk_size: int) -> Tensor:
         batch, experts, _ = user.shape
-        powers = torch.arange(1, num_powers + 1, dtype=user.dtype, device=user.device)
         out = torch.full((batch, experts, num_powers), -torch.inf, dtype=user.dtype, device=user.device)
         for start in range(0, item.shape[0], chunk_size):
             stop = min(start + chunk_size, item.shape[0])
@@ -151,7 +150,15 @@ class _ChunkedLogPowerSums(torch.autograd.Function):
             mask = _exclusion_mask(exclude, batch, start, stop, user.device)
             if mask is not None:
                 s = s.masked_fill(mask.unsqueeze(1), -torch.inf)
-            out = torch.logaddexp(out, torch.logsumexp(s.unsqueeze(-1) * powers, dim=2))
+            top = s.amax(dim=2, keepdim=True)
+            top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+            e = torch.exp(s - top)  # one exp per score; the powers are products
+            term, sums = e, []
+            for _ in range(num_powers):
+                sums.append(term.sum(2))
+                term = term * e
+            powers = torch.arange(1, num_powers + 1, dtype=user.dtype, device=user.device)
+            out = torch.logaddexp(out, torch.log(torch.stack(sums, -1)) + powers * top)
         ctx.save_for_backward(user, item, out, exclude if exclude is not None else torch.empty(0))
         ctx.chunk_size, ctx.has_exclude = chunk_size, exclude is not None
         return out
@@ -160,20 +167,23 @@ class _ChunkedLogPowerSums(torch.autograd.Function):
     def backward(ctx, grad_out: Tensor):
         user, item, out, exclude = ctx.saved_tensors
         exclude = exclude if ctx.has_exclude else None
-        batch = user.shape[0]
-        powers = torch.arange(1, out.shape[-1] + 1, dtype=user.dtype, device=user.device)
-        # d out_p / d s = p · exp(p·s - out_p); rows with out_p = -inf have no support.
+        batch, num_powers = user.shape[0], out.shape[-1]
+        powers = torch.arange(1, num_powers + 1, dtype=user.dtype, device=user.device)
+        # d out_p / d s = p · exp(p·s - out_p) = p · r^p · exp(p·out_1 - out_p), r = exp(s - out_1) ≤ 1;
+        # rows with no support (out = -inf) get no gradient.
         finite = torch.isfinite(out)
-        safe_out = torch.where(finite, out, torch.zeros_like(out))
-        coef = torch.where(finite, grad_out * powers, torch.zeros_like(grad_out))  # [B, M, P]
+        log_z = torch.where(finite[..., :1], out[..., :1], torch.zeros_like(out[..., :1]))  # [B, M, 1]
+        scale = torch.exp(torch.where(finite, powers * log_z - out, torch.zeros_like(out)))
+        coef = torch.where(finite, grad_out * powers * scale, torch.zeros_like(grad_out))  # [B, M, P]
         grad_user = torch.zeros_like(user)
         grad_item = torch.zeros_like(item)
         for start in range(0, item.shape[0], ctx.chunk_size):
             stop = min(start + ctx.chunk_size, item.shape[0])
             v = item[start:stop]
-            s = torch.einsum("bmd,nmd->bmn", user, v)
-            w = torch.exp(s.unsqueeze(-1) * powers - safe_out.unsqueeze(2))  # [B, M, c, P]
-            grad_s = (w * coef.unsqueeze(2)).sum(-1)
+            r = torch.exp(torch.einsum("bmd,nmd->bmn", user, v) - log_z)
+            grad_s = coef[..., -1:] * r  # Horner: Σ_p coef_p r^p
+            for p in range(num_powers - 2, -1, -1):
+                grad_s = (grad_s + coef[..., p:p + 1]) * r
             mask = _exclusion_mask(exclude, batch, start, stop, user.device)
             if mask is not None:
                 grad_s = grad_s.masked_fill(mask.unsqueeze(1), 0.0)
