@@ -28,11 +28,11 @@ class HeadTail:
     tail_log_power_sums: Tensor
 
 
-def head_size_for(num_items: int, num_candidates: int, *, full_up_to: int = 2048) -> int:
-    """Items per expert kept exactly: the whole catalog when small, else ``max(8K, 1024)``."""
+def head_size_for(num_items: int, num_candidates: int, *, full_up_to: int = 2048, minimum: int = 1024) -> int:
+    """Items per expert kept exactly: the whole catalog when small, else ``max(8K, minimum)``."""
     if num_items <= full_up_to:
         return num_items
-    return min(num_items, max(8 * num_candidates, 1024))
+    return min(num_items, max(8 * num_candidates, minimum))
 
 
 def summarize(catalog: CatalogScores, targets: Tensor, head_size: int, num_powers: int) -> HeadTail:

@@ -36,7 +36,7 @@ Runs = Sequence[tuple[int, int]]
 
 DEFAULT_METHOD = "mean_field"
 
-_MEAN_FIELD_POWERS = 4
+_MEAN_FIELD_POWERS = 3
 _ROOT_STEPS = 40
 
 
@@ -112,11 +112,12 @@ def _mean_field(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
     """Rosén's mean-field inclusion probabilities, block by block → ``[B, L]``.
 
     Block m solves ``Σ_b ρ_b (1 - exp(-e^{s_mb - κ_m})) = n_m`` for κ_m, where ρ_b is the chance
-    that b survived the earlier blocks; tail items enter through a 4-term power-series expansion
-    (valid because the head holds at least 8K items per expert, so tail items are unlikely).
+    that b survived the earlier blocks; tail items enter through a 3-term power-series expansion
+    (accurate because the head holds the best 8K items per expert, so each tail item's chance is
+    below 1/8 and the neglected fourth-order terms below 1e-4 of it).
     """
     num_candidates = sum(n for _, n in runs)
-    head = head_size_for(catalog.num_items, num_candidates)
+    head = head_size_for(catalog.num_items, num_candidates, minimum=8 * num_candidates)
     ht = summarize(catalog, items, head, _MEAN_FIELD_POWERS)
     scores, tail = ht.head_scores, ht.tail_log_power_sums  # [B, M, T], [B, M, P]
     valid = ht.head_ids >= 0  # [B, T]
