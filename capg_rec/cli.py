@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 
 from capg_rec import bench
+from capg_rec.train import cli as train_cli
 from capg_rec.validate import cli as validate_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="capg-rec", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
+    train_cli.register(subparsers)
     bench.register(subparsers)
     validate_cli.register(subparsers)
     return parser
@@ -18,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    args.func(args)
+    raise SystemExit(args.func(args) or 0)
 
 
 if __name__ == "__main__":

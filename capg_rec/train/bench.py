@@ -1,0 +1,102 @@
+"""Benchmark: a whole online training step against the core loss step alone.
+
+``python -m capg_rec.train.bench`` prints, per estimator, the median CPU time of one trainer
+step on the paper's synthetic environment (sampling, LSR, rewards, loss, backward, optimizer;
+K = 10, B = 128 by default), of the loss forward + backward alone on a ``[B, N]`` logits leaf,
+their ratio, and the step's breakdown. CPU time (one thread) rather than wall time, so that
+the figures hold on a shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from capg_rec.plackett_luce import sample_candidates
+from capg_rec.train.config import ESTIMATOR_LABELS, TrainConfig
+from capg_rec.train.report import markdown_table
+from capg_rec.train.trainer import Trainer
+
+__all__ = ["bench_train_step", "main"]
+
+
+def _median_ms(fn: Callable[[], object], repeats: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.process_time()
+        fn()
+        times.append(time.process_time() - start)
+    return 1e3 * statistics.median(times)
+
+
+def bench_train_step(estimator: str = "capg_swr", *, num_candidates: int = 10, batch_size: int = 128,
+                     repeats: int = 100, warmup: int = 10, capg_method: str | None = None) -> dict:
+    """Median milliseconds of a trainer step, of its parts and of the core loss step alone."""
+    from capg_rec.sim.synthetic import synthetic_env
+
+    env = synthetic_env()
+    config = TrainConfig(estimator=estimator, num_candidates=num_candidates, batch_size=batch_size,
+                         capg_method=capg_method, steps=10**9)
+    trainer = Trainer(env, config)
+    g = trainer.generator
+    users = env.sample_users(batch_size, g)
+    logits = trainer.model(users).detach()
+    candidates = sample_candidates(logits, num_candidates, generator=g)
+    picks, _ = trainer.train_lsr(env.ranking_scores(users, candidates), 1, g)
+    chosen = candidates.gather(1, picks)
+    rewards = env.sample_reward(users, chosen, g)
+    leaf = logits[:, 0].clone().requires_grad_(True)  # [B, N]
+    weights = trainer.position_weights
+
+    def loss_step() -> None:
+        leaf.grad = None
+        trainer.loss_fn(leaf, candidates, chosen, rewards, position_weights=weights).backward()
+
+    def lsr_and_reward() -> None:
+        p, _ = trainer.train_lsr(env.ranking_scores(users, candidates), 1, g)
+        env.sample_reward(users, candidates.gather(1, p), g)
+
+    parts = {
+        "step": trainer.step,
+        "core loss (fwd+bwd)": loss_step,
+        "ESR forward": lambda: trainer.model(users),
+        "sampling": lambda: sample_candidates(logits, num_candidates, generator=g),
+        "LSR + rewards": lsr_and_reward,
+        "optimizer": trainer.optimizer.step,
+    }
+    out = {name: _median_ms(fn, repeats, warmup) for name, fn in parts.items()}
+    out["ratio"] = out["step"] / out["core loss (fwd+bwd)"]
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--estimators", nargs="+", default=["vpg_swr", "capg_swr", "vpg"],
+                        choices=tuple(ESTIMATOR_LABELS))
+    parser.add_argument("-K", "--num-candidates", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=100)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    rows = []
+    for est in args.estimators:
+        r = bench_train_step(est, num_candidates=args.num_candidates, batch_size=args.batch_size,
+                             repeats=args.repeats)
+        rows.append([ESTIMATOR_LABELS[est], f"{r['step']:.2f}", f"{r['core loss (fwd+bwd)']:.2f}",
+                     f"{r['ratio']:.2f}", f"{r['ESR forward']:.2f}", f"{r['sampling']:.2f}",
+                     f"{r['LSR + rewards']:.2f}", f"{r['optimizer']:.2f}"])
+    print(f"Training step vs core loss step (CPU ms, median of {args.repeats}; K = {args.num_candidates}, "
+          f"B = {args.batch_size}, N = 1000, 1 thread)\n")
+    print(markdown_table(["estimator", "whole step", "core loss step", "ratio", "ESR forward", "sampling",
+                          "LSR + rewards", "optimizer"], rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

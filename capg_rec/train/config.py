@@ -1,0 +1,128 @@
+"""Training configuration: every knob of the paper's online experiments, validated on creation."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from capg_rec.marginals import METHODS
+from capg_rec.sim.lsr import LSR_NAMES
+
+__all__ = ["TrainConfig", "ESTIMATORS", "PAPER_LR", "ESTIMATOR_LABELS"]
+
+ESTIMATORS = ("vpg", "vpg_swr", "capg", "capg_swr")
+ESTIMATOR_LABELS = {"vpg": "V-PG", "vpg_swr": "V-PG-SwR", "capg": "CA-PG", "capg_swr": "CA-PG-SwR"}
+PAPER_LR = {"vpg": 1e-1, "vpg_swr": 1e-1, "capg": 1e-2, "capg_swr": 1e-2}
+"""The paper's learning rates (Adagrad, batch 128), chosen on its default setting."""
+
+_OPTIMIZERS = ("adagrad", "adam", "sgd")
+_POSITION_WEIGHTS = ("mean", "sum", "dcg")
+_BASELINES = ("none", "context")
+_ON_OVERFLOW = ("stop", "skip")
+
+
+def _int(name: str, value: object, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+def _num(name: str, value: object, *, positive: bool) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or (value <= 0 if positive else value < 0):
+        raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
+
+
+def _choice(name: str, value: object, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One online training run (the paper's defaults unless noted).
+
+    * ``estimator``: ``vpg`` | ``vpg_swr`` | ``capg`` | ``capg_swr``; ``capg_method`` picks CA-PG's
+      inclusion probability (``None`` = the library default).
+    * ``num_candidates`` K, ``num_outputs`` L, ``num_experts`` M, ``temperature`` τ of the ESR.
+    * ``lr``: ``None`` = the paper's (1e-1 for V-PGs, 1e-2 for CA-PGs); ``adaptive_lr`` scales it by
+      the inverse mean LSR propensity, estimated once at the start (the paper's appendix).
+    * ``position_weights``: ``mean`` (1/L, the paper's code), ``sum`` (1) or ``dcg``.
+    * ``group_size`` G > 1 with ``group_offset`` c: GRPO — each user is served G times and rewards
+      are normalised within the group, plus c. ``baseline="context"``: subtract a per-user moving
+      average of past rewards (decay ``baseline_decay``).
+    * ``on_overflow``: on a non-finite loss or gradient norm, ``stop`` (as the paper) or ``skip``.
+    * ``eval_every`` steps, the greedy ESR with ``eval_candidates`` (default K) under ``eval_lsr``.
+    """
+
+    estimator: str = "capg_swr"
+    num_candidates: int = 10
+    num_outputs: int = 1
+    num_experts: int = 1
+    temperature: float = 1.0
+    capg_method: str | None = None
+    steps: int = 50_000
+    batch_size: int = 128
+    optimizer: str = "adagrad"
+    lr: float | None = None
+    adaptive_lr: bool = False
+    adaptive_lr_batches: int = 20
+    embedding_dim: int = 10
+    train_lsr: str = "optimal"
+    eval_lsr: str = "optimal"
+    eval_every: int = 1000
+    eval_candidates: int | None = None
+    position_weights: str = "mean"
+    group_size: int = 1
+    group_offset: float = 0.0
+    baseline: str = "none"
+    baseline_decay: float = 0.9
+    on_overflow: str = "stop"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _choice("estimator", self.estimator, ESTIMATORS)
+        for name in ("num_candidates", "num_outputs", "num_experts", "steps", "batch_size",
+                     "adaptive_lr_batches", "embedding_dim", "eval_every", "group_size"):
+            _int(name, getattr(self, name), 1)
+        _int("seed", self.seed, 0)
+        if self.num_outputs > self.num_candidates:
+            raise ValueError(f"num_outputs must be <= num_candidates={self.num_candidates}, "
+                             f"got {self.num_outputs}")
+        if self.num_experts > self.num_candidates:
+            raise ValueError(f"num_experts must be <= num_candidates={self.num_candidates}, "
+                             f"got {self.num_experts}")
+        if self.eval_candidates is not None:
+            _int("eval_candidates", self.eval_candidates, self.num_outputs)
+        _num("temperature", self.temperature, positive=True)
+        if self.lr is not None:
+            _num("lr", self.lr, positive=True)
+        _num("group_offset", self.group_offset, positive=False)
+        _num("baseline_decay", self.baseline_decay, positive=False)
+        if self.baseline_decay >= 1:
+            raise ValueError(f"baseline_decay must be in [0, 1), got {self.baseline_decay}")
+        if self.capg_method is not None:
+            _choice("capg_method", self.capg_method, tuple(METHODS))
+        if not isinstance(self.adaptive_lr, bool):
+            raise ValueError(f"adaptive_lr must be a bool, got {self.adaptive_lr!r}")
+        _choice("optimizer", self.optimizer, _OPTIMIZERS)
+        _choice("train_lsr", self.train_lsr, LSR_NAMES)
+        _choice("eval_lsr", self.eval_lsr, LSR_NAMES)
+        _choice("position_weights", self.position_weights, _POSITION_WEIGHTS)
+        _choice("baseline", self.baseline, _BASELINES)
+        _choice("on_overflow", self.on_overflow, _ON_OVERFLOW)
+
+    @property
+    def base_lr(self) -> float:
+        """The configured learning rate, or the paper's for this estimator."""
+        return self.lr if self.lr is not None else PAPER_LR[self.estimator]
+
+    @property
+    def label(self) -> str:
+        return ESTIMATOR_LABELS[self.estimator]
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: object) -> TrainConfig:
+        return dataclasses.replace(self, **changes)

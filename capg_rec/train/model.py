@@ -1,0 +1,35 @@
+"""The paper's ESR model: a mixture-of-experts two-tower over user and item ids."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from capg_rec._checks import check_count
+
+__all__ = ["TwoTowerMoE"]
+
+
+class TwoTowerMoE(nn.Module):
+    """M experts, each with D-dim user and item embeddings; ``logit_m(x, a) = <u_m(x), v_m(a)>``.
+
+    Embeddings start ``N(0, 1)`` (``nn.Embedding``'s default, as in the paper's code), drawn
+    through ``generator``. ``forward(users [B]) → logits [B, M, N]`` over the whole catalog.
+    """
+
+    def __init__(self, num_users: int, num_items: int, *, num_experts: int = 1, dim: int = 10,
+                 generator: torch.Generator | None = None) -> None:
+        super().__init__()
+        check_count("num_users", num_users)
+        check_count("num_items", num_items)
+        check_count("num_experts", num_experts)
+        check_count("dim", dim)
+        self.user = nn.Parameter(torch.randn(num_experts, num_users, dim, generator=generator))
+        self.item = nn.Parameter(torch.randn(num_experts, num_items, dim, generator=generator))
+
+    @property
+    def num_experts(self) -> int:
+        return self.user.shape[0]
+
+    def forward(self, users: Tensor) -> Tensor:
+        return torch.einsum("mbd,mnd->bmn", self.user[:, users], self.item)

@@ -1,0 +1,80 @@
+"""Result files: Markdown/CSV/JSON tables and learning-curve plots in the paper's style."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+__all__ = ["value_at", "mean_se", "write_csv", "write_json", "markdown_table", "plot_curves", "METHOD_COLORS"]
+
+METHOD_COLORS = {"V-PG": "tab:red", "V-PG-SwR": "tab:orange", "CA-PG": "tab:blue", "CA-PG-SwR": "tab:green"}
+
+
+def value_at(history: Sequence[Mapping], step: int) -> float:
+    """Policy value at ``step``, or at the last evaluation before it (an interrupted run: its
+    value at the interruption, as the paper reports)."""
+    before = [row for row in history if row["step"] <= step]
+    return before[-1]["policy_value"]
+
+
+def mean_se(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and standard error of the mean (0 for a single value)."""
+    n = len(values)
+    mean = sum(values) / n
+    if n == 1:
+        return mean, 0.0
+    var = sum((v - mean) ** 2 for v in values) / (n - 1)
+    return mean, math.sqrt(var / n)
+
+
+def write_csv(path: str | os.PathLike, rows: Sequence[Mapping]) -> None:
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def write_json(path: str | os.PathLike, obj: object) -> None:
+    Path(path).write_text(json.dumps(obj, indent=1), encoding="utf-8")
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def plot_curves(panels: Mapping[str, Mapping[str, Sequence[Sequence[Mapping]]]], path: str | os.PathLike, *,
+                optimum: float | None = None, ylabel: str = "policy value (greedy ESR)") -> None:
+    """One panel per setting; in each, every seed's learning curve as a thin line coloured by
+    method (as the paper's figures), a dot at the end of a run that met a gradient overflow, and the best
+    achievable value as a dashed line. ``panels[title][method] = [history, ...]``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False, sharey=True)
+    for ax, (title, methods) in zip(axes[0], panels.items()):
+        for method, histories in methods.items():
+            color = METHOD_COLORS.get(method)
+            for i, history in enumerate(histories):
+                steps = [row["step"] for row in history]
+                values = [row["policy_value"] for row in history]
+                ax.plot(steps, values, color=color, alpha=0.8, lw=1.0, label=method if i == 0 else None)
+                if history[-1].get("overflows", 0):
+                    ax.plot(steps[-1], values[-1], "o", color=color, ms=4)
+        if optimum is not None:
+            ax.axhline(optimum, color="gray", ls="--", lw=0.8, label="best possible")
+        ax.set_title(title)
+        ax.set_xlabel("gradient steps")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(ylabel)
+    axes[0][-1].legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,213 @@
+"""The paper's experiments as runnable targets, with its numbers side by side.
+
+Each target is a grid of (method, setting) cells, run for several seeds. Runs are resumable:
+a finished run (``result.json``) is reused, an interrupted one restarts from its checkpoint.
+Writes ``results.md`` / ``results.csv`` / ``results.json`` and ``curves.png`` into the output dir.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from capg_rec.sim.env import MatrixEnv
+from capg_rec.train.config import ESTIMATOR_LABELS, TrainConfig
+from capg_rec.train.report import markdown_table, mean_se, plot_curves, value_at, write_csv, write_json
+from capg_rec.train.trainer import Trainer, TrainResult
+
+__all__ = ["Cell", "TARGETS", "build_target", "run_cells", "summarize"]
+
+TARGETS = ("table2", "table3", "movielens", "kuairec", "grpo")
+
+# The paper's numbers: (method, setting) -> (value @50K, value @500K); None where not reported.
+_PAPER_TABLE2 = {
+    "vpg": {"K=5": (7.09, 7.22), "K=10": (7.16, 7.17), "K=20": (6.86, 6.86), "noisy": (7.25, 7.25),
+            "uniform": (3.27, 3.28), "anti": (1.07, 1.07)},
+    "vpg_swr": {"K=5": (7.68, 8.33), "K=10": (7.80, 8.54), "K=20": (7.88, 8.74), "noisy": (7.86, 8.55),
+                "uniform": (3.80, 6.39), "anti": (1.05, 1.08)},
+    "capg": {"K=5": (7.39, 8.19), "K=10": (7.99, 8.44), "K=20": (8.39, 8.70), "noisy": (8.14, 8.42),
+             "uniform": (5.64, 6.73), "anti": (1.00, 1.00)},
+    "capg_swr": {"K=5": (7.37, 8.11), "K=10": (7.94, 8.40), "K=20": (8.33, 8.62), "noisy": (8.11, 8.41),
+                 "uniform": (5.79, 6.90), "anti": (1.00, 1.00)},
+}
+_PAPER_TABLE3 = {  # @500K only; L = 5 values are sums over the 5 positions
+    "vpg": {"L=1,M=1": 7.17, "L=1,M=5": 7.63, "L=5,M=1": 25.0, "L=5,M=5": 26.5},
+    "vpg_swr": {"L=1,M=1": 8.54, "L=1,M=5": 8.58, "L=5,M=1": 38.1, "L=5,M=5": 37.2},
+    "capg": {"L=1,M=1": 8.44, "L=1,M=5": 8.88, "L=5,M=1": 36.2, "L=5,M=5": 37.2},
+    "capg_swr": {"L=1,M=1": 8.40, "L=1,M=5": 8.82, "L=5,M=1": 36.3, "L=5,M=5": 37.6},
+}
+_PAPER_GRPO = {
+    "vpg_swr": {"K=20": (8.71, 8.88), "K=50": (8.84, 8.98), "K=100": (8.93, 9.02), "K=200": (9.00, 9.06)},
+    "capg_swr": {"K=20": (8.58, 8.97), "K=50": (8.89, 9.07), "K=100": (9.02, 9.10), "K=200": (9.08, 9.11)},
+}
+_PAPER_KUAIREC = {
+    "vpg_swr": {"K=50": (5.05, 7.91), "K=100": (5.39, 8.22), "K=200": (5.92, 8.26)},
+    "capg_swr": {"K=50": (5.61, 7.19), "K=100": (6.37, 7.82), "K=200": (7.10, 8.32)},
+}
+_GRPO_GROUP, _GRPO_OFFSET = 4, 1.0
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One (method, setting) of a target; ``scale`` converts our per-position mean to the
+    paper's unit (L for its sum-over-positions values)."""
+
+    setting: str
+    config: TrainConfig
+    paper: tuple[float | None, float | None] = (None, None)
+    scale: float = 1.0
+
+    @property
+    def method(self) -> str:
+        return ESTIMATOR_LABELS[self.config.estimator]
+
+
+def _estimators(estimators: Sequence[str] | None, default: Sequence[str]) -> list[str]:
+    chosen = list(estimators) if estimators else list(default)
+    for e in chosen:
+        if e not in ESTIMATOR_LABELS:
+            raise ValueError(f"estimators must be among {tuple(ESTIMATOR_LABELS)}, got {e!r}")
+    return chosen
+
+
+def build_target(target: str, *, steps: int, estimators: Sequence[str] | None = None,
+                 data: str | os.PathLike | None = None, lsr: Sequence[str] = (),
+                 ks: Sequence[int] | None = None,
+                 eval_every: int = 1000) -> tuple[Callable[[], MatrixEnv], list[Cell]]:
+    """``(env factory, cells)`` of a target. ``lsr`` adds table2's LSR-alignment columns (K = 10,
+    the train LSR is also the evaluation LSR, CA-PGs with the adaptive learning rate)."""
+    base = TrainConfig(steps=steps, eval_every=eval_every)
+    cells: list[Cell] = []
+    if target == "table2":
+        from capg_rec.sim.synthetic import synthetic_env
+
+        for est in _estimators(estimators, ("vpg_swr", "capg_swr")):
+            for k in ks or (5, 10, 20):
+                cells.append(Cell(f"K={k}", base.replace(estimator=est, num_candidates=k),
+                                  _PAPER_TABLE2[est].get(f"K={k}", (None, None))))
+            for name in lsr:
+                cfg = base.replace(estimator=est, train_lsr=name, eval_lsr=name,
+                                   adaptive_lr=est.startswith("capg"))
+                cells.append(Cell(name, cfg, _PAPER_TABLE2[est][name]))
+        return synthetic_env, cells
+    if target == "table3":
+        from capg_rec.sim.synthetic import synthetic_env
+
+        for est in _estimators(estimators, ("vpg_swr", "capg_swr")):
+            for length in (1, 5):
+                for experts in (1, 5):
+                    key = f"L={length},M={experts}"
+                    cfg = base.replace(estimator=est, num_outputs=length, num_experts=experts)
+                    cells.append(Cell(key, cfg, (None, _PAPER_TABLE3[est][key]), scale=float(length)))
+        return synthetic_env, cells
+    if target == "grpo":
+        from capg_rec.sim.synthetic import synthetic_env
+
+        for est in _estimators(estimators, ("vpg_swr", "capg_swr")):
+            offset = _GRPO_OFFSET if est.startswith("capg") else 0.0  # the paper's best choice for V-PG
+            for k in ks or (20, 50, 100, 200):
+                cfg = base.replace(estimator=est, num_candidates=k, num_experts=5, group_size=_GRPO_GROUP,
+                                   group_offset=offset)
+                cells.append(Cell(f"K={k}", cfg, _PAPER_GRPO[est].get(f"K={k}", (None, None))))
+        return synthetic_env, cells
+    if target in ("movielens", "kuairec"):
+        if target == "kuairec":
+            if data is None:
+                raise ValueError("data must be the path of KuaiRec's small_matrix.csv for target 'kuairec'")
+            from capg_rec.sim.kuairec import load_kuairec
+
+            def factory() -> MatrixEnv:
+                return load_kuairec(data)
+            paper = _PAPER_KUAIREC
+        else:
+            from capg_rec.sim.movielens import movielens_env as factory
+            paper = {}
+        for est in _estimators(estimators, ("vpg_swr", "capg_swr")):
+            for k in ks or (50, 100, 200):
+                cells.append(Cell(f"K={k}", base.replace(estimator=est, num_candidates=k),
+                                  paper.get(est, {}).get(f"K={k}", (None, None))))
+        return factory, cells
+    raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+
+
+def _run_dir(out: Path, cell: Cell, seed: int) -> Path:
+    slug = cell.setting.replace("=", "").replace(",", "_")
+    return out / "runs" / f"{cell.config.estimator}_{slug}_seed{seed}"
+
+
+def run_cells(env: MatrixEnv, cells: Sequence[Cell], seeds: Sequence[int], out: str | os.PathLike, *,
+              checkpoint_every: int = 5000, progress: bool = True) -> dict[tuple[str, str], list[TrainResult]]:
+    """Run every cell for every seed (resuming finished or checkpointed runs) → results."""
+    from tqdm.auto import tqdm
+
+    out = Path(out)
+    results: dict[tuple[str, str], list[TrainResult]] = {}
+    jobs = [(cell, seed) for cell in cells for seed in seeds]
+    for cell, seed in tqdm(jobs, desc="runs", disable=not progress):
+        run_dir = _run_dir(out, cell, seed)
+        config = cell.config.replace(seed=seed)
+        done = run_dir / "result.json"
+        if done.exists():
+            saved = json.loads(done.read_text(encoding="utf-8"))
+            if saved["config"] == config.to_dict():
+                result = TrainResult(config=saved["config"], history=saved["history"],
+                                     overflow_steps=saved["overflow_steps"], stopped_at=saved["stopped_at"],
+                                     steps_done=saved["steps_done"], lr=saved["lr"], seconds=saved["seconds"])
+                results.setdefault((cell.method, cell.setting), []).append(result)
+                continue
+        checkpoint = run_dir / "checkpoint.pt"
+        trainer = Trainer.load(checkpoint, env, steps=config.steps) if checkpoint.exists() else None
+        if trainer is None or trainer.config != config:  # a longer run extends, another config restarts
+            trainer = Trainer(env, config)
+        result = trainer.run(out_dir=run_dir, checkpoint_every=checkpoint_every, progress=progress)
+        results.setdefault((cell.method, cell.setting), []).append(result)
+    return results
+
+
+def summarize(target: str, env: MatrixEnv, cells: Sequence[Cell], results: dict, out: str | os.PathLike,
+              *, steps: int) -> str:
+    """Write ``results.{md,csv,json}`` and ``curves.png``; return the Markdown text."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    per_run, rows, summary = [], [], []
+    for cell in cells:
+        runs = results.get((cell.method, cell.setting), [])
+        if not runs:
+            continue
+        values = [value_at(r.history, steps) * cell.scale for r in runs]
+        mean, se = mean_se(values)
+        overflows = sum(r.overflow_count for r in runs)
+        stopped = sum(r.stopped_at is not None for r in runs)
+        p50, p500 = cell.paper
+        rows.append([cell.method, cell.setting, f"{mean:.2f} ± {se:.2f}", len(runs),
+                     "–" if p50 is None else f"{p50:.2f}", "–" if p500 is None else f"{p500:.2f}",
+                     f"{overflows} ({stopped} stopped)"])
+        summary.append({"method": cell.method, "setting": cell.setting, "mean": mean, "se": se, "n": len(runs),
+                        "values": values, "paper_50k": p50, "paper_500k": p500, "overflows": overflows,
+                        "stopped_runs": stopped, "config": cell.config.to_dict()})
+        for r in runs:
+            per_run.append({"method": cell.method, "setting": cell.setting, "seed": r.config["seed"],
+                            "steps_done": r.steps_done, f"value@{steps}": value_at(r.history, steps) * cell.scale,
+                            "overflow_count": r.overflow_count, "stopped_at": r.stopped_at, "lr": r.lr,
+                            "seconds": round(r.seconds, 1)})
+    unit = " (sum over positions)" if any(c.scale != 1 for c in cells) else ""
+    header = ["method", "setting", f"ours @{steps} steps{unit} (mean ± se)", "seeds", "paper @50K",
+              "paper @500K", "overflows"]
+    best = env.optimal_value(1)
+    text = (f"# {target}: {env.name}\n\nPolicy value of the greedy ESR (exact, all {env.num_users} users); "
+            f"best achievable (L = 1): {best:.3f}.\n\n" + markdown_table(header, rows))
+    (out / "results.md").write_text(text, encoding="utf-8")
+    if per_run:
+        write_csv(out / "results.csv", per_run)
+    write_json(out / "results.json", {"target": target, "env": env.name, "steps": steps,
+                                      "best_value": best, "cells": summary, "runs": per_run})
+    panels: dict[str, dict[str, list]] = {}
+    for cell in cells:
+        for r in results.get((cell.method, cell.setting), []):
+            panels.setdefault(cell.setting, {}).setdefault(cell.method, []).append(r.history)
+    if panels:
+        plot_curves(panels, out / "curves.png", optimum=best if all(c.scale == 1 for c in cells) else None)
+    return text

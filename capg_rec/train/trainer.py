@@ -1,0 +1,354 @@
+"""Online training of an ESR behind a fixed LSR, as in the paper's experiments.
+
+Each step: sample B users, draw K candidates from the current ESR (exact PL(-MoE) sampling),
+let the LSR pick L of them, observe noisy rewards, take a policy-gradient step with the chosen
+estimator. Every ``eval_every`` steps the *greedy* ESR (its top-K) is scored exactly: the policy
+value is the mean over all users of the expected ``q`` of the evaluation LSR's picks.
+
+All randomness flows through one ``torch.Generator`` seeded from the config, and checkpoints
+store its state, so a resumed run continues bit-identically.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from capg_rec.losses import CAPGLoss, TOP1PGLoss, VPGLoss
+from capg_rec.plackett_luce import greedy_candidates, sample_candidates
+from capg_rec.rewards import dcg_weights, group_normalize
+from capg_rec.sim.env import MatrixEnv
+from capg_rec.sim.lsr import LSRPolicy, make_lsr
+from capg_rec.train.config import TrainConfig
+from capg_rec.train.model import TwoTowerMoE
+
+__all__ = ["Trainer", "TrainResult", "policy_value", "make_loss"]
+
+_EVAL_CHUNK = 256
+_CHECKPOINT_VERSION = 1
+
+
+def make_loss(config: TrainConfig) -> torch.nn.Module:
+    """The loss module of ``config.estimator``."""
+    k, tau = config.num_candidates, config.temperature
+    if config.estimator == "vpg":
+        return VPGLoss(k, temperature=tau)
+    if config.estimator == "vpg_swr":
+        return VPGLoss(k, with_replacement=True, temperature=tau)
+    if config.estimator == "capg":
+        return CAPGLoss(k, temperature=tau) if config.capg_method is None else \
+            CAPGLoss(k, method=config.capg_method, temperature=tau)
+    return TOP1PGLoss(k, temperature=tau)
+
+
+@torch.no_grad()
+def policy_value(model: torch.nn.Module, env: MatrixEnv, lsr: LSRPolicy, num_candidates: int,
+                 num_outputs: int, *, temperature: float = 1.0, seed: int = 0) -> float:
+    """Exact value of the greedy ESR (top-K logits) under ``lsr``: mean over all users of the
+    expected mean ``q`` of the L picks. Uses ``lsr.expected_value`` when the ranker has it,
+    otherwise one draw of ``lsr`` with a generator seeded by ``seed`` (exact if deterministic)."""
+    generator = torch.Generator().manual_seed(seed)
+    total = 0.0
+    for start in range(0, env.num_users, _EVAL_CHUNK):
+        users = torch.arange(start, min(start + _EVAL_CHUNK, env.num_users))
+        candidates = greedy_candidates(model(users), num_candidates, temperature=temperature)
+        scores = env.ranking_scores(users, candidates)
+        q = env.expected_reward(users, candidates)
+        if hasattr(lsr, "expected_value"):
+            values = lsr.expected_value(scores, q, num_outputs)
+        else:
+            picks, _ = lsr(scores, num_outputs, generator)
+            values = q.gather(1, picks).mean(dim=1)
+        total += float(values.double().sum())
+    return total / env.num_users
+
+
+@dataclass
+class TrainResult:
+    """What a run produced: the learning curve and the overflow record."""
+
+    config: dict
+    history: list[dict] = field(default_factory=list)
+    overflow_steps: list[int] = field(default_factory=list)
+    stopped_at: int | None = None
+    steps_done: int = 0
+    lr: float = 0.0
+    seconds: float = 0.0
+
+    @property
+    def final_value(self) -> float:
+        return self.history[-1]["policy_value"]
+
+    @property
+    def overflow_count(self) -> int:
+        return len(self.overflow_steps)
+
+    def to_dict(self) -> dict:
+        return {"config": self.config, "history": self.history, "overflow_steps": self.overflow_steps,
+                "overflow_count": self.overflow_count, "stopped_at": self.stopped_at,
+                "steps_done": self.steps_done, "lr": self.lr, "seconds": self.seconds,
+                "final_value": self.final_value}
+
+
+class Trainer:
+    """Online PG training of a :class:`TwoTowerMoE` ESR on a :class:`MatrixEnv`.
+
+    ``train_lsr`` / ``eval_lsr`` override the config's named rankers with any LSR callable.
+    """
+
+    def __init__(self, env: MatrixEnv, config: TrainConfig, *, train_lsr: LSRPolicy | None = None,
+                 eval_lsr: LSRPolicy | None = None) -> None:
+        self._setup(env, config, train_lsr, eval_lsr)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.model = TwoTowerMoE(env.num_users, env.num_items, num_experts=config.num_experts,
+                                 dim=config.embedding_dim, generator=self.generator)
+        self.baseline_table = torch.zeros(env.num_users)
+        self.baseline_seen = torch.zeros(env.num_users, dtype=torch.bool)
+        self.step_count = 0
+        self.interval_losses: list[float] = []  # losses since the last evaluation
+        self.result = TrainResult(config=config.to_dict())
+        self.result.lr = config.base_lr * (self.estimate_adaptive_factor() if config.adaptive_lr else 1.0)
+        self.optimizer = self._optimizer(self.result.lr)
+
+    # ----------------------------------------------------------------- setup
+    def _setup(self, env: MatrixEnv, config: TrainConfig, train_lsr: LSRPolicy | None,
+               eval_lsr: LSRPolicy | None) -> None:
+        if not isinstance(env, MatrixEnv):
+            raise ValueError(f"env must be a MatrixEnv, got {type(env).__name__}")
+        if not isinstance(config, TrainConfig):
+            raise ValueError(f"config must be a TrainConfig, got {type(config).__name__}")
+        eval_k = config.eval_candidates or config.num_candidates
+        if max(config.num_candidates, eval_k) > env.num_items:
+            raise ValueError(f"num_candidates/eval_candidates must be <= env.num_items={env.num_items}, "
+                             f"got {config.num_candidates}/{eval_k}")
+        self.env, self.config = env, config
+        self.train_lsr = make_lsr(train_lsr if train_lsr is not None else config.train_lsr)
+        self.eval_lsr = make_lsr(eval_lsr if eval_lsr is not None else config.eval_lsr)
+        self.eval_candidates = eval_k
+        self.loss_fn = make_loss(config)
+        self.position_weights = self._position_weights()
+
+    def _position_weights(self) -> Tensor:
+        length = self.config.num_outputs
+        if self.config.position_weights == "dcg":
+            return dcg_weights(length)
+        fill = 1.0 / length if self.config.position_weights == "mean" else 1.0
+        return torch.full((length,), fill)
+
+    def _optimizer(self, lr: float) -> torch.optim.Optimizer:
+        params = self.model.parameters()
+        if self.config.optimizer == "adagrad":
+            return torch.optim.Adagrad(params, lr=lr)
+        if self.config.optimizer == "adam":
+            return torch.optim.Adam(params, lr=lr)
+        return torch.optim.SGD(params, lr=lr)
+
+    @torch.no_grad()
+    def estimate_adaptive_factor(self) -> float:
+        """``1 / E[π_LSR(pick | x, A^K)]`` under the initial ESR (Monte-Carlo, the paper's
+        adaptive learning rate), from ``adaptive_lr_batches`` batches of the run's generator."""
+        total, count = 0.0, 0
+        for _ in range(self.config.adaptive_lr_batches):
+            users, candidates = self._sample(self.config.batch_size)
+            _, propensities = self.train_lsr(self.env.ranking_scores(users, candidates),
+                                             self.config.num_outputs, self.generator)
+            if propensities is None:
+                raise ValueError("adaptive_lr needs an LSR that returns propensities (got None)")
+            total += float(propensities.double().sum())
+            count += propensities.numel()
+        return count / total
+
+    # ------------------------------------------------------------- one step
+    def _sample(self, batch_size: int) -> tuple[Tensor, Tensor]:
+        users = self.env.sample_users(batch_size, self.generator)
+        logits = self.model(users).detach()
+        return users, sample_candidates(logits, self.config.num_candidates,
+                                        temperature=self.config.temperature, generator=self.generator)
+
+    def _baseline(self, users: Tensor, rewards: Tensor) -> Tensor | None:
+        """Per-user moving average of past mean rewards (unseen users: this batch's mean)."""
+        if self.config.baseline == "none":
+            return None
+        observed = rewards.mean(dim=1)
+        baseline = torch.where(self.baseline_seen[users], self.baseline_table[users], observed.mean())
+        counts = torch.zeros(self.env.num_users).index_add_(0, users, torch.ones_like(observed))
+        sums = torch.zeros(self.env.num_users).index_add_(0, users, observed)
+        hit = counts > 0
+        batch_mean = sums[hit] / counts[hit]
+        decay = self.config.baseline_decay
+        old = self.baseline_table[hit]
+        self.baseline_table[hit] = torch.where(self.baseline_seen[hit], decay * old + (1 - decay) * batch_mean,
+                                               batch_mean)
+        self.baseline_seen[hit] = True
+        return baseline
+
+    def step(self) -> tuple[float, bool]:
+        """One training step → ``(loss, overflowed)``.
+
+        A non-finite loss or gradient norm is a *gradient overflow*: it is recorded in
+        ``result.overflow_steps``, no parameter changes, and with ``on_overflow="stop"`` the run
+        is marked stopped (``result.stopped_at``).
+        """
+        self.step_count += 1
+        loss, overflowed = self._step()
+        if overflowed:
+            self.result.overflow_steps.append(self.step_count)
+            if self.config.on_overflow == "stop":
+                self.result.stopped_at = self.step_count
+        return loss, overflowed
+
+    def _step(self) -> tuple[float, bool]:
+        cfg = self.config
+        users = self.env.sample_users(cfg.batch_size, self.generator).repeat_interleave(cfg.group_size)
+        logits = self.model(users)
+        if not bool(torch.isfinite(logits).all()):
+            return math.nan, True
+        candidates = sample_candidates(logits.detach(), cfg.num_candidates, temperature=cfg.temperature,
+                                       generator=self.generator)
+        picks, _ = self.train_lsr(self.env.ranking_scores(users, candidates), cfg.num_outputs, self.generator)
+        chosen = candidates.gather(1, picks)
+        rewards = self.env.sample_reward(users, chosen, self.generator)
+        if cfg.group_size > 1:
+            grouped = rewards.view(cfg.batch_size, cfg.group_size, cfg.num_outputs)
+            rewards = group_normalize(grouped, offset=cfg.group_offset, dim=1).view_as(rewards)
+        baseline = self._baseline(users, rewards)
+        loss = self.loss_fn(logits, candidates, chosen, rewards, position_weights=self.position_weights,
+                            baseline=baseline)
+        self.optimizer.zero_grad(set_to_none=True)
+        if not bool(torch.isfinite(loss)):
+            return float(loss.detach()), True
+        loss.backward()
+        grad_sq = sum(p.grad.double().pow(2).sum() for p in self.model.parameters() if p.grad is not None)
+        if not bool(torch.isfinite(grad_sq)):
+            self.optimizer.zero_grad(set_to_none=True)
+            return float(loss.detach()), True
+        self.optimizer.step()
+        return float(loss.detach()), False
+
+    def evaluate(self) -> float:
+        """Exact policy value of the current greedy ESR under the evaluation LSR."""
+        return policy_value(self.model, self.env, self.eval_lsr, self.eval_candidates, self.config.num_outputs,
+                            temperature=self.config.temperature, seed=self.config.seed + self.step_count)
+
+    # ------------------------------------------------------------------ run
+    def run(self, *, out_dir: str | os.PathLike | None = None, checkpoint_every: int | None = None,
+            progress: bool = True) -> TrainResult:
+        """Train until ``config.steps`` (or an overflow with ``on_overflow="stop"``).
+
+        With ``out_dir``: appends each evaluation to ``metrics.jsonl``, writes ``result.json`` at
+        the end and, every ``checkpoint_every`` steps, an atomic ``checkpoint.pt``.
+        """
+        from tqdm.auto import tqdm
+
+        cfg = self.config
+        out = Path(out_dir) if out_dir is not None else None
+        if out is not None:  # metrics.jsonl mirrors the history (a resumed run drops later rows)
+            out.mkdir(parents=True, exist_ok=True)
+            _atomic_write_text(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in self.result.history))
+        if checkpoint_every is not None and (out is None or checkpoint_every < 1):
+            raise ValueError(f"checkpoint_every needs an out_dir and must be >= 1, got {checkpoint_every!r}")
+        if not self.result.history:
+            self._record(out, None)
+        started = time.perf_counter()
+        bar = tqdm(total=cfg.steps, initial=self.step_count, disable=not progress,
+                   desc=f"{cfg.label} K={cfg.num_candidates}", leave=False)
+        while self.step_count < cfg.steps and self.result.stopped_at is None:
+            loss, overflowed = self.step()
+            bar.update(1)
+            if not overflowed:
+                self.interval_losses.append(loss)
+            if self.step_count % cfg.eval_every == 0 or self.step_count == cfg.steps or \
+                    self.result.stopped_at is not None:
+                losses = self.interval_losses
+                mean_loss = sum(losses) / len(losses) if losses else None
+                if self.step_count % cfg.eval_every == 0:  # an off-grid end-of-run row keeps them
+                    losses.clear()
+                self._record(out, mean_loss)
+                bar.set_postfix(value=f"{self.result.history[-1]['policy_value']:.3f}")
+            if checkpoint_every is not None and self.step_count % checkpoint_every == 0:
+                self.save(out / "checkpoint.pt")
+        bar.close()
+        self.result.steps_done = self.step_count
+        self.result.seconds += time.perf_counter() - started
+        if out is not None:
+            _atomic_write_text(out / "result.json", json.dumps(self.result.to_dict(), indent=1))
+        return self.result
+
+    def _record(self, out: Path | None, mean_loss: float | None) -> None:
+        row = {"step": self.step_count, "policy_value": self.evaluate(), "loss": mean_loss,
+               "overflows": self.result.overflow_count}
+        self.result.history.append(row)
+        if out is not None:
+            with open(out / "metrics.jsonl", "a", encoding="utf-8") as f:
+                f.write(json.dumps(row) + "\n")
+
+    # ---------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict:
+        return {"version": _CHECKPOINT_VERSION, "config": self.config.to_dict(), "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(), "generator": self.generator.get_state(),
+                "baseline_table": self.baseline_table, "baseline_seen": self.baseline_seen,
+                "step": self.step_count, "interval_losses": self.interval_losses,
+                "result": self.result.to_dict() if self.result.history else None,
+                "lr": self.result.lr}
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write a checkpoint atomically (temp file + ``os.replace``): an interrupted write leaves
+        the previous checkpoint intact."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            torch.save(self.state_dict(), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, env: MatrixEnv, *, train_lsr: LSRPolicy | None = None,
+             eval_lsr: LSRPolicy | None = None, steps: int | None = None) -> Trainer:
+        """Rebuild a trainer from a checkpoint; ``steps`` may extend the run."""
+        state = torch.load(path, weights_only=False)
+        if state.get("version") != _CHECKPOINT_VERSION:
+            raise ValueError(f"checkpoint version must be {_CHECKPOINT_VERSION}, got {state.get('version')!r}")
+        config = TrainConfig(**state["config"])
+        if steps is not None:
+            config = config.replace(steps=steps)
+        trainer = cls.__new__(cls)
+        trainer._setup(env, config, train_lsr, eval_lsr)
+        shape = tuple(state["model"]["user"].shape[1:2]) + tuple(state["model"]["item"].shape[1:2])
+        if shape != (env.num_users, env.num_items):
+            raise ValueError(f"env must have the checkpoint's (users, items) = {shape}, "
+                             f"got {(env.num_users, env.num_items)}")
+        trainer.generator = torch.Generator()
+        trainer.generator.set_state(state["generator"])
+        trainer.model = TwoTowerMoE(env.num_users, env.num_items, num_experts=config.num_experts,
+                                    dim=config.embedding_dim)
+        trainer.model.load_state_dict(state["model"])
+        trainer.baseline_table, trainer.baseline_seen = state["baseline_table"], state["baseline_seen"]
+        trainer.step_count = state["step"]
+        trainer.interval_losses = state["interval_losses"]
+        saved = state["result"]
+        trainer.result = TrainResult(config=config.to_dict(), lr=state["lr"])
+        if saved is not None:
+            history = saved["history"]
+            if history and history[-1]["step"] % config.eval_every and trainer.step_count < config.steps:
+                history = history[:-1]  # the end-of-run evaluation of a run now extended
+            trainer.result.history = history
+            trainer.result.overflow_steps = saved["overflow_steps"]
+            trainer.result.stopped_at = saved["stopped_at"]
+            trainer.result.seconds = saved["seconds"]
+        trainer.optimizer = trainer._optimizer(state["lr"])
+        trainer.optimizer.load_state_dict(state["optimizer"])
+        return trainer
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
