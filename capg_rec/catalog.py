@@ -218,6 +218,19 @@ def _chunked_top_k(user: Tensor, item: Tensor, k: int, exclude: Tensor | None,
     return best_val, best_idx
 
 
+def _expert_views(user: Tensor, item: Tensor) -> tuple[Tensor, Tensor]:
+    """``user [B, D] | [B, M, D]`` and ``item [N, D] | [N, M, D]`` as ``[B, M, D]``, ``[N, M, D]``,
+    checked to agree on (M, D) and dtype."""
+    user = user.unsqueeze(1) if user.dim() == 2 else user
+    item = item.unsqueeze(1) if item.dim() == 2 else item
+    if user.shape[1:] != item.shape[1:]:
+        raise ValueError(f"user [B, M, D] and item [N, M, D] must agree on (M, D), got "
+                         f"{tuple(user.shape[1:])} and {tuple(item.shape[1:])}")
+    if user.dtype != item.dtype:
+        raise ValueError(f"user and item must share a dtype, got {user.dtype} and {item.dtype}")
+    return user, item
+
+
 class EmbeddingCatalog(CatalogScores):
     """A catalog scored from embeddings: ``s[b, m, n] = <user[b, m], item[n, m]> / τ``.
 
@@ -232,13 +245,7 @@ class EmbeddingCatalog(CatalogScores):
         item = check_float_tensor("item", item, ndims=(2, 3))
         tau = check_positive("temperature", temperature)
         self.chunk_size = check_count("chunk_size", chunk_size)
-        user = user.unsqueeze(1) if user.dim() == 2 else user
-        item = item.unsqueeze(1) if item.dim() == 2 else item
-        if user.shape[1:] != item.shape[1:]:
-            raise ValueError(f"user [B, M, D] and item [N, M, D] must agree on (M, D), got "
-                             f"{tuple(user.shape[1:])} and {tuple(item.shape[1:])}")
-        if user.dtype != item.dtype:
-            raise ValueError(f"user and item must share a dtype, got {user.dtype} and {item.dtype}")
+        user, item = _expert_views(user, item)
         self.user = user / tau if tau != 1.0 else user  # [B, M, D], temperature folded in
         self.item = item  # [N, M, D]
         self.batch_size, self.num_experts = self.user.shape[:2]

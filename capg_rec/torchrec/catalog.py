@@ -19,7 +19,7 @@ from torch import Tensor
 
 from capg_rec._checks import check_count, check_float_tensor, check_positive
 from capg_rec._numerics import masked_logsumexp
-from capg_rec.catalog import CatalogScores, _chunked_top_k, _ChunkedLogPowerSums
+from capg_rec.catalog import CatalogScores, _chunked_top_k, _ChunkedLogPowerSums, _expert_views
 from capg_rec.torchrec._hash_noise import draw_seed, hashed_gumbel, row_keys
 
 __all__ = ["ShardedEmbeddingCatalog"]
@@ -79,13 +79,7 @@ class ShardedEmbeddingCatalog(CatalogScores):
         self.num_items = check_count("num_items", num_items)
         self.chunk_size = check_count("chunk_size", chunk_size)
         self.row_offset = check_count("row_offset", row_offset, low=0)
-        user = user.unsqueeze(1) if user.dim() == 2 else user
-        item = item.unsqueeze(1) if item.dim() == 2 else item
-        if user.shape[1:] != item.shape[1:]:
-            raise ValueError(f"user [B, M, D] and item [R, M, D] must agree on (M, D), got "
-                             f"{tuple(user.shape[1:])} and {tuple(item.shape[1:])}")
-        if user.dtype != item.dtype:
-            raise ValueError(f"user and item must share a dtype, got {user.dtype} and {item.dtype}")
+        user, item = _expert_views(user, item)
         if process_group is None and (row_offset, item.shape[0]) != (0, num_items):
             raise ValueError(f"without a process_group item must hold the whole catalog: row_offset=0 and "
                              f"{num_items} rows, got row_offset={row_offset} and {item.shape[0]} rows")
