@@ -68,7 +68,8 @@ def run_case(name: str, batch: int, num_items: int, k: int, experts: int, dim: i
     return {"seconds": statistics.median(times), "peak_mib": max(peak - base, 0.0)}
 
 
-def cost_table(sizes: list[int], configs: list[tuple[int, int]], batch: int, dim: int, reps: int) -> list[dict]:
+def cost_table(sizes: list[int], configs: list[tuple[int, int]], batch: int, dim: int, reps: int,
+               case_timeout: float) -> list[dict]:
     rows = []
     for num_items in sizes:
         for k, experts in configs:
@@ -77,7 +78,11 @@ def cost_table(sizes: list[int], configs: list[tuple[int, int]], batch: int, dim
                 cmd = [sys.executable, "-m", "capg_rec.bench", "--case", name, "--batch", str(batch),
                        "--items", str(num_items), "--k", str(k), "--experts", str(experts), "--dim", str(dim),
                        "--reps", str(reps)]
-                out = subprocess.run(cmd, capture_output=True, text=True)
+                try:
+                    out = subprocess.run(cmd, capture_output=True, text=True, timeout=case_timeout)
+                except subprocess.TimeoutExpired:
+                    results[name] = {"error": f"not finished within {case_timeout:.0f} s"}
+                    continue
                 if out.returncode != 0:
                     results[name] = {"error": out.stderr.strip().splitlines()[-1]}
                 else:
@@ -146,6 +151,7 @@ def register(subparsers) -> None:
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--dim", type=int, default=16)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--case-timeout", type=float, default=1800.0, help="seconds allowed per (estimator, size) case")
     p.add_argument("--mc-samples", type=int, default=100_000)
     p.add_argument("--skip-cost", action="store_true")
     p.add_argument("--skip-accuracy", action="store_true")
@@ -159,7 +165,8 @@ def _main(args: argparse.Namespace) -> None:
     result = {}
     if not args.skip_cost:
         print("(a) cost: forward+backward of each loss, ratio to bare scoring (chunked logits + logsumexp)")
-        result["cost"] = cost_table(args.sizes, [(10, 1), (200, 5)], args.batch, args.dim, args.reps)
+        result["cost"] = cost_table(args.sizes, [(10, 1), (200, 5)], args.batch, args.dim, args.reps,
+                                    args.case_timeout)
     if not args.skip_accuracy:
         print("(b) accuracy: mean relative error of inclusion probabilities vs Monte-Carlo "
               f"({args.mc_samples} draws; mc_se is its own relative standard error) and vs exact, N=1000")
