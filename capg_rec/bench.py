@@ -68,8 +68,14 @@ def run_case(name: str, batch: int, num_items: int, k: int, experts: int, dim: i
     return {"seconds": statistics.median(times), "peak_mib": max(peak - base, 0.0)}
 
 
+def _limit_memory(gib: float):
+    """A ``preexec_fn`` capping the case's address space, so an oversized case fails cleanly."""
+    limit = int(gib * 2**30)
+    return lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
 def cost_table(sizes: list[int], configs: list[tuple[int, int]], batch: int, dim: int, reps: int,
-               case_timeout: float) -> list[dict]:
+               case_timeout: float, memory_limit_gib: float) -> list[dict]:
     rows = []
     for num_items in sizes:
         for k, experts in configs:
@@ -79,12 +85,14 @@ def cost_table(sizes: list[int], configs: list[tuple[int, int]], batch: int, dim
                        "--items", str(num_items), "--k", str(k), "--experts", str(experts), "--dim", str(dim),
                        "--reps", str(reps)]
                 try:
-                    out = subprocess.run(cmd, capture_output=True, text=True, timeout=case_timeout)
+                    out = subprocess.run(cmd, capture_output=True, text=True, timeout=case_timeout,
+                                         preexec_fn=_limit_memory(memory_limit_gib))
                 except subprocess.TimeoutExpired:
                     results[name] = {"error": f"not finished within {case_timeout:.0f} s"}
                     continue
                 if out.returncode != 0:
-                    results[name] = {"error": out.stderr.strip().splitlines()[-1]}
+                    lines = out.stderr.strip().splitlines()
+                    results[name] = {"error": lines[-1] if lines else f"exit status {out.returncode}"}
                 else:
                     results[name] = json.loads(out.stdout.strip().splitlines()[-1])
             bare = results["bare"]
@@ -152,6 +160,7 @@ def register(subparsers) -> None:
     p.add_argument("--dim", type=int, default=16)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--case-timeout", type=float, default=1800.0, help="seconds allowed per (estimator, size) case")
+    p.add_argument("--memory-limit", type=float, default=16.0, help="GiB of address space allowed per case")
     p.add_argument("--mc-samples", type=int, default=100_000)
     p.add_argument("--skip-cost", action="store_true")
     p.add_argument("--skip-accuracy", action="store_true")
@@ -166,7 +175,7 @@ def _main(args: argparse.Namespace) -> None:
     if not args.skip_cost:
         print("(a) cost: forward+backward of each loss, ratio to bare scoring (chunked logits + logsumexp)")
         result["cost"] = cost_table(args.sizes, [(10, 1), (200, 5)], args.batch, args.dim, args.reps,
-                                    args.case_timeout)
+                                    args.case_timeout, args.memory_limit)
     if not args.skip_accuracy:
         print("(b) accuracy: mean relative error of inclusion probabilities vs Monte-Carlo "
               f"({args.mc_samples} draws; mc_se is its own relative standard error) and vs exact, N=1000")

@@ -100,6 +100,14 @@ def _plugin(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
     return torch.logsumexp(log_hazard + log_miss_before, dim=2)
 
 
+def _head_size(method: str, num_items: int, num_candidates: int) -> int:
+    """Items per expert kept one by one: mean-field needs the best 8K (tail items then each
+    have a chance below 1/8); the exact method keeps more (see :func:`head_size_for`)."""
+    if method == "mean_field":
+        return min(num_items, 8 * num_candidates)
+    return head_size_for(num_items, num_candidates)
+
+
 def _clock(scores: Tensor, kappa: Tensor, valid: Tensor) -> Tensor:
     """``e^{s - κ}`` (the rate of an item's exponential clock at time ``e^{-κ}``) → ``[B, T]``.
 
@@ -117,7 +125,7 @@ def _mean_field(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
     below 1/8 and the neglected fourth-order terms below 1e-4 of it).
     """
     num_candidates = sum(n for _, n in runs)
-    head = head_size_for(catalog.num_items, num_candidates, minimum=8 * num_candidates)
+    head = _head_size("mean_field", catalog.num_items, num_candidates)
     ht = summarize(catalog, items, head, _MEAN_FIELD_POWERS)
     scores, tail = ht.head_scores, ht.tail_log_power_sums  # [B, M, T], [B, M, P]
     valid = ht.head_ids >= 0  # [B, T]
@@ -178,7 +186,7 @@ def _exact(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
     from capg_rec._exact import EXACT_NUM_POWERS, exact_log_inclusion
 
     num_candidates = sum(n for _, n in runs)
-    ht = summarize(catalog, items, head_size_for(catalog.num_items, num_candidates), EXACT_NUM_POWERS)
+    ht = summarize(catalog, items, _head_size("exact", catalog.num_items, num_candidates), EXACT_NUM_POWERS)
     return exact_log_inclusion(ht, runs)
 
 
