@@ -100,11 +100,14 @@ def _plugin(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
     return torch.logsumexp(log_hazard + log_miss_before, dim=2)
 
 
-def _head_size(method: str, num_items: int, num_candidates: int) -> int:
-    """Items per expert kept one by one: mean-field needs the best 8K (tail items then each
-    have a chance below 1/8); the exact method keeps more (see :func:`head_size_for`)."""
+def _head_size(method: str, num_items: int, runs: Runs) -> int:
+    """Items per expert kept one by one. Mean-field: the best ``8·n + (K - n)`` for the largest
+    block n, so that after any earlier blocks took their items a tail item's chance within its
+    block stays below 1/8; the exact method keeps more (see :func:`head_size_for`)."""
+    num_candidates = sum(n for _, n in runs)
     if method == "mean_field":
-        return min(num_items, 8 * num_candidates)
+        block = max(n for _, n in runs)
+        return min(num_items, 8 * block + num_candidates - block)
     return head_size_for(num_items, num_candidates)
 
 
@@ -121,11 +124,10 @@ def _mean_field(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
 
     Block m solves ``Σ_b ρ_b (1 - exp(-e^{s_mb - κ_m})) = n_m`` for κ_m, where ρ_b is the chance
     that b survived the earlier blocks; tail items enter through a 3-term power-series expansion
-    (accurate because the head holds the best 8K items per expert, so each tail item's chance is
-    below 1/8 and the neglected fourth-order terms below 1e-4 of it).
+    (accurate because the head keeps enough of every expert's best items that each tail item's
+    chance within a block is below 1/8, and the neglected fourth-order terms below 1e-4 of it).
     """
-    num_candidates = sum(n for _, n in runs)
-    head = _head_size("mean_field", catalog.num_items, num_candidates)
+    head = _head_size("mean_field", catalog.num_items, runs)
     ht = summarize(catalog, items, head, _MEAN_FIELD_POWERS)
     scores, tail = ht.head_scores, ht.tail_log_power_sums  # [B, M, T], [B, M, P]
     valid = ht.head_ids >= 0  # [B, T]
@@ -163,13 +165,18 @@ def _mean_field(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
                 lo = s.masked_fill(~valid, torch.inf).min(1).values - 50.0
             lo = torch.minimum(lo, hi - 1.0)
             kappa0 = 0.5 * (lo + hi)
+            tolerance = 4 * torch.finfo(s.dtype).eps
             for _ in range(_ROOT_STEPS):  # Newton, falling back to bisection outside the bracket
                 f, df = excess(kappa0)
                 above = f > 0
                 lo, hi = torch.where(above, kappa0, lo), torch.where(above, hi, kappa0)
                 newton = kappa0 - f / df
                 inside = torch.isfinite(newton) & (newton > lo) & (newton < hi)
-                kappa0 = torch.where(inside, newton, 0.5 * (lo + hi))
+                update = torch.where(inside, newton, 0.5 * (lo + hi))
+                converged = bool(((update - kappa0).abs() <= tolerance * (1 + kappa0.abs())).all())
+                kappa0 = update
+                if converged:
+                    break
         f, df = excess(kappa0)  # one differentiable Newton step: implicit-function gradient
         df = df.detach()
         ok = torch.isfinite(df) & (df < 0)
@@ -185,8 +192,7 @@ def _mean_field(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
 def _exact(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
     from capg_rec._exact import EXACT_NUM_POWERS, exact_log_inclusion
 
-    num_candidates = sum(n for _, n in runs)
-    ht = summarize(catalog, items, _head_size("exact", catalog.num_items, num_candidates), EXACT_NUM_POWERS)
+    ht = summarize(catalog, items, _head_size("exact", catalog.num_items, runs), EXACT_NUM_POWERS)
     return exact_log_inclusion(ht, runs)
 
 

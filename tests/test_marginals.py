@@ -118,7 +118,7 @@ def test_large_catalog_head_tail_matches_full(method, monkeypatch):
     items = torch.cat([catalog.top_items(3)[:, 0], torch.tensor([[5, 17], [1000, 19_999], [7, 8]])], 1)
     for k in (10, 100):
         summarised = inclusion_log_prob(catalog, items, k, method=method)
-        monkeypatch.setattr(marginals, "_head_size", lambda method, n, k: n)
+        monkeypatch.setattr(marginals, "_head_size", lambda method, n, runs: n)
         full = inclusion_log_prob(catalog, items, k, method=method)
         monkeypatch.undo()
         torch.testing.assert_close(summarised.exp(), full.exp(), rtol=1e-4, atol=0)

@@ -74,7 +74,11 @@ def plot_curves(panels: Mapping[str, Mapping[str, Sequence[Sequence[Mapping]]]],
         ax.set_xlabel("gradient steps")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel(ylabel)
-    axes[0][-1].legend(fontsize=8, loc="lower right")
+    labels: dict[str, object] = {}
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            labels.setdefault(label, handle)
+    axes[0][-1].legend(list(labels.values()), list(labels), fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
