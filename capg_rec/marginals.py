@@ -111,12 +111,13 @@ def _head_size(method: str, num_items: int, runs: Runs) -> int:
     return head_size_for(num_items, num_candidates)
 
 
-def _clock(scores: Tensor, kappa: Tensor, valid: Tensor) -> Tensor:
+def _clock(scores: Tensor, kappa: Tensor) -> Tensor:
     """``e^{s - κ}`` (the rate of an item's exponential clock at time ``e^{-κ}``) → ``[B, T]``.
 
-    Clamped where ``1 - exp(-x)`` is already exactly 1, so neither value nor gradient overflows.
+    Clamped where ``1 - exp(-x)`` is already exactly 1, so neither value nor gradient overflows;
+    unused head slots (score −inf) give 0.
     """
-    return torch.exp((scores - kappa.unsqueeze(1)).clamp(max=60.0)).masked_fill(~valid, 0.0)
+    return torch.exp((scores - kappa.unsqueeze(1)).clamp(max=60.0))
 
 
 def _mean_field(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
@@ -130,7 +131,7 @@ def _mean_field(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
     head = _head_size("mean_field", catalog.num_items, runs)
     ht = summarize(catalog, items, head, _MEAN_FIELD_POWERS)
     scores, tail = ht.head_scores, ht.tail_log_power_sums  # [B, M, T], [B, M, P]
-    valid = ht.head_ids >= 0  # [B, T]
+    valid = ht.head_ids >= 0  # [B, T]; unused slots score -inf
     has_tail = bool(torch.isfinite(tail[..., 0]).any())
     powers = torch.arange(1, _MEAN_FIELD_POWERS + 1, dtype=scores.dtype, device=scores.device)
     tail_coef = torch.tensor([(-1.0) ** (p + 1) / math.factorial(p) for p in range(1, _MEAN_FIELD_POWERS + 1)],
@@ -141,10 +142,11 @@ def _mean_field(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
     for expert, count in runs:
         s, lz = scores[:, expert], tail[:, expert]  # [B, T], [B, P]
 
+        rho = torch.exp(log_survival)
+
         def excess(kappa: Tensor) -> tuple[Tensor, Tensor]:
             """``f(κ) - n`` and ``f'(κ)`` for κ ``[B]``."""
-            x = _clock(s, kappa, valid)
-            rho = torch.exp(log_survival)
+            x = _clock(s, kappa)
             f = (rho * -torch.expm1(-x)).sum(1) - count
             df = -(rho * x * torch.exp(-x)).sum(1)
             if has_tail:
@@ -154,18 +156,17 @@ def _mean_field(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
             return f, df
 
         with torch.no_grad():
-            s_valid = s.masked_fill(~valid, -torch.inf)
-            total = torch.logaddexp(torch.logsumexp(s_valid, 1), lz[:, 0])
+            total = torch.logaddexp(torch.logsumexp(s, 1), lz[:, 0])
             hi = total - math.log(count)  # f(hi) ≤ Σ x = n
             if has_tail:  # every head item likely enough that the tail expansion stays accurate
-                nth = s_valid.topk(min(head, s.shape[1]), dim=1).values[:, -1]
+                nth = s.topk(min(head, s.shape[1]), dim=1).values[:, -1]
                 share = count / max(head - drawn, count)
                 lo = nth - math.log(-math.log1p(-share))
             else:
                 lo = s.masked_fill(~valid, torch.inf).min(1).values - 50.0
             lo = torch.minimum(lo, hi - 1.0)
             kappa0 = 0.5 * (lo + hi)
-            tolerance = 4 * torch.finfo(s.dtype).eps
+            tolerance = math.sqrt(torch.finfo(s.dtype).eps)  # the Newton step below squares the error
             for _ in range(_ROOT_STEPS):  # Newton, falling back to bisection outside the bracket
                 f, df = excess(kappa0)
                 above = f > 0
@@ -182,7 +183,7 @@ def _mean_field(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
         ok = torch.isfinite(df) & (df < 0)
         kappa = kappa0 - torch.where(ok, f / torch.where(ok, df, torch.ones_like(df)), torch.zeros_like(f))
         kappas.append(kappa)
-        log_survival = log_survival - _clock(s, kappa, valid)
+        log_survival = log_survival - _clock(s, kappa)
         drawn += count
     experts = torch.tensor([m for m, _ in runs], device=scores.device)
     hazard_logits = _target_scores(ht)[:, :, experts] - torch.stack(kappas, 1).unsqueeze(1)  # [B, L, R]
