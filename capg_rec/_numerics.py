@@ -23,21 +23,66 @@ def log1mexp(x: Tensor) -> Tensor:
     return torch.where(near, torch.log(-torch.expm1(safe_near)), torch.log1p(-torch.exp(safe_far)))
 
 
-def masked_logsumexp(x: Tensor, keep: Tensor, dim: int) -> Tensor:
-    """``logsumexp`` over the entries where ``keep`` is True; ``-inf`` (with zero grad) where none are."""
-    neg_inf = torch.finfo(x.dtype).min
-    filled = torch.where(keep, x, torch.full_like(x, neg_inf))
-    out = torch.logsumexp(filled, dim=dim)
-    any_kept = keep.any(dim=dim)
-    return torch.where(any_kept, out, torch.full_like(out, -math.inf))
+def masked_logsumexp(x: Tensor, drop: Tensor, dim: int) -> Tensor:
+    """``logsumexp`` over the entries where ``drop`` (broadcastable to ``x``) is False; ``-inf`` (with
+    zero grad) where every entry is dropped. Dropped entries are filled with the dtype's lowest
+    finite value, so no ``inf - inf`` reaches the backward; a result that low means all were dropped."""
+    lowest = torch.finfo(x.dtype).min
+    out = torch.logsumexp(x.masked_fill(drop, lowest), dim=dim)
+    return out.masked_fill(out < lowest / 2, -math.inf)
 
 
 def gumbel_like(shape: tuple[int, ...], *, generator: torch.Generator | None, dtype: torch.dtype,
                 device: torch.device) -> Tensor:
     """Standard Gumbel(0, 1) noise drawn through an explicit generator."""
     u = torch.rand(shape, generator=generator, dtype=dtype, device=device)
-    tiny = torch.finfo(dtype).tiny
-    return -torch.log(-torch.log(u.clamp_min(tiny)))
+    return u.clamp_min_(torch.finfo(dtype).tiny).log_().neg_().log_().neg_()
+
+
+def gumbel_top_k(scores: Tensor, k: int, *, generator: torch.Generator | None,
+                 group_size: int | None = None) -> Tensor:
+    """Indices of the k largest ``scores + Gumbel(0, 1)`` along the last dim, best first → ``[..., k]``:
+    an exact Plackett-Luce draw of k items without replacement (``-inf`` scores are never drawn
+    while finite ones remain).
+
+    Two-level ("top-down") Gumbel-max: the items are split into groups of ``group_size``
+    (default ``√(N/k)``); a group's largest perturbed score is Gumbel(logsumexp of the group), so
+    the k best groups are drawn first, and only their items get noise, conditioned on their
+    group's maximum (a truncated Gumbel; Kool, van Hoof & Welling 2019, appendix B). The k best
+    items always lie in the k best groups, so the draw is exact, with ``N/g + k·g`` random
+    numbers per row instead of N (and top-k over as many values).
+    """
+    n = scores.shape[-1]
+    size = int(math.sqrt(n / k)) if group_size is None else group_size
+    if size < 2:
+        return (scores + _gumbel(scores.shape, scores, generator)).topk(k, dim=-1).indices
+    groups = -(-n // size)
+    picked = min(k, groups)
+    lead = scores.shape[:-1]
+    noise = _gumbel((*lead, groups + size * picked), scores, generator)  # one draw: groups, then items
+    # Item j·G + i belongs to group i, so group reductions run over a strided dim (vectorised).
+    padded = scores if n == groups * size else \
+        torch.nn.functional.pad(scores, (0, groups * size - n), value=-math.inf)
+    members = padded.view(*lead, size, groups)  # [..., g, G]
+    peak = members.amax(dim=-2, keepdim=True)
+    peak = torch.where(peak == -math.inf, 0.0, peak)  # an empty group's logsumexp stays -inf
+    group_max = (peak + torch.exp(members - peak).sum(dim=-2, keepdim=True).log()).squeeze(-2)  # [..., G]
+    top, group = (group_max + noise[..., :groups]).topk(picked, dim=-1)
+    chosen = members.gather(-1, group.unsqueeze(-2).expand(*lead, size, picked))  # [..., g, k']
+    perturbed = chosen + noise[..., groups:].view(*lead, size, picked)
+    peak = perturbed.amax(dim=-2, keepdim=True)
+    # Shift each group's perturbed scores so that their maximum is `top`: -log(e^-top - e^-peak + e^-x),
+    # in log-space (absolute accuracy is what a comparison of sampled keys needs).
+    top = top.unsqueeze(-2)
+    shift = top - perturbed + torch.log(-torch.expm1(perturbed - peak))
+    truncated = (top - torch.nn.functional.softplus(shift)).masked_fill(perturbed == -math.inf, -math.inf)
+    best = truncated.flatten(-2).topk(k, dim=-1).indices  # [..., k] positions among the k'·g
+    ids = group.unsqueeze(-2) + groups * torch.arange(size, device=scores.device).unsqueeze(-1)
+    return ids.flatten(-2).gather(-1, best)
+
+
+def _gumbel(shape: tuple[int, ...], like: Tensor, generator: torch.Generator | None) -> Tensor:
+    return gumbel_like(tuple(shape), generator=generator, dtype=like.dtype, device=like.device)
 
 
 def log1mexp_exp(y: Tensor) -> Tensor:

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from capg_rec._checks import check_count, check_float_tensor, check_positive
-from capg_rec._numerics import gumbel_like, masked_logsumexp
+from capg_rec._numerics import gumbel_like, gumbel_top_k, masked_logsumexp
 
 __all__ = ["CatalogScores", "DenseCatalog", "EmbeddingCatalog", "as_catalog"]
 
@@ -89,9 +89,18 @@ def _exclusion_mask(exclude: Tensor | None, batch_size: int, start: int, stop: i
         return None
     width = stop - start
     inside = (exclude >= start) & (exclude < stop)
-    hits = torch.zeros(batch_size, width, device=device)
-    hits.scatter_add_(1, (exclude - start).clamp(0, width - 1), inside.to(hits.dtype))
-    return hits > 0
+    # Ids outside [start, stop) land in a spare last column, so every write is the same True.
+    mask = torch.zeros(batch_size, width + 1, dtype=torch.bool, device=device)
+    mask.scatter_(1, torch.where(inside, exclude - start, width), True)
+    return mask[:, :width].contiguous()
+
+
+def _select(x: Tensor, experts: Sequence[int]) -> Tensor:
+    """``x[:, experts]`` — a view (no copy) when the experts are consecutive."""
+    idx = list(experts)
+    if idx and idx == list(range(idx[0], idx[0] + len(idx))):
+        return x[:, idx[0]:idx[0] + len(idx)]
+    return x[:, idx]
 
 
 class DenseCatalog(CatalogScores):
@@ -119,18 +128,19 @@ class DenseCatalog(CatalogScores):
         check_count("num_powers", num_powers)
         mask = _exclusion_mask(exclude, self.batch_size, 0, self.num_items, self.device)
         if mask is None:
-            return torch.stack([torch.logsumexp(p * self.scores, dim=2) for p in range(1, num_powers + 1)], -1)
-        keep = ~mask.unsqueeze(1).expand_as(self.scores)
-        return torch.stack([masked_logsumexp(p * self.scores, keep, dim=2)
+            return torch.stack([torch.logsumexp(self.scores if p == 1 else p * self.scores, dim=2)
+                                for p in range(1, num_powers + 1)], -1)
+        drop = mask.unsqueeze(1)
+        return torch.stack([masked_logsumexp(self.scores if p == 1 else p * self.scores, drop, dim=2)
                             for p in range(1, num_powers + 1)], -1)
 
     def top_items(self, k: int, *, experts: Sequence[int] | None = None, exclude: Tensor | None = None,
                   generator: torch.Generator | None = None, perturb: bool = False) -> Tensor:
         with torch.no_grad():
-            s = self.scores if experts is None else self.scores[:, list(experts)]
+            s = self._masked(self.scores if experts is None else _select(self.scores, experts), exclude)
             if perturb:
-                s = s + gumbel_like(tuple(s.shape), generator=generator, dtype=s.dtype, device=s.device)
-            return self._masked(s, exclude).topk(k, dim=2).indices
+                return gumbel_top_k(s, k, generator=generator)
+            return s.topk(k, dim=2).indices
 
 
 class _ChunkedLogPowerSums(torch.autograd.Function):
@@ -261,8 +271,8 @@ class EmbeddingCatalog(CatalogScores):
 
     def top_items(self, k: int, *, experts: Sequence[int] | None = None, exclude: Tensor | None = None,
                   generator: torch.Generator | None = None, perturb: bool = False) -> Tensor:
-        user = self.user if experts is None else self.user[:, list(experts)]
-        item = self.item if experts is None else self.item[:, list(experts)]
+        user = self.user if experts is None else _select(self.user, experts)
+        item = self.item if experts is None else _select(self.item, experts)
         noise = None
         if perturb:
             def noise(start: int, stop: int) -> Tensor:

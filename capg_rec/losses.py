@@ -17,10 +17,10 @@ import abc
 import torch
 from torch import Tensor, nn
 
-from capg_rec._checks import check_count, check_items, check_positive
+from capg_rec._checks import all_finite, check_count, check_items, check_positive
 from capg_rec.catalog import CatalogScores, as_catalog
-from capg_rec.marginals import DEFAULT_METHOD, METHODS, inclusion_log_prob
-from capg_rec.plackett_luce import candidate_log_prob
+from capg_rec.marginals import DEFAULT_METHOD, METHODS, _inclusion_log_prob
+from capg_rec.plackett_luce import _candidate_log_prob
 
 __all__ = ["VPGLoss", "CAPGLoss", "TOP1PGLoss"]
 
@@ -34,7 +34,7 @@ def _check_float(name: str, x: Tensor, shapes: tuple[tuple[int, ...], ...]) -> T
     if tuple(x.shape) not in shapes:
         raise ValueError(f"{name} must have shape {' or '.join(map(str, map(list, shapes)))}, "
                          f"got {list(x.shape)}")
-    if not bool(torch.isfinite(x).all()):
+    if not all_finite(x):
         raise ValueError(f"{name} must be finite (no NaN or inf)")
     return x
 
@@ -102,7 +102,7 @@ class VPGLoss(_PolicyGradientLoss):
 
     def _weighted_score(self, catalog: CatalogScores, candidates: Tensor, chosen: Tensor,
                         advantage: Tensor) -> Tensor:
-        score = candidate_log_prob(catalog, candidates, with_replacement=self.with_replacement)
+        score = _candidate_log_prob(catalog, candidates, self.with_replacement)
         return advantage.sum(1) * score
 
     def extra_repr(self) -> str:
@@ -125,7 +125,7 @@ class CAPGLoss(_PolicyGradientLoss):
 
     def _weighted_score(self, catalog: CatalogScores, candidates: Tensor, chosen: Tensor,
                         advantage: Tensor) -> Tensor:
-        score = inclusion_log_prob(catalog, chosen, self.num_candidates, method=self.method)
+        score = _inclusion_log_prob(catalog, chosen, self.num_candidates, self.method)
         return (advantage * score).sum(1)
 
     def extra_repr(self) -> str:

@@ -80,7 +80,7 @@ def _plugin(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
     # (the target among them).
     left_in_head = available | (slot.view(1, 1, -1) == ht.target_pos.unsqueeze(2))
     rest = torch.logaddexp(ht.tail_log_power_sums[..., 0].unsqueeze(1),
-                           masked_logsumexp(scores, left_in_head.unsqueeze(2).expand_as(scores), dim=3))
+                           masked_logsumexp(scores, ~left_in_head.unsqueeze(2), dim=3))
     if prefix:
         pre = torch.cat(prefix, dim=2)
         pre_scores = scores.gather(3, pre.unsqueeze(2).expand(-1, -1, num_experts, -1))  # [B, L, M, K-1]
@@ -220,7 +220,12 @@ def inclusion_log_prob(logits: Tensor | CatalogScores, items: Tensor, num_candid
     check_count("num_candidates", num_candidates, high=catalog.num_items)
     items = check_items("items", items, batch_size=catalog.batch_size, num_items=catalog.num_items,
                         unique=False)
-    runs = expert_runs(expert_of_position(num_candidates, catalog.num_experts))
+    return _inclusion_log_prob(catalog, items, num_candidates, method)
+
+
+def _inclusion_log_prob(catalog: CatalogScores, items: Tensor, num_candidates: int, method: str) -> Tensor:
+    """:func:`inclusion_log_prob` on validated inputs."""
+    runs = expert_runs(num_candidates, catalog.num_experts)
     if method != "swr" and num_candidates == catalog.num_items:  # every item is drawn
         return catalog.gather(items)[:, 0] * 0.0
     return _METHODS[method](catalog, items, runs)

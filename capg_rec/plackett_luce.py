@@ -7,6 +7,8 @@ item a with probability ``exp(s_{m(k)}(a)) / Σ_{b not drawn yet} exp(s_{m(k)}(b
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -19,18 +21,16 @@ __all__ = ["expert_of_position", "sample_candidates", "greedy_candidates", "cand
 def expert_of_position(num_candidates: int, num_experts: int) -> Tensor:
     """Position → expert map ``m(k)`` as ``LongTensor[K]``: contiguous blocks, the first blocks
     taking the remainder (K=10, M=5 → 0,0,1,1,2,2,3,3,4,4; K=7, M=3 → 0,0,0,1,1,2,2)."""
+    return torch.tensor([e for e, count in expert_runs(num_candidates, num_experts) for _ in range(count)])
+
+
+@functools.lru_cache(maxsize=256)
+def expert_runs(num_candidates: int, num_experts: int) -> tuple[tuple[int, int], ...]:
+    """The blocks of :func:`expert_of_position` as ``((expert, count), ...)``."""
     check_count("num_candidates", num_candidates)
     check_count("num_experts", num_experts)
     base, extra = divmod(num_candidates, num_experts)
-    sizes = torch.full((num_experts,), base, dtype=torch.long)
-    sizes[:extra] += 1
-    return torch.repeat_interleave(torch.arange(num_experts), sizes)
-
-
-def expert_runs(experts: Tensor) -> list[tuple[int, int]]:
-    """Maximal runs of equal experts in a position → expert map: ``[(expert, count), ...]``."""
-    values, counts = torch.unique_consecutive(experts, return_counts=True)
-    return [(int(v), int(c)) for v, c in zip(values, counts)]
+    return tuple((e, base + (e < extra)) for e in range(num_experts) if base + (e < extra) > 0)
 
 
 def _checked(logits: Tensor | CatalogScores, num_candidates: int, temperature: float) -> CatalogScores:
@@ -42,7 +42,7 @@ def _checked(logits: Tensor | CatalogScores, num_candidates: int, temperature: f
 def _draw(catalog: CatalogScores, num_candidates: int, *, perturb: bool,
           generator: torch.Generator | None) -> Tensor:
     picks: list[Tensor] = []
-    for expert, count in expert_runs(expert_of_position(num_candidates, catalog.num_experts)):
+    for expert, count in expert_runs(num_candidates, catalog.num_experts):
         exclude = torch.cat(picks, dim=1) if picks else None
         picks.append(catalog.top_items(count, experts=[expert], exclude=exclude,
                                        generator=generator, perturb=perturb)[:, 0])
@@ -80,6 +80,11 @@ def candidate_log_prob(logits: Tensor | CatalogScores, candidates: Tensor, *, te
     catalog = as_catalog(logits, temperature)
     candidates = check_items("candidates", candidates, batch_size=catalog.batch_size,
                              num_items=catalog.num_items, unique=not with_replacement)
+    return _candidate_log_prob(catalog, candidates, with_replacement)
+
+
+def _candidate_log_prob(catalog: CatalogScores, candidates: Tensor, with_replacement: bool) -> Tensor:
+    """:func:`candidate_log_prob` on validated inputs."""
     num_candidates = candidates.shape[1]
     experts = expert_of_position(num_candidates, catalog.num_experts).to(catalog.device)
     scores = catalog.gather(candidates)  # [B, M, K]

@@ -25,7 +25,7 @@ def _log_pi(logits: torch.Tensor, targets: torch.Tensor, num_candidates: int,
     catalog = DenseCatalog(logits)
     head = head_size_for(catalog.num_items, num_candidates) if head_size is None else head_size
     summary = summarize(catalog, targets, head, EXACT_NUM_POWERS)
-    runs = expert_runs(expert_of_position(num_candidates, catalog.num_experts))
+    runs = expert_runs(num_candidates, catalog.num_experts)
     return exact_log_inclusion(summary, runs)
 
 
@@ -114,7 +114,7 @@ def test_gradcheck(num_experts, k):
     logits = (torch.randn(2, num_experts, 5, generator=torch.Generator().manual_seed(k), dtype=torch.float64)
               * 2).requires_grad_()
     targets = torch.tensor([[0, 3], [4, 4]])
-    runs = expert_runs(expert_of_position(k, num_experts))
+    runs = expert_runs(k, num_experts)
 
     def fn(x: torch.Tensor) -> torch.Tensor:
         return exact_log_inclusion(summarize(DenseCatalog(x), targets, 5, EXACT_NUM_POWERS), runs)

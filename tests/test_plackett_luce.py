@@ -7,7 +7,8 @@ import torch
 from capg_rec import (DenseCatalog, EmbeddingCatalog, candidate_log_prob, expert_of_position,
                       greedy_candidates, sample_candidates)
 from capg_rec._enumerate import all_draws, draw_log_probs
-from tests.stats import chi_square_pvalue
+from capg_rec._numerics import gumbel_top_k
+from tests.stats import assert_counts_match, chi_square_pvalue
 
 CASES = [(5, 2, 1), (6, 3, 1), (5, 3, 2), (7, 3, 3), (4, 3, 2), (6, 2, 2)]  # (N, K, M)
 
@@ -92,6 +93,52 @@ def test_sampler_matches_enumeration_chi_square(n, k, m, placement):
     draws = all_draws(n, k)
     probs = draw_log_probs(scores, draws, expert_of_position(k, m))[0].exp().numpy()
     assert chi_square_pvalue(_draw_counts(draws, sampled), probs) > 1e-6
+
+
+@pytest.mark.parametrize(("n", "k", "group_size"), [(5, 2, 2), (7, 3, 2), (7, 2, 3), (6, 3, 6), (7, 1, 4)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_two_level_gumbel_top_k_matches_enumeration(n, k, group_size, dtype):
+    """The two-level draw is exact for any group size, incl. a padded last group and excluded items."""
+    num_samples = 20_000
+    scores = _scores(n, 1, seed=n + k + group_size).to(dtype)
+    scores[..., 1] = -torch.inf  # an excluded item is never drawn
+    gen = torch.Generator().manual_seed(99 + n + k)
+    sampled = gumbel_top_k(scores.expand(num_samples, -1, -1), k, generator=gen, group_size=group_size)[:, 0]
+    assert not (sampled == 1).any()
+    draws = all_draws(n, k)
+    log_p = draw_log_probs(scores.double(), draws, expert_of_position(k, 1))[0]
+    assert chi_square_pvalue(_draw_counts(draws, sampled), log_p.exp().numpy()) > 1e-6
+
+
+def test_default_sampler_is_exact_on_a_larger_catalog():
+    """At N = 200, K = 4 the sampler takes the two-level path (groups of 7): the first draw
+    follows the softmax and each item's inclusion frequency its exact probability."""
+    from capg_rec import inclusion_log_prob
+
+    num_samples, n, k = 40_000, 200, 4
+    logits = _scores(n, 1, seed=5, scale=2.0)[:, 0]
+    sampled = sample_candidates(logits.expand(num_samples, -1), k, generator=torch.Generator().manual_seed(3))
+    assert (sampled.sort(1).values.diff(dim=1) > 0).all()
+    first = np.bincount(sampled[:, 0].numpy(), minlength=n)
+    assert_counts_match(first, torch.softmax(logits[0], 0).numpy(), num_samples)
+    included = np.bincount(sampled.flatten().numpy(), minlength=n)
+    exact = inclusion_log_prob(logits, torch.arange(n)[None], k, method="exact")[0].exp().numpy()
+    assert_counts_match(included, exact, num_samples)
+
+
+def test_sampler_with_extreme_logits():
+    """One item 2e4 above the rest (fp32): it comes first, the others are distinct, in range, and
+    spread uniformly (the two-level path must not lose the low-scoring groups)."""
+    num_samples, n, k = 4000, 1000, 10
+    logits = torch.full((num_samples, n), -1e4)
+    logits[:, 7] = 1e4
+    sampled = sample_candidates(logits, k, generator=torch.Generator().manual_seed(0))
+    assert (sampled[:, 0] == 7).all()
+    assert (sampled.sort(1).values.diff(dim=1) > 0).all() and int(sampled.max()) < n
+    rest = np.bincount(sampled[:, 1:].flatten().numpy(), minlength=n)
+    probs = np.full(n, (k - 1) / (n - 1))
+    probs[7] = 0.0
+    assert_counts_match(rest, probs, num_samples)
 
 
 def test_shared_noise_sampler_is_detected():

@@ -158,7 +158,7 @@ class ShardedEmbeddingCatalog(CatalogScores):
             exclude = torch.where(exclude >= 0, exclude - self.row_offset, -1)
         part = _ChunkedLogPowerSums.apply(self.user_all, self.item, exclude, num_powers, self.chunk_size)
         parts = self._per_rank(part)  # [W, B_tot, M, P]
-        return self._mine(masked_logsumexp(parts, torch.isfinite(parts), dim=0))
+        return self._mine(masked_logsumexp(parts, ~torch.isfinite(parts), dim=0))
 
     def top_items(self, k: int, *, experts: Sequence[int] | None = None, exclude: Tensor | None = None,
                   generator: torch.Generator | None = None, perturb: bool = False) -> Tensor:

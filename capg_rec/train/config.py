@@ -51,7 +51,7 @@ class TrainConfig:
     * ``group_size`` G > 1 with ``group_offset`` c: GRPO — each user is served G times and rewards
       are normalised within the group, plus c. ``baseline="context"``: subtract a per-user moving
       average of past rewards (decay ``baseline_decay``).
-    * ``on_overflow``: on a non-finite loss or gradient norm, ``stop`` (as the paper) or ``skip``.
+    * ``on_overflow``: on a non-finite loss or gradient, ``stop`` (as the paper) or ``skip``.
     * ``eval_every`` steps, the greedy ESR with ``eval_candidates`` (default K) under ``eval_lsr``.
     """
 

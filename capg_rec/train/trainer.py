@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from capg_rec._checks import all_finite
 from capg_rec.losses import CAPGLoss, TOP1PGLoss, VPGLoss
 from capg_rec.plackett_luce import greedy_candidates, sample_candidates
 from capg_rec.rewards import dcg_weights, group_normalize
@@ -143,12 +144,12 @@ class Trainer:
         return torch.full((length,), fill)
 
     def _optimizer(self, lr: float) -> torch.optim.Optimizer:
-        params = self.model.parameters()
+        params = self.model.parameters()  # fused: one kernel per step for all parameters
         if self.config.optimizer == "adagrad":
-            return torch.optim.Adagrad(params, lr=lr)
+            return torch.optim.Adagrad(params, lr=lr, fused=True)
         if self.config.optimizer == "adam":
-            return torch.optim.Adam(params, lr=lr)
-        return torch.optim.SGD(params, lr=lr)
+            return torch.optim.Adam(params, lr=lr, fused=True)
+        return torch.optim.SGD(params, lr=lr, fused=True)
 
     @torch.no_grad()
     def estimate_adaptive_factor(self) -> float:
@@ -192,7 +193,7 @@ class Trainer:
     def step(self) -> tuple[float, bool]:
         """One training step → ``(loss, overflowed)``.
 
-        A non-finite loss or gradient norm is a *gradient overflow*: it is recorded in
+        A non-finite loss or gradient is a *gradient overflow*: it is recorded in
         ``result.overflow_steps``, no parameter changes, and with ``on_overflow="stop"`` the run
         is marked stopped (``result.stopped_at``).
         """
@@ -208,7 +209,7 @@ class Trainer:
         cfg = self.config
         users = self.env.sample_users(cfg.batch_size, self.generator).repeat_interleave(cfg.group_size)
         logits = self.model(users)
-        if not bool(torch.isfinite(logits).all()):
+        if not all_finite(logits):
             return math.nan, True
         candidates = sample_candidates(logits.detach(), cfg.num_candidates, temperature=cfg.temperature,
                                        generator=self.generator)
@@ -225,8 +226,7 @@ class Trainer:
         if not bool(torch.isfinite(loss)):
             return float(loss.detach()), True
         loss.backward()
-        grad_sq = sum(p.grad.double().pow(2).sum() for p in self.model.parameters() if p.grad is not None)
-        if not bool(torch.isfinite(grad_sq)):
+        if not all(all_finite(p.grad) for p in self.model.parameters() if p.grad is not None):
             self.optimizer.zero_grad(set_to_none=True)
             return float(loss.detach()), True
         self.optimizer.step()
