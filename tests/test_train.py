@@ -201,6 +201,14 @@ def test_targets_and_cli(tmp_path, capsys):
     assert "CA-PG-SwR" in text and "7.37" in text  # the paper's number next to ours
     for name in ("results.csv", "results.json", "curves.png"):
         assert (out / name).stat().st_size > 0
+    out = tmp_path / "plugin"
+    args = parser.parse_args(["reproduce", "table2", "--steps", "10", "--seeds", "1", "--ks", "5", "--estimators",
+                              "vpg", "capg", "--capg-method", "plugin", "--eval-every", "10", "--out", str(out)])
+    assert args.func(args) == 0
+    rows = json.loads((out / "results.json").read_text())["cells"]
+    assert {r["method"] for r in rows} == {"V-PG", "CA-PG (plugin)"}
+    assert [r["config"]["capg_method"] for r in rows] == [None, "plugin"]
+    assert (out / "runs" / "capg_plugin_K5_seed0" / "result.json").exists()
     args = parser.parse_args(["train", "--steps", "20", "--eval-every", "10", "-K", "5", "--out",
                               str(tmp_path / "tr"), "--checkpoint-every", "10"])
     assert args.func(args) == 0

@@ -55,6 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--lsr", nargs="*", choices=LSR_NAMES[1:], default=(),
                    help="table2: also the LSR-alignment columns")
     p.add_argument("--eval-every", type=int, default=1000)
+    p.add_argument("--capg-method", default=None, help="inclusion method of the CA-PG cells (default: the library's)")
     p.set_defaults(func=_reproduce)
 
     p = subparsers.add_parser("demo", help="a short V-PG-SwR vs CA-PG-SwR run (a few minutes on a laptop)")
@@ -115,7 +116,8 @@ def _reproduce(args: argparse.Namespace) -> int:
     from capg_rec.train.reproduce import build_target, run_cells, summarize
 
     factory, cells = build_target(args.target, steps=args.steps, estimators=args.estimators, data=args.data,
-                                  lsr=args.lsr, ks=args.ks, eval_every=args.eval_every)
+                                  lsr=args.lsr, ks=args.ks, eval_every=args.eval_every,
+                                  capg_method=args.capg_method)
     env = factory()
     results = run_cells(env, cells, range(args.seeds), out)
     print(summarize(args.target, env, cells, results, out, steps=args.steps))

@@ -62,7 +62,8 @@ class Cell:
 
     @property
     def method(self) -> str:
-        return ESTIMATOR_LABELS[self.config.estimator]
+        label = ESTIMATOR_LABELS[self.config.estimator]
+        return f"{label} ({self.config.capg_method})" if self.config.capg_method else label
 
 
 def _estimators(estimators: Sequence[str] | None, default: Sequence[str]) -> list[str]:
@@ -75,10 +76,22 @@ def _estimators(estimators: Sequence[str] | None, default: Sequence[str]) -> lis
 
 def build_target(target: str, *, steps: int, estimators: Sequence[str] | None = None,
                  data: str | os.PathLike | None = None, lsr: Sequence[str] = (),
-                 ks: Sequence[int] | None = None,
-                 eval_every: int = 1000) -> tuple[Callable[[], MatrixEnv], list[Cell]]:
+                 ks: Sequence[int] | None = None, eval_every: int = 1000,
+                 capg_method: str | None = None) -> tuple[Callable[[], MatrixEnv], list[Cell]]:
     """``(env factory, cells)`` of a target. ``lsr`` adds table2's LSR-alignment columns (K = 10,
-    the train LSR is also the evaluation LSR, CA-PGs with the adaptive learning rate)."""
+    the train LSR is also the evaluation LSR, CA-PGs with the adaptive learning rate);
+    ``capg_method`` sets the inclusion method of the CA-PG (``capg``) cells."""
+    factory, cells = _target_cells(target, steps=steps, estimators=estimators, data=data, lsr=lsr, ks=ks,
+                                   eval_every=eval_every)
+    if capg_method is not None:
+        cells = [Cell(c.setting, c.config.replace(capg_method=capg_method), c.paper, c.scale)
+                 if c.config.estimator == "capg" else c for c in cells]
+    return factory, cells
+
+
+def _target_cells(target: str, *, steps: int, estimators: Sequence[str] | None,
+                  data: str | os.PathLike | None, lsr: Sequence[str], ks: Sequence[int] | None,
+                  eval_every: int) -> tuple[Callable[[], MatrixEnv], list[Cell]]:
     base = TrainConfig(steps=steps, eval_every=eval_every)
     cells: list[Cell] = []
     if target == "table2":
@@ -135,7 +148,8 @@ def build_target(target: str, *, steps: int, estimators: Sequence[str] | None = 
 
 def _run_dir(out: Path, cell: Cell, seed: int) -> Path:
     slug = cell.setting.replace("=", "").replace(",", "_")
-    return out / "runs" / f"{cell.config.estimator}_{slug}_seed{seed}"
+    method = f"_{cell.config.capg_method}" if cell.config.capg_method else ""
+    return out / "runs" / f"{cell.config.estimator}{method}_{slug}_seed{seed}"
 
 
 def run_cells(env: MatrixEnv, cells: Sequence[Cell], seeds: Sequence[int], out: str | os.PathLike, *,
