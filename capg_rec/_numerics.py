@@ -25,10 +25,15 @@ def log1mexp(x: Tensor) -> Tensor:
 
 def masked_logsumexp(x: Tensor, drop: Tensor, dim: int) -> Tensor:
     """``logsumexp`` over the entries where ``drop`` (broadcastable to ``x``) is False; ``-inf`` (with
-    zero grad) where every entry is dropped. Dropped entries are filled with the dtype's lowest
-    finite value, so no ``inf - inf`` reaches the backward; a result that low means all were dropped."""
+    zero grad) where every entry is dropped."""
+    return filled_logsumexp(x.masked_fill(drop, torch.finfo(x.dtype).min), dim)
+
+
+def filled_logsumexp(x: Tensor, dim: int) -> Tensor:
+    """``logsumexp`` of ``x`` whose dropped entries hold the dtype's lowest finite value (so no
+    ``inf - inf`` reaches the backward); ``-inf`` (with zero grad) where all were dropped."""
     lowest = torch.finfo(x.dtype).min
-    out = torch.logsumexp(x.masked_fill(drop, lowest), dim=dim)
+    out = torch.logsumexp(x, dim=dim)
     return out.masked_fill(out < lowest / 2, -math.inf)
 
 

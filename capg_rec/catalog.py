@@ -18,13 +18,14 @@ Two placements live here: :class:`DenseCatalog` (a logits tensor) and :class:`Em
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from capg_rec._checks import check_count, check_float_tensor, check_positive
-from capg_rec._numerics import gumbel_like, gumbel_top_k, masked_logsumexp
+from capg_rec._numerics import filled_logsumexp, gumbel_like, gumbel_top_k
 
 __all__ = ["CatalogScores", "DenseCatalog", "EmbeddingCatalog", "as_catalog"]
 
@@ -118,26 +119,25 @@ class DenseCatalog(CatalogScores):
         idx = items.unsqueeze(1).expand(-1, self.num_experts, -1)
         return self.scores.gather(2, idx)
 
-    def _masked(self, scores: Tensor, exclude: Tensor | None) -> Tensor:
-        mask = _exclusion_mask(exclude, self.batch_size, 0, self.num_items, self.device)
-        if mask is None:
+    def _drop(self, scores: Tensor, exclude: Tensor | None, value: float) -> Tensor:
+        """``scores [B, E, N]`` with each row's excluded items set to ``value`` (differentiable)."""
+        if exclude is None or exclude.numel() == 0:
             return scores
-        return scores.masked_fill(mask.unsqueeze(1), -torch.inf)
+        if bool(((exclude >= 0) & (exclude < self.num_items)).all()):  # K writes per row, no [B, N] mask
+            return scores.scatter(2, exclude.unsqueeze(1).expand(-1, scores.shape[1], -1), value)
+        mask = _exclusion_mask(exclude, self.batch_size, 0, self.num_items, self.device)
+        return scores.masked_fill(mask.unsqueeze(1), value)
 
     def log_power_sums(self, exclude: Tensor | None = None, num_powers: int = 1) -> Tensor:
         check_count("num_powers", num_powers)
-        mask = _exclusion_mask(exclude, self.batch_size, 0, self.num_items, self.device)
-        if mask is None:
-            return torch.stack([torch.logsumexp(self.scores if p == 1 else p * self.scores, dim=2)
-                                for p in range(1, num_powers + 1)], -1)
-        drop = mask.unsqueeze(1)
-        return torch.stack([masked_logsumexp(self.scores if p == 1 else p * self.scores, drop, dim=2)
-                            for p in range(1, num_powers + 1)], -1)
+        lowest = torch.finfo(self.dtype).min
+        return torch.stack([filled_logsumexp(self._drop(self.scores if p == 1 else p * self.scores, exclude, lowest),
+                                             dim=2) for p in range(1, num_powers + 1)], -1)
 
     def top_items(self, k: int, *, experts: Sequence[int] | None = None, exclude: Tensor | None = None,
                   generator: torch.Generator | None = None, perturb: bool = False) -> Tensor:
         with torch.no_grad():
-            s = self._masked(self.scores if experts is None else _select(self.scores, experts), exclude)
+            s = self._drop(self.scores if experts is None else _select(self.scores, experts), exclude, -math.inf)
             if perturb:
                 return gumbel_top_k(s, k, generator=generator)
             return s.topk(k, dim=2).indices
