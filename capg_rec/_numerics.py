@@ -6,6 +6,7 @@ import math
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 _LOG_HALF = -math.log(2.0)
 
@@ -29,11 +30,44 @@ def masked_logsumexp(x: Tensor, drop: Tensor, dim: int) -> Tensor:
     return filled_logsumexp(x.masked_fill(drop, torch.finfo(x.dtype).min), dim)
 
 
+def exp_floor(dtype: torch.dtype) -> float:
+    """Lowest argument worth exponentiating: below it ``exp`` leaves the normal range, where libm
+    takes a slow path (~100x) for values that are rounding noise next to the sums they enter."""
+    if dtype == torch.float16:
+        return -math.inf
+    return math.log(torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).tiny) + 1.0
+
+
+def exp_floored(x: Tensor) -> Tensor:
+    """``exp(x)`` with ``x`` raised to :func:`exp_floor` first (for terms of sums dominated by ~1)."""
+    return torch.exp(x.clamp(min=exp_floor(x.dtype)))
+
+
+class _LogSumExp(torch.autograd.Function):
+    """``logsumexp`` of finite ``x`` whose exps are floored (:func:`exp_floored`), so confident
+    scores (spreads beyond ~87 in fp32) stay on the fast path; gradient = the (floored) softmax."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, dim: int) -> Tensor:
+        top = x.amax(dim=dim, keepdim=True)
+        terms = (x - top).clamp_(min=exp_floor(x.dtype)).exp_()
+        total = terms.sum(dim=dim, keepdim=True)
+        ctx.save_for_backward(terms, total)  # in place of x: the same memory
+        ctx.dim = dim
+        return (top + total.log()).squeeze(dim)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        terms, total = ctx.saved_tensors
+        return terms * (grad.unsqueeze(ctx.dim) / total), None
+
+
 def filled_logsumexp(x: Tensor, dim: int) -> Tensor:
-    """``logsumexp`` of ``x`` whose dropped entries hold the dtype's lowest finite value (so no
-    ``inf - inf`` reaches the backward); ``-inf`` (with zero grad) where all were dropped."""
+    """``logsumexp`` of finite ``x`` whose dropped entries hold the dtype's lowest finite value;
+    ``-inf`` (with zero grad) where all were dropped."""
     lowest = torch.finfo(x.dtype).min
-    out = torch.logsumexp(x, dim=dim)
+    out = _LogSumExp.apply(x, dim)
     return out.masked_fill(out < lowest / 2, -math.inf)
 
 
@@ -71,7 +105,7 @@ def gumbel_top_k(scores: Tensor, k: int, *, generator: torch.Generator | None,
     members = padded.view(*lead, size, groups)  # [..., g, G]
     peak = members.amax(dim=-2, keepdim=True)
     peak = torch.where(peak == -math.inf, 0.0, peak)  # an empty group's logsumexp stays -inf
-    group_max = (peak + torch.exp(members - peak).sum(dim=-2, keepdim=True).log()).squeeze(-2)  # [..., G]
+    group_max = (peak + exp_floored(members - peak).sum(dim=-2, keepdim=True).log()).squeeze(-2)  # [..., G]
     top, group = (group_max + noise[..., :groups]).topk(picked, dim=-1)
     chosen = members.gather(-1, group.unsqueeze(-2).expand(*lead, size, picked))  # [..., g, k']
     perturbed = chosen + noise[..., groups:].view(*lead, size, picked)

@@ -1,0 +1,62 @@
+"""The log-space helpers every catalog-wide reduction goes through."""
+
+import math
+
+import pytest
+import torch
+
+from capg_rec import DenseCatalog
+from capg_rec._numerics import exp_floor, filled_logsumexp, masked_logsumexp
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("scale", [1.0, 50.0, 2000.0])
+def test_logsumexp_matches_torch_where_exps_underflow(dtype, scale):
+    """Spreads far beyond exp's normal range (fp32: ~87) give torch's value and softmax gradient."""
+    x = (scale * torch.randn(6, 2, 300, generator=torch.Generator().manual_seed(0), dtype=torch.float64))
+    x = x.to(dtype).requires_grad_()
+    ref = x.detach().double()
+    out = filled_logsumexp(x, 2)
+    torch.testing.assert_close(out.double(), torch.logsumexp(ref, 2), rtol=2 * torch.finfo(dtype).eps, atol=0)
+    out.sum().backward()
+    torch.testing.assert_close(x.grad.double(), torch.softmax(ref, 2), rtol=0, atol=4 * torch.finfo(dtype).eps)
+
+
+def test_logsumexp_gradcheck_and_dims():
+    x = torch.randn(3, 4, 5, dtype=torch.float64, requires_grad=True)
+    for dim in (0, 1, 2, -1):
+        assert torch.autograd.gradcheck(lambda t: filled_logsumexp(t, dim), (x,))
+        torch.testing.assert_close(filled_logsumexp(x, dim), torch.logsumexp(x, dim))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fully_dropped_rows_are_minus_inf_with_zero_grad(dtype):
+    x = torch.randn(3, 7, dtype=dtype, requires_grad=True)
+    drop = torch.zeros(3, 7, dtype=torch.bool)
+    drop[1] = True
+    drop[2, :3] = True
+    out = masked_logsumexp(x, drop, 1)
+    assert out[1] == -math.inf and torch.isfinite(out[[0, 2]]).all()
+    torch.testing.assert_close(out[2], torch.logsumexp(x[2, 3:], 0))
+    out[[0, 2]].sum().backward()
+    assert (x.grad[1] == 0).all() and (x.grad[2, :3] == 0).all() and torch.isfinite(x.grad).all()
+
+
+def test_exp_floor_stays_in_the_normal_range():
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        value = torch.exp(torch.tensor(exp_floor(dtype), dtype=dtype))
+        assert value >= torch.finfo(dtype).tiny
+    assert exp_floor(torch.float16) == -math.inf  # fp16's normal range is too narrow to floor
+
+
+def test_confident_catalog_power_sums_are_exact():
+    """Powers of confident scores (3 × a spread of 60 in fp32) still match a float64 reference."""
+    logits = 20.0 * torch.randn(4, 2, 500, generator=torch.Generator().manual_seed(1))
+    exclude = torch.tensor([[0, 1, -1], [5, 6, 7], [-1, -1, -1], [499, 0, 3]])
+    got = DenseCatalog(logits).log_power_sums(exclude, 3)
+    keep = torch.ones(4, 500, dtype=torch.bool)
+    for b, row in enumerate(exclude.tolist()):
+        keep[b, [i for i in row if i >= 0]] = False
+    for p in range(1, 4):
+        ref = torch.stack([torch.logsumexp(p * logits[b][:, keep[b]].double(), 1) for b in range(4)])
+        torch.testing.assert_close(got[..., p - 1].double(), ref, rtol=1e-6, atol=0)
