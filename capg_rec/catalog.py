@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from capg_rec._checks import check_count, check_float_tensor, check_positive
-from capg_rec._numerics import filled_logsumexp, gumbel_like, gumbel_top_k
+from capg_rec._numerics import exp_floored, filled_logsumexp, gumbel_like, gumbel_top_k
 
 __all__ = ["CatalogScores", "DenseCatalog", "EmbeddingCatalog", "as_catalog"]
 
@@ -153,22 +153,20 @@ class _ChunkedLogPowerSums(torch.autograd.Function):
     def forward(ctx, user: Tensor, item: Tensor, exclude: Tensor | None, num_powers: int,
                 chunk_size: int) -> Tensor:
         batch, experts, _ = user.shape
+        lowest = torch.finfo(user.dtype).min
+        powers = torch.arange(1, num_powers + 1, dtype=user.dtype, device=user.device)
         out = torch.full((batch, experts, num_powers), -torch.inf, dtype=user.dtype, device=user.device)
         for start in range(0, item.shape[0], chunk_size):
             stop = min(start + chunk_size, item.shape[0])
             s = torch.einsum("bmd,nmd->bmn", user, item[start:stop])
             mask = _exclusion_mask(exclude, batch, start, stop, user.device)
             if mask is not None:
-                s = s.masked_fill(mask.unsqueeze(1), -torch.inf)
-            top = s.amax(dim=2, keepdim=True)
-            top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-            e = torch.exp(s - top)  # one exp per score; the powers are products
-            term, sums = e, []
-            for _ in range(num_powers):
-                sums.append(term.sum(2))
-                term = term * e
-            powers = torch.arange(1, num_powers + 1, dtype=user.dtype, device=user.device)
-            out = torch.logaddexp(out, torch.log(torch.stack(sums, -1)) + powers * top)
+                s = s.masked_fill(mask.unsqueeze(1), lowest)
+            top = s.amax(dim=2, keepdim=True)  # `lowest` where the whole chunk is excluded
+            d = s - top
+            sums = torch.stack([exp_floored(p * d).sum(2) for p in range(1, num_powers + 1)], -1)
+            part = (sums.log() + powers * top).masked_fill(top <= lowest / 2, -torch.inf)
+            out = torch.logaddexp(out, part)
         ctx.save_for_backward(user, item, out, exclude if exclude is not None else torch.empty(0))
         ctx.chunk_size, ctx.has_exclude = chunk_size, exclude is not None
         return out
@@ -190,10 +188,8 @@ class _ChunkedLogPowerSums(torch.autograd.Function):
         for start in range(0, item.shape[0], ctx.chunk_size):
             stop = min(start + ctx.chunk_size, item.shape[0])
             v = item[start:stop]
-            r = torch.exp(torch.einsum("bmd,nmd->bmn", user, v) - log_z)
-            grad_s = coef[..., -1:] * r  # Horner: Σ_p coef_p r^p
-            for p in range(num_powers - 2, -1, -1):
-                grad_s = (grad_s + coef[..., p:p + 1]) * r
+            d = torch.einsum("bmd,nmd->bmn", user, v) - log_z  # log r
+            grad_s = sum(coef[..., p - 1:p] * exp_floored(p * d) for p in range(1, num_powers + 1))
             mask = _exclusion_mask(exclude, batch, start, stop, user.device)
             if mask is not None:
                 grad_s = grad_s.masked_fill(mask.unsqueeze(1), 0.0)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from capg_rec import DenseCatalog
+from capg_rec import DenseCatalog, EmbeddingCatalog
 from capg_rec._numerics import exp_floor, filled_logsumexp, masked_logsumexp
 
 
@@ -60,3 +60,19 @@ def test_confident_catalog_power_sums_are_exact():
     for p in range(1, 4):
         ref = torch.stack([torch.logsumexp(p * logits[b][:, keep[b]].double(), 1) for b in range(4)])
         torch.testing.assert_close(got[..., p - 1].double(), ref, rtol=1e-6, atol=0)
+
+
+def test_confident_chunked_power_sums_match_dense():
+    """The streamed (embedding) power sums and their gradients on confident scores, with chunks
+    that are wholly excluded, equal the dense ones."""
+    gen = torch.Generator().manual_seed(2)
+    user = (6.0 * torch.randn(3, 2, 4, generator=gen, dtype=torch.float64)).requires_grad_()
+    item = (6.0 * torch.randn(40, 2, 4, generator=gen, dtype=torch.float64)).requires_grad_()
+    exclude = torch.tensor([[0, 1, 2, 3, 4], [10, 11, -1, -1, -1], [39, 38, 37, 36, 35]])
+    grads = []
+    for catalog in (EmbeddingCatalog(user, item, chunk_size=5),
+                    DenseCatalog(torch.einsum("bmd,nmd->bmn", user, item))):
+        out = catalog.log_power_sums(exclude, 3)
+        grads.append((out, *torch.autograd.grad(out.sum(), (user, item))))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
