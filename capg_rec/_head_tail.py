@@ -20,12 +20,14 @@ from capg_rec.catalog import CatalogScores
 class HeadTail:
     """``head_ids [B, T]`` (−1 marks an unused slot), ``head_scores [B, M, T]`` (−inf in unused
     slots), ``target_pos [B, L]`` (each target's slot in the head), ``tail_log_power_sums
-    [B, M, P]`` (−inf when the tail is empty)."""
+    [B, M, P]`` (−inf when the tail is empty), ``head_floor [B, M]`` (each expert's score of its
+    own ``head_size``-th best item, no gradient; −inf when the head is the whole catalog)."""
 
     head_ids: Tensor
     head_scores: Tensor
     target_pos: Tensor
     tail_log_power_sums: Tensor
+    head_floor: Tensor
 
 
 def head_size_for(num_items: int, num_candidates: int, *, full_up_to: int = 2048, minimum: int = 1024) -> int:
@@ -40,8 +42,12 @@ def summarize(catalog: CatalogScores, targets: Tensor, head_size: int, num_power
     batch, num_targets = targets.shape
     if head_size >= catalog.num_items:
         ids = torch.arange(catalog.num_items, device=catalog.device).expand(batch, -1)
+        floor = torch.full((batch, catalog.num_experts), -torch.inf, dtype=catalog.dtype, device=catalog.device)
     else:
-        ids = catalog.top_items(head_size).reshape(batch, -1)
+        best = catalog.top_items(head_size)  # [B, M, H], best first
+        with torch.no_grad():
+            floor = catalog.gather(best[:, :, -1]).diagonal(dim1=1, dim2=2)  # expert m's own H-th
+        ids = best.reshape(batch, -1)
     ids = torch.cat([ids, targets], dim=1)
     sorted_ids, order = ids.sort(dim=1, stable=True)
     first = torch.ones_like(sorted_ids, dtype=torch.bool)
@@ -59,4 +65,4 @@ def summarize(catalog: CatalogScores, targets: Tensor, head_size: int, num_power
                           dtype=catalog.dtype, device=catalog.device)
     else:
         tail = catalog.log_power_sums(head_ids, num_powers)
-    return HeadTail(head_ids, head_scores, target_pos, tail)
+    return HeadTail(head_ids, head_scores, target_pos, tail, floor)

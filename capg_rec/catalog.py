@@ -123,10 +123,13 @@ class DenseCatalog(CatalogScores):
         """``scores [B, E, N]`` with each row's excluded items set to ``value`` (differentiable)."""
         if exclude is None or exclude.numel() == 0:
             return scores
-        if bool(((exclude >= 0) & (exclude < self.num_items)).all()):  # K writes per row, no [B, N] mask
-            return scores.scatter(2, exclude.unsqueeze(1).expand(-1, scores.shape[1], -1), value)
-        mask = _exclusion_mask(exclude, self.batch_size, 0, self.num_items, self.device)
-        return scores.masked_fill(mask.unsqueeze(1), value)
+        inside = (exclude >= 0) & (exclude < self.num_items)
+        if not bool(inside.all()):  # padding: repeat one of the row's real ids, if it has one
+            if not bool(inside.any(1).all()):
+                mask = _exclusion_mask(exclude, self.batch_size, 0, self.num_items, self.device)
+                return scores.masked_fill(mask.unsqueeze(1), value)
+            exclude = torch.where(inside, exclude, exclude.gather(1, inside.int().argmax(1, keepdim=True)))
+        return scores.scatter(2, exclude.unsqueeze(1).expand(-1, scores.shape[1], -1), value)  # no [B, N] mask
 
     def log_power_sums(self, exclude: Tensor | None = None, num_powers: int = 1) -> Tensor:
         check_count("num_powers", num_powers)

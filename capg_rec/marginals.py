@@ -159,9 +159,8 @@ def _mean_field(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
             total = torch.logaddexp(torch.logsumexp(s, 1), lz[:, 0])
             hi = total - math.log(count)  # f(hi) ≤ Σ x = n
             if has_tail:  # every head item likely enough that the tail expansion stays accurate
-                nth = s.topk(min(head, s.shape[1]), dim=1).values[:, -1]
                 share = count / max(head - drawn, count)
-                lo = nth - math.log(-math.log1p(-share))
+                lo = ht.head_floor[:, expert] - math.log(-math.log1p(-share))
             else:
                 lo = s.masked_fill(~valid, torch.inf).min(1).values - 50.0
             lo = torch.minimum(lo, hi - 1.0)
