@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from capg_rec.marginals import DEFAULT_METHOD
 from capg_rec.plackett_luce import sample_candidates
 from capg_rec.train.config import ESTIMATOR_LABELS, TrainConfig
 from capg_rec.train.report import markdown_table
@@ -77,7 +78,7 @@ def bench_train_step(estimator: str = "capg_swr", *, num_candidates: int = 10, b
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--estimators", nargs="+", default=["vpg_swr", "capg_swr", "vpg"],
+    parser.add_argument("--estimators", nargs="+", default=["vpg_swr", "capg_swr", "vpg", "capg"],
                         choices=tuple(ESTIMATOR_LABELS))
     parser.add_argument("-K", "--num-candidates", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=128)
@@ -88,7 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for est in args.estimators:
         r = bench_train_step(est, num_candidates=args.num_candidates, batch_size=args.batch_size,
                              repeats=args.repeats)
-        rows.append([ESTIMATOR_LABELS[est], f"{r['step']:.2f}", f"{r['core loss (fwd+bwd)']:.2f}",
+        label = ESTIMATOR_LABELS[est] + (f" ({DEFAULT_METHOD})" if est == "capg" else "")
+        rows.append([label, f"{r['step']:.2f}", f"{r['core loss (fwd+bwd)']:.2f}",
                      f"{r['ratio']:.2f}", f"{r['ESR forward']:.2f}", f"{r['sampling']:.2f}",
                      f"{r['LSR + rewards']:.2f}", f"{r['optimizer']:.2f}"])
     print(f"Training step vs core loss step (CPU ms, median of {args.repeats}; K = {args.num_candidates}, "
