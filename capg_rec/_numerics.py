@@ -52,7 +52,7 @@ class _LogSumExp(torch.autograd.Function):
         top = x.amax(dim=dim, keepdim=True)
         terms = (x - top).clamp_(min=exp_floor(x.dtype)).exp_()
         total = terms.sum(dim=dim, keepdim=True)
-        ctx.save_for_backward(terms, total)  # in place of x: the same memory
+        ctx.save_for_backward(terms, total)  # all the backward needs: x itself is not kept
         ctx.dim = dim
         return (top + total.log()).squeeze(dim)
 
