@@ -167,7 +167,7 @@ class _ChunkedLogPowerSums(torch.autograd.Function):
                 s = s.masked_fill(mask.unsqueeze(1), lowest)
             top = s.amax(dim=2, keepdim=True)  # `lowest` where the whole chunk is excluded
             d = s - top
-            sums = torch.stack([exp_floored(p * d).sum(2) for p in range(1, num_powers + 1)], -1)
+            sums = torch.stack([exp_floored(d if p == 1 else p * d).sum(2) for p in range(1, num_powers + 1)], -1)
             part = (sums.log() + powers * top).masked_fill(top <= lowest / 2, -torch.inf)
             out = torch.logaddexp(out, part)
         ctx.save_for_backward(user, item, out, exclude if exclude is not None else torch.empty(0))
@@ -192,7 +192,7 @@ class _ChunkedLogPowerSums(torch.autograd.Function):
             stop = min(start + ctx.chunk_size, item.shape[0])
             v = item[start:stop]
             d = torch.einsum("bmd,nmd->bmn", user, v) - log_z  # log r
-            grad_s = sum(coef[..., p - 1:p] * exp_floored(p * d) for p in range(1, num_powers + 1))
+            grad_s = sum(coef[..., p - 1:p] * exp_floored(d if p == 1 else p * d) for p in range(1, num_powers + 1))
             mask = _exclusion_mask(exclude, batch, start, stop, user.device)
             if mask is not None:
                 grad_s = grad_s.masked_fill(mask.unsqueeze(1), 0.0)
