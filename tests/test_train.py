@@ -209,6 +209,13 @@ def test_targets_and_cli(tmp_path, capsys):
     assert {r["method"] for r in rows} == {"V-PG", "CA-PG (plugin)"}
     assert [r["config"]["capg_method"] for r in rows] == [None, "plugin"]
     assert (out / "runs" / "capg_plugin_K5_seed0" / "result.json").exists()
+    with pytest.raises(ValueError, match="capg_method"):
+        build_target("table2", steps=10, estimators=["capg"], capg_method="magic")
+    with pytest.raises(ValueError, match="'capg' estimator"):
+        build_target("table2", steps=10, capg_method="plugin")  # the default cells have no CA-PG
+    args = parser.parse_args(["reproduce", "variance", "--capg-method", "plugin", "--out", str(tmp_path / "v")])
+    with pytest.raises(ValueError, match="variance"):
+        args.func(args)
     args = parser.parse_args(["train", "--steps", "20", "--eval-every", "10", "-K", "5", "--out",
                               str(tmp_path / "tr"), "--checkpoint-every", "10"])
     assert args.func(args) == 0

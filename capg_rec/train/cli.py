@@ -111,6 +111,9 @@ def _reproduce(args: argparse.Namespace) -> int:
     if args.target == "variance":
         from capg_rec.train.variance import gradient_variance_report
 
+        if args.capg_method is not None:
+            raise ValueError("--capg-method is not used by the variance target (its CA-PG is the default method)")
+
         print(gradient_variance_report(out, ks=args.ks, estimators=args.estimators, seed=0))
         return 0
     from capg_rec.train.reproduce import build_target, run_cells, summarize

@@ -84,6 +84,9 @@ def build_target(target: str, *, steps: int, estimators: Sequence[str] | None = 
     factory, cells = _target_cells(target, steps=steps, estimators=estimators, data=data, lsr=lsr, ks=ks,
                                    eval_every=eval_every)
     if capg_method is not None:
+        if not any(c.config.estimator == "capg" for c in cells):
+            raise ValueError(f"capg_method applies to the 'capg' estimator, which target {target!r} does not run "
+                             f"here: add 'capg' to estimators (got capg_method={capg_method!r})")
         cells = [Cell(c.setting, c.config.replace(capg_method=capg_method), c.paper, c.scale)
                  if c.config.estimator == "capg" else c for c in cells]
     return factory, cells
