@@ -86,6 +86,8 @@ def validate_esr(esr: ESR, contexts: Any = None, *, num_samples: int = 20_000, a
     (probabilities in [0, 1] summing to K over the catalog, since every draw holds K items;
     expected counts summing to K); draws without replacement hold distinct items; and on tiny
     catalogs the claimed draw probabilities sum to 1 and imply the claimed inclusion values.
+    Claims cannot be more consistent than the scores are precise: for scores of magnitude |s| in
+    a dtype with machine epsilon eps, use ``sum_tolerance >= K · eps · |s|``.
 
     The report also lists the ``num_worst`` pairs with the smallest p-values, a binned
     calibration error with its noise floor, and the sample size needed to resolve a relative
