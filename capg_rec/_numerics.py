@@ -43,15 +43,20 @@ def exp_floored(x: Tensor) -> Tensor:
     return torch.exp(x.clamp(min=exp_floor(x.dtype)))
 
 
+def _softmax_terms(x: Tensor, dim: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``top = max(x)``, ``terms = exp_floored(x - top)`` and ``total = Σ terms`` along ``dim`` (kept)."""
+    top = x.amax(dim=dim, keepdim=True)
+    terms = (x - top).clamp_(min=exp_floor(x.dtype)).exp_()
+    return top, terms, terms.sum(dim=dim, keepdim=True)
+
+
 class _LogSumExp(torch.autograd.Function):
     """``logsumexp`` of finite ``x`` whose exps are floored (:func:`exp_floored`), so confident
     scores (spreads beyond ~87 in fp32) stay on the fast path; gradient = the (floored) softmax."""
 
     @staticmethod
     def forward(ctx, x: Tensor, dim: int) -> Tensor:
-        top = x.amax(dim=dim, keepdim=True)
-        terms = (x - top).clamp_(min=exp_floor(x.dtype)).exp_()
-        total = terms.sum(dim=dim, keepdim=True)
+        top, terms, total = _softmax_terms(x, dim)
         ctx.save_for_backward(terms, total)  # all the backward needs: x itself is not kept
         ctx.dim = dim
         return (top + total.log()).squeeze(dim)
@@ -61,6 +66,31 @@ class _LogSumExp(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
         terms, total = ctx.saved_tensors
         return terms * (grad.unsqueeze(ctx.dim) / total), None
+
+
+class _LogSoftmaxAt(torch.autograd.Function):
+    """``x.gather(dim, index) - logsumexp(x, dim)`` of finite ``x`` as one autograd node, with the
+    exps floored as in :class:`_LogSumExp`: the backward is one scaled softmax plus a scatter-add."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, index: Tensor, dim: int) -> Tensor:
+        top, terms, total = _softmax_terms(x, dim)
+        ctx.save_for_backward(terms, total, index)
+        ctx.dim = dim
+        return (x.gather(dim, index) - top).sub_(total.log())  # shifted first: exact near the top
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        terms, total, index = ctx.saved_tensors
+        grad_x = terms * (grad.sum(dim=ctx.dim, keepdim=True).neg_() / total)
+        return grad_x.scatter_add_(ctx.dim, index, grad), None, None
+
+
+def log_softmax_at(x: Tensor, index: Tensor, dim: int) -> Tensor:
+    """``log_softmax(x, dim).gather(dim, index)`` of finite ``x`` without the ``[..., N]`` output:
+    e.g. ``x [B, M, N]``, ``index [B, M, L]`` → ``[B, M, L]``."""
+    return _LogSoftmaxAt.apply(x, index, dim)
 
 
 def filled_logsumexp(x: Tensor, dim: int) -> Tensor:
@@ -98,26 +128,31 @@ def gumbel_top_k(scores: Tensor, k: int, *, generator: torch.Generator | None,
     groups = -(-n // size)
     picked = min(k, groups)
     lead = scores.shape[:-1]
+    finfo = torch.finfo(scores.dtype)
     noise = _gumbel((*lead, groups + size * picked), scores, generator)  # one draw: groups, then items
     # Item j·G + i belongs to group i, so group reductions run over a strided dim (vectorised).
     padded = scores if n == groups * size else \
         torch.nn.functional.pad(scores, (0, groups * size - n), value=-math.inf)
     members = padded.view(*lead, size, groups)  # [..., g, G]
-    peak = members.amax(dim=-2, keepdim=True)
-    peak = torch.where(peak == -math.inf, 0.0, peak)  # an empty group's logsumexp stays -inf
-    group_max = (peak + exp_floored(members - peak).sum(dim=-2, keepdim=True).log()).squeeze(-2)  # [..., G]
-    top, group = (group_max + noise[..., :groups]).topk(picked, dim=-1)
-    chosen = members.gather(-1, group.unsqueeze(-2).expand(*lead, size, picked))  # [..., g, k']
-    perturbed = chosen + noise[..., groups:].view(*lead, size, picked)
-    peak = perturbed.amax(dim=-2, keepdim=True)
-    # Shift each group's perturbed scores so that their maximum is `top`: -log(e^-top - e^-peak + e^-x),
-    # in log-space (absolute accuracy is what a comparison of sampled keys needs).
+    # In-place chains and clamps rather than masks: this is the sampler's hot path. An empty
+    # group's key stays at the lowest finite value, below every group that has an item.
+    peak = members.amax(dim=-2, keepdim=True).clamp_(min=finfo.min)
+    group_max = (members - peak).clamp_(min=exp_floor(scores.dtype)).exp_().sum(dim=-2).log_().add_(peak.squeeze(-2))
+    top, group = group_max.add_(noise[..., :groups]).topk(picked, dim=-1, sorted=False)  # [..., k']
+    perturbed = members.gather(-1, group.unsqueeze(-2).expand(*lead, size, picked))  # [..., g, k']
+    perturbed += noise[..., groups:].view(*lead, size, picked)
+    peak = perturbed.amax(dim=-2, keepdim=True).clamp_(min=finfo.min)
+    # Shift each group's perturbed scores so that their maximum is `top`:
+    # -log(e^-top - e^-peak + e^-x) = top - softplus(top - x + log(1 - e^(x - peak))), in log-space
+    # (absolute accuracy is what a comparison of sampled keys needs). The clamps keep expm1, log
+    # and softplus off their slow paths (very negative arguments, zero): 1 - e^-40 rounds to 1 even
+    # in fp64, and the others move keys by < e^-86. A -inf item stays -inf.
     top = top.unsqueeze(-2)
-    shift = top - perturbed + torch.log(-torch.expm1(perturbed - peak))
-    truncated = (top - torch.nn.functional.softplus(shift)).masked_fill(perturbed == -math.inf, -math.inf)
-    best = truncated.flatten(-2).topk(k, dim=-1).indices  # [..., k] positions among the k'·g
-    ids = group.unsqueeze(-2) + groups * torch.arange(size, device=scores.device).unsqueeze(-1)
-    return ids.flatten(-2).gather(-1, best)
+    gap = (perturbed - peak).clamp_(min=-40.0).expm1_().neg_().clamp_(min=finfo.tiny).log_()
+    shift = gap.add_(top).sub_(perturbed).clamp_(min=exp_floor(scores.dtype))
+    keys = top - torch.nn.functional.softplus(shift)
+    best = keys.flatten(-2).topk(k, dim=-1).indices  # [..., k]: member j of group slot c is at j·k' + c
+    return group.gather(-1, best % picked) + groups * (best // picked)
 
 
 def _gumbel(shape: tuple[int, ...], like: Tensor, generator: torch.Generator | None) -> Tensor:
