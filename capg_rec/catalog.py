@@ -2,13 +2,16 @@
 
 Every estimator in capg_rec touches the catalog only through a :class:`CatalogScores` object,
 which exposes the scaled scores ``s[b, m, n] = logit_m(x_b, n) / τ`` (B contexts, M experts,
-N items) through four reductions that can be computed block by block and combined:
+N items) through three reductions that can be computed block by block and combined:
 
 * :meth:`~CatalogScores.gather`: the scores of a few named items (differentiable),
 * :meth:`~CatalogScores.log_power_sums`: ``log Σ_{n ∉ exclude} exp(p · s[b, m, n])`` for
   ``p = 1..P`` (differentiable; ``p = 1`` is the softmax normalizer),
 * :meth:`~CatalogScores.top_items`: the ids of the k best items, optionally after Gumbel
-  perturbation (no gradient; this is also the sampler).
+  perturbation (no gradient; this is also the sampler),
+
+and :meth:`~CatalogScores.log_softmax` of named items, built from the first two (a placement may
+fuse it).
 
 Two placements live here: :class:`DenseCatalog` (a logits tensor) and :class:`EmbeddingCatalog`
 (user and item embeddings scored chunk by chunk, recomputed in backward, so memory stays
@@ -25,7 +28,7 @@ import torch
 from torch import Tensor
 
 from capg_rec._checks import check_count, check_float_tensor, check_positive
-from capg_rec._numerics import exp_floored, filled_logsumexp, gumbel_like, gumbel_top_k
+from capg_rec._numerics import exp_floored, filled_logsumexp, gumbel_like, gumbel_top_k, log_softmax_at
 
 __all__ = ["CatalogScores", "DenseCatalog", "EmbeddingCatalog", "as_catalog"]
 
@@ -69,18 +72,25 @@ class CatalogScores(abc.ABC):
         """``logsumexp_n s[b, m, n]`` → ``[B, M]`` (differentiable)."""
         return self.log_power_sums(None, 1)[..., 0]
 
+    def log_softmax(self, items: Tensor) -> Tensor:
+        """``s[b, m, a] - logsumexp_n s[b, m, n]`` of named items: ``items [B, L]`` → ``[B, M, L]``
+        (differentiable)."""
+        return self.gather(items) - self.log_normalizer().unsqueeze(2)
 
-def as_catalog(scores: Tensor | CatalogScores, temperature: float = 1.0) -> CatalogScores:
+
+def as_catalog(scores: Tensor | CatalogScores, temperature: float = 1.0, *,
+               validate_args: bool = True) -> CatalogScores:
     """Wrap logits ``[B, N]`` / ``[B, M, N]`` in a :class:`DenseCatalog`; pass catalogs through.
 
     A catalog object carries its own temperature, so ``temperature`` must then be 1.
+    ``validate_args`` is :class:`DenseCatalog`'s.
     """
     if isinstance(scores, CatalogScores):
         if check_positive("temperature", temperature) != 1.0:
             raise ValueError("temperature must be 1.0 when a CatalogScores object is given: "
                              f"set the temperature on the catalog instead (got {temperature})")
         return scores
-    return DenseCatalog(scores, temperature)
+    return DenseCatalog(scores, temperature, validate_args=validate_args)
 
 
 def _exclusion_mask(exclude: Tensor | None, batch_size: int, start: int, stop: int,
@@ -105,10 +115,16 @@ def _select(x: Tensor, experts: Sequence[int]) -> Tensor:
 
 
 class DenseCatalog(CatalogScores):
-    """A catalog given as a logits tensor ``[B, N]`` (one logit model) or ``[B, M, N]`` (MoE)."""
+    """A catalog given as a logits tensor ``[B, N]`` (one logit model) or ``[B, M, N]`` (MoE).
 
-    def __init__(self, logits: Tensor, temperature: float = 1.0) -> None:
-        logits = check_float_tensor("logits", logits, ndims=(2, 3))
+    ``validate_args=False`` skips the check that ``logits`` are finite (one catalog-wide pass and
+    a host sync), for callers that have checked them already; non-finite logits then give
+    undefined results.
+    """
+
+    def __init__(self, logits: Tensor, temperature: float = 1.0, *, validate_args: bool = True) -> None:
+        if validate_args:
+            logits = check_float_tensor("logits", logits, ndims=(2, 3))
         tau = check_positive("temperature", temperature)
         scores = logits.unsqueeze(1) if logits.dim() == 2 else logits
         self.scores = scores / tau if tau != 1.0 else scores  # [B, M, N]
@@ -116,8 +132,13 @@ class DenseCatalog(CatalogScores):
         self.dtype, self.device = self.scores.dtype, self.scores.device
 
     def gather(self, items: Tensor) -> Tensor:
-        idx = items.unsqueeze(1).expand(-1, self.num_experts, -1)
-        return self.scores.gather(2, idx)
+        return self.scores.gather(2, self._per_expert(items))
+
+    def log_softmax(self, items: Tensor) -> Tensor:
+        return log_softmax_at(self.scores, self._per_expert(items), 2)  # one node, no [B, M, N] zeros in backward
+
+    def _per_expert(self, items: Tensor) -> Tensor:
+        return items.unsqueeze(1).expand(-1, self.num_experts, -1)
 
     def _drop(self, scores: Tensor, exclude: Tensor | None, value: float) -> Tensor:
         """``scores [B, E, N]`` with each row's excluded items set to ``value`` (differentiable)."""

@@ -42,9 +42,12 @@ _ROOT_STEPS = 40
 
 def _swr(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
     """``log Σ_m n_m exp(s_m(a) - A_m)``: the CA-PG-SwR score → ``[B, L]``."""
+    log_softmax = catalog.log_softmax(items)  # [B, M, L]
+    if len(runs) == 1:  # one expert draws all K
+        (expert, count), = runs
+        return log_softmax[:, expert] + math.log(count)
     experts = torch.tensor([m for m, _ in runs], device=catalog.device)
     log_counts = torch.tensor([math.log(n) for _, n in runs], dtype=catalog.dtype, device=catalog.device)
-    log_softmax = catalog.gather(items) - catalog.log_normalizer().unsqueeze(2)  # [B, M, L]
     return torch.logsumexp(log_softmax[:, experts] + log_counts.view(1, -1, 1), dim=1)
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from capg_rec import DenseCatalog, EmbeddingCatalog
-from capg_rec._numerics import exp_floor, filled_logsumexp, masked_logsumexp
+from capg_rec._numerics import exp_floor, filled_logsumexp, log_softmax_at, masked_logsumexp
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -27,6 +27,42 @@ def test_logsumexp_gradcheck_and_dims():
     for dim in (0, 1, 2, -1):
         assert torch.autograd.gradcheck(lambda t: filled_logsumexp(t, dim), (x,))
         torch.testing.assert_close(filled_logsumexp(x, dim), torch.logsumexp(x, dim))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("scale", [1.0, 50.0, 2000.0])
+def test_log_softmax_at_matches_torch(dtype, scale):
+    """The fused gather - logsumexp equals torch's log_softmax at the named entries, with the same
+    gradient (repeated indices accumulate), also where exps underflow."""
+    gen = torch.Generator().manual_seed(1)
+    x = (scale * torch.randn(5, 2, 200, generator=gen, dtype=torch.float64)).to(dtype).requires_grad_()
+    index = torch.randint(0, 200, (5, 2, 4), generator=gen)
+    index[:, :, 1] = index[:, :, 0]
+    weights = torch.randn(5, 2, 4, generator=gen, dtype=dtype)
+    out = log_softmax_at(x, index, 2)
+    ref_x = x.detach().double().requires_grad_()
+    ref = torch.log_softmax(ref_x, 2).gather(2, index)
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(out.double(), ref, rtol=4 * eps, atol=4 * eps * scale)
+    (out * weights).sum().backward()
+    (ref * weights.double()).sum().backward()
+    torch.testing.assert_close(x.grad.double(), ref_x.grad, rtol=0, atol=16 * eps)
+
+
+def test_log_softmax_at_gradcheck_and_dims():
+    x = torch.randn(3, 4, 5, dtype=torch.float64, requires_grad=True)
+    for dim in (0, 1, 2):
+        index = torch.randint(0, x.shape[dim], tuple(2 if d == dim else n for d, n in enumerate(x.shape)))
+        assert torch.autograd.gradcheck(lambda t: log_softmax_at(t, index, dim), (x,))
+        torch.testing.assert_close(log_softmax_at(x, index, dim), torch.log_softmax(x, dim).gather(dim, index))
+
+
+def test_log_softmax_at_keeps_precision_at_large_magnitudes():
+    """Shifting by the maximum before subtracting: two tied fp32 scores of -2e5 are log(1/2) each
+    to float32 precision, not to the 0.016 spacing of floats near 2e5."""
+    x = torch.full((1, 2), -2e5)
+    out = log_softmax_at(x, torch.tensor([[0, 1]]), 1)
+    torch.testing.assert_close(out, torch.full((1, 2), -math.log(2.0)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
