@@ -8,6 +8,11 @@ All share one forward, so switching estimator is a one-line change::
 
 ``loss = -mean_B Σ_l α_l (r_l - b) · score``, where the score is ``log π(A^K | x)`` for V-PG and
 ``log π(a_l ∈ A^K | x)`` for CA-PG. Rewards and baselines are treated as constants.
+
+Every input is checked (finite logits and rewards, ids in range, distinct candidates, chosen ⊆
+candidates, shapes); as in ``torch.distributions``, ``validate_args=False`` skips the checks for
+callers that build the inputs themselves (each costs a pass and a host sync), and invalid inputs
+then give undefined results.
 """
 
 from __future__ import annotations
@@ -42,13 +47,15 @@ def _check_float(name: str, x: Tensor, shapes: tuple[tuple[int, ...], ...]) -> T
 class _PolicyGradientLoss(nn.Module, abc.ABC):
     """Shared forward: validation, advantages, reduction. Subclasses define ``score``."""
 
-    def __init__(self, num_candidates: int, *, temperature: float = 1.0, reduction: str = "mean") -> None:
+    def __init__(self, num_candidates: int, *, temperature: float = 1.0, reduction: str = "mean",
+                 validate_args: bool = True) -> None:
         super().__init__()
         self.num_candidates = check_count("num_candidates", num_candidates)
         self.temperature = check_positive("temperature", temperature)
         if reduction not in _REDUCTIONS:
             raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
         self.reduction = reduction
+        self.validate_args = bool(validate_args)
 
     def forward(self, logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor, *,
                 position_weights: Tensor | None = None, baseline: Tensor | None = None) -> Tensor:
@@ -56,22 +63,22 @@ class _PolicyGradientLoss(nn.Module, abc.ABC):
         draw order), ``chosen [B, L]`` (what the LSR showed), ``rewards [B, L]``,
         ``position_weights [L]`` (default ones), ``baseline [B] | [B, L]`` → scalar, or ``[B]``
         with ``reduction="none"``."""
-        catalog = as_catalog(logits, self.temperature)
-        batch = catalog.batch_size
-        check_count("num_candidates", self.num_candidates, high=catalog.num_items)
-        candidates = check_items("candidates", candidates, batch_size=batch, num_items=catalog.num_items,
-                                 width=self.num_candidates)
-        chosen = check_items("chosen", chosen, batch_size=batch, num_items=catalog.num_items)
-        length = chosen.shape[1]
-        if not bool((chosen.unsqueeze(2) == candidates.unsqueeze(1)).any(2).all()):
-            raise ValueError("chosen must be a subset of candidates in every row (the LSR picks among them)")
-        rewards = _check_float("rewards", rewards, ((batch, length),)).detach()
-        advantage = rewards
+        if self.validate_args:
+            catalog, candidates, chosen = self._checked_items(logits, candidates, chosen)
+            batch, length = chosen.shape
+            rewards = _check_float("rewards", rewards, ((batch, length),))
+            if baseline is not None:
+                baseline = _check_float("baseline", baseline, ((batch,), (batch, length)))
+            if position_weights is not None:
+                position_weights = _check_float("position_weights", position_weights, ((length,),))
+        else:
+            catalog = as_catalog(logits, self.temperature, validate_args=False)
+        advantage = rewards.detach()
         if baseline is not None:
-            baseline = _check_float("baseline", baseline, ((batch,), (batch, length))).detach()
-            advantage = rewards - (baseline.unsqueeze(1) if baseline.dim() == 1 else baseline)
+            baseline = baseline.detach()
+            advantage = advantage - (baseline.unsqueeze(1) if baseline.dim() == 1 else baseline)
         if position_weights is not None:
-            advantage = advantage * _check_float("position_weights", position_weights, ((length,),)).detach()
+            advantage = advantage * position_weights.detach()
         per_row = -self._weighted_score(catalog, candidates, chosen, advantage.to(catalog.dtype))
         if self.reduction == "mean":
             return per_row.mean()
@@ -79,13 +86,26 @@ class _PolicyGradientLoss(nn.Module, abc.ABC):
             return per_row.sum()
         return per_row
 
+    def _checked_items(self, logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor
+                       ) -> tuple[CatalogScores, Tensor, Tensor]:
+        catalog = as_catalog(logits, self.temperature)
+        batch = catalog.batch_size
+        check_count("num_candidates", self.num_candidates, high=catalog.num_items)
+        candidates = check_items("candidates", candidates, batch_size=batch, num_items=catalog.num_items,
+                                 width=self.num_candidates)
+        chosen = check_items("chosen", chosen, batch_size=batch, num_items=catalog.num_items)
+        if not bool((chosen.unsqueeze(2) == candidates.unsqueeze(1)).any(2).all()):
+            raise ValueError("chosen must be a subset of candidates in every row (the LSR picks among them)")
+        return catalog, candidates, chosen
+
     @abc.abstractmethod
     def _weighted_score(self, catalog: CatalogScores, candidates: Tensor, chosen: Tensor,
                         advantage: Tensor) -> Tensor:
         """``Σ_l advantage_l · score_l`` per row → ``[B]``."""
 
     def extra_repr(self) -> str:
-        return f"num_candidates={self.num_candidates}, temperature={self.temperature}, reduction={self.reduction!r}"
+        return (f"num_candidates={self.num_candidates}, temperature={self.temperature}, reduction={self.reduction!r}"
+                + ("" if self.validate_args else ", validate_args=False"))
 
 
 class VPGLoss(_PolicyGradientLoss):
@@ -96,8 +116,8 @@ class VPGLoss(_PolicyGradientLoss):
     """
 
     def __init__(self, num_candidates: int, *, with_replacement: bool = False, temperature: float = 1.0,
-                 reduction: str = "mean") -> None:
-        super().__init__(num_candidates, temperature=temperature, reduction=reduction)
+                 reduction: str = "mean", validate_args: bool = True) -> None:
+        super().__init__(num_candidates, temperature=temperature, reduction=reduction, validate_args=validate_args)
         self.with_replacement = bool(with_replacement)
 
     def _weighted_score(self, catalog: CatalogScores, candidates: Tensor, chosen: Tensor,
@@ -117,8 +137,8 @@ class CAPGLoss(_PolicyGradientLoss):
     """
 
     def __init__(self, num_candidates: int, *, method: str = DEFAULT_METHOD, temperature: float = 1.0,
-                 reduction: str = "mean") -> None:
-        super().__init__(num_candidates, temperature=temperature, reduction=reduction)
+                 reduction: str = "mean", validate_args: bool = True) -> None:
+        super().__init__(num_candidates, temperature=temperature, reduction=reduction, validate_args=validate_args)
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         self.method = method
@@ -135,5 +155,7 @@ class CAPGLoss(_PolicyGradientLoss):
 class TOP1PGLoss(CAPGLoss):
     """CA-PG-SwR (TOP1-PG when M = 1): ``log Σ_k π_{m(k)}(a_l)`` with full-catalog softmaxes."""
 
-    def __init__(self, num_candidates: int, *, temperature: float = 1.0, reduction: str = "mean") -> None:
-        super().__init__(num_candidates, method="swr", temperature=temperature, reduction=reduction)
+    def __init__(self, num_candidates: int, *, temperature: float = 1.0, reduction: str = "mean",
+                 validate_args: bool = True) -> None:
+        super().__init__(num_candidates, method="swr", temperature=temperature, reduction=reduction,
+                         validate_args=validate_args)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from capg_rec import (CAPGLoss, EmbeddingCatalog, TOP1PGLoss, VPGLoss, candidate_log_prob, dcg_weights,
+from capg_rec import (CAPGLoss, DenseCatalog, EmbeddingCatalog, TOP1PGLoss, VPGLoss, candidate_log_prob, dcg_weights,
                       expert_of_position, inclusion_log_prob, sample_candidates)
 from capg_rec._enumerate import all_draws, draw_log_probs, inclusion_probs
 
@@ -163,6 +163,27 @@ def test_bad_inputs_raise():
         VPGLoss(0)
     with pytest.raises(ValueError, match="num_candidates"):
         VPGLoss(50)(logits, torch.arange(50).expand(6, 50) % 40, chosen, rewards)
+
+
+@pytest.mark.parametrize("name", list(ESTIMATORS))
+def test_validate_args_false_gives_the_same_loss_and_skips_the_checks(name):
+    logits, cand, chosen, rewards = _batch()
+    logits = logits.requires_grad_()
+    b, alpha = torch.rand(6, dtype=torch.float64), torch.rand(3, dtype=torch.float64)
+    checked = ESTIMATORS[name](6, temperature=0.7)(logits, cand, chosen, rewards, baseline=b, position_weights=alpha)
+    unchecked_fn = ESTIMATORS[name](6, temperature=0.7, validate_args=False)
+    unchecked = unchecked_fn(logits, cand, chosen, rewards, baseline=b, position_weights=alpha)
+    assert torch.equal(checked, unchecked)
+    assert torch.equal(*(torch.autograd.grad(x, logits)[0] for x in (checked, unchecked)))
+    assert "validate_args=False" in repr(unchecked_fn)
+    # What the checks would reject now passes through: here, NaN rewards give a NaN loss.
+    assert torch.isnan(unchecked_fn(logits, cand, chosen, torch.full_like(rewards, float("nan"))))
+    with pytest.raises(ValueError, match="rewards"):
+        ESTIMATORS[name](6)(logits, cand, chosen, torch.full_like(rewards, float("nan")))
+    infinite = logits.detach().masked_fill(logits.detach() > 2, float("inf"))
+    with pytest.raises(ValueError, match="logits must be finite"):
+        DenseCatalog(infinite)
+    assert DenseCatalog(infinite, validate_args=False).num_items == 40
 
 
 def test_dcg_weights():

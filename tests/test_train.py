@@ -39,6 +39,16 @@ def test_trainer_learns_on_a_tiny_problem(env, estimator):
     assert result.overflow_count == 0 and result.stopped_at is None
 
 
+def test_a_user_lsr_with_invalid_picks_is_a_clear_error(env):
+    """The step skips the loss's input checks, so it checks what a user's LSR returns itself."""
+    repeat = lambda scores, n, g: (torch.zeros(scores.shape[0], n, dtype=torch.long), None)  # noqa: E731
+    outside = lambda scores, n, g: (torch.full((scores.shape[0], n), scores.shape[1]), None)  # noqa: E731
+    with pytest.raises(ValueError, match="LSR's picks must not repeat"):
+        Trainer(env, _config(num_outputs=2), train_lsr=repeat).step()
+    with pytest.raises(ValueError, match=r"LSR's picks must hold ids in \[0, 5\)"):
+        Trainer(env, _config(), train_lsr=outside).step()
+
+
 def test_policy_value_is_exact(env):
     trainer = Trainer(env, _config())
     users = torch.arange(env.num_users)

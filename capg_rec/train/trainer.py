@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from capg_rec._checks import all_finite
+from capg_rec._checks import all_finite, check_items
+from capg_rec.catalog import DenseCatalog
 from capg_rec.losses import CAPGLoss, TOP1PGLoss, VPGLoss
 from capg_rec.plackett_luce import greedy_candidates, sample_candidates
 from capg_rec.rewards import dcg_weights, group_normalize
@@ -36,17 +37,18 @@ _EVAL_CHUNK = 256
 _CHECKPOINT_VERSION = 1
 
 
-def make_loss(config: TrainConfig) -> torch.nn.Module:
+def make_loss(config: TrainConfig, *, validate_args: bool = True) -> torch.nn.Module:
     """The loss module of ``config.estimator``."""
-    k, tau = config.num_candidates, config.temperature
+    k = config.num_candidates
+    common = dict(temperature=config.temperature, validate_args=validate_args)
     if config.estimator == "vpg":
-        return VPGLoss(k, temperature=tau)
+        return VPGLoss(k, **common)
     if config.estimator == "vpg_swr":
-        return VPGLoss(k, with_replacement=True, temperature=tau)
+        return VPGLoss(k, with_replacement=True, **common)
     if config.estimator == "capg":
-        return CAPGLoss(k, temperature=tau) if config.capg_method is None else \
-            CAPGLoss(k, method=config.capg_method, temperature=tau)
-    return TOP1PGLoss(k, temperature=tau)
+        return CAPGLoss(k, **common) if config.capg_method is None else \
+            CAPGLoss(k, method=config.capg_method, **common)
+    return TOP1PGLoss(k, **common)
 
 
 @torch.no_grad()
@@ -133,7 +135,7 @@ class Trainer:
         self.train_lsr = make_lsr(train_lsr if train_lsr is not None else config.train_lsr)
         self.eval_lsr = make_lsr(eval_lsr if eval_lsr is not None else config.eval_lsr)
         self.eval_candidates = eval_k
-        self.loss_fn = make_loss(config)
+        self.loss_fn = make_loss(config, validate_args=False)  # the step checks what it does not build itself
         self.position_weights = self._position_weights()
 
     def _position_weights(self) -> Tensor:
@@ -207,13 +209,16 @@ class Trainer:
 
     def _step(self) -> tuple[float, bool]:
         cfg = self.config
-        users = self.env.sample_users(cfg.batch_size, self.generator).repeat_interleave(cfg.group_size)
+        users = self.env.sample_users(cfg.batch_size, self.generator)
+        if cfg.group_size > 1:
+            users = users.repeat_interleave(cfg.group_size)
         logits = self.model(users)
-        if not all_finite(logits):
+        if not all_finite(logits):  # checked once here: the sampler and the loss skip their checks
             return math.nan, True
-        candidates = sample_candidates(logits.detach(), cfg.num_candidates, temperature=cfg.temperature,
-                                       generator=self.generator)
+        catalog = DenseCatalog(logits.detach(), cfg.temperature, validate_args=False)
+        candidates = sample_candidates(catalog, cfg.num_candidates, generator=self.generator)
         picks, _ = self.train_lsr(self.env.ranking_scores(users, candidates), cfg.num_outputs, self.generator)
+        picks = check_items("the LSR's picks", picks, batch_size=len(users), num_items=cfg.num_candidates)
         chosen = candidates.gather(1, picks)
         rewards = self.env.sample_reward(users, chosen, self.generator)
         if cfg.group_size > 1:
