@@ -151,8 +151,8 @@ def gumbel_top_k(scores: Tensor, k: int, *, generator: torch.Generator | None,
     gap = (perturbed - peak).clamp_(min=-40.0).expm1_().neg_().clamp_(min=finfo.tiny).log_()
     shift = gap.add_(top).sub_(perturbed).clamp_(min=exp_floor(scores.dtype))
     keys = top - torch.nn.functional.softplus(shift)
-    best = keys.flatten(-2).topk(k, dim=-1).indices  # [..., k]: member j of group slot c is at j·k' + c
-    return group.gather(-1, best % picked) + groups * (best // picked)
+    ids = group.unsqueeze(-2) + groups * torch.arange(size, device=scores.device).unsqueeze(-1)  # [..., g, k']
+    return ids.flatten(-2).gather(-1, keys.flatten(-2).topk(k, dim=-1).indices)
 
 
 def _gumbel(shape: tuple[int, ...], like: Tensor, generator: torch.Generator | None) -> Tensor:

@@ -32,4 +32,4 @@ class TwoTowerMoE(nn.Module):
         return self.user.shape[0]
 
     def forward(self, users: Tensor) -> Tensor:
-        return torch.einsum("mbd,mnd->bmn", self.user[:, users], self.item)
+        return torch.bmm(self.user.index_select(1, users), self.item.mT).transpose(0, 1)  # [M, B, N] → [B, M, N]
