@@ -93,6 +93,36 @@ def log_softmax_at(x: Tensor, index: Tensor, dim: int) -> Tensor:
     return _LogSoftmaxAt.apply(x, index, dim)
 
 
+class _GatherWithRest(torch.autograd.Function):
+    """``(x.gather(dim, index), logsumexp of x over the entries not in index)`` of finite ``x`` as
+    one node, exps floored as in :class:`_LogSumExp`; the backward is one scaled softmax with the
+    named entries overwritten (no ``[..., N]`` zeros, scatter copy or accumulation)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, index: Tensor, dim: int) -> tuple[Tensor, Tensor]:
+        lowest = torch.finfo(x.dtype).min
+        top, terms, total = _softmax_terms(x.scatter(dim, index, lowest), dim)
+        ctx.save_for_backward(terms, total, index)
+        ctx.dim = dim
+        rest = (top + total.log()).squeeze(dim)
+        return x.gather(dim, index), rest.masked_fill(rest < lowest / 2, -math.inf)  # nothing left: -inf
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_named: Tensor | None, grad_rest: Tensor | None) -> tuple[Tensor, None, None]:
+        terms, total, index = ctx.saved_tensors
+        dim = ctx.dim
+        grad_x = terms * (grad_rest.unsqueeze(dim) / total) if grad_rest is not None else torch.zeros_like(terms)
+        grad_x.scatter_(dim, index, 0.0)  # the named entries are not in the rest
+        return (grad_x if grad_named is None else grad_x.scatter_add_(dim, index, grad_named)), None, None
+
+
+def gather_with_rest(x: Tensor, index: Tensor, dim: int) -> tuple[Tensor, Tensor]:
+    """``x.gather(dim, index)`` and the ``logsumexp`` of ``x`` over every other entry (``-inf`` if
+    none is left), for finite ``x``: e.g. ``x [B, M, N]``, ``index [B, M, K]`` → ``[B, M, K]``, ``[B, M]``."""
+    return _GatherWithRest.apply(x, index, dim)
+
+
 def filled_logsumexp(x: Tensor, dim: int) -> Tensor:
     """``logsumexp`` of finite ``x`` whose dropped entries hold the dtype's lowest finite value;
     ``-inf`` (with zero grad) where all were dropped."""

@@ -10,8 +10,8 @@ N items) through three reductions that can be computed block by block and combin
 * :meth:`~CatalogScores.top_items`: the ids of the k best items, optionally after Gumbel
   perturbation (no gradient; this is also the sampler),
 
-and :meth:`~CatalogScores.log_softmax` of named items, built from the first two (a placement may
-fuse it).
+and two combinations of the first two that a placement may fuse: :meth:`~CatalogScores.log_softmax`
+of named items and :meth:`~CatalogScores.gather_with_rest` (their scores and the mass of the rest).
 
 Two placements live here: :class:`DenseCatalog` (a logits tensor) and :class:`EmbeddingCatalog`
 (user and item embeddings scored chunk by chunk, recomputed in backward, so memory stays
@@ -28,7 +28,8 @@ import torch
 from torch import Tensor
 
 from capg_rec._checks import check_count, check_float_tensor, check_positive
-from capg_rec._numerics import exp_floored, filled_logsumexp, gumbel_like, gumbel_top_k, log_softmax_at
+from capg_rec._numerics import (exp_floored, filled_logsumexp, gather_with_rest, gumbel_like, gumbel_top_k,
+                               log_softmax_at)
 
 __all__ = ["CatalogScores", "DenseCatalog", "EmbeddingCatalog", "as_catalog"]
 
@@ -76,6 +77,11 @@ class CatalogScores(abc.ABC):
         """``s[b, m, a] - logsumexp_n s[b, m, n]`` of named items: ``items [B, L]`` → ``[B, M, L]``
         (differentiable)."""
         return self.gather(items) - self.log_normalizer().unsqueeze(2)
+
+    def gather_with_rest(self, items: Tensor) -> tuple[Tensor, Tensor]:
+        """The scores of named items ``[B, M, L]`` and ``log Σ_{n ∉ items[b]} exp(s[b, m, n])``
+        ``[B, M]`` (differentiable; ``items [B, L]`` holds ids, no padding)."""
+        return self.gather(items), self.log_power_sums(items, 1)[..., 0]
 
 
 def as_catalog(scores: Tensor | CatalogScores, temperature: float = 1.0, *,
@@ -136,6 +142,9 @@ class DenseCatalog(CatalogScores):
 
     def log_softmax(self, items: Tensor) -> Tensor:
         return log_softmax_at(self.scores, self._per_expert(items), 2)  # one node, no [B, M, N] zeros in backward
+
+    def gather_with_rest(self, items: Tensor) -> tuple[Tensor, Tensor]:
+        return gather_with_rest(self.scores, self._per_expert(items), 2)
 
     def _per_expert(self, items: Tensor) -> Tensor:
         return items.unsqueeze(1).expand(-1, self.num_experts, -1)

@@ -90,9 +90,8 @@ def _candidate_log_prob(catalog: CatalogScores, candidates: Tensor, with_replace
     idx = experts.view(1, 1, -1).expand(catalog.batch_size, 1, -1)
     if with_replacement:  # Σ_k log softmax_{m(k)}(a_k)
         return catalog.log_softmax(candidates).gather(1, idx)[:, 0].sum(dim=1)
-    scores = catalog.gather(candidates)  # [B, M, K]
+    scores, outside = catalog.gather_with_rest(candidates)  # [B, M, K], [B, M]: items never drawn
     picked = scores.gather(1, idx)[:, 0]  # [B, K]: s_{m(k)}(a_k)
-    outside = catalog.log_power_sums(candidates, 1)[..., 0]  # [B, M]: items never drawn
     later = torch.logcumsumexp(scores.flip(2), dim=2).flip(2)  # [B, M, K]: Σ_{j ≥ k}
     remaining = torch.logaddexp(outside.unsqueeze(2), later).gather(1, idx)[:, 0]  # [B, K]
     return (picked - remaining).sum(dim=1)

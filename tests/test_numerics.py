@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from capg_rec import DenseCatalog, EmbeddingCatalog
-from capg_rec._numerics import exp_floor, filled_logsumexp, log_softmax_at, masked_logsumexp
+from capg_rec._numerics import exp_floor, filled_logsumexp, gather_with_rest, log_softmax_at, masked_logsumexp
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -63,6 +63,51 @@ def test_log_softmax_at_keeps_precision_at_large_magnitudes():
     x = torch.full((1, 2), -2e5)
     out = log_softmax_at(x, torch.tensor([[0, 1]]), 1)
     torch.testing.assert_close(out, torch.full((1, 2), -math.log(2.0)))
+
+
+def _rest_reference(x: torch.Tensor, index: torch.Tensor, dim: int) -> torch.Tensor:
+    named = torch.zeros_like(x, dtype=torch.bool).scatter(dim, index, True)
+    return torch.logsumexp(x.masked_fill(named, -math.inf), dim)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("scale", [1.0, 50.0, 2000.0])
+def test_gather_with_rest_matches_torch(dtype, scale):
+    """Named scores and the logsumexp of the others equal torch's, with the same gradients, when
+    either output or both are used, for repeated names, and where exps underflow."""
+    gen = torch.Generator().manual_seed(2)
+    x = (scale * torch.randn(5, 2, 150, generator=gen, dtype=torch.float64)).to(dtype).requires_grad_()
+    index = torch.randint(0, 150, (5, 2, 6), generator=gen)
+    index[:, :, 1] = index[:, :, 0]
+    named, rest = gather_with_rest(x, index, 2)
+    ref_x = x.detach().double().requires_grad_()
+    ref_named, ref_rest = ref_x.gather(2, index), _rest_reference(ref_x, index, 2)
+    eps = torch.finfo(dtype).eps
+    assert torch.equal(named, x.detach().gather(2, index))
+    torch.testing.assert_close(rest.double(), ref_rest, rtol=4 * eps, atol=0)
+    w_named, w_rest = torch.randn(5, 2, 6, generator=gen, dtype=dtype), torch.randn(5, 2, generator=gen, dtype=dtype)
+    for use in ("both", "named", "rest"):
+        out = (named * w_named).sum() * (use != "rest") + (rest * w_rest).sum() * (use != "named")
+        ref = (ref_named * w_named.double()).sum() * (use != "rest") + (ref_rest * w_rest.double()).sum() * (use != "named")
+        (grad,) = torch.autograd.grad(out, x, retain_graph=True)
+        (ref_grad,) = torch.autograd.grad(ref, ref_x, retain_graph=True)
+        # exp(x - m) carries the rounding of its argument: ~eps·|x| relative, |x| up to ~4·scale
+        torch.testing.assert_close(grad.double(), ref_grad, rtol=0, atol=4 * eps * (1 + 4 * scale) * float(ref_grad.abs().max()))
+    only_named = gather_with_rest(x, index, 2)[0].sum()  # the rest unused: its grad arrives as None
+    torch.testing.assert_close(torch.autograd.grad(only_named, x)[0].double(),
+                               torch.autograd.grad(ref_x.gather(2, index).sum(), ref_x)[0])
+
+
+def test_gather_with_rest_gradcheck_and_an_empty_rest():
+    x = torch.randn(3, 4, 5, dtype=torch.float64, requires_grad=True)
+    for dim in (0, 1, 2):
+        index = torch.randint(0, x.shape[dim], tuple(2 if d == dim else n for d, n in enumerate(x.shape)))
+        assert torch.autograd.gradcheck(lambda t: gather_with_rest(t, index, dim), (x,))
+    every = torch.arange(5).expand(3, 4, 5)
+    named, rest = gather_with_rest(x, every, 2)
+    assert (rest == -math.inf).all()
+    (grad,) = torch.autograd.grad(rest.clamp(min=-1.0).sum() + named.sum(), x)
+    assert torch.equal(grad, torch.ones_like(x))  # only the named path carries gradient
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

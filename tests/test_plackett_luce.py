@@ -182,13 +182,14 @@ def test_embedding_catalog_reductions_match_dense():
     for cat in (emb, dense):
         assert cat.top_items(6, exclude=exclude).shape == (3, 2, 6)
     assert torch.equal(emb.top_items(6, exclude=exclude), dense.top_items(6, exclude=exclude))
-    out_e = (emb.log_power_sums(exclude, 3), emb.gather(items), emb.log_softmax(items))
-    out_d = (dense.log_power_sums(exclude, 3), dense.gather(items), dense.log_softmax(items))
+    out_e = (emb.log_power_sums(exclude, 3), emb.gather(items), emb.log_softmax(items), *emb.gather_with_rest(items))
+    out_d = (dense.log_power_sums(exclude, 3), dense.gather(items), dense.log_softmax(items),
+             *dense.gather_with_rest(items))
     for a, b in zip(out_e, out_d):
         torch.testing.assert_close(a, b)
     weights = torch.randn(3, 2, 3, generator=gen, dtype=torch.float64)
-    grads_e = torch.autograd.grad((out_e[0] * weights).sum() + out_e[1].sum() + out_e[2].sum(), (user, item))
-    grads_d = torch.autograd.grad((out_d[0] * weights).sum() + out_d[1].sum() + out_d[2].sum(), (user, item))
+    grads_e = torch.autograd.grad((out_e[0] * weights).sum() + sum(o.sum() for o in out_e[1:]), (user, item))
+    grads_d = torch.autograd.grad((out_d[0] * weights).sum() + sum(o.sum() for o in out_d[1:]), (user, item))
     for a, b in zip(grads_e, grads_d):
         torch.testing.assert_close(a, b)
     assert torch.autograd.gradcheck(
