@@ -110,6 +110,23 @@ def test_two_level_gumbel_top_k_matches_enumeration(n, k, group_size, dtype):
     assert chi_square_pvalue(_draw_counts(draws, sampled), log_p.exp().numpy()) > 1e-6
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_two_level_gumbel_top_k_with_empty_groups(dtype):
+    """Whole groups of excluded items, and fewer non-empty groups than draws: with groups of 3
+    over 12 items, item i is in group i mod 4, so items 0, 4, 8 share group 0 and groups 1-3 hold
+    nothing drawable; the draw is then a PL order of 0, 4, 8 (χ² over the 6 orders)."""
+    num_samples = 20_000
+    scores = torch.full((num_samples, 12), -torch.inf, dtype=dtype)
+    scores[:, [0, 4, 8]] = torch.tensor([1.0, 0.0, -0.5], dtype=dtype)
+    sampled = gumbel_top_k(scores, 3, generator=torch.Generator().manual_seed(5), group_size=3)
+    draws = all_draws(3, 3)
+    ids = torch.tensor([0, 4, 8])
+    log_p = draw_log_probs(torch.tensor([[[1.0, 0.0, -0.5]]], dtype=torch.float64), draws, expert_of_position(3, 1))[0]
+    code = {tuple(ids[d].tolist()): i for i, d in enumerate(draws)}
+    counts = np.bincount([code[tuple(row)] for row in sampled.tolist()], minlength=len(draws))
+    assert chi_square_pvalue(counts, log_p.exp().numpy()) > 1e-6
+
+
 def test_default_sampler_is_exact_on_a_larger_catalog():
     """At N = 200, K = 4 the sampler takes the two-level path (groups of 7): the first draw
     follows the softmax and each item's inclusion frequency its exact probability."""
