@@ -50,6 +50,18 @@ def _softmax_terms(x: Tensor, dim: int) -> tuple[Tensor, Tensor, Tensor]:
     return top, terms, terms.sum(dim=dim, keepdim=True)
 
 
+def scaled_terms(terms: Tensor, scale: Tensor) -> Tensor:
+    """``terms * scale`` for ``0 <= terms <= 1`` (floored exps) and a broadcastable ``scale``,
+    without subnormal numbers, here or downstream (an x86 slow path): products below
+    ``2^p·tiny`` (p = mantissa bits; fp32: 2e-31) become exactly 0, the others move by less.
+
+    Adding and subtracting ``C = 2^2p·tiny / |scale|`` rounds ``terms`` to multiples of
+    ``ulp(C) >= 2^p·tiny / |scale|`` (Sterbenz: the subtraction is exact)."""
+    finfo = torch.finfo(terms.dtype)
+    shift = ((2 / finfo.eps) ** 2 * finfo.tiny) / scale.abs().clamp(min=finfo.tiny)
+    return (terms + shift).sub_(shift).mul_(scale)
+
+
 class _LogSumExp(torch.autograd.Function):
     """``logsumexp`` of finite ``x`` whose exps are floored (:func:`exp_floored`), so confident
     scores (spreads beyond ~87 in fp32) stay on the fast path; gradient = the (floored) softmax."""
@@ -65,7 +77,7 @@ class _LogSumExp(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
         terms, total = ctx.saved_tensors
-        return terms * (grad.unsqueeze(ctx.dim) / total), None
+        return scaled_terms(terms, grad.unsqueeze(ctx.dim) / total), None
 
 
 class _LogSoftmaxAt(torch.autograd.Function):
@@ -83,7 +95,7 @@ class _LogSoftmaxAt(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
         terms, total, index = ctx.saved_tensors
-        grad_x = terms * (grad.sum(dim=ctx.dim, keepdim=True).neg_() / total)
+        grad_x = scaled_terms(terms, grad.sum(dim=ctx.dim, keepdim=True).neg_() / total)
         return grad_x.scatter_add_(ctx.dim, index, grad), None, None
 
 
@@ -112,7 +124,8 @@ class _GatherWithRest(torch.autograd.Function):
     def backward(ctx, grad_named: Tensor | None, grad_rest: Tensor | None) -> tuple[Tensor, None, None]:
         terms, total, index = ctx.saved_tensors
         dim = ctx.dim
-        grad_x = terms * (grad_rest.unsqueeze(dim) / total) if grad_rest is not None else torch.zeros_like(terms)
+        grad_x = scaled_terms(terms, grad_rest.unsqueeze(dim) / total) if grad_rest is not None \
+            else torch.zeros_like(terms)
         grad_x.scatter_(dim, index, 0.0)  # the named entries are not in the rest
         return (grad_x if grad_named is None else grad_x.scatter_add_(dim, index, grad_named)), None, None
 

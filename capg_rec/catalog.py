@@ -29,7 +29,7 @@ from torch import Tensor
 
 from capg_rec._checks import check_count, check_float_tensor, check_positive
 from capg_rec._numerics import (exp_floored, filled_logsumexp, gather_with_rest, gumbel_like, gumbel_top_k,
-                               log_softmax_at)
+                               log_softmax_at, scaled_terms)
 
 __all__ = ["CatalogScores", "DenseCatalog", "EmbeddingCatalog", "as_catalog"]
 
@@ -222,7 +222,8 @@ class _ChunkedLogPowerSums(torch.autograd.Function):
             stop = min(start + ctx.chunk_size, item.shape[0])
             v = item[start:stop]
             d = torch.einsum("bmd,nmd->bmn", user, v) - log_z  # log r
-            grad_s = sum(coef[..., p - 1:p] * exp_floored(d if p == 1 else p * d) for p in range(1, num_powers + 1))
+            grad_s = sum(scaled_terms(exp_floored(d if p == 1 else p * d), coef[..., p - 1:p])
+                         for p in range(1, num_powers + 1))
             mask = _exclusion_mask(exclude, batch, start, stop, user.device)
             if mask is not None:
                 grad_s = grad_s.masked_fill(mask.unsqueeze(1), 0.0)

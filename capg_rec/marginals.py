@@ -26,7 +26,7 @@ from torch import Tensor
 
 from capg_rec._checks import check_count, check_items
 from capg_rec._head_tail import HeadTail, head_size_for, summarize
-from capg_rec._numerics import log1mexp, log1mexp_exp, masked_logsumexp
+from capg_rec._numerics import exp_floored, log1mexp, log1mexp_exp, masked_logsumexp
 from capg_rec.catalog import CatalogScores, as_catalog
 from capg_rec.plackett_luce import expert_of_position, expert_runs
 
@@ -117,10 +117,11 @@ def _head_size(method: str, num_items: int, runs: Runs) -> int:
 def _clock(scores: Tensor, kappa: Tensor) -> Tensor:
     """``e^{s - κ}`` (the rate of an item's exponential clock at time ``e^{-κ}``) → ``[B, T]``.
 
-    Clamped where ``1 - exp(-x)`` is already exactly 1, so neither value nor gradient overflows;
-    unused head slots (score −inf) give 0.
+    Clamped where ``1 - exp(-x)`` is already exactly 1, so neither value nor gradient overflows,
+    and floored (:func:`exp_floored`) where it is negligible, so no subnormal number enters the
+    root solve; unused head slots (score −inf) give the floor, ~1e-38.
     """
-    return torch.exp((scores - kappa.unsqueeze(1)).clamp(max=60.0))
+    return exp_floored((scores - kappa.unsqueeze(1)).clamp(max=60.0))
 
 
 def _mean_field(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
@@ -153,7 +154,7 @@ def _mean_field(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
             f = (rho * -torch.expm1(-x)).sum(1) - count
             df = -(rho * x * torch.exp(-x)).sum(1)
             if has_tail:
-                t = torch.exp(lz - powers * kappa.unsqueeze(1)).nan_to_num(0.0)  # e^{-pκ} Z_p
+                t = exp_floored(lz - powers * kappa.unsqueeze(1)).nan_to_num(0.0)  # e^{-pκ} Z_p
                 f = f + (tail_coef * t).sum(1)
                 df = df - (tail_coef * powers * t).sum(1)
             return f, df

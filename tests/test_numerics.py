@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from capg_rec import DenseCatalog, EmbeddingCatalog
-from capg_rec._numerics import exp_floor, filled_logsumexp, gather_with_rest, log_softmax_at, masked_logsumexp
+from capg_rec._numerics import (exp_floor, filled_logsumexp, gather_with_rest, log_softmax_at, masked_logsumexp,
+                               scaled_terms)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -108,6 +109,44 @@ def test_gather_with_rest_gradcheck_and_an_empty_rest():
     assert (rest == -math.inf).all()
     (grad,) = torch.autograd.grad(rest.clamp(min=-1.0).sum() + named.sum(), x)
     assert torch.equal(grad, torch.ones_like(x))  # only the named path carries gradient
+
+
+def _subnormal(x: torch.Tensor) -> int:
+    a = x.abs()
+    return int(((a > 0) & (a < torch.finfo(x.dtype).tiny)).sum())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_scaled_terms_has_no_subnormals_and_errs_below_the_bound(dtype):
+    """Floored exps times scales from 0 to 1e3 (both signs): no subnormal product, and every
+    product within 2^p·tiny (p mantissa bits) of the exact one, beyond the product's own rounding;
+    exactly 0 where the exact one is below half of that."""
+    finfo = torch.finfo(dtype)
+    floor = math.exp(exp_floor(dtype))
+    terms = torch.cat([torch.full((1, 50), floor, dtype=torch.float64),
+                       torch.logspace(-40 if dtype == torch.float32 else -300, 0, 200, dtype=torch.float64)[None]],
+                      1).clamp(min=floor).to(dtype).expand(8, -1)
+    scale = torch.tensor([0.0, 1e-35, -1e-12, 1e-3, -0.3, 0.74, 1.0, -1e3], dtype=dtype)[:, None]
+    out = scaled_terms(terms, scale)
+    exact = terms.double() * scale.double()
+    bound = (2 / finfo.eps) * finfo.tiny
+    assert _subnormal(out) == 0
+    assert bool(((out.double() - exact).abs() <= bound + finfo.eps * exact.abs()).all())
+    assert bool((out[exact.abs() < bound / 2] == 0).all())
+
+
+@pytest.mark.parametrize("estimator", ["top1", "vpg_swr", "vpg"])
+def test_confident_policy_gradients_have_no_subnormals(estimator):
+    """Spreads of hundreds of nats (a trained policy) put most exps on the floor; the backward
+    must not turn them into subnormal gradients (each costs ~100x in the matmuls downstream)."""
+    from capg_rec import TOP1PGLoss, VPGLoss, sample_candidates
+
+    gen = torch.Generator().manual_seed(3)
+    logits = (30 * torch.randn(64, 1000, generator=gen)).requires_grad_()
+    cand = sample_candidates(logits.detach(), 10, generator=gen)
+    loss_fn = {"top1": TOP1PGLoss(10), "vpg_swr": VPGLoss(10, with_replacement=True), "vpg": VPGLoss(10)}[estimator]
+    loss_fn(logits, cand, cand[:, :2], torch.rand(64, 2, generator=gen)).backward()
+    assert _subnormal(logits.grad) == 0 and bool(torch.isfinite(logits.grad).all())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
