@@ -11,6 +11,7 @@ the figures hold on a shared machine.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -39,14 +40,21 @@ def _median_ms(fn: Callable[[], object], repeats: int, warmup: int) -> float:
 
 
 def bench_train_step(estimator: str = "capg_swr", *, num_candidates: int = 10, batch_size: int = 128,
-                     repeats: int = 100, warmup: int = 10, capg_method: str | None = None) -> dict:
-    """Median milliseconds of a trainer step, of its parts and of the core loss step alone."""
+                     repeats: int = 100, warmup: int = 50, capg_method: str | None = None,
+                     logit_scale: float = 1.0) -> dict:
+    """Median milliseconds of a trainer step, of its parts and of the core loss step alone.
+
+    ``logit_scale`` multiplies the initial logits (both towers by its square root): a confident
+    policy, as after training, whose tiny probabilities exercise the underflow paths."""
     from capg_rec.sim.synthetic import synthetic_env
 
     env = synthetic_env()
     config = TrainConfig(estimator=estimator, num_candidates=num_candidates, batch_size=batch_size,
                          capg_method=capg_method, steps=10**9)
     trainer = Trainer(env, config)
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.mul_(math.sqrt(logit_scale))
     g = trainer.generator
     users = env.sample_users(batch_size, g)
     logits = trainer.model(users).detach()
@@ -87,18 +95,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("-K", "--num-candidates", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=100)
+    parser.add_argument("--logit-scale", type=float, default=1.0,
+                        help="multiply the initial logits (a confident policy, as after training)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     rows = []
     for est in args.estimators:
         r = bench_train_step(est, num_candidates=args.num_candidates, batch_size=args.batch_size,
-                             repeats=args.repeats)
+                             repeats=args.repeats, logit_scale=args.logit_scale)
         label = ESTIMATOR_LABELS[est] + (f" ({DEFAULT_METHOD})" if est == "capg" else "")
         rows.append([label, f"{r['step']:.2f}", f"{r['core loss (fwd+bwd)']:.2f}",
                      f"{r['ratio']:.2f}", f"{r['validated loss (fwd+bwd)']:.2f}", f"{r['ESR forward']:.2f}",
                      f"{r['sampling']:.2f}", f"{r['LSR + rewards']:.2f}", f"{r['optimizer']:.2f}"])
     print(f"Training step vs core loss step (CPU ms, median of {args.repeats}; K = {args.num_candidates}, "
-          f"B = {args.batch_size}, N = 1000, 1 thread)\n")
+          f"B = {args.batch_size}, N = 1000, logits x{args.logit_scale:g}, 1 thread)\n")
     print(markdown_table(["estimator", "whole step", "core loss step", "ratio", "loss with input checks",
                           "ESR forward", "sampling", "LSR + rewards", "optimizer"], rows))
     return 0
