@@ -118,8 +118,8 @@ def _clock(scores: Tensor, kappa: Tensor) -> Tensor:
     """``e^{s - κ}`` (the rate of an item's exponential clock at time ``e^{-κ}``) → ``[B, T]``.
 
     Clamped where ``1 - exp(-x)`` is already exactly 1, so neither value nor gradient overflows,
-    and floored (:func:`exp_floored`) where it is negligible, so no subnormal number enters the
-    root solve; unused head slots (score −inf) give the floor, ~1e-38.
+    and floored (:func:`exp_floored`) where it is negligible, so that the rates themselves are
+    never subnormal (a slow path); unused head slots (score −inf) give the floor, ~1e-38.
     """
     return exp_floored((scores - kappa.unsqueeze(1)).clamp(max=60.0))
 
