@@ -251,8 +251,10 @@ def test_demo_and_bench_run(tmp_path, capsys):
     assert "V-PG-SwR" in printed and "CA-PG-SwR" in printed and "curves.png" in printed
     from capg_rec.train.bench import bench_train_step
 
-    timings = bench_train_step("capg_swr", repeats=2, warmup=1)
+    timings = bench_train_step("capg_swr", repeats=2, warmup=1, logit_scale=10.0)
     assert timings["step"] > 0 and timings["ratio"] > 0
+    with pytest.raises(ValueError, match="logit_scale"):
+        bench_train_step("capg_swr", repeats=2, warmup=1, logit_scale=-1.0)
 
 
 def test_adaptive_lr_matches_the_papers_rounded_values():

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from capg_rec._checks import check_positive
 from capg_rec.catalog import DenseCatalog
 from capg_rec.marginals import DEFAULT_METHOD
 from capg_rec.plackett_luce import sample_candidates
@@ -48,6 +49,7 @@ def bench_train_step(estimator: str = "capg_swr", *, num_candidates: int = 10, b
     policy, as after training, whose tiny probabilities exercise the underflow paths."""
     from capg_rec.sim.synthetic import synthetic_env
 
+    check_positive("logit_scale", logit_scale)
     env = synthetic_env()
     config = TrainConfig(estimator=estimator, num_candidates=num_candidates, batch_size=batch_size,
                          capg_method=capg_method, steps=10**9)
