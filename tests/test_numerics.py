@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from capg_rec import DenseCatalog, EmbeddingCatalog
+from capg_rec import DenseCatalog, EmbeddingCatalog, TOP1PGLoss, VPGLoss, sample_candidates
 from capg_rec._numerics import (exp_floor, filled_logsumexp, gather_with_rest, log_softmax_at, masked_logsumexp,
                                scaled_terms)
 
@@ -139,8 +139,6 @@ def test_scaled_terms_has_no_subnormals_and_errs_below_the_bound(dtype):
 def test_confident_policy_gradients_have_no_subnormals(estimator):
     """Spreads of hundreds of nats (a trained policy) put most exps on the floor; the backward
     must not turn them into subnormal gradients (each costs ~100x in the matmuls downstream)."""
-    from capg_rec import TOP1PGLoss, VPGLoss, sample_candidates
-
     gen = torch.Generator().manual_seed(3)
     logits = (30 * torch.randn(64, 1000, generator=gen)).requires_grad_()
     cand = sample_candidates(logits.detach(), 10, generator=gen)
