@@ -116,8 +116,7 @@ class _GatherWithRest(torch.autograd.Function):
         top, terms, total = _softmax_terms(x.scatter(dim, index, lowest), dim)
         ctx.save_for_backward(terms, total, index)
         ctx.dim = dim
-        rest = (top + total.log()).squeeze(dim)
-        return x.gather(dim, index), rest.masked_fill(rest < lowest / 2, -math.inf)  # nothing left: -inf
+        return x.gather(dim, index), _empty_to_minus_inf((top + total.log()).squeeze(dim))
 
     @staticmethod
     @once_differentiable
@@ -139,9 +138,12 @@ def gather_with_rest(x: Tensor, index: Tensor, dim: int) -> tuple[Tensor, Tensor
 def filled_logsumexp(x: Tensor, dim: int) -> Tensor:
     """``logsumexp`` of finite ``x`` whose dropped entries hold the dtype's lowest finite value;
     ``-inf`` (with zero grad) where all were dropped."""
-    lowest = torch.finfo(x.dtype).min
-    out = _LogSumExp.apply(x, dim)
-    return out.masked_fill(out < lowest / 2, -math.inf)
+    return _empty_to_minus_inf(_LogSumExp.apply(x, dim))
+
+
+def _empty_to_minus_inf(out: Tensor) -> Tensor:
+    """A logsumexp over entries that all held the lowest finite value (nothing left) → ``-inf``."""
+    return out.masked_fill(out < torch.finfo(out.dtype).min / 2, -math.inf)
 
 
 def gumbel_like(shape: tuple[int, ...], *, generator: torch.Generator | None, dtype: torch.dtype,
