@@ -19,6 +19,12 @@ def check_positive(name: str, value: float) -> float:
     return float(value)
 
 
+def check_flag(name: str, value: bool) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
 def check_count(name: str, value: int, *, low: int = 1, high: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")

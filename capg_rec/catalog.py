@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from capg_rec._checks import check_count, check_float_tensor, check_positive
+from capg_rec._checks import check_count, check_flag, check_float_tensor, check_positive
 from capg_rec._numerics import (exp_floored, filled_logsumexp, gather_with_rest, gumbel_like, gumbel_top_k,
                                log_softmax_at, scaled_terms)
 
@@ -129,7 +129,7 @@ class DenseCatalog(CatalogScores):
     """
 
     def __init__(self, logits: Tensor, temperature: float = 1.0, *, validate_args: bool = True) -> None:
-        if validate_args:
+        if check_flag("validate_args", validate_args):
             logits = check_float_tensor("logits", logits, ndims=(2, 3))
         tau = check_positive("temperature", temperature)
         scores = logits.unsqueeze(1) if logits.dim() == 2 else logits

@@ -22,7 +22,7 @@ import abc
 import torch
 from torch import Tensor, nn
 
-from capg_rec._checks import all_finite, check_count, check_items, check_positive
+from capg_rec._checks import all_finite, check_count, check_flag, check_items, check_positive
 from capg_rec.catalog import CatalogScores, as_catalog
 from capg_rec.marginals import DEFAULT_METHOD, METHODS, _inclusion_log_prob
 from capg_rec.plackett_luce import _candidate_log_prob
@@ -55,7 +55,7 @@ class _PolicyGradientLoss(nn.Module, abc.ABC):
         if reduction not in _REDUCTIONS:
             raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
         self.reduction = reduction
-        self.validate_args = bool(validate_args)
+        self.validate_args = check_flag("validate_args", validate_args)
 
     def forward(self, logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor, *,
                 position_weights: Tensor | None = None, baseline: Tensor | None = None) -> Tensor:

@@ -184,6 +184,10 @@ def test_validate_args_false_gives_the_same_loss_and_skips_the_checks(name):
     with pytest.raises(ValueError, match="logits must be finite"):
         DenseCatalog(infinite)
     assert DenseCatalog(infinite, validate_args=False).num_items == 40
+    with pytest.raises(ValueError, match="validate_args must be True or False"):
+        ESTIMATORS[name](6, validate_args="no")
+    with pytest.raises(ValueError, match="validate_args must be True or False"):
+        DenseCatalog(logits.detach(), validate_args=0)
 
 
 def test_dcg_weights():
