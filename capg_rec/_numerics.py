@@ -214,3 +214,14 @@ def log1mexp_exp(y: Tensor) -> Tensor:
     y_small = torch.where(small, y, torch.full_like(y, -20.0))
     y_big = torch.where(small, torch.zeros_like(y), y).clamp(max=30.0)  # beyond 30 the value is 0
     return torch.where(small, y_small - 0.5 * torch.exp(y_small), log1mexp(-torch.exp(y_big)))
+
+
+def safe_logsumexp(x: Tensor, dim: int) -> Tensor:
+    """``torch.logsumexp`` whose value and gradients (all orders) stay NaN-free when every entry
+    along ``dim`` is ``-inf`` (a masked item's terms): then ``-inf`` with zero gradient."""
+    top = x.detach().amax(dim=dim, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    total = torch.exp(x - top).sum(dim=dim, keepdim=True)
+    some = total > 0
+    out = torch.where(some, torch.log(torch.where(some, total, torch.ones_like(total))) + top, -math.inf)
+    return out.squeeze(dim)

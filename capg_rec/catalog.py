@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from capg_rec._checks import check_count, check_flag, check_float_tensor, check_positive
+from capg_rec._checks import check_count, check_float_tensor, check_items, check_positive, resolve_validate_args
 from capg_rec._numerics import (exp_floored, filled_logsumexp, gather_with_rest, gumbel_like, gumbel_top_k,
                                log_softmax_at, scaled_terms)
 
@@ -39,7 +39,9 @@ class CatalogScores(abc.ABC):
 
     Implementations must provide the attributes ``batch_size``, ``num_experts``, ``num_items``,
     ``dtype``, ``device`` and the three reductions below. Item ids are global catalog ids in
-    ``[0, num_items)``; an ``exclude`` tensor ``[B, E]`` may be padded with ``-1``.
+    ``[0, num_items)``; an ``exclude`` tensor ``[B, E]`` may be padded with ``-1``. A score of
+    ``-inf`` marks an item outside a row's catalog (masked): it is never drawn, has probability
+    0 and gets no gradient. ``dtype`` is the compute dtype: float32 for half-precision inputs.
     """
 
     batch_size: int
@@ -69,6 +71,11 @@ class CatalogScores(abc.ABC):
         Excluded items are never returned. No gradient.
         """
 
+    def num_available(self) -> Tensor:
+        """Items not masked, per row and expert → ``LongTensor[B, M]`` (default: every item)."""
+        return torch.full((self.batch_size, self.num_experts), self.num_items, dtype=torch.long,
+                          device=self.device)
+
     def log_normalizer(self) -> Tensor:
         """``logsumexp_n s[b, m, n]`` → ``[B, M]`` (differentiable)."""
         return self.log_power_sums(None, 1)[..., 0]
@@ -85,7 +92,7 @@ class CatalogScores(abc.ABC):
 
 
 def as_catalog(scores: Tensor | CatalogScores, temperature: float = 1.0, *,
-               validate_args: bool = True) -> CatalogScores:
+               validate_args: bool | None = None) -> CatalogScores:
     """Wrap logits ``[B, N]`` / ``[B, M, N]`` in a :class:`DenseCatalog`; pass catalogs through.
 
     A catalog object carries its own temperature, so ``temperature`` must then be 1.
@@ -96,7 +103,15 @@ def as_catalog(scores: Tensor | CatalogScores, temperature: float = 1.0, *,
             raise ValueError("temperature must be 1.0 when a CatalogScores object is given: "
                              f"set the temperature on the catalog instead (got {temperature})")
         return scores
+    if not isinstance(scores, Tensor):
+        raise TypeError(f"logits must be a torch.Tensor or a CatalogScores, got {type(scores).__name__}")
     return DenseCatalog(scores, temperature, validate_args=validate_args)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype probabilities are computed in: float32 for half precision (whose 10- or 7-bit
+    mantissas and, for float16, range cannot hold log-probabilities), else ``dtype`` itself."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def _exclusion_mask(exclude: Tensor | None, batch_size: int, start: int, stop: int,
@@ -123,19 +138,26 @@ def _select(x: Tensor, experts: Sequence[int]) -> Tensor:
 class DenseCatalog(CatalogScores):
     """A catalog given as a logits tensor ``[B, N]`` (one logit model) or ``[B, M, N]`` (MoE).
 
-    ``validate_args=False`` skips the check that ``logits`` are finite (one catalog-wide pass and
-    a host sync), for callers that have checked them already; non-finite logits then give
-    undefined results.
+    Args:
+        logits: ``[B, N]`` or ``[B, M, N]``; ``-inf`` masks an item out of a row's catalog.
+            float16/bfloat16 logits are computed in float32 (their gradients come back in their dtype).
+        temperature: τ > 0; the scores are ``logits / τ``.
+        validate_args: check that the logits hold no NaN or ``+inf`` (a pass and a host sync);
+            ``None`` takes :func:`capg_rec.set_default_validate_args`'s default.
     """
 
-    def __init__(self, logits: Tensor, temperature: float = 1.0, *, validate_args: bool = True) -> None:
-        if check_flag("validate_args", validate_args):
-            logits = check_float_tensor("logits", logits, ndims=(2, 3))
+    def __init__(self, logits: Tensor, temperature: float = 1.0, *, validate_args: bool | None = None) -> None:
+        logits = check_float_tensor("logits", logits, ndims=(2, 3), validate=resolve_validate_args(validate_args),
+                                    allow_masked=True)
         tau = check_positive("temperature", temperature)
         scores = logits.unsqueeze(1) if logits.dim() == 2 else logits
+        scores = scores.to(compute_dtype(scores.dtype))
         self.scores = scores / tau if tau != 1.0 else scores  # [B, M, N]
         self.batch_size, self.num_experts, self.num_items = self.scores.shape
         self.dtype, self.device = self.scores.dtype, self.scores.device
+
+    def num_available(self) -> Tensor:
+        return (self.scores > -math.inf).sum(2)
 
     def gather(self, items: Tensor) -> Tensor:
         return self.scores.gather(2, self._per_expert(items))
@@ -150,16 +172,16 @@ class DenseCatalog(CatalogScores):
         return items.unsqueeze(1).expand(-1, self.num_experts, -1)
 
     def _drop(self, scores: Tensor, exclude: Tensor | None, value: float) -> Tensor:
-        """``scores [B, E, N]`` with each row's excluded items set to ``value`` (differentiable)."""
+        """``scores [B, E, N]`` with each row's excluded items set to ``value`` (differentiable).
+
+        One scatter-min of E writes per row (no ``[B, N]`` mask, no host sync); padding (``-1``)
+        writes ``+inf`` to item 0, which leaves it as it is."""
         if exclude is None or exclude.numel() == 0:
             return scores
-        inside = (exclude >= 0) & (exclude < self.num_items)
-        if not bool(inside.all()):  # padding: repeat one of the row's real ids, if it has one
-            if not bool(inside.any(1).all()):
-                mask = _exclusion_mask(exclude, self.batch_size, 0, self.num_items, self.device)
-                return scores.masked_fill(mask.unsqueeze(1), value)
-            exclude = torch.where(inside, exclude, exclude.gather(1, inside.int().argmax(1, keepdim=True)))
-        return scores.scatter(2, exclude.unsqueeze(1).expand(-1, scores.shape[1], -1), value)  # no [B, N] mask
+        index = exclude.clamp(min=0).unsqueeze(1).expand(-1, scores.shape[1], -1)
+        src = torch.full(exclude.shape, value, dtype=scores.dtype, device=scores.device).masked_fill_(exclude < 0, math.inf)
+        src = src.unsqueeze(1).expand_as(index)
+        return scores.scatter_reduce(2, index, src, reduce="amin")
 
     def log_power_sums(self, exclude: Tensor | None = None, num_powers: int = 1) -> Tensor:
         check_count("num_powers", num_powers)
@@ -274,30 +296,67 @@ def _expert_views(user: Tensor, item: Tensor) -> tuple[Tensor, Tensor]:
 class EmbeddingCatalog(CatalogScores):
     """A catalog scored from embeddings: ``s[b, m, n] = <user[b, m], item[n, m]> / τ``.
 
-    ``user`` is ``[B, D]`` or ``[B, M, D]``; ``item`` is ``[N, D]`` or ``[N, M, D]``. Catalog-wide
-    reductions stream over ``chunk_size`` items at a time, with recomputation in backward, so
-    memory is ``O(B·M·chunk_size)`` beyond the embeddings themselves.
+    Catalog-wide reductions stream over ``chunk_size`` items at a time, with recomputation in
+    backward, so memory is ``O(B·M·chunk_size)`` beyond the embeddings themselves.
+
+    Args:
+        user: ``[B, D]`` or ``[B, M, D]``.
+        item: ``[N, D]`` or ``[N, M, D]``, same dtype (float16/bfloat16 are computed in float32).
+        temperature: τ > 0.
+        masked_items: ``[B, E]`` ids of items outside each row's catalog (already seen,
+            unavailable), padded with ``-1``; they score ``-inf``.
+        chunk_size: items scored at once.
+        validate_args: check that the embeddings are finite, that their scores do not overflow
+            and that ``masked_items`` holds ids in ``[-1, N)``; ``None`` takes the module default.
+
+    Example:
+        >>> catalog = EmbeddingCatalog(torch.randn(4, 8), torch.randn(100, 8), masked_items=torch.tensor([[3, -1]] * 4))
+        >>> candidates = capg_rec.sample_candidates(catalog, 10)
     """
 
-    def __init__(self, user: Tensor, item: Tensor, temperature: float = 1.0, *,
-                 chunk_size: int = 8192) -> None:
-        user = check_float_tensor("user", user, ndims=(2, 3))
-        item = check_float_tensor("item", item, ndims=(2, 3))
+    def __init__(self, user: Tensor, item: Tensor, temperature: float = 1.0, *, masked_items: Tensor | None = None,
+                 chunk_size: int = 8192, validate_args: bool | None = None) -> None:
+        self.validate = resolve_validate_args(validate_args)
+        user = check_float_tensor("user", user, ndims=(2, 3), validate=self.validate)
+        item = check_float_tensor("item", item, ndims=(2, 3), validate=self.validate)
         tau = check_positive("temperature", temperature)
         self.chunk_size = check_count("chunk_size", chunk_size)
         user, item = _expert_views(user, item)
+        dtype = compute_dtype(user.dtype)
+        user, item = user.to(dtype), item.to(dtype)
         self.user = user / tau if tau != 1.0 else user  # [B, M, D], temperature folded in
         self.item = item  # [N, M, D]
         self.batch_size, self.num_experts = self.user.shape[:2]
         self.num_items = item.shape[0]
-        self.dtype, self.device = user.dtype, user.device
+        self.dtype, self.device = dtype, user.device
+        self.masked_items = None if masked_items is None else check_items(
+            "masked_items", masked_items, batch_size=self.batch_size, num_items=self.num_items, unique=False,
+            validate=self.validate, low=-1)
+
+    def num_available(self) -> Tensor:
+        if self.masked_items is None:
+            return super().num_available()
+        s = self.masked_items.sort(dim=1).values
+        distinct = s >= 0
+        distinct[:, 1:] &= s[:, 1:] != s[:, :-1]
+        return (self.num_items - distinct.sum(1)).unsqueeze(1).expand(-1, self.num_experts)
+
+    def _with_masked(self, exclude: Tensor | None) -> Tensor | None:
+        if self.masked_items is None or exclude is None:
+            return self.masked_items if exclude is None else exclude
+        return torch.cat([self.masked_items, exclude], dim=1)
 
     def gather(self, items: Tensor) -> Tensor:
-        return torch.einsum("bmd,blmd->bml", self.user, self.item[items])
+        scores = torch.einsum("bmd,blmd->bml", self.user, self.item[items])
+        if self.masked_items is None:
+            return scores
+        masked = (items.unsqueeze(2) == self.masked_items.unsqueeze(1)).any(2)  # [B, L]
+        return scores.masked_fill(masked.unsqueeze(1), -math.inf)
 
     def log_power_sums(self, exclude: Tensor | None = None, num_powers: int = 1) -> Tensor:
         check_count("num_powers", num_powers)
-        return _ChunkedLogPowerSums.apply(self.user, self.item, exclude, num_powers, self.chunk_size)
+        return _ChunkedLogPowerSums.apply(self.user, self.item, self._with_masked(exclude), num_powers,
+                                          self.chunk_size)
 
     def top_items(self, k: int, *, experts: Sequence[int] | None = None, exclude: Tensor | None = None,
                   generator: torch.Generator | None = None, perturb: bool = False) -> Tensor:
@@ -308,4 +367,4 @@ class EmbeddingCatalog(CatalogScores):
             def noise(start: int, stop: int) -> Tensor:
                 shape = (user.shape[0], user.shape[1], stop - start)
                 return gumbel_like(shape, generator=generator, dtype=self.dtype, device=self.device)
-        return _chunked_top_k(user, item, k, exclude, noise, self.chunk_size)[1]
+        return _chunked_top_k(user, item, k, self._with_masked(exclude), noise, self.chunk_size)[1]

@@ -1,16 +1,22 @@
 """Inclusion probabilities ``log π(a ∈ A^K | x)`` of the PL(-MoE) ESR: the CA-PG score.
 
-Methods (all differentiable, all computed in log-space):
+A method is an :class:`InclusionMethod` object; the built-in ones are registered by name, so a
+string works wherever a method is taken (``CAPGLoss(K, method="plugin")``):
 
-* ``"exact"``: the exponential-race integral with an exact Poisson-binomial count (exact up to
-  quadrature for one expert; "block-exact" for a mixture: exact inside each expert block,
-  survival across blocks treated as independent).
-* ``"mean_field"``: Rosén's successive-sampling approximation ``1 - exp(-w_a t)`` with
-  ``Σ_b (1 - exp(-w_b t)) = K``, run block by block for a mixture. O(N).
-* ``"plugin"``: the paper's arg-top-(k-1) plug-in: the hazard at position k is evaluated at the
-  most probable prefix of k-1 items *that excludes the target*.
-* ``"swr"``: sampling with replacement, ``log Σ_k π_{m(k)}(a)`` — the CA-PG-SwR / TOP1-PG score.
-  Not a probability (it can exceed 1); its gradient is what CA-PG-SwR uses.
+* :class:`Exact` (``"exact"``): the exponential-race integral with an exact Poisson-binomial count
+  (exact up to quadrature for one expert; "block-exact" for a mixture: exact inside each expert
+  block, survival across blocks treated as independent).
+* :class:`MeanField` (``"mean_field"``, the default): Rosén's successive-sampling approximation
+  ``1 - exp(-w_a t)`` with ``Σ_b (1 - exp(-w_b t)) = K``, run block by block for a mixture. O(N).
+* :class:`PlugIn` (``"plugin"``): the paper's arg-top-(k-1) plug-in: the hazard at position k is
+  evaluated at the most probable prefix of k-1 items *that excludes the target*.
+* :class:`Enumeration` (``"enumerate"``): every ordered draw, for catalogs of at most 8 items.
+* :class:`WithReplacement` (``"with_replacement"``): sampling with replacement,
+  ``log Σ_k π_{m(k)}(a)`` — the CA-PG-SwR / TOP1-PG score. Not a probability (it can exceed 1:
+  it is the expected number of times a is drawn); its gradient is what CA-PG-SwR uses.
+
+Your own approximation: subclass :class:`InclusionMethod` and pass an instance, or register it
+with :func:`register_inclusion_method` to use it by name (from the command line, say).
 
 Large catalogs are handled through a head/tail summary (:mod:`capg_rec._head_tail`): every
 expert's best items and the targets item by item, the rest through a few streamed power sums.
@@ -18,23 +24,27 @@ expert's best items and the targets item by item, the rest through a few streame
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
-from capg_rec._checks import check_count, check_items
+from capg_rec._enumerate import inclusion_probs
+from capg_rec._checks import check_count, check_items, resolve_validate_args
 from capg_rec._head_tail import HeadTail, head_size_for, summarize
-from capg_rec._numerics import exp_floored, log1mexp, log1mexp_exp, masked_logsumexp
+from capg_rec._numerics import exp_floored, log1mexp, log1mexp_exp, masked_logsumexp, safe_logsumexp
 from capg_rec.catalog import CatalogScores, as_catalog
-from capg_rec.plackett_luce import expert_of_position, expert_runs
+from capg_rec.plackett_luce import check_enough_items, expert_of_position, expert_runs
 
-__all__ = ["inclusion_log_prob", "METHODS", "DEFAULT_METHOD"]
+__all__ = ["InclusionMethod", "Exact", "MeanField", "PlugIn", "WithReplacement", "Enumeration", "inclusion_log_prob",
+           "inclusion_method", "register_inclusion_method", "inclusion_methods", "DEFAULT_METHOD"]
 
 Runs = Sequence[tuple[int, int]]
 
 DEFAULT_METHOD = "mean_field"
+"""The name of the default method (:class:`MeanField`)."""
 
 _MEAN_FIELD_POWERS = 3
 _ROOT_STEPS = 40
@@ -48,7 +58,7 @@ def _swr(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
         return log_softmax[:, expert] + math.log(count)
     experts = torch.tensor([m for m, _ in runs], device=catalog.device)
     log_counts = torch.tensor([math.log(n) for _, n in runs], dtype=catalog.dtype, device=catalog.device)
-    return torch.logsumexp(log_softmax[:, experts] + log_counts.view(1, -1, 1), dim=1)
+    return safe_logsumexp(log_softmax[:, experts] + log_counts.view(1, -1, 1), dim=1)
 
 
 def _target_scores(ht: HeadTail) -> Tensor:
@@ -100,18 +110,15 @@ def _plugin(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
     # exact where 1 - Π (1 - h) would round to 0 (tiny probabilities).
     log_miss = log1mexp(log_hazard)
     log_miss_before = torch.nn.functional.pad(torch.cumsum(log_miss, dim=2)[..., :-1], (1, 0))
-    return torch.logsumexp(log_hazard + log_miss_before, dim=2)
+    return safe_logsumexp(log_hazard + log_miss_before, dim=2)
 
 
-def _head_size(method: str, num_items: int, runs: Runs) -> int:
-    """Items per expert kept one by one. Mean-field: the best ``8·n + (K - n)`` for the largest
-    block n, so that after any earlier blocks took their items a tail item's chance within its
-    block stays below 1/8; the exact method keeps more (see :func:`head_size_for`)."""
-    num_candidates = sum(n for _, n in runs)
-    if method == "mean_field":
-        block = max(n for _, n in runs)
-        return min(num_items, 8 * block + num_candidates - block)
-    return head_size_for(num_items, num_candidates)
+def _mean_field_head_size(num_items: int, runs: Runs) -> int:
+    """Items per expert kept one by one: the best ``8·n + (K - n)`` for the largest block n, so
+    that after any earlier blocks took their items a tail item's chance within its block stays
+    below 1/8."""
+    block = max(n for _, n in runs)
+    return min(num_items, 8 * block + sum(n for _, n in runs) - block)
 
 
 def _clock(scores: Tensor, kappa: Tensor) -> Tensor:
@@ -132,7 +139,7 @@ def _mean_field(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
     (accurate because the head keeps enough of every expert's best items that each tail item's
     chance within a block is below 1/8, and the neglected fourth-order terms below 1e-4 of it).
     """
-    head = _head_size("mean_field", catalog.num_items, runs)
+    head = _mean_field_head_size(catalog.num_items, runs)
     ht = summarize(catalog, items, head, _MEAN_FIELD_POWERS)
     scores, tail = ht.head_scores, ht.tail_log_power_sums  # [B, M, T], [B, M, P]
     valid = ht.head_ids >= 0  # [B, T]; unused slots score -inf
@@ -190,45 +197,157 @@ def _mean_field(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
         drawn += count
     experts = torch.tensor([m for m, _ in runs], device=scores.device)
     hazard_logits = _target_scores(ht)[:, :, experts] - torch.stack(kappas, 1).unsqueeze(1)  # [B, L, R]
-    return log1mexp_exp(torch.logsumexp(hazard_logits, dim=2))
+    return log1mexp_exp(safe_logsumexp(hazard_logits, dim=2))
 
 
-def _exact(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
-    from capg_rec._exact import EXACT_NUM_POWERS, exact_log_inclusion
+class InclusionMethod(abc.ABC):
+    """How ``log π(a ∈ A^K | x)`` is computed from a catalog (subclass it for your own method).
 
-    ht = summarize(catalog, items, _head_size("exact", catalog.num_items, runs), EXACT_NUM_POWERS)
-    return exact_log_inclusion(ht, runs)
+    Attributes:
+        is_probability: False for a score that is not a probability (sampling with replacement
+            gives ``log E[times drawn]``); the validator then compares it with counts.
+        num_powers: the highest catalog power sum ``Σ e^{p·s}`` the method reads (1: the normaliser).
+        uses_top_items: whether it reads the catalog's best items (``CatalogScores.top_items``).
+    """
+
+    is_probability: bool = True
+    num_powers: int = 1
+    uses_top_items: bool = True
+
+    @abc.abstractmethod
+    def log_inclusion(self, catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
+        """``items [B, L]`` (valid ids, may repeat) → ``[B, L]``; ``runs`` = ``((expert, count), ...)``,
+        the blocks of :func:`~capg_rec.expert_of_position`, with ``K = Σ count < N``."""
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({fields})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and vars(self) == vars(other)
+
+    def __hash__(self) -> int:
+        return hash((type(self), tuple(sorted(vars(self).items()))))
 
 
-_METHODS: dict[str, Callable[[CatalogScores, Tensor, Runs], Tensor]] = {
-    "exact": _exact,
-    "mean_field": _mean_field,
-    "plugin": _plugin,
-    "swr": _swr,
+class WithReplacement(InclusionMethod):
+    """``log Σ_k π_{m(k)}(a)``: the expected number of times a is drawn when every position draws
+    from the whole catalog (CA-PG-SwR; TOP1-PG for one expert). Costs one softmax."""
+
+    is_probability = False
+    uses_top_items = False
+
+    def log_inclusion(self, catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
+        return _swr(catalog, items, runs)
+
+
+class PlugIn(InclusionMethod):
+    """The paper's plug-in: each position's hazard at the greedy prefix that excludes the target."""
+
+    def log_inclusion(self, catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
+        return _plugin(catalog, items, runs)
+
+
+class MeanField(InclusionMethod):
+    """Rosén's successive-sampling (mean-field) approximation, block by block for a mixture."""
+
+    num_powers = _MEAN_FIELD_POWERS
+
+    def log_inclusion(self, catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
+        return _mean_field(catalog, items, runs)
+
+
+class Exact(InclusionMethod):
+    """The exponential-race integral with an exact Poisson-binomial count ("block-exact" for a
+    mixture). For validation and tests: 10–600× a softmax."""
+
+    def __init__(self) -> None:
+        from capg_rec._exact import EXACT_NUM_POWERS
+
+        self.num_powers = EXACT_NUM_POWERS
+
+    def log_inclusion(self, catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
+        from capg_rec._exact import exact_log_inclusion
+
+        ht = summarize(catalog, items, head_size_for(catalog.num_items, sum(n for _, n in runs)), self.num_powers)
+        return exact_log_inclusion(ht, runs)
+
+
+class Enumeration(InclusionMethod):
+    """Every ordered draw enumerated, in float64: exact for mixtures too (``"exact"`` is block-exact
+    there). The reference of the tests and the validator, for catalogs of at most 8 items."""
+
+    max_items = 8
+
+    def log_inclusion(self, catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
+        if catalog.num_items > self.max_items:
+            raise ValueError(f"Enumeration needs num_items <= {self.max_items}, got {catalog.num_items}")
+        experts = torch.tensor([m for m, n in runs for _ in range(n)], device=catalog.device)
+        everything = torch.arange(catalog.num_items, device=catalog.device).expand(catalog.batch_size, -1)
+        probs = inclusion_probs(catalog.gather(everything).double(), experts)  # [B, N]
+        return probs.gather(1, items).log().to(catalog.dtype)
+
+
+_REGISTRY: dict[str, Callable[[], InclusionMethod]] = {
+    "exact": Exact, "mean_field": MeanField, "plugin": PlugIn, "with_replacement": WithReplacement,
+    "enumerate": Enumeration,
 }
-METHODS = tuple(_METHODS)
+
+
+def register_inclusion_method(name: str, factory: Callable[[], InclusionMethod]) -> None:
+    """Make ``factory()`` available by ``name`` wherever a method is taken (losses, validator, CLI)."""
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name must be a non-empty str, got {name!r}")
+    if not callable(factory):
+        raise TypeError(f"factory must be callable (a class or a function), got {type(factory).__name__}")
+    _REGISTRY[name] = factory
+
+
+def inclusion_methods() -> tuple[str, ...]:
+    """The registered method names."""
+    return tuple(_REGISTRY)
+
+
+def inclusion_method(method: str | InclusionMethod) -> InclusionMethod:
+    """An :class:`InclusionMethod` from a registered name or an instance (returned as is)."""
+    if isinstance(method, InclusionMethod):
+        return method
+    if not isinstance(method, str):
+        raise TypeError(f"method must be an InclusionMethod or a registered name, got {type(method).__name__}")
+    if method not in _REGISTRY:
+        raise ValueError(f"method must be an InclusionMethod or one of {inclusion_methods()}, got {method!r}")
+    made = _REGISTRY[method]()
+    if not isinstance(made, InclusionMethod):
+        raise TypeError(f"the factory registered as {method!r} returned {type(made).__name__}, not an InclusionMethod")
+    return made
 
 
 def inclusion_log_prob(logits: Tensor | CatalogScores, items: Tensor, num_candidates: int, *,
-                       temperature: float = 1.0, method: str = DEFAULT_METHOD) -> Tensor:
-    """``log π(S^K(a) | x)``: log-probability that each item of ``items [B, L]`` is among the K
+                       temperature: float = 1.0, method: str | InclusionMethod = DEFAULT_METHOD,
+                       validate_args: bool | None = None) -> Tensor:
+    """``log π(a ∈ A^K | x)``: log-probability that each item of ``items [B, L]`` is among the K
     candidates drawn from ``logits`` (``[B, N]``, ``[B, M, N]`` or a CatalogScores) → ``[B, L]``.
 
-    ``method`` is one of ``"exact"``, ``"mean_field"``, ``"plugin"``, ``"swr"`` (see the module
-    docstring); ``"swr"`` returns the CA-PG-SwR score, which is not a log-probability.
+    ``method`` is an :class:`InclusionMethod` or a registered name (see the module docstring);
+    ``WithReplacement`` returns the CA-PG-SwR score, which is not a log-probability. Masked items
+    (scored ``-inf``) have log-probability ``-inf``; every row needs at least K unmasked items.
+    Half-precision logits give float32 results.
     """
-    if method not in _METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    catalog = as_catalog(logits, temperature)
+    validate = resolve_validate_args(validate_args)
+    method = inclusion_method(method)
+    catalog = as_catalog(logits, temperature, validate_args=validate)
     check_count("num_candidates", num_candidates, high=catalog.num_items)
     items = check_items("items", items, batch_size=catalog.batch_size, num_items=catalog.num_items,
-                        unique=False)
+                        unique=False, validate=validate)
+    if validate:
+        check_enough_items(catalog, num_candidates)
     return _inclusion_log_prob(catalog, items, num_candidates, method)
 
 
-def _inclusion_log_prob(catalog: CatalogScores, items: Tensor, num_candidates: int, method: str) -> Tensor:
+def _inclusion_log_prob(catalog: CatalogScores, items: Tensor, num_candidates: int,
+                        method: InclusionMethod) -> Tensor:
     """:func:`inclusion_log_prob` on validated inputs."""
     runs = expert_runs(num_candidates, catalog.num_experts)
-    if method != "swr" and num_candidates == catalog.num_items:  # every item is drawn
+    if method.is_probability and num_candidates == catalog.num_items:  # every item is drawn
         return catalog.gather(items)[:, 0] * 0.0
-    return _METHODS[method](catalog, items, runs)
+    return method.log_inclusion(catalog, items, runs)

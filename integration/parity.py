@@ -40,7 +40,7 @@ ESTIMATORS = {
     "capg_plugin": lambda: CAPGLoss(CANDIDATES, method="plugin"),
     "capg_mean_field": lambda: CAPGLoss(CANDIDATES, method="mean_field"),
     "capg_exact": lambda: CAPGLoss(CANDIDATES, method="exact"),
-    "capg_swr": lambda: CAPGLoss(CANDIDATES, method="swr"),
+    "capg_swr": lambda: CAPGLoss(CANDIDATES, method="with_replacement"),
 }
 TOLERANCE = 1e-5
 # updates are differences of O(1) rows: float32 leaves them ~1e-5 relative precision; allow 1e-3

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from capg_rec import DenseCatalog, EmbeddingCatalog, TOP1PGLoss, VPGLoss, sample_candidates
+from capg_rec import CAPGLoss, DenseCatalog, EmbeddingCatalog, VPGLoss, sample_candidates
 from capg_rec._numerics import (exp_floor, filled_logsumexp, gather_with_rest, log_softmax_at, masked_logsumexp,
                                scaled_terms)
 
@@ -142,7 +142,7 @@ def test_confident_policy_gradients_have_no_subnormals(estimator):
     gen = torch.Generator().manual_seed(3)
     logits = (30 * torch.randn(64, 1000, generator=gen)).requires_grad_()
     cand = sample_candidates(logits.detach(), 10, generator=gen)
-    loss_fn = {"top1": TOP1PGLoss(10), "vpg_swr": VPGLoss(10, with_replacement=True), "vpg": VPGLoss(10)}[estimator]
+    loss_fn = {"top1": CAPGLoss(10, method="with_replacement"), "vpg_swr": VPGLoss(10, with_replacement=True), "vpg": VPGLoss(10)}[estimator]
     loss_fn(logits, cand, cand[:, :2], torch.rand(64, 2, generator=gen)).backward()
     assert _subnormal(logits.grad) == 0 and bool(torch.isfinite(logits.grad).all())
 

@@ -14,7 +14,7 @@ pytest.importorskip("torchrec")
 from torch import nn  # noqa: E402
 from torchrec import EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor  # noqa: E402
 
-from capg_rec import CAPGLoss, DenseCatalog, EmbeddingCatalog, TOP1PGLoss, VPGLoss, sample_candidates  # noqa: E402
+from capg_rec import CAPGLoss, DenseCatalog, EmbeddingCatalog, VPGLoss, sample_candidates  # noqa: E402
 from capg_rec._enumerate import all_draws, draw_log_probs  # noqa: E402
 from capg_rec.plackett_luce import expert_of_position  # noqa: E402
 from capg_rec.torchrec import ShardedEmbeddingCatalog, TwoTowerRetriever  # noqa: E402
@@ -76,7 +76,7 @@ def test_losses_accept_the_retriever_output_and_gradients_reach_the_tables():
     u = retriever.embeddings.embeddings["user_table"].weight
     v = retriever.embeddings.embeddings["item_table"].weight
     for loss_fn in [VPGLoss(k), VPGLoss(k, with_replacement=True), CAPGLoss(k, method="plugin"),
-                    CAPGLoss(k, method="exact"), TOP1PGLoss(k)]:
+                    CAPGLoss(k, method="exact"), CAPGLoss(k, method="with_replacement")]:
         retriever.zero_grad()
         loss = loss_fn(retriever(retriever.with_catalog(user_batch(users))), cand, chosen, rewards)
         loss.backward()

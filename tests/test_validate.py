@@ -48,8 +48,8 @@ OWN = {
     "exact_tiny": (lambda: CatalogESR(randn(2, 5), 2, method="exact"), True),
     "exact": (lambda: CatalogESR(randn(3, 40, seed=1), 6, temperature=0.7, method="exact"), False),
     "moe_enumerate": (lambda: CatalogESR(randn(2, 3, 6, seed=2), 4, method="enumerate"), True),
-    "swr_moe_tiny": (lambda: CatalogESR(randn(2, 2, 5, seed=3), 3, method="swr"), True),
-    "swr_moe": (lambda: CatalogESR(randn(2, 3, 30, seed=4), 7, method="swr"), False),
+    "swr_moe_tiny": (lambda: CatalogESR(randn(2, 2, 5, seed=3), 3, method="with_replacement"), True),
+    "swr_moe": (lambda: CatalogESR(randn(2, 3, 30, seed=4), 7, method="with_replacement"), False),
 }
 
 
@@ -188,7 +188,7 @@ def test_swapped_prefix_plugin_matches_its_definition():
 
 # ---------------------------------------------------------------- false alarms at most α
 
-@pytest.mark.parametrize("method", ["enumerate", "swr"])
+@pytest.mark.parametrize("method", ["enumerate", "with_replacement"])
 def test_false_alarm_rate_at_most_alpha(method):
     """200 seeds of a correct ESR at α = 0.05: failures stay within the binomial (200, α) upper
     bound that a correct implementation exceeds with probability 1e-4."""
@@ -296,7 +296,7 @@ def test_cli(tmp_path, monkeypatch, capsys):
 # ---------------------------------------------------------------- bad input
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"num_samples": 0}, "num_samples"), ({"num_samples": 2.5}, "num_samples"),
+    ({"num_samples": 0}, "num_samples"),
     ({"alpha": 0.0}, "alpha"), ({"alpha": 1.0}, "alpha"), ({"power": 1.0}, "power"),
     ({"seed": -1}, "seed"), ({"tolerance": -0.1}, "tolerance"), ({"sum_tolerance": math.inf}, "sum_tolerance"),
     ({"rel_error": 0.0}, "rel_error"), ({"num_worst": -1}, "num_worst"),
@@ -305,6 +305,11 @@ def test_cli(tmp_path, monkeypatch, capsys):
 def test_bad_arguments_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         validate_esr(CatalogESR(randn(1, 4), 2), **kwargs)
+
+
+def test_bad_argument_types_raise_type_error():
+    with pytest.raises(TypeError, match="num_samples"):
+        validate_esr(CatalogESR(randn(1, 4), 2), num_samples=2.5)
 
 
 class Broken:
@@ -343,15 +348,16 @@ def test_repeated_items_fail_the_distinct_check():
     assert names(report, False) >= {"distinct"}
 
 
-@pytest.mark.parametrize("args,kwargs,match", [
-    ((3, 2), {}, "scores must be a logits tensor"),
-    ((randn(1, 4), 0), {}, "num_candidates"),
-    ((randn(1, 4), 2), {"method": "nope"}, "method must be one of"),
-    ((randn(1, 4), 2), {"temperature": 0.0}, "temperature"),
-    ((randn(1, 4), 2), {"max_elements": 0}, "max_elements"),
+@pytest.mark.parametrize("args,kwargs,error,match", [
+    ((3, 2), {}, TypeError, "scores must be a logits tensor"),
+    ((randn(1, 4), 0), {}, ValueError, "num_candidates"),
+    ((randn(1, 4), 2), {"method": "nope"}, ValueError, "method must be an InclusionMethod or one of"),
+    ((randn(1, 4), 2), {"method": 3}, TypeError, "method must be an InclusionMethod"),
+    ((randn(1, 4), 2), {"temperature": 0.0}, ValueError, "temperature"),
+    ((randn(1, 4), 2), {"max_elements": 0}, ValueError, "max_elements"),
 ])
-def test_catalog_esr_bad_arguments(args, kwargs, match):
-    with pytest.raises(ValueError, match=match):
+def test_catalog_esr_bad_arguments(args, kwargs, error, match):
+    with pytest.raises(error, match=match):
         CatalogESR(*args, **kwargs)
 
 

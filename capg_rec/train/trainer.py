@@ -23,7 +23,7 @@ from torch import Tensor
 
 from capg_rec._checks import all_finite, check_items
 from capg_rec.catalog import DenseCatalog
-from capg_rec.losses import CAPGLoss, TOP1PGLoss, VPGLoss
+from capg_rec.losses import CAPGLoss, VPGLoss
 from capg_rec.plackett_luce import greedy_candidates, sample_candidates
 from capg_rec.rewards import dcg_weights, group_normalize
 from capg_rec.sim.env import MatrixEnv
@@ -48,7 +48,7 @@ def make_loss(config: TrainConfig, *, validate_args: bool = True) -> torch.nn.Mo
     if config.estimator == "capg":
         return CAPGLoss(k, **common) if config.capg_method is None else \
             CAPGLoss(k, method=config.capg_method, **common)
-    return TOP1PGLoss(k, **common)
+    return CAPGLoss(k, method="with_replacement", **common)
 
 
 @torch.no_grad()
