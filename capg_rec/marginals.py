@@ -285,7 +285,9 @@ class Enumeration(InclusionMethod):
         experts = torch.tensor([m for m, n in runs for _ in range(n)], device=catalog.device)
         everything = torch.arange(catalog.num_items, device=catalog.device).expand(catalog.batch_size, -1)
         probs = inclusion_probs(catalog.gather(everything).double(), experts)  # [B, N]
-        return probs.gather(1, items).log().to(catalog.dtype)
+        p = probs.gather(1, items)
+        drawable = p > 0  # log(0) with a finite gradient: -inf for masked items
+        return torch.where(drawable, torch.where(drawable, p, 1.0).log(), -math.inf).to(catalog.dtype)
 
 
 _REGISTRY: dict[str, Callable[[], InclusionMethod]] = {
@@ -348,6 +350,6 @@ def _inclusion_log_prob(catalog: CatalogScores, items: Tensor, num_candidates: i
                         method: InclusionMethod) -> Tensor:
     """:func:`inclusion_log_prob` on validated inputs."""
     runs = expert_runs(num_candidates, catalog.num_experts)
-    if method.is_probability and num_candidates == catalog.num_items:  # every item is drawn
-        return catalog.gather(items)[:, 0] * 0.0
+    if catalog.batch_size == 0 or (method.is_probability and num_candidates == catalog.num_items):
+        return catalog.gather(items)[:, 0] * 0.0  # nothing to compute, or every item is drawn: log 1
     return method.log_inclusion(catalog, items, runs)
