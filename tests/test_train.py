@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import re
 
 import pytest
 import torch
@@ -143,6 +145,73 @@ def test_interrupted_checkpoint_write_keeps_the_last_good_one(env, tmp_path, mon
     assert restored.step_count == 10
 
 
+def _flip_inside(path, tensor: torch.Tensor) -> None:
+    """Flip bytes in the middle of ``tensor``'s data inside the checkpoint file."""
+    data = bytearray(path.read_bytes())
+    raw = tensor.detach().numpy().tobytes()
+    at = data.find(raw)
+    assert at > 0
+    for i in range(at + len(raw) // 2, at + len(raw) // 2 + 16):
+        data[i] ^= 0x5A
+    path.write_bytes(bytes(data))
+
+
+def test_corrupt_checkpoint_is_refused(env, tmp_path):
+    trainer = Trainer(env, _config(steps=10))
+    trainer.run(progress=False)
+    path = tmp_path / "checkpoint.pt"
+    trainer.save(path)
+    _flip_inside(path, trainer.model.state_dict()["user"])
+    with pytest.raises(ValueError, match=f"checkpoint {re.escape(str(path))} is corrupt"):
+        Trainer.load(path, env)
+
+
+def test_corrupt_checkpoint_falls_back_to_the_previous_one(env, tmp_path):
+    trainer = Trainer(env, _config(steps=10))
+    path = tmp_path / "checkpoint.pt"
+    for _ in range(5):
+        trainer.step()
+    trainer.save(path)
+    good = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    for _ in range(5):
+        trainer.step()
+    trainer.save(path)  # the step-5 file is kept as checkpoint.pt.prev
+    _flip_inside(path, trainer.model.state_dict()["user"])
+    with pytest.warns(RuntimeWarning, match=r"is corrupt.*using the previous checkpoint .*\.prev \(step 5\)"):
+        restored = Trainer.load(path, env)
+    assert restored.step_count == 5
+    assert all(torch.equal(good[k], v) for k, v in restored.model.state_dict().items())
+    _flip_inside(tmp_path / "checkpoint.pt.prev", good["user"])
+    with pytest.raises(ValueError, match=r"checkpoint\.pt is corrupt.*checkpoint\.pt\.prev is corrupt"):
+        Trainer.load(path, env)
+
+
+class _Planted:
+    """Unpickling this creates ``marker``: what a pickle-loaded file in --out could do."""
+
+    def __init__(self, marker) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (str(self.marker), "w")
+
+
+def test_loading_a_checkpoint_runs_no_code(env, tmp_path):
+    path, marker = tmp_path / "checkpoint.pt", tmp_path / "code-ran"
+    torch.save({"version": 1, "planted": _Planted(marker)}, path)  # a bare pickle
+    with pytest.raises(ValueError, match="not a capg_rec checkpoint"):
+        Trainer.load(path, env)
+    assert not marker.exists()
+    from capg_rec.train.checkpoint import _encode
+
+    buffer = io.BytesIO()
+    torch.save({"version": 2, "planted": _Planted(marker)}, buffer)
+    path.write_bytes(_encode(buffer.getvalue()))  # with a valid header and checksum
+    with pytest.raises(ValueError, match="could run code"):
+        Trainer.load(path, env)
+    assert not marker.exists()
+
+
 def test_group_normalisation_and_baseline_reach_the_loss(env):
     seen = {}
 
@@ -264,3 +333,4 @@ def test_adaptive_lr_matches_the_papers_rounded_values():
            for lsr in ("noisy", "uniform", "anti")}
     assert round(lrs["noisy"], 2) == 0.02
     assert lrs["uniform"] == pytest.approx(0.1) and lrs["anti"] == pytest.approx(0.01)
+
