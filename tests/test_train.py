@@ -14,7 +14,7 @@ from capg_rec.plackett_luce import greedy_candidates
 from capg_rec.sim import MatrixEnv, synthetic_env
 from capg_rec.train.cli import register
 from capg_rec.train.config import TrainConfig
-from capg_rec.train.reproduce import TARGETS, build_target
+from capg_rec.train.reproduce import TARGETS, Cell, build_target, run_cells
 from capg_rec.train.trainer import Trainer, policy_value
 from capg_rec.train.variance import gradient_variance
 
@@ -210,6 +210,76 @@ def test_loading_a_checkpoint_runs_no_code(env, tmp_path):
     with pytest.raises(ValueError, match="could run code"):
         Trainer.load(path, env)
     assert not marker.exists()
+
+
+def test_load_keeps_the_saved_run_unless_told(env, tmp_path):
+    trainer = Trainer(env, _config(steps=10))
+    for _ in range(4):
+        trainer.step()
+    trainer.save(tmp_path / "c.pt")
+    assert Trainer.load(tmp_path / "c.pt", env).config == trainer.config
+    assert Trainer.load(tmp_path / "c.pt", env, steps=5).config.steps == 5
+    for steps in (4, 2):
+        with pytest.raises(ValueError, match="steps must be an int > the checkpoint's step 4"):
+            Trainer.load(tmp_path / "c.pt", env, steps=steps)
+    other = MatrixEnv(env.q, env.reward_std, env.lsr_scores, name="other")
+    with pytest.raises(ValueError, match="env must be the checkpoint's"):
+        Trainer.load(tmp_path / "c.pt", other)
+
+
+def _train_cli(*argv: str) -> int:
+    parser = argparse.ArgumentParser(prog="capg-rec")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["train", *argv])
+    return args.func(args)
+
+
+class _Started(Exception):
+    pass
+
+
+def test_cli_resume_continues_the_saved_run(tmp_path, monkeypatch, capsys):
+    out = ["--out", str(tmp_path)]
+    assert _train_cli(*out, "--steps", "10", "-K", "5", "--batch-size", "16", "--eval-every", "10",
+                      "--checkpoint-every", "10", "--lr", "0.05", "--seed", "3") == 0
+    saved = Trainer.load(tmp_path / "checkpoint.pt", synthetic_env()).config
+    started = []
+
+    def fake_run(self, **kwargs):
+        started.append(self.config)
+        raise _Started
+
+    monkeypatch.setattr(Trainer, "run", fake_run)
+    with pytest.raises(_Started):
+        _train_cli(*out, "--resume")
+    assert started[-1] == saved and saved.steps == 10 and saved.lr == 0.05 and saved.num_candidates == 5
+    with pytest.raises(_Started):  # options equal to the saved ones, and a longer run
+        _train_cli(*out, "--resume", "--steps", "25", "--lr", "0.05", "-K", "5", "--estimator", "capg_swr")
+    assert started[-1] == saved.replace(steps=25)
+    for extra, named in [(("--estimator", "vpg"), "--estimator vpg (saved: 'capg_swr')"),
+                         (("--lr", "0.1"), "--lr 0.1 (saved: 0.05)"), (("--seed", "0"), "--seed 0"),
+                         (("--adaptive-lr",), "--adaptive-lr True"), (("--env", "movielens"), "--env movielens"),
+                         (("--steps", "10"), "--steps 10: the saved run is at step 10"),
+                         (("--steps", "5"), "--steps 5: the saved run is at step 10")]:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_info:
+            _train_cli(*out, "--resume", *extra)
+        assert exit_info.value.code == 2 and named in capsys.readouterr().err
+    assert len(started) == 2
+    with pytest.raises(SystemExit) as exit_info:
+        _train_cli("--out", str(tmp_path / "none"), "--resume")
+    assert exit_info.value.code == 2 and "no checkpoint" in capsys.readouterr().err
+
+
+def test_reproduce_restarts_a_checkpoint_past_its_steps(env, tmp_path):
+    cell = Cell("K=5", _config(steps=20, eval_every=10))
+    run_cells(env, [cell], [0], tmp_path, checkpoint_every=10, progress=False)
+    run_dir = next((tmp_path / "runs").iterdir())
+    (run_dir / "result.json").unlink()  # an interrupted longer run: only its step-20 checkpoint is left
+    shorter = Cell("K=5", _config(steps=10, eval_every=10))
+    results = run_cells(env, [shorter], [0], tmp_path, checkpoint_every=10, progress=False)
+    (result,) = results[("CA-PG-SwR", "K=5")]
+    assert result.steps_done == 10 and [row["step"] for row in result.history] == [0, 10]
 
 
 def test_group_normalisation_and_baseline_reach_the_loss(env):

@@ -297,7 +297,7 @@ class Trainer:
     # ---------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
         """Everything a resume needs, as containers of tensors, numbers and strings."""
-        return {"version": CHECKPOINT_VERSION, "config": self.config.to_dict(),
+        return {"version": CHECKPOINT_VERSION, "config": self.config.to_dict(), "env": self.env.name,
                 "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "generator": self.generator.get_state(), "baseline_table": self.baseline_table,
                 "baseline_seen": self.baseline_seen, "step": self.step_count, "interval_losses": self.interval_losses,
@@ -319,14 +319,19 @@ class Trainer:
     def from_state(cls, state: dict, env: MatrixEnv, *, train_lsr: LSRPolicy | None = None,
                    eval_lsr: LSRPolicy | None = None, steps: int | None = None) -> Trainer:
         """Rebuild a trainer from a :meth:`state_dict` on the env it was trained on. The run keeps
-        its saved config; ``steps`` may extend it."""
+        its saved config; ``steps`` (> the saved step) sets another target."""
         if state.get("version") != CHECKPOINT_VERSION:
             raise ValueError(f"checkpoint version must be {CHECKPOINT_VERSION}, got {state.get('version')!r}")
         config = TrainConfig(**state["config"])
         if steps is not None:
+            if isinstance(steps, bool) or not isinstance(steps, int) or steps <= state["step"]:
+                raise ValueError(f"steps must be an int > the checkpoint's step {state['step']} to continue "
+                                 f"the run, got {steps!r}")
             config = config.replace(steps=steps)
         trainer = cls.__new__(cls)
         trainer._setup(env, config, train_lsr, eval_lsr)
+        if env.name != state["env"]:
+            raise ValueError(f"env must be the checkpoint's {state['env']!r}, got {env.name!r}")
         shape = tuple(state["model"]["user"].shape[1:2]) + tuple(state["model"]["item"].shape[1:2])
         if shape != (env.num_users, env.num_items):
             raise ValueError(f"env must have the checkpoint's (users, items) = {shape}, "
