@@ -404,3 +404,17 @@ def test_adaptive_lr_matches_the_papers_rounded_values():
     assert round(lrs["noisy"], 2) == 0.02
     assert lrs["uniform"] == pytest.approx(0.1) and lrs["anti"] == pytest.approx(0.01)
 
+
+def test_package_ships_its_license_and_type_marker():
+    """The metadata declares MIT: the LICENSE file says so; py.typed is shipped as package data."""
+    import importlib.resources
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")
+    root = Path(__file__).resolve().parents[1]
+    license_text = (root / "LICENSE").read_text(encoding="utf-8")
+    assert license_text.startswith("MIT License") and "Copyright (c) 2026 the capg_rec authors" in license_text
+    assert importlib.resources.files("capg_rec").joinpath("py.typed").is_file()
+    project = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))
+    assert project["project"]["license"] == {"text": "MIT"}
+    assert "py.typed" in project["tool"]["setuptools"]["package-data"]["capg_rec"]
