@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -18,7 +20,9 @@ from torch import nn
 from capg_rec import DenseCatalog, EmbeddingCatalog
 from capg_rec.catalog import CatalogScores
 from capg_rec.validate import CatalogESR, ESR, validate_esr
+from capg_rec.cli import main
 from capg_rec.validate import _stats
+from capg_rec.validate import cli as validate_cli
 from capg_rec.validate.cli import load_factory, register
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -291,6 +295,115 @@ def test_cli(tmp_path, monkeypatch, capsys):
         load_factory("my_esrs:not_an_esr")
     with pytest.raises(ValueError, match="factory must look like"):
         load_factory("my_esrs")
+
+
+EXIT_ESRS = """
+import torch
+from capg_rec.validate import CatalogESR
+
+CALLS = []
+
+
+class Spy:
+    num_candidates = 2
+
+    def __init__(self, rows=1, fail_in=None, draws_dtype=torch.long):
+        self.rows, self.fail_in, self.draws_dtype = rows, fail_in, draws_dtype
+
+    def inclusion_log_prob(self, contexts):
+        CALLS.append("inclusion_log_prob")
+        return torch.full((self.rows, 4), 0.5).log()
+
+    def sample(self, contexts, num_samples, generator):
+        CALLS.append("sample")
+        if self.fail_in == "sample":
+            raise RuntimeError("boom in sample")
+        return torch.tensor([[0, 1]], dtype=self.draws_dtype).expand(self.rows, num_samples, 2)
+
+
+def good():
+    return CatalogESR(torch.tensor([[0.0, 1.0, 2.0, 3.0]]), 2, method="enumerate")
+
+
+def crashes_in_sample():
+    return Spy(fail_in="sample")
+
+
+def crashes_itself():
+    return 1 / 0
+
+
+def float_draws():
+    return Spy(draws_dtype=torch.float32)
+
+
+def empty_contexts():
+    return CatalogESR(lambda x: x, 2), torch.zeros(0, 4)
+
+
+def empty_claims():
+    return Spy(rows=0)
+
+
+def spy():
+    return Spy()
+
+
+not_callable = 3
+"""
+
+
+def _exit_code(*argv: str) -> int:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["validate", *argv])
+    return exit_info.value.code
+
+
+def test_cli_exit_codes(tmp_path, monkeypatch, capsys):
+    """0 pass, 1 fail, 2 usage or bad input (before any draw), 3 the ESR crashed."""
+    (tmp_path / "exit_esrs.py").write_text(EXIT_ESRS)
+    (tmp_path / "exit_esrs_broken.py").write_text("import torch\nraise ImportError('broken at import')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "exit_esrs", raising=False)
+    assert _exit_code("exit_esrs:good", "--samples", "500") == 0
+    assert _exit_code("exit_esrs:spy", "--samples", "500") == 1
+    calls = importlib.import_module("exit_esrs").CALLS
+    crashes = {"exit_esrs:crashes_in_sample": "esr.sample raised RuntimeError: boom in sample",
+               "exit_esrs:crashes_itself": "the factory exit_esrs:crashes_itself raised ZeroDivisionError",
+               "exit_esrs_broken:f": "importing exit_esrs_broken raised ImportError: broken at import",
+               "exit_esrs:float_draws": "breaks the ESR protocol: esr.sample must return an integer"}
+    for spec, message in crashes.items():
+        capsys.readouterr()
+        assert _exit_code(spec, "--samples", "50") == 3, spec
+        assert message in capsys.readouterr().err
+    usage = {("exit_esrs:missing",): "exit_esrs has no attribute 'missing'",
+             ("no_such_module:f",): "no module named 'no_such_module'",
+             ("exit_esrs:not_callable",): "must be callable",
+             ("exit_esrs:empty_contexts",): "returned B = 0 contexts",
+             ("exit_esrs:empty_claims",): "the ESR has B = 0 contexts",
+             ("exit_esrs:spy", "--json", str(tmp_path / "no_dir" / "r.json")): "--json",
+             ("exit_esrs:spy", "--json", str(tmp_path)): "--json",
+             ("exit_esrs:spy", "--plot", str(tmp_path / "no_dir" / "r.png")): "--plot",
+             ("exit_esrs:spy", "--samples", "0"): "--samples",
+             ("exit_esrs:spy", "--alpha", "1"): "--alpha",
+             ("exit_esrs:spy", "--tolerance", "nan"): "--tolerance"}
+    for argv, message in usage.items():
+        calls.clear()
+        capsys.readouterr()
+        assert _exit_code(*argv) == 2, argv
+        assert message in capsys.readouterr().err
+        assert "sample" not in calls, argv  # found before any draw
+    assert not (tmp_path / "no_dir").exists()
+
+
+def test_cli_help_documents_the_exit_codes(capsys):
+    with pytest.raises(SystemExit):
+        main(["validate", "--help"])
+    text = capsys.readouterr().out
+    assert "Exit status:" in text and validate_cli._EXIT_STATUS.strip() in validate_cli.__doc__
+    for code, meaning in ((0, "passes"), (1, "fails validation"), (2, "usage or input error"), (3, "crashed")):
+        assert re.search(rf"^  {code}  the ESR {meaning}|^  {code}  {meaning}", text, re.M), code
 
 
 # ---------------------------------------------------------------- bad input
