@@ -481,3 +481,9 @@ def test_enumerate_needs_a_tiny_catalog():
 
 def test_catalog_esr_is_an_esr():
     assert isinstance(CatalogESR(randn(1, 4), 2), ESR)
+
+
+def test_empty_contexts_are_a_clear_error():
+    """B = 0 used to end in a ZeroDivisionError deep in the sampler's chunking."""
+    with pytest.raises(ValueError, match="at least one context"):
+        validate_esr(CatalogESR(randn(0, 4), 2), num_samples=10)
