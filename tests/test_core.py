@@ -383,3 +383,17 @@ def test_losses_run_on_every_device(device):
         loss = _loss(name, 5)(logits, cand, cand[:, :2], torch.rand(4, 2, device=device))
         loss.backward()
         assert loss.device.type == device and torch.isfinite(logits.grad).all()
+
+
+@pytest.mark.parametrize("name", LOSSES)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nan_or_inf_logits_are_caught_through_the_scores(name, bad):
+    """A NaN or +inf anywhere in a row, candidate or not, is a ValueError naming the logits (the
+    check is one amax, which propagates NaN)."""
+    g = torch.Generator().manual_seed(12)
+    logits = torch.randn(3, 2, 20, generator=g, dtype=torch.float64)
+    cand = sample_candidates(logits, 4, generator=g)
+    poisoned = logits.clone()
+    poisoned[1, 1, min(set(range(20)) - set(cand[1].tolist()))] = bad  # one entry, not a candidate
+    with pytest.raises(ValueError, match="logits"):
+        _loss(name, 4)(poisoned, cand, cand[:, :2], torch.rand(3, 2, dtype=torch.float64))
