@@ -387,7 +387,7 @@ def test_losses_run_on_every_device(device):
 
 @pytest.mark.parametrize("name", LOSSES)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_nan_or_inf_logits_are_caught_through_the_scores(name, bad):
+def test_nan_or_inf_logits_are_caught(name, bad):
     """A NaN or +inf anywhere in a row, candidate or not, is a ValueError naming the logits (the
     check is one amax, which propagates NaN)."""
     g = torch.Generator().manual_seed(12)
