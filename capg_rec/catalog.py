@@ -179,8 +179,8 @@ class DenseCatalog(CatalogScores):
         if exclude is None or exclude.numel() == 0:
             return scores
         index = exclude.clamp(min=0).unsqueeze(1).expand(-1, scores.shape[1], -1)
-        src = torch.full(exclude.shape, value, dtype=scores.dtype, device=scores.device).masked_fill_(exclude < 0, math.inf)
-        src = src.unsqueeze(1).expand_as(index)
+        src = torch.full(exclude.shape, value, dtype=scores.dtype, device=scores.device)
+        src = src.masked_fill_(exclude < 0, math.inf).unsqueeze(1).expand_as(index)
         return scores.scatter_reduce(2, index, src, reduce="amin")
 
     def log_power_sums(self, exclude: Tensor | None = None, num_powers: int = 1) -> Tensor:

@@ -358,7 +358,8 @@ def test_a_users_method_plugs_into_losses_validator_and_registry():
     logits = torch.randn(3, 12, generator=g, requires_grad=True)
     cand = sample_candidates(logits.detach(), 4, generator=g)
     args = (logits, cand, cand[:, :1], torch.rand(3, 1, generator=g))
-    ours, swr = (torch.autograd.grad(CAPGLoss(4, method=m)(*args), logits)[0] for m in (_HalfOfSwR(), "with_replacement"))
+    ours, swr = (torch.autograd.grad(CAPGLoss(4, method=m)(*args), logits)[0]
+                 for m in (_HalfOfSwR(), "with_replacement"))
     torch.testing.assert_close(ours, swr)  # a constant offset of the score: the same gradient
     report = validate_esr(CatalogESR(logits.detach(), 4, method=_HalfOfSwR()), num_samples=2000, seed=0)
     assert not report.passed

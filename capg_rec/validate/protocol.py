@@ -124,7 +124,8 @@ class CatalogESR:
                                  lambda rep, _: sample_candidates(rep, k, generator=generator))
 
     def inclusion_log_prob(self, contexts: Any) -> Tensor:
-        """Claimed ``log P(a ∈ A^K)`` (``log E[count]`` for a method that is not a probability) of every item → ``[B, N]``."""
+        """Claimed ``log P(a ∈ A^K)`` of every item → ``[B, N]`` (``log E[count]`` for a method that is
+        not a probability)."""
         catalog = self.catalog(contexts)
         items = torch.arange(catalog.num_items, device=catalog.device).expand(catalog.batch_size, -1)
         with torch.no_grad():
