@@ -174,14 +174,12 @@ class DenseCatalog(CatalogScores):
     def _drop(self, scores: Tensor, exclude: Tensor | None, value: float) -> Tensor:
         """``scores [B, E, N]`` with each row's excluded items set to ``value`` (differentiable).
 
-        One scatter-min of E writes per row (no ``[B, N]`` mask, no host sync); padding (``-1``)
-        writes ``+inf`` to item 0, which leaves it as it is."""
+        One scatter of E writes per row (no ``[B, N]`` mask, no host sync); padding (``-1``) writes
+        to a spare last column. (A scatter-min without the spare column has a 6x slower backward.)"""
         if exclude is None or exclude.numel() == 0:
             return scores
-        index = exclude.clamp(min=0).unsqueeze(1).expand(-1, scores.shape[1], -1)
-        src = torch.full(exclude.shape, value, dtype=scores.dtype, device=scores.device)
-        src = src.masked_fill_(exclude < 0, math.inf).unsqueeze(1).expand_as(index)
-        return scores.scatter_reduce(2, index, src, reduce="amin")
+        index = torch.where(exclude >= 0, exclude, self.num_items).unsqueeze(1).expand(-1, scores.shape[1], -1)
+        return torch.nn.functional.pad(scores, (0, 1)).scatter(2, index, value)[..., :-1]
 
     def log_power_sums(self, exclude: Tensor | None = None, num_powers: int = 1) -> Tensor:
         check_count("num_powers", num_powers)
