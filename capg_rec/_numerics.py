@@ -225,3 +225,22 @@ def safe_logsumexp(x: Tensor, dim: int) -> Tensor:
     some = total > 0
     out = torch.where(some, torch.log(torch.where(some, total, torch.ones_like(total))) + top, -math.inf)
     return out.squeeze(dim)
+
+
+_CUMSUM_SPREAD = 700.0  # float64 exps of arguments above -700 neither underflow nor lose the sum
+
+
+def reverse_logcumsumexp(x: Tensor, dim: int) -> Tensor:
+    """``log Σ_{j ≥ k} exp(x_j)`` along ``dim`` (e.g. ``[B, M, K]``, small K).
+
+    On the CPU, ``torch.logcumsumexp`` is a serial log-add per element (1.9 ms fwd+bwd at
+    ``[128, 1, 200]``); when every entry lies within 700 of its row's maximum, a float64 suffix sum
+    of ``exp(x - max)`` is exact to float32 and ~10x faster. Otherwise (extreme spreads, ``-inf``),
+    on other devices and under ``torch.compile``, it is ``torch.logcumsumexp`` itself."""
+    if x.device.type == "cpu" and not torch.compiler.is_compiling() and x.numel():
+        top = x.detach().amax(dim=dim, keepdim=True)
+        shifted = x.double() - top
+        if float(shifted.detach().amin()) > -_CUMSUM_SPREAD:  # a host read of a CPU tensor: no device sync
+            suffix = shifted.exp().flip(dim).cumsum(dim).flip(dim)
+            return (suffix.log() + top).to(x.dtype)
+    return torch.logcumsumexp(x.flip(dim), dim).flip(dim)

@@ -34,7 +34,8 @@ from torch import Tensor
 from capg_rec._enumerate import inclusion_probs
 from capg_rec._checks import check_count, check_items, resolve_validate_args
 from capg_rec._head_tail import HeadTail, head_size_for, summarize
-from capg_rec._numerics import exp_floored, log1mexp, log1mexp_exp, masked_logsumexp, safe_logsumexp
+from capg_rec._numerics import exp_floored, log1mexp, log1mexp_exp, masked_logsumexp, \
+    reverse_logcumsumexp, safe_logsumexp
 from capg_rec.catalog import CatalogScores, as_catalog
 from capg_rec.plackett_luce import check_enough_items, expert_of_position, expert_runs
 
@@ -97,7 +98,7 @@ def _plugin(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
     if prefix:
         pre = torch.cat(prefix, dim=2)
         pre_scores = scores.gather(3, pre.unsqueeze(2).expand(-1, -1, num_experts, -1))  # [B, L, M, K-1]
-        later = torch.logcumsumexp(pre_scores.flip(3), dim=3).flip(3)
+        later = reverse_logcumsumexp(pre_scores, dim=3)
         later = torch.cat([later, later.new_full((*later.shape[:3], 1), -torch.inf)], dim=3)
     else:
         later = scores.new_full((batch, num_targets, num_experts, 1), -torch.inf)

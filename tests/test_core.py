@@ -398,3 +398,18 @@ def test_nan_or_inf_logits_are_caught(name, bad):
     poisoned[1, 1, min(set(range(20)) - set(cand[1].tolist()))] = bad  # one entry, not a candidate
     with pytest.raises(ValueError, match="logits"):
         _loss(name, 4)(poisoned, cand, cand[:, :2], torch.rand(3, 2, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("spread", [1.0, 300.0, 1e4])
+def test_reverse_logcumsumexp_matches_torch(spread):
+    """The CPU fast path (float64 suffix sums) and its fallback for spreads beyond 700 nats."""
+    from capg_rec._numerics import reverse_logcumsumexp
+
+    g = torch.Generator().manual_seed(13)
+    x = (spread * torch.randn(4, 2, 30, generator=g)).requires_grad_()
+    x.data[0, 0, 5] = -math.inf
+    got = reverse_logcumsumexp(x, 2)
+    want = torch.logcumsumexp(x.flip(2), 2).flip(2)
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-5 * spread)
+    v = torch.randn(4, 2, 30, generator=g)
+    torch.testing.assert_close(*(torch.autograd.grad(y, x, v)[0] for y in (got, want)), rtol=1e-4, atol=1e-6)
