@@ -53,13 +53,30 @@ def _softmax_terms(x: Tensor, dim: int) -> tuple[Tensor, Tensor, Tensor]:
 def scaled_terms(terms: Tensor, scale: Tensor) -> Tensor:
     """``terms * scale`` for ``0 <= terms <= 1`` (floored exps) and a broadcastable ``scale``,
     without subnormal numbers, here or downstream (an x86 slow path): products below
-    ``2^p·tiny`` (p = mantissa bits; fp32: 2e-31) become exactly 0, the others move by less.
+    ``2^p·tiny`` (p = mantissa bits; fp32: 2e-31) become exactly 0, and so do terms at the exp
+    floor (``-inf`` entries) whatever the scale; the others move by less than that or by
+    ``4·e^floor·|scale|`` (fp32: 1e-37 of the scale).
 
-    Adding and subtracting ``C = 2^2p·tiny / |scale|`` rounds ``terms`` to multiples of
-    ``ulp(C) >= 2^p·tiny / |scale|`` (Sterbenz: the subtraction is exact)."""
-    finfo = torch.finfo(terms.dtype)
-    shift = ((2 / finfo.eps) ** 2 * finfo.tiny) / scale.abs().clamp(min=finfo.tiny)
+    Adding and subtracting ``C = max(2^2p·tiny / |scale|, 8·e^floor / eps)`` rounds ``terms`` to
+    multiples of ``ulp(C)`` (Sterbenz: the subtraction is exact). float16 (no exp floor, and a normal
+    range too narrow for the shift) gets the plain product.
+    """
+    if terms.dtype == torch.float16:
+        return terms * scale
+    low, tiny, top = _FLUSH[terms.dtype]
+    shift = scale.abs().clamp(min=tiny, max=top).reciprocal_().mul_(low)
     return (terms + shift).sub_(shift).mul_(scale)
+
+
+def _flush_constants(dtype: torch.dtype) -> tuple[float, float, float]:
+    """:func:`scaled_terms`' constants: ``2^2p·tiny``, and the scales below and above which the shift
+    stops growing or shrinking."""
+    finfo = torch.finfo(dtype)
+    low = (2 / finfo.eps) ** 2 * finfo.tiny
+    return low, finfo.tiny, low * finfo.eps / (8 * math.exp(exp_floor(dtype)))
+
+
+_FLUSH = {dtype: _flush_constants(dtype) for dtype in (torch.bfloat16, torch.float32, torch.float64)}
 
 
 class _LogSumExp(torch.autograd.Function):

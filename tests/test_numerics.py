@@ -194,3 +194,32 @@ def test_confident_chunked_power_sums_match_dense():
         grads.append((out, *torch.autograd.grad(out.sum(), (user, item))))
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_gradients_match_float64(dtype):
+    """float16 and bfloat16: the gradients of the fused reductions are right to the dtype's precision
+    (the subnormal-free product must not round small float16 terms to 0)."""
+    x = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.5, -3.0, 1.5, 0.0]], dtype=dtype, requires_grad=True)
+    index = torch.tensor([[0, 2], [1, 1]])
+    ref = x.detach().double().requires_grad_()
+    for ours, theirs in [(filled_logsumexp(x, 1), torch.logsumexp(ref, 1)),
+                         (log_softmax_at(x, index, 1), torch.log_softmax(ref, 1).gather(1, index)),
+                         (gather_with_rest(x, index, 1)[1], _rest_reference(ref, index, 1))]:
+        (grad,) = torch.autograd.grad(ours.sum(), x)
+        (want,) = torch.autograd.grad(theirs.sum(), ref)
+        assert grad.dtype == dtype
+        torch.testing.assert_close(grad.double(), want, rtol=0, atol=4 * torch.finfo(dtype).eps)
+    terms = torch.tensor([1.0, 0.3, 1e-3, 6e-5], dtype=torch.float16)
+    assert torch.equal(scaled_terms(terms, torch.tensor(0.25, dtype=torch.float16)), terms * 0.25)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_scaled_terms_zeroes_floor_terms_whatever_the_scale(dtype):
+    """A term on the exp floor (a masked entry) times any scale is exactly 0; a term of 1 is kept."""
+    floor = torch.exp(torch.tensor(exp_floor(dtype), dtype=dtype))
+    terms = torch.stack([floor, torch.ones((), dtype=dtype)]).expand(5, 2)
+    scale = torch.tensor([1e-3, 1.0, 1e8, -1e20, torch.finfo(dtype).max / 4], dtype=dtype)[:, None]
+    out = scaled_terms(terms, scale)
+    assert bool((out[:, 0] == 0).all())
+    torch.testing.assert_close(out[:, 1], scale[:, 0])
