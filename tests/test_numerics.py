@@ -196,6 +196,37 @@ def test_confident_chunked_power_sums_match_dense():
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_masked_entries_add_nothing_and_get_exactly_zero_gradient(dtype):
+    """-inf scores (items not in a row's catalog) anywhere: the fused reductions equal torch's over the
+    other entries; a row with nothing left gives -inf; no -inf entry gets a gradient, even under
+    large upstream gradients, and nothing is NaN."""
+    gen = torch.Generator().manual_seed(5)
+    x = 3 * torch.randn(4, 2, 50, generator=gen, dtype=torch.float64)
+    x[torch.rand(x.shape, generator=gen) < 0.3] = -math.inf
+    x[0, 1] = -math.inf  # a row with nothing left
+    index = torch.randint(0, 50, (4, 2, 3), generator=gen)
+    index[1, 0, 0] = int((x[1, 0] == -math.inf).nonzero()[0])  # a masked target
+    x = x.to(dtype).requires_grad_()
+    ref = x.detach().double()
+    named, rest = gather_with_rest(x, index, 2)
+    outputs = [filled_logsumexp(x, 2), log_softmax_at(x, index, 2), named, rest]
+    kept = torch.ones_like(ref, dtype=torch.bool)
+    kept[0, 1] = False
+    refs = [torch.logsumexp(ref, 2), torch.log_softmax(ref, 2).gather(2, index), ref.gather(2, index),
+            _rest_reference(ref, index, 2)]
+    eps = torch.finfo(dtype).eps
+    for out, want in zip(outputs, refs):
+        good = torch.isfinite(want)
+        assert torch.equal(torch.isfinite(out), good)
+        torch.testing.assert_close(out.double()[good], want[good], rtol=8 * eps, atol=8 * eps)
+        weights = 1e8 * torch.randn(out.shape, generator=gen, dtype=dtype)
+        (grad,) = torch.autograd.grad((torch.where(torch.isfinite(out), out, 0) * weights).sum(), x,
+                                      retain_graph=True)
+        assert bool(torch.isfinite(grad).all())
+        assert bool((grad[ref == -math.inf] == 0).all())
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_gradients_match_float64(dtype):
     """float16 and bfloat16: the gradients of the fused reductions are right to the dtype's precision
