@@ -76,22 +76,27 @@ def scaled_terms(terms: Tensor, scale: Tensor) -> Tensor:
     ``4·e^floor·|scale|`` (fp32: 1e-37 of the scale).
 
     Adding and subtracting ``C = max(2^2p·tiny / |scale|, 8·e^floor / eps)`` rounds ``terms`` to
-    multiples of ``ulp(C)`` (Sterbenz: the subtraction is exact). float16 (no exp floor, and a normal
-    range too narrow for the shift) gets the plain product.
+    multiples of ``ulp(C)`` (Sterbenz: the subtraction is exact). When the product is recorded for
+    a higher-order backward the rounding would give wrong derivatives (at ``scale = 0`` every term
+    rounds to 0), so there only the floor terms are zeroed. float16 (no exp floor, and a normal range
+    too narrow for the shift) gets the plain product.
     """
     if terms.dtype == torch.float16:
         return terms * scale
-    low, tiny, top = _FLUSH[terms.dtype]
+    kept, low, tiny, top = _FLUSH[terms.dtype]
+    if torch.is_grad_enabled() and (terms.requires_grad or scale.requires_grad):
+        return torch.where(terms >= kept, terms, 0.0) * scale
     shift = scale.abs().clamp(min=tiny, max=top).reciprocal_().mul_(low)
     return (terms + shift).sub_(shift).mul_(scale)
 
 
-def _flush_constants(dtype: torch.dtype) -> tuple[float, float, float]:
-    """:func:`scaled_terms`' constants: ``2^2p·tiny``, and the scales below and above which the shift
-    stops growing or shrinking."""
+def _flush_constants(dtype: torch.dtype) -> tuple[float, float, float, float]:
+    """:func:`scaled_terms`' constants: the smallest term kept (``2·e^floor``), ``2^2p·tiny``, and the
+    scales below and above which the shift stops growing or shrinking."""
     finfo = torch.finfo(dtype)
+    floor = math.exp(exp_floor(dtype))
     low = (2 / finfo.eps) ** 2 * finfo.tiny
-    return low, finfo.tiny, low * finfo.eps / (8 * math.exp(exp_floor(dtype)))
+    return 2 * floor, low, finfo.tiny, low * finfo.eps / (8 * floor)
 
 
 _FLUSH = {dtype: _flush_constants(dtype) for dtype in (torch.bfloat16, torch.float32, torch.float64)}

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from capg_rec._numerics import filled_logsumexp, gather_with_rest, log_softmax_at
+from capg_rec.catalog import _ChunkedLogPowerSums
 
 SHAPE = (3, 4, 5)
 
@@ -155,3 +156,87 @@ def test_the_fused_functions_compile_without_graph_breaks():
     (grad,) = torch.autograd.grad(out, x)
     torch.testing.assert_close(out, f(x))
     torch.testing.assert_close(grad, torch.autograd.grad(f(x), x)[0])
+
+
+# ---- the streamed (embedding) power sums ----------------------------------------------------------
+
+N_ITEMS = 13
+EXCLUDE = torch.tensor([[0, 5, 12, -1, -1], [3, 3, 4, 7, -1], [-1, -1, -1, -1, -1]])  # padded, repeated ids
+
+
+def _embeddings(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    user = torch.randn(3, 2, 4, generator=gen, dtype=torch.float64).requires_grad_()
+    item = torch.randn(N_ITEMS, 2, 4, generator=gen, dtype=torch.float64).requires_grad_()
+    return user, item
+
+
+def _dense_power_sums(user, item, exclude, num_powers):
+    s = torch.einsum("bmd,nmd->bmn", user, item)
+    spare = torch.where(exclude >= 0, exclude, N_ITEMS)
+    excluded = torch.zeros(user.shape[0], N_ITEMS + 1, dtype=torch.bool).scatter(1, spare, True)[:, :N_ITEMS]
+    s = s.masked_fill(excluded.unsqueeze(1), -math.inf)
+    return torch.stack([torch.logsumexp(p * s, 2) for p in range(1, num_powers + 1)], -1)
+
+
+def _chunked(user, item, exclude, num_powers, chunk_size):
+    return _ChunkedLogPowerSums.apply(user, item, exclude, num_powers, chunk_size)
+
+
+@pytest.mark.parametrize("num_powers", [1, 2, 4])
+@pytest.mark.parametrize("chunk_size", [1, 5, 20])
+def test_chunked_gradcheck_and_gradgradcheck(num_powers, chunk_size):
+    """Chunks that do not divide N (and one chunk for all), exclusions with padding and repeats, and a
+    row whose items are all excluded (-inf, zero derivatives)."""
+    user, item = _embeddings(50)
+    exclude = torch.cat([torch.nn.functional.pad(EXCLUDE, (0, N_ITEMS - EXCLUDE.shape[1]), value=-1),
+                         torch.arange(N_ITEMS).unsqueeze(0)])
+    user = torch.cat([user, user[:1]]).detach().requires_grad_()
+
+    def f(u, v):
+        return _finite(_chunked(u, v, exclude, num_powers, chunk_size))
+
+    assert torch.autograd.gradcheck(f, (user, item))
+    assert torch.autograd.gradgradcheck(f, (user, item))
+
+
+@pytest.mark.parametrize("num_powers", [1, 2, 3, 4])
+@pytest.mark.parametrize("chunk_size", [3, 5])
+def test_chunked_hvp_matches_dense(num_powers, chunk_size):
+    user, item = _embeddings(60 + num_powers)
+    weights = _weights([torch.zeros(3, 2, num_powers, dtype=torch.float64)], seed=num_powers)
+
+    def loss(fn):
+        return lambda u, v: _loss([fn(u, v)], weights)
+
+    ours = loss(lambda u, v: _chunked(u, v, EXCLUDE, num_powers, chunk_size))
+    ref = loss(lambda u, v: _dense_power_sums(u, v, EXCLUDE, num_powers))
+    gen = torch.Generator().manual_seed(5)
+    vecs = (torch.randn(user.shape, generator=gen, dtype=torch.float64),
+            torch.randn(item.shape, generator=gen, dtype=torch.float64))
+    got = torch.autograd.functional.hvp(ours, (user, item), vecs)
+    want = torch.autograd.functional.hvp(ref, (user, item), vecs)
+    assert float(want[1][0].abs().max()) > 0.1
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.autograd.functional.vhp(ours, (user, item), vecs), want)
+
+
+def test_chunked_torch_func_grad_vmap_and_jacrev():
+    user, item = _embeddings(70)
+    user, item = user.detach(), item.detach()
+    weights = _weights([torch.zeros(3, 2, 3, dtype=torch.float64)], seed=7)
+
+    def loss(fn):
+        return lambda u, v: _loss([fn(u, v)], weights)
+
+    ours = loss(lambda u, v: _chunked(u, v, EXCLUDE, 3, 5))
+    ref = loss(lambda u, v: _dense_power_sums(u, v, EXCLUDE, 3))
+    both = (0, 1)
+    torch.testing.assert_close(torch.func.grad(ours, both)(user, item), torch.func.grad(ref, both)(user, item))
+    users = torch.stack([user, 0.5 * user])
+    torch.testing.assert_close(torch.func.vmap(torch.func.grad(ours, both), (0, None))(users, item),
+                               torch.func.vmap(torch.func.grad(ref, both), (0, None))(users, item))
+    torch.testing.assert_close(torch.func.jacrev(lambda u, v: _chunked(u, v, EXCLUDE, 3, 5), both)(user, item),
+                               torch.func.jacrev(lambda u, v: _dense_power_sums(u, v, EXCLUDE, 3), both)(user, item))
+    torch.testing.assert_close(torch.func.jacrev(torch.func.grad(ours))(user, item),
+                               torch.func.jacrev(torch.func.grad(ref))(user, item))
