@@ -176,22 +176,30 @@ class DenseCatalog(CatalogScores):
             return s.topk(k, dim=2).indices
 
 
+def _overflow_error(dtype: torch.dtype) -> ValueError:
+    return ValueError(f"user and item embeddings give scores <user, item> that overflow {dtype} (inf or NaN): "
+                      "scale them down (or the temperature up), or compute in float64")
+
+
 @bound_once
 class _ChunkedLogPowerSums(torch.autograd.Function):
     """``log Σ_n exp(p · <u[b,m], v[n,m]>)`` over non-excluded n, streamed over item chunks.
 
     Backward recomputes each chunk's scores, so no ``[B, M, N]`` tensor is ever kept; it is written in
     differentiable ops, so it has a backward in turn (which keeps ``O(B·M·chunk)`` per chunk).
+    ``check_finite`` raises a ValueError where a score or a power sum overflows (one host sync).
     """
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(user: Tensor, item: Tensor, exclude: Tensor | None, num_powers: int, chunk_size: int) -> Tensor:
+    def forward(user: Tensor, item: Tensor, exclude: Tensor | None, num_powers: int, chunk_size: int,
+                check_finite: bool = False) -> Tensor:
         batch, experts, _ = user.shape
         lowest = torch.finfo(user.dtype).min
         powers = torch.arange(1, num_powers + 1, dtype=user.dtype, device=user.device)
         out = torch.full((batch, experts, num_powers), -torch.inf, dtype=user.dtype, device=user.device)
+        finite = []  # per chunk: no score is +inf or NaN, and no row of a chunk overflowed to -inf
         for start in range(0, item.shape[0], chunk_size):
             stop = min(start + chunk_size, item.shape[0])
             s = torch.einsum("bmd,nmd->bmn", user, item[start:stop])
@@ -199,20 +207,24 @@ class _ChunkedLogPowerSums(torch.autograd.Function):
             if mask is not None:
                 s = s.masked_fill(mask.unsqueeze(1), lowest)
             top = s.amax(dim=2, keepdim=True)  # `lowest` where the whole chunk is excluded
+            if check_finite:
+                finite.append(torch.isfinite(top).all())
             d = s - top
             sums = torch.stack([exp_floored(d if p == 1 else p * d).sum(2) for p in range(1, num_powers + 1)], -1)
             part = (sums.log() + powers * top).masked_fill(top <= lowest / 2, -torch.inf)
             out = torch.logaddexp(out, part)
+        if check_finite and not bool(torch.stack([*finite, (out < math.inf).all()]).all()):
+            raise _overflow_error(user.dtype)
         return out
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: Tensor) -> None:
-        user, item, exclude, _, chunk_size = inputs
+        user, item, exclude, _, chunk_size, _ = inputs
         ctx.save_for_backward(user, item, output, exclude)
         ctx.chunk_size = chunk_size
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor) -> tuple[Tensor, Tensor, None, None, None]:
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor, Tensor, None, None, None, None]:
         user, item, out, exclude = ctx.saved_tensors
         batch, num_powers = user.shape[0], out.shape[-1]
         lowest = torch.finfo(user.dtype).min
@@ -244,16 +256,19 @@ class _ChunkedLogPowerSums(torch.autograd.Function):
                 grad_item[start:stop] = part
         if grad_item is None:
             grad_item = torch.cat(parts) if parts else torch.zeros_like(item)
-        return grad_user, grad_item, None, None, None
+        return grad_user, grad_item, None, None, None, None
 
 
 def _chunked_top_k(user: Tensor, item: Tensor, k: int, exclude: Tensor | None,
-                   noise: Callable[[int, int], Tensor] | None, chunk_size: int) -> tuple[Tensor, Tensor]:
+                   noise: Callable[[int, int], Tensor] | None, chunk_size: int,
+                   check_finite: bool = False) -> tuple[Tensor, Tensor]:
     """The ``min(k, N)`` best of ``<user[b,m], item[n,m]> + noise(start, stop)[b,m,n-start]``.
 
     ``user [B, M, D]``, ``item [N, M, D]``, streamed over ``chunk_size`` items; ``noise`` (or None)
     gives the perturbation of items ``[start, stop)`` as ``[B, M, stop - start]``. Returns
     ``(values, ids) [B, M, min(k, N)]``, best first, ids in ``[0, N)``; excluded items score -inf.
+    ``check_finite`` raises a ValueError where a score is +inf or NaN (read off the best values: one
+    host sync); scores that overflow to -inf rank last, as excluded items do.
     """
     batch, num_sel = user.shape[:2]
     best_val = torch.full((batch, num_sel, 0), -torch.inf, dtype=user.dtype, device=user.device)
@@ -270,6 +285,8 @@ def _chunked_top_k(user: Tensor, item: Tensor, k: int, exclude: Tensor | None,
             ids = torch.arange(start, stop, device=user.device).expand(batch, num_sel, -1)
             best_val, pos = torch.cat([best_val, s], 2).topk(min(k, best_val.shape[2] + stop - start), dim=2)
             best_idx = torch.cat([best_idx, ids], 2).gather(2, pos)
+    if check_finite and not bool((best_val[..., :1] < math.inf).all()):  # NaN and +inf sort first
+        raise _overflow_error(user.dtype)
     return best_val, best_idx
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from capg_rec._numerics import filled_logsumexp, gather_with_rest, log_softmax_at
-from capg_rec.catalog import _ChunkedLogPowerSums
+from capg_rec.catalog import _chunked_top_k, _ChunkedLogPowerSums
 
 SHAPE = (3, 4, 5)
 
@@ -240,3 +240,19 @@ def test_chunked_torch_func_grad_vmap_and_jacrev():
                                torch.func.jacrev(lambda u, v: _dense_power_sums(u, v, EXCLUDE, 3), both)(user, item))
     torch.testing.assert_close(torch.func.jacrev(torch.func.grad(ours))(user, item),
                                torch.func.jacrev(torch.func.grad(ref))(user, item))
+
+
+def test_chunked_functions_compile_without_graph_breaks_when_not_checking():
+    """check_finite=False: no host sync, so the streamed reductions trace as one graph."""
+    user, item = _embeddings(80)
+
+    def f(u, v):
+        return _ChunkedLogPowerSums.apply(u, v, EXCLUDE, 2, 5, False).sum()
+
+    out = torch.compile(f, fullgraph=True, backend="eager")(user, item)
+    torch.testing.assert_close(torch.autograd.grad(out, (user, item)), torch.autograd.grad(f(user, item), (user, item)))
+
+    def top(u, v):
+        return _chunked_top_k(u, v, 3, EXCLUDE, None, 5, check_finite=False)[1]
+
+    assert torch.equal(torch.compile(top, fullgraph=True, backend="eager")(user, item), top(user, item))

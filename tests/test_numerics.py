@@ -8,6 +8,7 @@ import torch
 from capg_rec import DenseCatalog, EmbeddingCatalog, TOP1PGLoss, VPGLoss, sample_candidates
 from capg_rec._numerics import (exp_floor, filled_logsumexp, gather_with_rest, log_softmax_at, masked_logsumexp,
                                scaled_terms)
+from capg_rec.catalog import _chunked_top_k, _ChunkedLogPowerSums
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -254,3 +255,32 @@ def test_scaled_terms_zeroes_floor_terms_whatever_the_scale(dtype):
     out = scaled_terms(terms, scale)
     assert bool((out[:, 0] == 0).all())
     torch.testing.assert_close(out[:, 1], scale[:, 0])
+
+
+def _overflowing_embeddings() -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 finite embeddings whose inner products overflow: item 1 to +inf, item 2 to -inf and item 3
+    to NaN (+inf + -inf) for user 0; user 1 sees ordinary scores."""
+    user = torch.tensor([[1e20, 1e20], [0.5, -0.5]]).unsqueeze(1)
+    item = torch.tensor([[1.0, 2.0], [1e20, 1e20], [-1e20, -1e20], [1e20, -1e20], [0.0, 1.0]]).unsqueeze(1)
+    return user, item
+
+
+def test_chunked_reductions_raise_on_overflowing_scores_when_checking():
+    """Finite embeddings whose scores overflow: a ValueError when checking, instead of NaN; an
+    overflowing item that is excluded does not count; no check (and no host sync) otherwise."""
+    user, item = _overflowing_embeddings()
+    for chunk_size in (1, 2, 5):
+        with pytest.raises(ValueError, match="overflow"):
+            _ChunkedLogPowerSums.apply(user, item, None, 1, chunk_size, True)
+        with pytest.raises(ValueError, match="overflow"):
+            _chunked_top_k(user, item, 2, None, None, chunk_size, check_finite=True)
+        _ChunkedLogPowerSums.apply(user, item, None, 1, chunk_size, False)
+        _chunked_top_k(user, item, 2, None, None, chunk_size, check_finite=False)
+        out = _ChunkedLogPowerSums.apply(user, item, torch.tensor([[1, 2, 3], [-1, -1, -1]]), 2, chunk_size, True)
+        assert bool(torch.isfinite(out).all())
+    big = torch.full((1, 1, 1), 1.5e19)  # a finite score of 2.25e38, whose second power overflows
+    assert bool(torch.isfinite(_ChunkedLogPowerSums.apply(big, big, None, 1, 1, True)).all())
+    with pytest.raises(ValueError, match="overflow"):
+        _ChunkedLogPowerSums.apply(big, big, None, 2, 1, True)
+    with pytest.raises(ValueError, match="overflow"):  # every score of a row overflows to -inf
+        _ChunkedLogPowerSums.apply(user[:1], item[2:3], None, 1, 1, True)
