@@ -108,8 +108,8 @@ class _SoftmaxGrad(torch.autograd.Function):
     turn: ``coef · softmax(x) + scatter_add(index, named)`` along ``dim`` → shape of ``x``, where the
     softmax leaves out the entries named in ``index`` if ``rest`` is set.
 
-    The forward reuses the floored exps ``terms`` and their ``total`` (at least the smallest term);
-    the backward recomputes the softmax from ``x`` in differentiable ops.
+    The forward reuses the floored exps ``terms`` and their ``total`` (> 0); the backward recomputes
+    the softmax from ``x`` in differentiable ops.
     """
 
     generate_vmap_rule = True
@@ -227,26 +227,28 @@ class _GatherWithRest(torch.autograd.Function):
     @staticmethod
     def forward(x: Tensor, index: Tensor, dim: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         top, terms, total = _softmax_terms(x.scatter(dim, index, -math.inf), dim)
-        return x.gather(dim, index), _empty_to_minus_inf((top + total.log()).squeeze(dim)), terms, total
+        rest = _empty_to_minus_inf((top + total.log()).squeeze(dim))
+        # Nothing left (total = N·e^floor): a total of 1 keeps the backward's scale finite, and the
+        # floor terms still come out as exact zeros.
+        return x.gather(dim, index), rest, terms, total.clamp_min_(1.0)
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: tuple) -> None:
         x, index, dim = inputs
-        named, rest, terms, total = output
+        named, _, terms, total = output
         ctx.mark_non_differentiable(terms, total)
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None
-        ctx.save_for_backward(x, index, named, rest, terms, total)
+        ctx.save_for_backward(x, index, named, terms, total)
         ctx.dim = dim
 
     @staticmethod
     def backward(ctx, grad_named: Tensor | None, grad_rest: Tensor | None, *_) -> tuple[Tensor | None, None, None]:
         if grad_named is None and grad_rest is None:
             return None, None, None
-        x, index, named, rest, terms, total = ctx.saved_tensors
+        x, index, named, terms, total = ctx.saved_tensors
         if grad_named is not None:
             grad_named = grad_named.masked_fill(named == -math.inf, 0.0)
-        coef = torch.zeros_like(rest) if grad_rest is None else grad_rest.masked_fill(rest == -math.inf, 0.0)
-        coef = coef.unsqueeze(ctx.dim)
+        coef = torch.zeros_like(total) if grad_rest is None else grad_rest.unsqueeze(ctx.dim)
         return _softmax_grad(x, coef, grad_named, terms, total, index, ctx.dim, True), None, None
 
 

@@ -226,6 +226,10 @@ def test_masked_entries_add_nothing_and_get_exactly_zero_gradient(dtype):
                                       retain_graph=True)
         assert bool(torch.isfinite(grad).all())
         assert bool((grad[ref == -math.inf] == 0).all())
+        # a gradient arriving at -inf outputs too (rows with nothing left, masked targets)
+        (grad,) = torch.autograd.grad(out, x, torch.full_like(out, 1e3), retain_graph=True)
+        assert bool(torch.isfinite(grad).all())
+        assert bool((grad[ref == -math.inf] == 0).all())
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
