@@ -90,11 +90,13 @@ def test_gather_with_rest_matches_torch(dtype, scale):
     w_named, w_rest = torch.randn(5, 2, 6, generator=gen, dtype=dtype), torch.randn(5, 2, generator=gen, dtype=dtype)
     for use in ("both", "named", "rest"):
         out = (named * w_named).sum() * (use != "rest") + (rest * w_rest).sum() * (use != "named")
-        ref = (ref_named * w_named.double()).sum() * (use != "rest") + (ref_rest * w_rest.double()).sum() * (use != "named")
+        ref = ((ref_named * w_named.double()).sum() * (use != "rest")
+               + (ref_rest * w_rest.double()).sum() * (use != "named"))
         (grad,) = torch.autograd.grad(out, x, retain_graph=True)
         (ref_grad,) = torch.autograd.grad(ref, ref_x, retain_graph=True)
         # exp(x - m) carries the rounding of its argument: ~eps·|x| relative, |x| up to ~4·scale
-        torch.testing.assert_close(grad.double(), ref_grad, rtol=0, atol=4 * eps * (1 + 4 * scale) * float(ref_grad.abs().max()))
+        atol = 4 * eps * (1 + 4 * scale) * float(ref_grad.abs().max())
+        torch.testing.assert_close(grad.double(), ref_grad, rtol=0, atol=atol)
     only_named = gather_with_rest(x, index, 2)[0].sum()  # the rest unused: its grad arrives as None
     torch.testing.assert_close(torch.autograd.grad(only_named, x)[0].double(),
                                torch.autograd.grad(ref_x.gather(2, index).sum(), ref_x)[0])
