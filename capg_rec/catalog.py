@@ -28,8 +28,8 @@ import torch
 from torch import Tensor
 
 from capg_rec._checks import check_count, check_float_tensor, check_items, check_positive, resolve_validate_args
-from capg_rec._numerics import (exp_floored, filled_logsumexp, gather_with_rest, gumbel_like, gumbel_top_k,
-                               log_softmax_at, scaled_terms)
+from capg_rec._numerics import (bound_once, exp_floored, filled_logsumexp, gather_with_rest, gumbel_like,
+                               gumbel_top_k, log_softmax_at, scaled_terms)
 
 __all__ = ["CatalogScores", "DenseCatalog", "EmbeddingCatalog", "as_catalog"]
 
@@ -196,19 +196,30 @@ class DenseCatalog(CatalogScores):
             return s.topk(k, dim=2).indices
 
 
+def _overflow_error(dtype: torch.dtype) -> ValueError:
+    return ValueError(f"user and item embeddings give scores <user, item> that overflow {dtype} (inf or NaN): "
+                      "scale them down (or the temperature up), or compute in float64")
+
+
+@bound_once
 class _ChunkedLogPowerSums(torch.autograd.Function):
     """``log Σ_n exp(p · <u[b,m], v[n,m]>)`` over non-excluded n, streamed over item chunks.
 
-    Backward recomputes each chunk's scores, so no ``[B, M, N]`` tensor is ever kept.
+    Backward recomputes each chunk's scores, so no ``[B, M, N]`` tensor is ever kept; it is written in
+    differentiable ops, so it has a backward in turn (which keeps ``O(B·M·chunk)`` per chunk).
+    ``check_finite`` raises a ValueError where a score or a power sum overflows (one host sync).
     """
 
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, user: Tensor, item: Tensor, exclude: Tensor | None, num_powers: int,
-                chunk_size: int) -> Tensor:
+    def forward(user: Tensor, item: Tensor, exclude: Tensor | None, num_powers: int, chunk_size: int,
+                check_finite: bool = False) -> Tensor:
         batch, experts, _ = user.shape
         lowest = torch.finfo(user.dtype).min
         powers = torch.arange(1, num_powers + 1, dtype=user.dtype, device=user.device)
         out = torch.full((batch, experts, num_powers), -torch.inf, dtype=user.dtype, device=user.device)
+        finite = []  # per chunk: no score is +inf or NaN, and no row of a chunk overflowed to -inf
         for start in range(0, item.shape[0], chunk_size):
             stop = min(start + chunk_size, item.shape[0])
             s = torch.einsum("bmd,nmd->bmn", user, item[start:stop])
@@ -216,49 +227,68 @@ class _ChunkedLogPowerSums(torch.autograd.Function):
             if mask is not None:
                 s = s.masked_fill(mask.unsqueeze(1), lowest)
             top = s.amax(dim=2, keepdim=True)  # `lowest` where the whole chunk is excluded
+            if check_finite:
+                finite.append(torch.isfinite(top).all())
             d = s - top
             sums = torch.stack([exp_floored(d if p == 1 else p * d).sum(2) for p in range(1, num_powers + 1)], -1)
             part = (sums.log() + powers * top).masked_fill(top <= lowest / 2, -torch.inf)
             out = torch.logaddexp(out, part)
-        ctx.save_for_backward(user, item, out, exclude if exclude is not None else torch.empty(0))
-        ctx.chunk_size, ctx.has_exclude = chunk_size, exclude is not None
+        if check_finite and not bool(torch.stack([*finite, (out < math.inf).all()]).all()):
+            raise _overflow_error(user.dtype)
         return out
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor):
+    def setup_context(ctx, inputs: tuple, output: Tensor) -> None:
+        user, item, exclude, _, chunk_size, _ = inputs
+        ctx.save_for_backward(user, item, output, exclude)
+        ctx.chunk_size = chunk_size
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor, Tensor, None, None, None, None]:
         user, item, out, exclude = ctx.saved_tensors
-        exclude = exclude if ctx.has_exclude else None
         batch, num_powers = user.shape[0], out.shape[-1]
+        lowest = torch.finfo(user.dtype).min
         powers = torch.arange(1, num_powers + 1, dtype=user.dtype, device=user.device)
         # d out_p / d s = p · exp(p·s - out_p) = p · r^p · exp(p·out_1 - out_p), r = exp(s - out_1) ≤ 1;
         # rows with no support (out = -inf) get no gradient.
-        finite = torch.isfinite(out)
-        log_z = torch.where(finite[..., :1], out[..., :1], torch.zeros_like(out[..., :1]))  # [B, M, 1]
-        scale = torch.exp(torch.where(finite, powers * log_z - out, torch.zeros_like(out)))
-        coef = torch.where(finite, grad_out * powers * scale, torch.zeros_like(grad_out))  # [B, M, P]
-        grad_user = torch.zeros_like(user)
-        grad_item = torch.zeros_like(item)
+        empty = out == -torch.inf
+        log_z = out[..., :1].masked_fill(empty[..., :1], 0.0)  # [B, M, 1]
+        scale = torch.exp((powers * log_z - out).masked_fill(empty, 0.0))
+        coef = (grad_out * powers * scale).masked_fill(empty, 0.0)  # [B, M, P]
+        grad_user, parts = torch.zeros_like(user), []
+        # A recorded (higher-order) backward, or one under vmap, collects the chunks out of place.
+        grad_item = None if torch.is_grad_enabled() else torch.zeros_like(item)
         for start in range(0, item.shape[0], ctx.chunk_size):
             stop = min(start + ctx.chunk_size, item.shape[0])
             v = item[start:stop]
-            d = torch.einsum("bmd,nmd->bmn", user, v) - log_z  # log r
+            s = torch.einsum("bmd,nmd->bmn", user, v)
+            mask = _exclusion_mask(exclude, batch, start, stop, user.device)
+            if mask is not None:  # their exps land on the floor, which scaled_terms turns into exact zeros
+                s = s.masked_fill(mask.unsqueeze(1), lowest)
+            d = s - log_z  # log r
             grad_s = sum(scaled_terms(exp_floored(d if p == 1 else p * d), coef[..., p - 1:p])
                          for p in range(1, num_powers + 1))
-            mask = _exclusion_mask(exclude, batch, start, stop, user.device)
-            if mask is not None:
-                grad_s = grad_s.masked_fill(mask.unsqueeze(1), 0.0)
-            grad_user += torch.einsum("bmn,nmd->bmd", grad_s, v)
-            grad_item[start:stop] = torch.einsum("bmn,bmd->nmd", grad_s, user)
-        return grad_user, grad_item, None, None, None
+            grad_user = grad_user + torch.einsum("bmn,nmd->bmd", grad_s, v)
+            part = torch.einsum("bmn,bmd->nmd", grad_s, user)
+            if grad_item is None:
+                parts.append(part)
+            else:
+                grad_item[start:stop] = part
+        if grad_item is None:
+            grad_item = torch.cat(parts) if parts else torch.zeros_like(item)
+        return grad_user, grad_item, None, None, None, None
 
 
 def _chunked_top_k(user: Tensor, item: Tensor, k: int, exclude: Tensor | None,
-                   noise: Callable[[int, int], Tensor] | None, chunk_size: int) -> tuple[Tensor, Tensor]:
+                   noise: Callable[[int, int], Tensor] | None, chunk_size: int,
+                   check_finite: bool = False) -> tuple[Tensor, Tensor]:
     """The ``min(k, N)`` best of ``<user[b,m], item[n,m]> + noise(start, stop)[b,m,n-start]``.
 
     ``user [B, M, D]``, ``item [N, M, D]``, streamed over ``chunk_size`` items; ``noise`` (or None)
     gives the perturbation of items ``[start, stop)`` as ``[B, M, stop - start]``. Returns
     ``(values, ids) [B, M, min(k, N)]``, best first, ids in ``[0, N)``; excluded items score -inf.
+    ``check_finite`` raises a ValueError where a score is +inf or NaN (read off the best values: one
+    host sync); scores that overflow to -inf rank last, as excluded items do.
     """
     batch, num_sel = user.shape[:2]
     best_val = torch.full((batch, num_sel, 0), -torch.inf, dtype=user.dtype, device=user.device)
@@ -275,6 +305,8 @@ def _chunked_top_k(user: Tensor, item: Tensor, k: int, exclude: Tensor | None,
             ids = torch.arange(start, stop, device=user.device).expand(batch, num_sel, -1)
             best_val, pos = torch.cat([best_val, s], 2).topk(min(k, best_val.shape[2] + stop - start), dim=2)
             best_idx = torch.cat([best_idx, ids], 2).gather(2, pos)
+    if check_finite and not bool((best_val[..., :1] < math.inf).all()):  # NaN and +inf sort first
+        raise _overflow_error(user.dtype)
     return best_val, best_idx
 
 
@@ -354,7 +386,7 @@ class EmbeddingCatalog(CatalogScores):
     def log_power_sums(self, exclude: Tensor | None = None, num_powers: int = 1) -> Tensor:
         check_count("num_powers", num_powers)
         return _ChunkedLogPowerSums.apply(self.user, self.item, self._with_masked(exclude), num_powers,
-                                          self.chunk_size)
+                                          self.chunk_size, self.validate)
 
     def top_items(self, k: int, *, experts: Sequence[int] | None = None, exclude: Tensor | None = None,
                   generator: torch.Generator | None = None, perturb: bool = False) -> Tensor:
@@ -365,4 +397,5 @@ class EmbeddingCatalog(CatalogScores):
             def noise(start: int, stop: int) -> Tensor:
                 shape = (user.shape[0], user.shape[1], stop - start)
                 return gumbel_like(shape, generator=generator, dtype=self.dtype, device=self.device)
-        return _chunked_top_k(user, item, k, self._with_masked(exclude), noise, self.chunk_size)[1]
+        return _chunked_top_k(user, item, k, self._with_masked(exclude), noise, self.chunk_size,
+                              check_finite=self.validate)[1]
