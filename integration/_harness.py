@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -46,9 +47,10 @@ class Setup:
 
 
 def init() -> tuple[int, int]:
-    """Start the gloo process group; (rank, world size)."""
+    """Start the gloo process group; (rank, world size). A collective that waits longer than
+    ``CAPG_COLLECTIVE_TIMEOUT_S`` seconds (default 300) fails instead of hanging."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=timedelta(seconds=env_int("CAPG_COLLECTIVE_TIMEOUT_S", 300)))
     return dist.get_rank(), dist.get_world_size()
 
 

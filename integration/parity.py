@@ -2,7 +2,7 @@
 
 Run with ``torchrun --nproc_per_node=W integration/parity.py --out DIR``. Every rank builds the
 retriever sharded over the W ranks and, as the reference, unsharded with the whole global batch.
-For each set-up (uneven row-wise split, a mixture of experts, a table-wise table) it checks:
+For each set-up (uneven row-wise split, a mixture of experts, table-wise tables) it checks:
 
 * the raw reductions (normalizer, power sums with exclusions, gather, top-k, Gumbel top-k),
   also against :class:`capg_rec.EmbeddingCatalog`;
@@ -32,6 +32,9 @@ SETUPS = {
     "rw_uneven": h.Setup(num_items=10_001, num_experts=1, dim=8, temperature=0.5),
     "rw_moe": h.Setup(num_items=10_001, num_experts=3, dim=4, chunk_size=777),
     "table_wise": h.Setup(num_items=3_001, num_experts=2, dim=4, temperature=2.0, sharding="table_wise"),
+    # small enough that the inclusion methods read the whole catalog through gather alone: a rank
+    # without item rows must still join the lookup's backward
+    "table_wise_small": h.Setup(num_items=1_001, num_experts=2, dim=4, sharding="table_wise"),
 }
 CANDIDATES, SHOWN, GLOBAL_BATCH, LR = 7, 3, 6, 0.5
 ESTIMATORS = {

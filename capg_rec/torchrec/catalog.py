@@ -146,8 +146,9 @@ class ShardedEmbeddingCatalog(CatalogScores):
         owned = (local >= 0) & (local < rows)
         if rows:
             vec = self.item[local.clamp(0, rows - 1)]  # [B_tot, L, M, D]
-        else:  # still a product with user_all, so every rank's graph has the same collectives
-            vec = self.user_all.new_zeros((*local.shape, *self.user_all.shape[1:]))
+        else:  # zeros that still depend on item and user_all: on every rank the backward reaches the
+            # lookup's outputs, so every rank joins the lookup's backward collectives
+            vec = self.item.sum(0).expand(*local.shape, -1, -1)
         part = torch.einsum("bmd,blmd->bml", self.user_all, vec) * owned.unsqueeze(1)
         return self._mine(self._per_rank(part).sum(0))[..., : items.shape[1]]
 
