@@ -213,9 +213,10 @@ def test_noise_is_finite_for_extreme_ids_and_dtypes():
 def test_with_catalog_appends_the_rows():
     retriever = make_retriever(num_items=6)
     kjt = retriever.with_catalog(user_batch([1, 2]))
-    assert kjt.keys() == ["user_id", "catalog"]
+    assert kjt.keys() == ["user_id", "catalog"] and kjt.stride() == 3  # the rows are one extra last sample
     assert kjt["catalog"].values().tolist() == list(range(6))
-    assert kjt["catalog"].lengths().tolist() == [6, 0]
+    assert kjt["catalog"].lengths().tolist() == [0, 0, 6]
+    assert kjt["user_id"].values().tolist() == [1, 2] and kjt["user_id"].lengths().tolist() == [1, 1, 0]
     assert retriever.catalog_ids().tolist() == list(range(6))
 
 
@@ -232,11 +233,13 @@ def test_bad_setups_raise_clear_errors():
         TwoTowerRetriever(width_ec, item_table="item_table", user_features=["catalog"])
     with pytest.raises(ValueError, match="give user_features, a user_tower"):
         TwoTowerRetriever(width_ec, item_table="item_table")
-    with pytest.raises(ValueError, match="EmbeddingCollection"):
+    with pytest.raises(TypeError, match="EmbeddingCollection"):
         TwoTowerRetriever(nn.Linear(2, 2), item_table="item_table")
     retriever = make_retriever()
     with pytest.raises(ValueError, match="with_catalog"):
         retriever(user_batch([1]))
+    with pytest.raises(TypeError, match="features must be a KeyedJaggedTensor"):
+        retriever(torch.tensor([1]))
     bad_rows = KeyedJaggedTensor.concat([user_batch([1]), KeyedJaggedTensor.from_lengths_sync(
         ["catalog"], torch.arange(5), torch.tensor([5]))])
     with pytest.raises(ValueError, match="must list this rank's item rows"):
@@ -341,6 +344,19 @@ def test_masked_sampling_is_exact_plackett_luce_moe(group):
     assert_counts_match(counts, probs, 3 * rows)
 
 
+def test_retriever_passes_masks_to_its_catalog():
+    retriever = make_retriever(num_experts=2, temperature=0.5, chunk_size=6)
+    users = [0, 3, 5]
+    masked = torch.tensor([[1, 2, -1], [39, -1, -1], [0, 5, 9]])
+    cat = retriever(retriever.with_catalog(user_batch(users)), masked_items=masked)
+    ref = EmbeddingCatalog(*(t for t in (
+        retriever.embeddings.embeddings["user_table"].weight[users].view(3, 2, 3),
+        retriever.embeddings.embeddings["item_table"].weight.view(40, 2, 3))), 0.5, masked_items=masked)
+    torch.testing.assert_close(cat.log_normalizer(), ref.log_normalizer())
+    assert torch.equal(cat.num_available(), ref.num_available())
+    torch.testing.assert_close(cat.gather(masked.clamp(min=0)), ref.gather(masked.clamp(min=0)))
+
+
 # ---------------------------------------------------------------- validate_args
 
 def test_gather_without_validation_makes_no_host_sync(group):
@@ -394,6 +410,10 @@ def test_validation_follows_the_argument_and_the_module_default(group, restore_v
     assert not quiet.validate
     with pytest.raises(ValueError, match="user must be finite"):
         ShardedEmbeddingCatalog(nan_user, item, num_items=10, validate_args=True, process_group=group)
+    retriever = make_retriever(validate_args=True)
+    assert retriever(retriever.with_catalog(user_batch([1]))).validate
+    with pytest.raises(TypeError, match="validate_args must be True or False"):
+        make_retriever(validate_args="yes")
 
 
 # ---------------------------------------------------------------- empty batches and half precision
@@ -410,6 +430,9 @@ def test_empty_batches_give_empty_results(group):
         loss = loss_fn(cat, none, none[:, :1], torch.zeros(0, 1))
         loss.backward()
         assert loss.item() == 0.0 and item.grad.abs().sum() == 0
+    retriever = make_retriever(num_experts=2, dim=3)
+    empty = retriever(retriever.with_catalog(user_batch([])))
+    assert (empty.batch_size, empty.num_items) == (0, 40) and sample_candidates(empty, 5).shape == (0, 5)
 
 
 def test_half_precision_is_computed_in_float32(group):
