@@ -360,11 +360,23 @@ def reverse_logcumsumexp(x: Tensor, dim: int) -> Tensor:
     On the CPU, ``torch.logcumsumexp`` is a serial log-add per element (1.9 ms fwd+bwd at
     ``[128, 1, 200]``); when every entry lies within 700 of its row's maximum, a float64 suffix sum
     of ``exp(x - max)`` is exact to float32 and ~10x faster. Otherwise (extreme spreads, ``-inf``),
-    on other devices and under ``torch.compile``, it is ``torch.logcumsumexp`` itself."""
-    if x.device.type == "cpu" and not torch.compiler.is_compiling() and x.numel():
+    on other devices, under ``torch.compile`` and under ``torch.func`` transforms, it is
+    ``torch.logcumsumexp`` itself."""
+    if x.device.type == "cpu" and x.numel() and not torch.compiler.is_compiling() \
+            and not torch._C._functorch.is_functorch_wrapped_tensor(x):  # no host read under vmap/grad
         top = x.detach().amax(dim=dim, keepdim=True)
         shifted = x.double() - top
         if float(shifted.detach().amin()) > -_CUMSUM_SPREAD:  # a host read of a CPU tensor: no device sync
             suffix = shifted.exp().flip(dim).cumsum(dim).flip(dim)
             return (suffix.log() + top).to(x.dtype)
     return torch.logcumsumexp(x.flip(dim), dim).flip(dim)
+
+
+def safe_logaddexp(a: Tensor, b: Tensor) -> Tensor:
+    """``torch.logaddexp`` whose second derivatives are right when an argument is ``-inf``
+    (torch's are not) and whose gradients stay NaN-free when both are."""
+    top = torch.maximum(a, b).detach()
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    total = torch.exp(a - top) + torch.exp(b - top)
+    some = total > 0
+    return torch.where(some, torch.log(torch.where(some, total, torch.ones_like(total))) + top, -math.inf)

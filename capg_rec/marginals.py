@@ -35,7 +35,7 @@ from capg_rec._enumerate import inclusion_probs
 from capg_rec._checks import check_count, check_items, resolve_validate_args
 from capg_rec._head_tail import HeadTail, head_size_for, summarize
 from capg_rec._numerics import exp_floored, log1mexp, log1mexp_exp, masked_logsumexp, \
-    reverse_logcumsumexp, safe_logsumexp
+    reverse_logcumsumexp, safe_logaddexp, safe_logsumexp
 from capg_rec.catalog import CatalogScores, as_catalog
 from capg_rec.plackett_luce import check_enough_items, expert_of_position, expert_runs
 
@@ -93,7 +93,7 @@ def _plugin(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
     # Mass left once the whole prefix is drawn: the tail plus head items outside the prefix
     # (the target among them).
     left_in_head = available | (slot.view(1, 1, -1) == ht.target_pos.unsqueeze(2))
-    rest = torch.logaddexp(ht.tail_log_power_sums[..., 0].unsqueeze(1),
+    rest = safe_logaddexp(ht.tail_log_power_sums[..., 0].unsqueeze(1),
                            masked_logsumexp(scores, ~left_in_head.unsqueeze(2), dim=3))
     if prefix:
         pre = torch.cat(prefix, dim=2)
@@ -102,7 +102,7 @@ def _plugin(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
         later = torch.cat([later, later.new_full((*later.shape[:3], 1), -torch.inf)], dim=3)
     else:
         later = scores.new_full((batch, num_targets, num_experts, 1), -torch.inf)
-    denom = torch.logaddexp(rest.unsqueeze(3), later)  # [B, L, M, K]: mass before position k
+    denom = safe_logaddexp(rest.unsqueeze(3), later)  # [B, L, M, K]: mass before position k
     experts = expert_of_position(num_candidates, catalog.num_experts).to(catalog.device)
     idx = experts.view(1, 1, 1, -1).expand(batch, num_targets, 1, -1)
     log_hazard = (_target_scores(ht).unsqueeze(3) - denom).gather(2, idx)[:, :, 0]  # [B, L, K]
