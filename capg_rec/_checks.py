@@ -10,6 +10,7 @@ only when validation is on (:func:`set_default_validate_args`, or an entry point
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -175,10 +176,13 @@ class DeferredChecks:
         s = items.sort(dim=1).values
         self.require((s[:, 1:] != s[:, :-1]).all(), f"{name} must not repeat an item within a row")
 
-    def run(self) -> None:
+    def run(self, agree: Callable[[Tensor], Tensor] | None = None) -> None:
+        """Raise the first failing check; ``agree`` combines the results with other processes (e.g.
+        :meth:`capg_rec.CatalogScores.agree`), so that every process raises the same error or none."""
         if not self._checks:
             return
-        flags = torch.stack([ok for ok, _ in self._checks]).tolist()  # the one host sync
-        for ok, (_, message) in zip(flags, self._checks):
-            if not ok:
-                raise ValueError(message)
+        local = torch.stack([ok for ok, _ in self._checks])
+        both = torch.stack([local, local if agree is None else agree(local)]).tolist()  # the one host sync
+        for here, everywhere, (_, message) in zip(*both, self._checks):
+            if not everywhere:
+                raise ValueError(message + ("" if here else " (in another process)"))

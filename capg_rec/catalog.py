@@ -71,6 +71,11 @@ class CatalogScores(abc.ABC):
         Excluded items are never returned. No gradient.
         """
 
+    def agree(self, passed: Tensor) -> Tensor:
+        """Input checks' results ``passed [C]`` (bool) → True where a check passed in every process that
+        shares this catalog, so that all of them raise or none does (default: one process)."""
+        return passed
+
     def num_available(self) -> Tensor:
         """Items not masked, per row and expert → ``LongTensor[B, M]`` (default: every item)."""
         return torch.full((self.batch_size, self.num_experts), self.num_items, dtype=torch.long,

@@ -96,17 +96,16 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
         if distinct:
             checks.distinct("candidates", candidates)
         checks.distinct("chosen", chosen)
-        if batch:
-            checks.require((chosen.unsqueeze(2) == candidates.unsqueeze(1)).any(2).all(),
-                           "chosen must be a subset of candidates in every row (the LSR picks among them)")
-            with torch.no_grad():
-                inside = candidates.clamp(0, num_items - 1)
-                checks.require((catalog.gather(inside) > -math.inf).all(),
-                               "candidates must not hold masked items (scored -inf): the ESR cannot draw them")
+        checks.require((chosen.unsqueeze(2) == candidates.unsqueeze(1)).any(2).all(),
+                       "chosen must be a subset of candidates in every row (the LSR picks among them)")
+        with torch.no_grad():  # a catalog call on every process, empty batches included (it may be collective)
+            inside = candidates.clamp(0, num_items - 1)
+            checks.require((catalog.gather(inside) > -math.inf).all(),
+                           "candidates must not hold masked items (scored -inf): the ESR cannot draw them")
         for name, x in (("rewards", rewards), ("baseline", baseline), ("position_weights", position_weights)):
             if x is not None:
                 checks.no_nan_or_inf(name, x)
-        checks.run()
+        checks.run(catalog.agree)
     return catalog, candidates, chosen, advantage.to(catalog.dtype)
 
 

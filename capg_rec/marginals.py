@@ -351,6 +351,6 @@ def _inclusion_log_prob(catalog: CatalogScores, items: Tensor, num_candidates: i
                         method: InclusionMethod) -> Tensor:
     """:func:`inclusion_log_prob` on validated inputs."""
     runs = expert_runs(num_candidates, catalog.num_experts)
-    if catalog.batch_size == 0 or (method.is_probability and num_candidates == catalog.num_items):
-        return catalog.gather(items)[:, 0] * 0.0  # nothing to compute, or every item is drawn: log 1
+    if method.is_probability and num_candidates == catalog.num_items:  # every item is drawn: log 1
+        return catalog.gather(items)[:, 0] * 0.0
     return method.log_inclusion(catalog, items, runs)

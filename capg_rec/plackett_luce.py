@@ -49,14 +49,16 @@ def check_enough_items(catalog: CatalogScores, num_candidates: int) -> None:
     """``ValueError`` unless every expert block can draw its items from the row's unmasked items
     whatever the earlier blocks took: expert m needs as many unmasked items as positions up to
     the end of its block (with one shared mask: K unmasked items per row)."""
-    if catalog.batch_size == 0:
-        return
     runs = expert_runs(num_candidates, catalog.num_experts)
     experts = [m for m, _ in runs]
     needed = torch.tensor(list(itertools.accumulate(n for _, n in runs)), device=catalog.device)
     available = catalog.num_available()[:, experts]  # [B, R]
     short = available < needed
-    if bool(short.any()):
+    enough = ~short.any()
+    if not bool(catalog.agree(enough.reshape(1))[0]):
+        if bool(enough):
+            raise ValueError(f"num_candidates={num_candidates} needs more unmasked items in another process's rows "
+                             "(items scored -inf are masked)")
         row, run = (int(v) for v in short.nonzero()[0])
         raise ValueError(f"num_candidates={num_candidates} needs {int(needed[run])} unmasked items under expert "
                          f"{experts[run]}, but row {row} has {int(available[row, run])} (items scored -inf are masked)")

@@ -75,7 +75,7 @@ class ShardedEmbeddingCatalog(CatalogScores):
         else:
             device = user.device if isinstance(user, Tensor) else torch.device("cpu")
             table = exchange(set_up, 12, process_group, device)
-            self._agree(table)
+            self._agree_on_set_up(table)
         self._sizes = [entries[0] for entries in table]
         self._start = sum(self._sizes[: self._rank])
         widths = [entries[1] for entries in table]
@@ -124,7 +124,7 @@ class ShardedEmbeddingCatalog(CatalogScores):
         return [self.batch_size, width, int(self.validate), self.num_experts, user.shape[2],
                 _DTYPES.index(self.dtype), num_items, row_offset, item.shape[0], *bad]
 
-    def _agree(self, table: list[list[int]]) -> None:
+    def _agree_on_set_up(self, table: list[list[int]]) -> None:
         """Set-up decisions every rank takes alike from the exchanged ``table`` (see :meth:`_set_up`)."""
         def differ(column: int) -> bool:
             return len({entries[column] for entries in table}) > 1
@@ -195,6 +195,13 @@ class ShardedEmbeddingCatalog(CatalogScores):
         return torch.cat(parts, dim=1) if parts else None
 
     # -- the CatalogScores protocol ------------------------------------------------------------
+    def agree(self, passed: Tensor) -> Tensor:
+        if self.group is None:
+            return passed
+        everywhere = passed.to(torch.int32)
+        dist.all_reduce(everywhere, op=dist.ReduceOp.MIN, group=self.group)
+        return everywhere.bool()
+
     def num_available(self) -> Tensor:
         if self._masked_sorted is None:
             return super().num_available()
@@ -223,7 +230,9 @@ class ShardedEmbeddingCatalog(CatalogScores):
 
     def log_power_sums(self, exclude: Tensor | None = None, num_powers: int = 1) -> Tensor:
         check_count("num_powers", num_powers)
-        part = _ChunkedLogPowerSums.apply(self.user_all, self.item, self._drop(exclude), num_powers, self.chunk_size)
+        # check_finite stays off: one rank's overflow error would leave the others in the next collective
+        part = _ChunkedLogPowerSums.apply(self.user_all, self.item, self._drop(exclude), num_powers, self.chunk_size,
+                                          False)
         return self._mine(safe_logsumexp(self._per_rank(part), 0))  # -inf (zero grad) where no rank has an item
 
     def top_items(self, k: int, *, experts: Sequence[int] | None = None, exclude: Tensor | None = None,
