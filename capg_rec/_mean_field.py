@@ -189,8 +189,8 @@ class _Root(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        s, top, log_rho, tail, lower, index, count, survive = inputs[:8]
-        kappa, hazard, after, share_s, share_rho, share_tail, scale = output
+        s, top, log_rho, tail, _, index, _, survive = inputs[:8]
+        kappa, _, after, share_s, share_rho, share_tail, scale = output
         ctx.mark_non_differentiable(share_s, share_rho, share_tail, scale)
         ctx.set_materialize_grads(False)
         ctx.flags = (log_rho is not None, tail is not None, index is not None, survive)
@@ -212,10 +212,13 @@ class _Root(torch.autograd.Function):
                 neg_rate = -torch.exp((d - kappa.unsqueeze(1)).clamp(max=_log_max(d.dtype)))
         elif chain:
             neg_rate = after if log_rho is None else after - log_rho
+        # Through the survival, derivatives can exceed the floating-point range (mixtures with
+        # score gaps of 1e20 and more); they are kept finite, so that no inf - inf makes a NaN.
+        limit = torch.finfo(s.dtype).max / (4 * max(s.shape[1], 1))
         if chain:
-            chained = neg_rate * grad_after
+            chained = (neg_rate * grad_after).clamp_(min=-limit, max=limit)
             total = total - chained.sum(dim=1)
-        g = (total * scale).unsqueeze(1)
+        g = (total * scale).clamp(min=-limit, max=limit).unsqueeze(1)
         grad_s = torch.addcmul(chained, g, share_s) if chain else g * share_s
         if has_index and grad_hazard is not None:
             grad_s = (grad_s.scatter_add(1, index, grad_hazard) if torch.is_grad_enabled()
@@ -223,6 +226,7 @@ class _Root(torch.autograd.Function):
         grad_rho = None
         if has_rho:
             grad_rho = torch.addcmul(grad_after, g, share_rho) if chain else g * share_rho
+            grad_rho.clamp_(min=-limit, max=limit)
         return (grad_s, None, grad_rho, g * share_tail if has_tail else None, None, None, None, None, None, None)
 
     @staticmethod
@@ -523,7 +527,8 @@ class _RobustSolve:
             big = torch.exp((-log_slope - scale_q).clamp(max=_log_max(dtype))).unsqueeze(1)
             share_rho = sat * (self.rho * -em1) * big + rest * (c * hit_per_x) * rest_coef
         share_tail = share_d[:, :0] if tail_terms is None else tail_terms * rest_coef
-        return (scale_p, scale_q, deficit, p, q, b_sat, b_rest), (share_d, share_rho, share_tail)
+        bound = math.sqrt(finfo.max) / max(self.d.shape[1], 1)  # times a clamped gradient: still finite
+        return (scale_p, scale_q, deficit, p, q, b_sat, b_rest), (share_d, share_rho.clamp_(max=bound), share_tail)
 
     def _next(self, kappa: Tensor, sums: tuple[Tensor, ...], lo: Tensor, hi: Tensor, before: Tensor,
               width: Tensor, it: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
