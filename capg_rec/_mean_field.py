@@ -1,0 +1,563 @@
+"""Rosén's mean-field (successive-sampling) inclusion probabilities of the PL(-MoE) ESR (private).
+
+Block r of the draw (expert m_r, n_r positions) is treated as independent Bernoulli draws: item b is
+taken with probability ``ρ_b (1 - exp(-e^{s_b - κ_r}))``, where ``ρ_b`` is the chance that b survived
+the earlier blocks and κ_r solves ``f(κ) = Σ_b ρ_b (1 - exp(-e^{s_b - κ})) = n_r``; an item's
+inclusion probability is ``1 - exp(-Σ_r e^{s_{m_r}(b) - κ_r})``.
+
+Everything is computed relative to each expert's best score (shift invariant by construction:
+only differences of scores are ever formed), and κ is found per row by
+
+1. Newton's method in ``t = e^{-κ}`` (f is concave in t) from one step on the series
+   ``Σ ρ (x - x²/2 + x³/6)`` past the sampling-with-replacement solution ``logsumexp(s) - log n``,
+   both below the root in t, on ``[B, T]`` buffers updated in place (one ``expm1`` per step; one
+   step for typical scores); then, for rows where that arithmetic underflows or loses digits
+   (saturated items, score gaps of hundreds) or has not converged,
+2. a safeguarded solve on sums taken in log-space: Newton on ``log(n - Σ_sat ρ g) - log Σ_rest ρ g``
+   (or on the logs of minus those logs, when both are tiny) inside a shrinking bracket, with
+   bisection in ``asinh κ`` when Newton leaves the bracket or stalls.
+
+κ is an implicit function of the scores; its derivative ``∂κ/∂s_b = ρ_b x_b e^{-x_b} / Σ_c ρ_c x_c
+e^{-x_c}`` (``x = e^{s - κ}``) comes out of the solve, and is recomputed in differentiable
+operations when a second derivative is asked for, so Hessians are exact too.
+
+A dense logits tensor, or any catalog of at most 2048 items, is used whole. Larger catalogs are
+summarised (:mod:`capg_rec._head_tail`): every expert's best items one by one, the rest through
+three power sums (a series that is accurate because each tail item's chance within a block stays
+below 1/8).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from capg_rec._head_tail import summarize
+from capg_rec.catalog import CatalogScores, DenseCatalog
+
+__all__ = ["mean_field_log_inclusion"]
+
+Runs = tuple[tuple[int, int], ...]
+
+_MAX_ITER = 50
+_FULL_UP_TO = 2048  # catalogs up to this size are kept whole, item by item
+_FAST_ITER = 12  # Newton steps in t before the log-space solve takes over
+_COMPILED_ROBUST_ITER = 4  # log-space steps under torch.compile, where no early exit is possible
+_TAIL_COEF = (1.0, -0.5, 1.0 / 6.0)  # 1 - e^{-x} = x - x²/2 + x³/6 - …: the tail's power sums
+_SATURATION = 40.0  # below κ = min(s) - 40 every item's clock has rung: 1 - exp(-e^{40}) = 1
+
+
+def mean_field_log_inclusion(catalog: CatalogScores, items: Tensor, runs: Runs, *, max_iter: int = _MAX_ITER,
+                             tol: float | None = None) -> Tensor:
+    """``log π(b ∈ A^K)`` under Rosén's mean-field approximation for ``items [B, L]`` → ``[B, L]``.
+
+    ``runs`` are the expert blocks ``((expert, count), ...)`` (:func:`~capg_rec.plackett_luce.expert_runs`),
+    with ``K = Σ count`` below the number of items. ``max_iter`` bounds the root-solver iterations
+    of each block (under ``torch.compile`` exactly ``min(max_iter, 12)`` Newton steps and 4 log-space
+    steps run, as there is no early exit); ``tol`` is the relative step size at which it stops
+    (default ``eps^(2/3)`` of the dtype). Scores of ``-inf`` are items outside a row's catalog; a
+    target that is ``-inf`` under every expert gets ``-inf`` with zero gradient.
+    """
+    if items.shape[0] == 0:
+        return catalog.gather(items)[:, 0] * 0.0
+    head = _head_size(catalog.num_items, runs)
+    dense = isinstance(catalog, DenseCatalog) or head >= catalog.num_items
+    tails = lowers = targets = None
+    if isinstance(catalog, DenseCatalog):
+        scores = catalog.scores  # [B, M, N]: the whole catalog is the head
+    elif dense:
+        everything = torch.arange(catalog.num_items, device=catalog.device).expand(catalog.batch_size, -1)
+        scores = catalog.gather(everything)
+    else:
+        scores, tails, lowers = _summary(catalog, runs, head)
+        targets = catalog.gather(items)  # [B, M, L]
+    top = scores.detach().amax(dim=2).clamp(min=torch.finfo(scores.dtype).min)  # [B, M]: the reference
+    # One view per expert; unbind's backward stacks their gradients into one [B, M, T] tensor.
+    rows = (scores.squeeze(1),) if scores.shape[1] == 1 else scores.unbind(1)
+    log_rho: Tensor | None = None
+    hazards = []
+    for block, (expert, count) in enumerate(runs):
+        s, ref = rows[expert], top[:, expert]
+        tail = lower = None
+        if tails is not None:
+            powers = torch.arange(1, tails.shape[2] + 1, dtype=top.dtype, device=top.device)
+            tail = tails[:, expert] - powers * ref.unsqueeze(1)
+            lower = lowers[:, expert] - ref
+        survive = block < len(runs) - 1  # later blocks need the survival after this one
+        kappa, hazard, log_rho = _Root.apply(s, ref, log_rho, tail, lower, items if dense else None, count,
+                                             survive, max_iter, tol)[:3]
+        if not dense:
+            hazard = (targets[:, expert] - ref.unsqueeze(1)) - kappa.unsqueeze(1)
+        hazards.append(hazard)  # [B, L]: log of the target's rate e^{s - κ}
+    return _LogHit.apply(hazards[0] if len(hazards) == 1 else _log_sum_exp(torch.stack(hazards, dim=2)))
+
+
+def _head_size(num_items: int, runs: Runs) -> int:
+    """Items per expert kept one by one: the whole catalog up to 2048 items, else the best
+    ``8·n + (K - n)`` (n: the largest block), so that after any earlier blocks took their items a
+    tail item's chance within its block stays below 1/8."""
+    if num_items <= _FULL_UP_TO:
+        return num_items
+    num_candidates = sum(n for _, n in runs)
+    block = max(n for _, n in runs)
+    return min(num_items, 8 * block + num_candidates - block)
+
+
+def _summary(catalog: CatalogScores, runs: Runs, head: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Head scores ``[B, M, T]`` (−inf in unused slots; the union of every expert's best ``head``
+    items), tail log power sums ``[B, M, 3]`` and the lowest κ ``[B, M]`` at which the tail series
+    stays accurate."""
+    num_candidates = sum(n for _, n in runs)
+    block = max(n for _, n in runs)
+    empty = torch.zeros(catalog.batch_size, 0, dtype=torch.long, device=catalog.device)
+    ht = summarize(catalog, empty, head, len(_TAIL_COEF))
+    # Below this κ even the expert's head-th item would be likely enough that the head alone
+    # holds n items: the root is above it, and tail items keep a chance below n / head there.
+    drawn = num_candidates - block
+    share = block / max(head - drawn, block)
+    lower = ht.head_floor - math.log(-math.log1p(-share)) if share < 1 else ht.head_floor - _SATURATION
+    return ht.head_scores, ht.tail_log_power_sums, lower
+
+
+def _log_sum_exp(x: Tensor) -> Tensor:
+    """``logsumexp`` over the last dim, ``-inf`` with zero gradient where every entry is ``-inf``."""
+    top = x.detach().amax(dim=-1, keepdim=True)
+    dead = top == -math.inf
+    top = top.clamp(min=torch.finfo(x.dtype).min)
+    safe = torch.where(dead, torch.zeros_like(x), x - top)
+    out = torch.log(torch.exp(safe).sum(dim=-1)) + top.squeeze(-1)
+    return torch.where(dead.squeeze(-1), torch.full_like(out, -math.inf), out)
+
+
+class _LogHit(torch.autograd.Function):
+    """``log(1 - exp(-e^y))`` elementwise (the log-probability that a clock of rate ``e^y`` has rung),
+    accurate on the whole line; ``y = -inf`` gives ``-inf`` with zero gradient."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(y: Tensor) -> Tensor:
+        x = torch.exp(y.clamp(max=30.0))  # beyond 30 the value is 0
+        near = torch.log(-torch.expm1(-x))  # x ≤ log 2 (Maechler's two branches of log(1 - e^{-x}))
+        far = torch.log1p(-torch.exp(-x))
+        out = torch.where(x <= math.log(2.0), near, far)
+        return torch.where(y < -10.0, y - 0.5 * x, out)  # x (1 - x/2 + …): exact where x underflows
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        (y,) = ctx.saved_tensors
+        # d/dy = x / (e^x - 1), 1 where x underflows; zero at y = -inf (an item outside the catalog)
+        x = torch.exp(y.clamp(max=30.0))
+        some = x > torch.finfo(y.dtype).tiny
+        safe = torch.where(some, x, torch.ones_like(x))
+        slope = torch.where(some, safe / torch.expm1(safe), (y > -math.inf).to(y.dtype))
+        return grad * slope
+
+
+def _log_max(dtype: torch.dtype) -> float:
+    """Largest argument of ``exp`` with a finite result, less a margin."""
+    return math.log(torch.finfo(dtype).max) - 1.0
+
+
+class _Root(torch.autograd.Function):
+    """One block: κ as an implicit function of the block's scores ``s [B, T]`` (relative to
+    ``top [B]``, a constant), ``log ρ [B, T]`` and the tail's relative log power sums ``[B, P]``
+    (both optional); the targets' hazard logits ``s[index] - top - κ`` ``[B, L]`` (``[B, 0]``
+    without ``index``); and, if ``survive``, the log-survival after the block
+    ``log ρ - e^{s - top - κ}`` ``[B, T]`` (else ``[B, 0]``). Also outputs, without gradient, the
+    derivatives of κ as ``(∂κ/∂s, ∂κ/∂log ρ, ∂κ/∂tail) = scale [B] × (terms [B, T], [B, T], [B, P])``
+    (the division left to the backward, which multiplies anyway).
+
+    The backward takes the rates ``e^{s - top - κ}`` of the survival's derivative as
+    ``log ρ - log ρ'``: where that difference loses digits, ρ' (which scales every later gradient)
+    is smaller still, so the error stays at the rounding level of the gradient."""
+
+    @staticmethod
+    def forward(s, top, log_rho, tail, lower, index, count, survive, max_iter, tol):
+        with torch.no_grad():
+            kappa, share_s, share_rho, share_tail, scale, neg_rate = _solve(
+                s, top, log_rho, tail, lower, count, survive, max_iter, tol)
+            hazard = s[:, :0] if index is None else (s.gather(1, index) - top.unsqueeze(1)) - kappa.unsqueeze(1)
+            after = s[:, :0] if not survive else neg_rate if log_rho is None else neg_rate.add_(log_rho)
+            return kappa, hazard, after, share_s, share_rho, share_tail, scale
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        s, top, log_rho, tail, _, index, _, survive = inputs[:8]
+        kappa, _, after, share_s, share_rho, share_tail, scale = output
+        ctx.mark_non_differentiable(share_s, share_rho, share_tail, scale)
+        ctx.set_materialize_grads(False)
+        ctx.flags = (log_rho is not None, tail is not None, index is not None, survive)
+        ctx.save_for_backward(s, top, log_rho, tail, index, kappa, share_s, share_rho, share_tail, scale, after)
+
+    @staticmethod
+    def backward(ctx, grad_kappa, grad_hazard, grad_after, *_):
+        s, top, log_rho, tail, index, kappa, share_s, share_rho, share_tail, scale, after = ctx.saved_tensors
+        has_rho, has_tail, has_index, survive = ctx.flags
+        total = torch.zeros_like(kappa) if grad_kappa is None else grad_kappa
+        if has_index and grad_hazard is not None:
+            total = total - grad_hazard.sum(dim=1)
+        chain = survive and grad_after is not None  # log ρ' = log ρ - x: ∂/∂s = -x, ∂/∂κ = x
+        if torch.is_grad_enabled():  # a double backward: everything as functions of the inputs
+            d = s - top.unsqueeze(1)
+            share_s, share_rho, share_tail = _shares(d, log_rho, tail, kappa)
+            scale = torch.ones_like(scale)
+            if chain:
+                neg_rate = -torch.exp((d - kappa.unsqueeze(1)).clamp(max=_log_max(d.dtype)))
+        elif chain:
+            neg_rate = after if log_rho is None else after - log_rho
+        # Through the survival, derivatives can exceed the floating-point range (mixtures with
+        # score gaps of 1e20 and more); they are kept finite, so that no inf - inf makes a NaN.
+        limit = torch.finfo(s.dtype).max / (4 * max(s.shape[1], 1))
+        if chain:
+            chained = (neg_rate * grad_after).clamp_(min=-limit, max=limit)
+            total = total - chained.sum(dim=1)
+        g = (total * scale).clamp(min=-limit, max=limit).unsqueeze(1)
+        grad_s = torch.addcmul(chained, g, share_s) if chain else g * share_s
+        if has_index and grad_hazard is not None:
+            grad_s = (grad_s.scatter_add(1, index, grad_hazard) if torch.is_grad_enabled()
+                      else grad_s.scatter_add_(1, index, grad_hazard))
+        grad_rho = None
+        if has_rho:
+            grad_rho = torch.addcmul(grad_after, g, share_rho) if chain else g * share_rho
+            grad_rho.clamp_(min=-limit, max=limit)
+        return (grad_s, None, grad_rho, g * share_tail if has_tail else None, None, None, None, None, None, None)
+
+    @staticmethod
+    def vmap(info, in_dims, s, top, log_rho, tail, lower, index, count, survive, max_iter, tol):
+        """Fold the mapped dimension into the rows: every row is solved independently."""
+        size = info.batch_size
+
+        def rows(x: Tensor | None, dim: int | None) -> Tensor | None:
+            if x is None:
+                return None
+            x = x.expand(size, *x.shape) if dim is None else x.movedim(dim, 0)
+            return x.reshape(size * x.shape[1], *x.shape[2:])
+
+        args = [rows(x, dim) for x, dim in zip((s, top, log_rho, tail, lower, index), in_dims[:6])]
+        out = _Root.apply(*args, count, survive, max_iter, tol)
+        return tuple(o.reshape(size, o.shape[0] // size, *o.shape[1:]) for o in out), (0,) * len(out)
+
+
+def _shares(d: Tensor, log_rho: Tensor | None, tail: Tensor | None, kappa: Tensor
+            ) -> tuple[Tensor, Tensor, Tensor]:
+    """``∂κ/∂d``, ``∂κ/∂log ρ``, ``∂κ/∂tail`` at κ in plain differentiable operations (the double
+    backward's; the solve computes them more robustly)."""
+    y = (d - kappa.unsqueeze(1)).clamp(max=_log_max(d.dtype))
+    x = torch.exp(y)
+    dens = torch.exp(y - x)  # x e^{-x}: ∂f/∂d per unit ρ
+    hit = -torch.expm1(-x)  # 1 - e^{-x}: ∂f/∂log ρ per unit ρ
+    if log_rho is not None:
+        rho = torch.exp(log_rho)
+        dens, hit = rho * dens, rho * hit
+    slope = dens.sum(dim=1)
+    tail_terms = torch.zeros_like(d[:, :0])
+    if tail is not None:
+        coef, powers = _tail_coefficients(tail)
+        tail_terms = coef * torch.exp((tail - powers * kappa.unsqueeze(1)).clamp(max=_log_max(d.dtype)))
+        slope = slope + (powers * tail_terms).sum(dim=1)
+    inv = 1.0 / slope.clamp(min=torch.finfo(d.dtype).tiny).unsqueeze(1)
+    return dens * inv, hit * inv if log_rho is not None else hit[:, :0], tail_terms * inv
+
+
+def _tail_coefficients(tail: Tensor) -> tuple[Tensor, Tensor]:
+    """The series' coefficients ``(-1)^{p+1}/p!`` and powers p as ``[P]`` tensors."""
+    num = tail.shape[1]
+    coef = torch.tensor(_TAIL_COEF[:num], dtype=tail.dtype, device=tail.device)
+    return coef, torch.arange(1, num + 1, dtype=tail.dtype, device=tail.device)
+
+
+def _width(kappa: Tensor, tol: float) -> Tensor:
+    """Step size below which κ counts as converged: ``tol`` (the rates ``e^{d - κ}`` then move by a
+    relative ``tol``), or a few of κ's own rounding steps when those are coarser."""
+    return (4 * torch.finfo(kappa.dtype).eps * kappa.abs()).clamp(min=tol)
+
+
+def _solve(s: Tensor, top: Tensor, log_rho: Tensor | None, tail: Tensor | None, lower: Tensor | None,
+           count: int, survive: bool, max_iter: int, tol: float | None
+           ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """κ ``[B]`` (relative to ``top``), the derivatives of κ (see :class:`_Root`) and the rates at κ,
+    negated, ``-e^{s - top - κ}`` (``[B, 0]`` unless ``survive``), without autograd."""
+    finfo = torch.finfo(s.dtype)
+    tol = finfo.eps ** (2.0 / 3.0) if tol is None else tol
+    compiling = torch.compiler.is_compiling()
+    rho = None if log_rho is None else torch.exp(log_rho)
+    fast = _FastSolve(s, top, rho, tail, lower, count)
+    kappa, done = fast.run(min(max_iter, _FAST_ITER), tol, compiling)
+    if not compiling and bool(done.all()):
+        return kappa, *fast.finish(survive)
+    d = s - top.unsqueeze(1)  # relative scores, max 0
+    robust = _RobustSolve(d, rho, log_rho, tail, lower, count)
+    kappa, *shares = robust.run(kappa, _COMPILED_ROBUST_ITER if compiling else max_iter, tol, compiling)
+    neg_rate = -torch.exp((d - kappa.unsqueeze(1)).clamp(max=_log_max(d.dtype))) if survive else s[:, :0]
+    return kappa, *shares, torch.ones_like(kappa), neg_rate
+
+
+class _FastSolve:
+    """Newton's method in ``t = e^{-κ}`` on linear-space sums, in place on ``[B, T]`` buffers: one
+    ``expm1`` per iteration, the rates ``x = e^{d - κ}`` updated by a multiplication.
+
+    It starts one Newton step on the series ``Σ ρ (x - x²/2 + x³/6) = n`` past the
+    sampling-with-replacement solution (the series bounds f from above and is concave there, so
+    the start stays on the near side of the root), which is within a few 1e-4 of the root for
+    typical scores: one evaluation then suffices, and the derivatives of κ are moved to the last
+    Newton step to first order."""
+
+    def __init__(self, s: Tensor, top: Tensor, rho: Tensor | None, tail: Tensor | None, lower: Tensor | None,
+                 count: int) -> None:
+        self.rho, self.tail, self.lower, self.count = rho, tail, lower, count
+        self.finfo = finfo = torch.finfo(s.dtype)
+        rate = (s - top.unsqueeze(1)).exp_()  # e^d ≤ 1, with max 1 unless the row is empty
+        self.em1 = torch.empty_like(rate)
+        mass = rate.sum(dim=1) if rho is None else torch.mul(rho, rate, out=self.em1).sum(dim=1)  # Σ ρ e^d
+        if tail is not None:
+            mass = mass + torch.exp(tail[:, 0].clamp(max=_log_max(s.dtype)))
+        self.empty = mass <= 0  # no item (left): nothing to solve
+        self.alive = (~self.empty).to(s.dtype)
+        # Where ρ e^d underflowed (or is 0) everywhere this start is not trusted: the log-space
+        # solve takes over.
+        self.suspect = mass < finfo.tiny / finfo.eps if rho is not None else None
+        mass = mass.clamp(min=finfo.tiny)
+        self.start = (torch.log(mass) - math.log(count)) * self.alive  # f ≤ n here; 0 for an empty row
+        self.neg_rate = rate.mul_((self.alive * -count / mass).unsqueeze(1)).clamp_(min=-1e30)  # -x at the start
+
+    def _tail_terms(self, kappa: Tensor) -> tuple[Tensor, Tensor]:
+        """The tail's series terms ``c_p e^{log Z_p - pκ}`` ``[B, P]`` and the powers p."""
+        coef, powers = _tail_coefficients(self.tail)
+        return coef * torch.exp((self.tail - powers * kappa.unsqueeze(1)).clamp(max=_log_max(kappa.dtype))), powers
+
+    def _series_start(self) -> Tensor:
+        """``v ≥ 1``: one Newton step on ``Σ ρ (x v - x² v²/2 + x³ v³/6) = n`` from v = 1 (the SwR
+        rates x), kept where the series is concave, so that ``t v`` is still below the root."""
+        neg_rate, buf = self.neg_rate, self.em1
+        torch.mul(neg_rate, neg_rate, out=buf)
+        if self.rho is not None:
+            buf.mul_(self.rho)
+        m2 = buf.sum(dim=1)  # Σ ρ x²
+        m3 = -buf.mul_(neg_rate).sum(dim=1)  # Σ ρ x³
+        if self.tail is not None:
+            terms, _ = self._tail_terms(self.start)
+            m2, m3 = m2 - 2.0 * terms[:, 1], m3 + 6.0 * terms[:, 2]
+        m1 = self.count * self.alive  # Σ ρ x, tail included: the start's definition
+        value = m1 - 0.5 * m2 + m3 / 6.0 - self.count
+        slope = m1 - m2 + 0.5 * m3
+        step = -value / slope.clamp(min=self.finfo.tiny)
+        return (1.0 + step).clamp(min=1.0).minimum(m2 / m3.clamp(min=self.finfo.tiny)).clamp(min=1.0)
+
+    def run(self, iters: int, tol: float, compiling: bool) -> tuple[Tensor, Tensor]:
+        """Iterate from the start → κ and which rows are done: converged, with accurate sums (no
+        host sync when ``compiling``)."""
+        neg_rate, rho, finfo, em1 = self.neg_rate, self.rho, self.finfo, self.em1
+        self.dens = dens = em1 if rho is None else torch.empty_like(neg_rate)
+        v = self._series_start()
+        kappa = self.start - torch.log(v)
+        neg_rate.mul_(v.unsqueeze(1))
+        target = math.sqrt(tol)  # the derivatives are corrected to first order: their error is its square
+        eps4 = 4 * finfo.eps
+        for it in range(iters):
+            torch.expm1(neg_rate, out=em1)  # -(1 - e^{-x})
+            if rho is None:
+                neg_hit = em1.sum(dim=1)
+                torch.addcmul(neg_rate, neg_rate, em1, out=dens)  # -x e^{-x}
+            else:
+                neg_hit = torch.mul(rho, em1, out=dens).sum(dim=1)
+                torch.addcmul(neg_rate, neg_rate, em1, out=dens).mul_(rho)  # -ρ x e^{-x}
+            neg_slope = dens.sum(dim=1)  # ∂f/∂κ
+            if self.tail is not None:
+                self.tail_terms, powers = self._tail_terms(kappa)
+                neg_hit = neg_hit - self.tail_terms.sum(dim=1)
+                neg_slope = neg_slope - (powers * self.tail_terms).sum(dim=1)
+            # r = t_new / t - 1 = (n - f) / -∂f/∂κ; empty rows stay where they are
+            ratio = (neg_hit + self.count).mul_(-self.alive).div_(neg_slope.clamp(max=-finfo.tiny))
+            ratio = ratio.clamp_(min=-0.5, max=1e6)
+            nxt = kappa - torch.log1p(ratio)
+            if self.lower is not None:
+                nxt = torch.maximum(nxt, self.lower)
+                ratio = torch.expm1(kappa - nxt)
+            # The error of the corrected derivatives is about (r x)² where they matter (x ≲ 3).
+            converged = 3.0 * ratio.abs() <= target + eps4 * nxt.abs()
+            kappa_eval, kappa = kappa, nxt
+            if it == iters - 1 or (not compiling and bool(converged.all())):
+                break
+            neg_rate.mul_((1.0 + ratio).unsqueeze(1)).clamp_(min=-1e30)  # x ∝ t
+        # Accurate linear-space sums: no rate so large that e^{-x} = 1 + expm1(-x) lost its
+        # digits (the largest rate is that of the expert's best item, d = 0), and a slope far
+        # above underflow.
+        cap = 12.0 if finfo.bits <= 32 else 30.0
+        done = self.empty | (converged & (kappa_eval >= -math.log(cap)) & (neg_slope <= -1e-3))
+        if self.suspect is not None:
+            done = done & ~self.suspect
+        self.last = (ratio, kappa - kappa_eval)
+        return kappa, done
+
+    def finish(self, survive: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """The derivatives of κ (see :class:`_Root`) and the rates at κ, negated (``[B, 0]`` unless
+        ``survive``), in place: the solver and ρ are spent.
+
+        The summands of ∂f/∂d and ∂f/∂log ρ move from the last evaluation to κ after its Newton
+        step (rates times ``1 + r``) to first order: ``x e^{-x}`` gains ``1 - r x``, ``1 - e^{-x}``
+        gains ``r x e^{-x}``."""
+        ratio, step = self.last
+        r = ratio.unsqueeze(1)
+        if self.rho is not None:  # ρ (1 - e^{-x}) → ρ (1 - e^{-x}) + r ρ x e^{-x}, negated
+            self.em1.mul_(self.rho).addcmul_(self.dens, r)
+        if survive:  # ρ is spent: its buffer holds the rates' increments
+            moved = torch.mul(self.neg_rate, r, out=self.rho) if self.rho is not None else self.neg_rate * r
+            self.dens.addcmul_(self.dens, moved)
+            self.neg_rate.add_(moved)
+        else:
+            self.dens.addcmul_(self.dens, self.neg_rate.mul_(r))
+        neg_slope = self.dens.sum(dim=1)
+        if self.tail is not None:
+            _, powers = _tail_coefficients(self.tail)
+            self.tail_terms = self.tail_terms * torch.exp(powers * -step.unsqueeze(1))
+            neg_slope = neg_slope - (powers * self.tail_terms).sum(dim=1)
+        # The terms of ∂f/∂d, ∂f/∂log ρ and ∂f/∂tail, negated, times 1 / ∂f/∂κ: the derivatives of κ.
+        scale = 1.0 / neg_slope.clamp(max=-self.finfo.tiny)
+        share_rho = self.em1[:, :0] if self.rho is None else self.em1
+        share_tail = self.dens[:, :0] if self.tail is None else -self.tail_terms
+        return self.dens, share_rho, share_tail, scale, self.neg_rate if survive else self.dens[:, :0]
+
+
+class _RobustSolve:
+    """A bracketed solve on sums taken in log-space, for rows whose linear-space sums under- or
+    overflow. Items are split at ``x = ω`` (``x e^x = 1``) into "saturated" ones, whose chance to be
+    missed ``e^{-x}`` is the small number, and the rest, whose chance to be hit ``1 - e^{-x}`` is;
+    then ``n - f = (n - S) + P - Q`` with ``S = Σ_sat ρ``, ``P = Σ_sat ρ e^{-x}``,
+    ``Q = Σ_rest ρ (1 - e^{-x})``, each of P and Q summed relative to its own largest term."""
+
+    def __init__(self, d: Tensor, rho: Tensor | None, log_rho: Tensor | None, tail: Tensor | None,
+                 lower: Tensor | None, count: int) -> None:
+        self.d, self.rho, self.log_rho, self.tail, self.count = d, rho, log_rho, tail, count
+        self.finfo = torch.finfo(d.dtype)
+        finite = torch.isfinite(d)
+        present = finite.to(d.dtype)
+        avail = present.sum(dim=1) if rho is None else torch.linalg.vecdot(rho, present)
+        lowest = torch.where(finite, d, torch.zeros_like(d)).amin(dim=1)
+        self.lo = (lowest - _SATURATION).clamp(min=self.finfo.min / 4)  # f(lo) = every available item
+        if lower is not None:
+            self.lo = torch.maximum(self.lo, lower)
+        # The sampling-with-replacement solution is above the root (f ≤ Σ ρ x = n there).
+        log_mass = torch.logsumexp(d if log_rho is None else d + log_rho, dim=1)
+        if tail is not None:
+            log_mass = torch.logaddexp(log_mass, tail[:, 0])
+        self.hi = torch.maximum(torch.nan_to_num(log_mass - math.log(count), neginf=0.0), self.lo)
+        # Fewer than n items can still be drawn (no root): all of them are certain.
+        self.no_root = (avail <= count * (1.0 + 4 * self.finfo.eps) if tail is None
+                        else torch.zeros_like(finite[:, 0]))
+
+    def run(self, kappa: Tensor, iters: int, tol: float, compiling: bool
+            ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Iterate from ``kappa`` → κ and its derivatives (see :class:`_Root`)."""
+        kappa = torch.where(self.no_root | ~torch.isfinite(kappa), self.lo, kappa).clamp(min=self.lo, max=self.hi)
+        lo, hi = self.lo, self.hi
+        before = last = torch.full_like(kappa, math.inf)  # the last two step sizes, for the stall test
+        done = self.no_root
+        for it in range(iters):
+            sums, shares = self._terms(kappa)
+            width = _width(kappa, tol)
+            nxt, lo, hi, close = self._next(kappa, sums, lo, hi, before, width, it)
+            nxt = torch.where(done, kappa, nxt)
+            done = done | close | (hi - lo <= width)
+            before, last = last, (nxt - kappa).abs()
+            kappa = nxt
+            if it < iters - 1 and not compiling and bool(done.all()):
+                break
+        keep = (~self.no_root).unsqueeze(1).to(kappa.dtype)
+        return kappa, *(share * keep for share in shares)
+
+    def _terms(self, kappa: Tensor) -> tuple[tuple[Tensor, ...], tuple[Tensor, Tensor, Tensor]]:
+        """The scaled sums at κ, and the derivatives of κ that they give."""
+        finfo, dtype = self.finfo, self.d.dtype
+        y = (self.d - kappa.unsqueeze(1)).clamp(max=_log_max(dtype) - 8.0)  # x ≤ e^{-8} max
+        x = torch.exp(y)
+        arg = torch.minimum(y, -x)  # log of the small number: x (rest) or e^{-x} (saturated), per unit ρ
+        if self.log_rho is not None:
+            arg = arg + self.log_rho
+        sat = (y + x).sign_().clamp_(min=0.0)  # x > ω; arithmetic masks: no [B, T] where
+        rest = 1.0 - sat
+        shift = finfo.max / 4  # above any -x: masks the other group out of each maximum
+        scale_p = (arg - shift * rest).amax(dim=1).clamp(min=finfo.min)  # P and Q each relative to its top
+        scale_q = (arg - shift * sat).amax(dim=1)
+        tail_terms = None
+        if self.tail is not None:
+            coef, powers = _tail_coefficients(self.tail)
+            tail_log = self.tail - powers * kappa.unsqueeze(1)
+            scale_q = torch.maximum(scale_q, tail_log[:, 0])
+        scale_q = scale_q.clamp(min=finfo.min)
+        c = torch.exp(arg - torch.addcmul(rest * scale_q.unsqueeze(1), sat, scale_p.unsqueeze(1)))
+        em1 = torch.expm1(-x)
+        miss = em1 + 1.0
+        hit_per_x = (finfo.tiny - em1) / (x + finfo.tiny)  # (1 - e^{-x}) / x, 1 where x underflows
+        saturated = sat.sum(dim=1) if self.rho is None else torch.linalg.vecdot(self.rho, sat)
+        p = torch.linalg.vecdot(c, sat)
+        b_sat = torch.linalg.vecdot(c * x, sat)
+        q = torch.linalg.vecdot(c * hit_per_x, rest)
+        b_rest = torch.linalg.vecdot(c * miss, rest)
+        if self.tail is not None:
+            tail_terms = coef * torch.exp((tail_log - scale_q.unsqueeze(1)).clamp(max=_log_max(dtype)))
+            q = q + tail_terms.sum(dim=1)
+            b_rest = b_rest + (powers * tail_terms).sum(dim=1)
+        deficit = self.count - saturated  # n - S
+        # The slope -∂f/∂κ = Σ_sat ρ x e^{-x} + Σ_rest ρ x e^{-x}, as logs relative to Q's scale. At
+        # the root P = Q - (n - S): where that takes no cancellation it is the accurate P (the
+        # saturated items' e^{-x} are beyond the resolution of κ when x is large, and P's own
+        # scale may not be comparable with Q's).
+        log_q = torch.log(q)
+        log_deficit = torch.log(deficit.abs()) - scale_q
+        surplus = deficit <= 0
+        balanced = surplus | (log_deficit <= log_q - math.log(2.0))
+        log_p = torch.where(balanced, torch.where(surplus, torch.logaddexp(log_q, log_deficit),
+                                                  log_q + torch.log1p(-torch.exp(log_deficit - log_q))),
+                            torch.log(p) + (scale_p - scale_q))
+        mean_x = b_sat / p.clamp(min=1.0)  # Σ_sat ρ x e^{-x} / Σ_sat ρ e^{-x}: p ≥ 1 if any item is saturated
+        log_slope = torch.logaddexp(torch.log(mean_x) + log_p, torch.log(b_rest)).clamp(min=finfo.min)
+        sat_coef = (torch.exp(log_p - log_slope) / p.clamp(min=1.0)).unsqueeze(1)
+        rest_coef = torch.exp((-log_slope).clamp(max=_log_max(dtype))).unsqueeze(1)
+        share_d = sat * (c * x) * sat_coef + rest * (c * miss) * rest_coef
+        if self.rho is None:
+            share_rho = share_d[:, :0]
+        else:
+            big = torch.exp((-log_slope - scale_q).clamp(max=_log_max(dtype))).unsqueeze(1)
+            share_rho = sat * (self.rho * -em1) * big + rest * (c * hit_per_x) * rest_coef
+        share_tail = share_d[:, :0] if tail_terms is None else tail_terms * rest_coef
+        bound = math.sqrt(finfo.max) / max(self.d.shape[1], 1)  # times a clamped gradient: still finite
+        return (scale_p, scale_q, deficit, p, q, b_sat, b_rest), (share_d, share_rho.clamp_(max=bound), share_tail)
+
+    def _next(self, kappa: Tensor, sums: tuple[Tensor, ...], lo: Tensor, hi: Tensor, before: Tensor,
+              width: Tensor, it: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The next κ, the updated bracket ``[lo, hi]`` and whether the Newton step was below ``width``
+        (then it is taken even if rounding put it just outside the bracket)."""
+        scale_p, scale_q, deficit, p, q, b_sat, b_rest = sums
+        tiny = self.finfo.tiny
+        # log A, A = n - Σ_sat ρ (1 - e^{-x}) = (n - S) + P: -inf where A ≤ 0
+        log_p = torch.log(p) + scale_p
+        log_a = torch.where(deficit >= 0, torch.logaddexp(torch.log(deficit.clamp(min=0.0)), log_p),
+                            log_p + torch.log1p((deficit * torch.exp(-log_p)).clamp(min=-1.0)))
+        log_q = torch.log(q) + scale_q
+        above = log_a > log_q  # n - f = A - Q > 0: f < n, κ is above the root
+        hi = torch.where(above, torch.minimum(hi, kappa), hi)
+        lo = torch.where(above, lo, torch.maximum(lo, kappa))
+        da = b_sat * torch.exp(scale_p - log_a)  # d log A / dκ = Σ_sat ρ x e^{-x} / A
+        dq = b_rest / q.clamp(min=tiny)  # -d log Q / dκ
+        # Newton on log A - log Q, or on log(-log A) - log(-log Q) when both are tiny (then each
+        # is nearly linear in κ across gaps of hundreds between scores).
+        phi = (log_a - log_q) / (da + dq).clamp(min=tiny)
+        both_tiny = (log_a < -1.0) & (log_q < -1.0)
+        la, lq = log_a.clamp(max=-1.0), log_q.clamp(max=-1.0)
+        psi = (torch.log(-la) - torch.log(-lq)) / (da / la + dq / lq).clamp(max=-tiny)
+        newton = torch.where(both_tiny, psi, phi)
+        cand = kappa - newton
+        valid = (log_a > -math.inf) & (q > 0) & torch.isfinite(cand)
+        close = valid & (newton.abs() <= width)
+        inside = valid & (cand > lo) & (cand < hi)
+        if it >= 2:  # a Newton step that does not halve the one before last: bisect instead
+            inside = inside & (newton.abs() <= 0.5 * before)
+        mid = torch.sinh(0.5 * (torch.asinh(lo) + torch.asinh(hi)))
+        return torch.where(inside | close, cand, mid), lo, hi, close
