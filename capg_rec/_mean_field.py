@@ -60,7 +60,7 @@ def mean_field_log_inclusion(catalog: CatalogScores, items: Tensor, runs: Runs, 
     (default ``eps^(2/3)`` of the dtype). Scores of ``-inf`` are items outside a row's catalog; a
     target that is ``-inf`` under every expert gets ``-inf`` with zero gradient.
     """
-    if items.shape[0] == 0:
+    if items.shape[0] == 0 and isinstance(catalog, DenseCatalog):  # other catalogs may be collective: run them
         return catalog.gather(items)[:, 0] * 0.0
     head = _head_size(catalog.num_items, runs)
     dense = isinstance(catalog, DenseCatalog) or head >= catalog.num_items

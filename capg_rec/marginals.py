@@ -32,9 +32,10 @@ import torch
 from torch import Tensor
 
 from capg_rec._enumerate import inclusion_probs
-from capg_rec._checks import check_count, check_items, resolve_validate_args
+from capg_rec._checks import check_count, check_items, check_positive, resolve_validate_args
+from capg_rec._mean_field import mean_field_log_inclusion
 from capg_rec._head_tail import HeadTail, head_size_for, summarize
-from capg_rec._numerics import exp_floored, log1mexp, log1mexp_exp, masked_logsumexp, \
+from capg_rec._numerics import log1mexp, masked_logsumexp, \
     reverse_logcumsumexp, safe_logaddexp, safe_logsumexp
 from capg_rec.catalog import CatalogScores, as_catalog
 from capg_rec.plackett_luce import check_enough_items, expert_of_position, expert_runs
@@ -46,10 +47,6 @@ Runs = Sequence[tuple[int, int]]
 
 DEFAULT_METHOD = "mean_field"
 """The name of the default method (:class:`MeanField`)."""
-
-_MEAN_FIELD_POWERS = 3
-_ROOT_STEPS = 40
-
 
 def _swr(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
     """``log Σ_m n_m exp(s_m(a) - A_m)``: the CA-PG-SwR score → ``[B, L]``."""
@@ -114,93 +111,6 @@ def _plugin(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
     return safe_logsumexp(log_hazard + log_miss_before, dim=2)
 
 
-def _mean_field_head_size(num_items: int, runs: Runs) -> int:
-    """Items per expert kept one by one: the best ``8·n + (K - n)`` for the largest block n, so
-    that after any earlier blocks took their items a tail item's chance within its block stays
-    below 1/8."""
-    block = max(n for _, n in runs)
-    return min(num_items, 8 * block + sum(n for _, n in runs) - block)
-
-
-def _clock(scores: Tensor, kappa: Tensor) -> Tensor:
-    """``e^{s - κ}`` (the rate of an item's exponential clock at time ``e^{-κ}``) → ``[B, T]``.
-
-    Clamped where ``1 - exp(-x)`` is already exactly 1, so neither value nor gradient overflows,
-    and floored (:func:`exp_floored`) where it is negligible, so that the rates themselves are
-    never subnormal (a slow path); unused head slots (score −inf) give the floor, ~1e-38.
-    """
-    return exp_floored((scores - kappa.unsqueeze(1)).clamp(max=60.0))
-
-
-def _mean_field(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
-    """Rosén's mean-field inclusion probabilities, block by block → ``[B, L]``.
-
-    Block m solves ``Σ_b ρ_b (1 - exp(-e^{s_mb - κ_m})) = n_m`` for κ_m, where ρ_b is the chance
-    that b survived the earlier blocks; tail items enter through a 3-term power-series expansion
-    (accurate because the head keeps enough of every expert's best items that each tail item's
-    chance within a block is below 1/8, and the neglected fourth-order terms below 1e-4 of it).
-    """
-    head = _mean_field_head_size(catalog.num_items, runs)
-    ht = summarize(catalog, items, head, _MEAN_FIELD_POWERS)
-    scores, tail = ht.head_scores, ht.tail_log_power_sums  # [B, M, T], [B, M, P]
-    valid = ht.head_ids >= 0  # [B, T]; unused slots score -inf
-    has_tail = bool(torch.isfinite(tail[..., 0]).any())
-    powers = torch.arange(1, _MEAN_FIELD_POWERS + 1, dtype=scores.dtype, device=scores.device)
-    tail_coef = torch.tensor([(-1.0) ** (p + 1) / math.factorial(p) for p in range(1, _MEAN_FIELD_POWERS + 1)],
-                             dtype=scores.dtype, device=scores.device)
-    log_survival = torch.zeros_like(scores[:, 0])  # [B, T]
-    kappas = []
-    drawn = 0
-    for expert, count in runs:
-        s, lz = scores[:, expert], tail[:, expert]  # [B, T], [B, P]
-
-        rho = torch.exp(log_survival)
-
-        def excess(kappa: Tensor) -> tuple[Tensor, Tensor]:
-            """``f(κ) - n`` and ``f'(κ)`` for κ ``[B]``."""
-            x = _clock(s, kappa)
-            f = (rho * -torch.expm1(-x)).sum(1) - count
-            df = -(rho * x * torch.exp(-x)).sum(1)
-            if has_tail:
-                t = exp_floored(lz - powers * kappa.unsqueeze(1)).nan_to_num(0.0)  # e^{-pκ} Z_p
-                f = f + (tail_coef * t).sum(1)
-                df = df - (tail_coef * powers * t).sum(1)
-            return f, df
-
-        with torch.no_grad():
-            total = torch.logaddexp(torch.logsumexp(s, 1), lz[:, 0])
-            hi = total - math.log(count)  # f(hi) ≤ Σ x = n
-            if has_tail:  # every head item likely enough that the tail expansion stays accurate
-                share = count / max(head - drawn, count)
-                lo = ht.head_floor[:, expert] - math.log(-math.log1p(-share))
-            else:
-                lo = s.masked_fill(~valid, torch.inf).min(1).values - 50.0
-            lo = torch.minimum(lo, hi - 1.0)
-            kappa0 = 0.5 * (lo + hi)
-            tolerance = math.sqrt(torch.finfo(s.dtype).eps)  # the Newton step below squares the error
-            for _ in range(_ROOT_STEPS):  # Newton, falling back to bisection outside the bracket
-                f, df = excess(kappa0)
-                above = f > 0
-                lo, hi = torch.where(above, kappa0, lo), torch.where(above, hi, kappa0)
-                newton = kappa0 - f / df
-                inside = torch.isfinite(newton) & (newton > lo) & (newton < hi)
-                update = torch.where(inside, newton, 0.5 * (lo + hi))
-                converged = bool(((update - kappa0).abs() <= tolerance * (1 + kappa0.abs())).all())
-                kappa0 = update
-                if converged:
-                    break
-        f, df = excess(kappa0)  # one differentiable Newton step: implicit-function gradient
-        df = df.detach()
-        ok = torch.isfinite(df) & (df < 0)
-        kappa = kappa0 - torch.where(ok, f / torch.where(ok, df, torch.ones_like(df)), torch.zeros_like(f))
-        kappas.append(kappa)
-        log_survival = log_survival - _clock(s, kappa)
-        drawn += count
-    experts = torch.tensor([m for m, _ in runs], device=scores.device)
-    hazard_logits = _target_scores(ht)[:, :, experts] - torch.stack(kappas, 1).unsqueeze(1)  # [B, L, R]
-    return log1mexp_exp(safe_logsumexp(hazard_logits, dim=2))
-
-
 class InclusionMethod(abc.ABC):
     """How ``log π(a ∈ A^K | x)`` is computed from a catalog (subclass it for your own method).
 
@@ -250,12 +160,21 @@ class PlugIn(InclusionMethod):
 
 
 class MeanField(InclusionMethod):
-    """Rosén's successive-sampling (mean-field) approximation, block by block for a mixture."""
+    """Rosén's successive-sampling (mean-field) approximation, block by block for a mixture.
 
-    num_powers = _MEAN_FIELD_POWERS
+    Args:
+        max_iter: root-solver iterations per block at most (under ``torch.compile`` a fixed number runs).
+        tol: relative step at which the solve stops (default: ``eps^(2/3)`` of the dtype).
+    """
+
+    num_powers = 3
+
+    def __init__(self, max_iter: int = 50, tol: float | None = None) -> None:
+        self.max_iter = check_count("max_iter", max_iter)
+        self.tol = None if tol is None else check_positive("tol", tol)
 
     def log_inclusion(self, catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
-        return _mean_field(catalog, items, runs)
+        return mean_field_log_inclusion(catalog, items, runs, max_iter=self.max_iter, tol=self.tol)
 
 
 class Exact(InclusionMethod):

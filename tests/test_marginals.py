@@ -7,6 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import capg_rec._mean_field
 import capg_rec.marginals as marginals
 from capg_rec import DenseCatalog, EmbeddingCatalog, expert_of_position, inclusion_log_prob, sample_candidates
 from capg_rec._enumerate import inclusion_probs
@@ -118,7 +119,7 @@ def test_large_catalog_head_tail_matches_full(method, monkeypatch):
     items = torch.cat([catalog.top_items(3)[:, 0], torch.tensor([[5, 17], [1000, 19_999], [7, 8]])], 1)
     for k in (10, 100):
         summarised = inclusion_log_prob(catalog, items, k, method=method)
-        monkeypatch.setattr(marginals, "_mean_field_head_size", lambda n, runs: n)
+        monkeypatch.setattr(capg_rec._mean_field, "_head_size", lambda n, runs: n)
         monkeypatch.setattr(marginals, "head_size_for", lambda n, k: n)
         full = inclusion_log_prob(catalog, items, k, method=method)
         monkeypatch.undo()
