@@ -148,7 +148,7 @@ class DeferredChecks:
         self._checks: list[tuple[Tensor, str]] = []
 
     def require(self, ok: Tensor, message: str) -> None:
-        self._checks.append((ok.reshape(()), message))
+        self._checks.append((ok, message))  # 0-dim
 
     def no_nan_or_inf(self, name: str, x: Tensor, *, allow_masked: bool = False) -> None:
         """No NaN, no ``+inf``, and no ``-inf`` unless ``allow_masked`` (then one ``amax``, which

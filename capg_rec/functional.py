@@ -91,8 +91,7 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
         checks = DeferredChecks()
         if isinstance(catalog, DenseCatalog):
             checks.no_nan_or_inf("logits", catalog.scores, allow_masked=True)
-        checks.ids_in_range("candidates", candidates, num_items)
-        checks.ids_in_range("chosen", chosen, num_items)
+        checks.ids_in_range("candidates", candidates, num_items)  # chosen ⊆ candidates covers chosen's range
         if distinct:
             checks.distinct("candidates", candidates)
         checks.distinct("chosen", chosen)
