@@ -241,13 +241,13 @@ def test_node_count_does_not_grow_with_the_logit_gap(gap):
     logits[:, -5:] -= gap
     valid, no_tail = torch.ones_like(logits, dtype=torch.bool), torch.full((4,), -math.inf)
     for k in (1, 5, 10, 200):
-        g, _, g_hi = _nodes(logits, torch.ones_like(logits), valid, no_tail, k, True)
+        g, _, g_hi, _ = _nodes(logits, torch.ones_like(logits), valid, no_tail, k, True)
         assert g.shape[1] <= 100, (k, g.shape)
         assert bool((g_hi - g.min(1).values < 30.0).all())
     small = logits[:, 245:257].clone()
     small[:, :3] += gap
     small[:, -3:] -= gap
-    g, _, g_hi = _nodes(small, torch.full_like(small, 0.5), valid[:, :12], no_tail, 9, False)
+    g, _, g_hi, _ = _nodes(small, torch.full_like(small, 0.5), valid[:, :12], no_tail, 9, False)
     assert bool((g_hi - g.min(1).values > 2 * gap).all()) and g.shape[1] <= 300, g.shape
 
 
