@@ -35,8 +35,23 @@ where ``C_{-a}(g)`` is Poisson-binomial with ``q_b(g) = P(G_b > g) = 1 - exp(-e^
 * Masks: a score of ``-inf`` is an item outside the row's catalog (for that expert): it never
   counts, and a target with ``-inf`` under every expert gets ``-inf`` with zero gradient.
 
-Everything is differentiable to any order; logs are taken with the double-where pattern so
-float32 extremes stay finite, and the nodes are processed in chunks of bounded size.
+Cost model. Per block with k draws over T head slots (T = N when the catalog fits the head) and
+Q quadrature nodes per row, forward + backward cost ``B · Q · T · c(k)``: at every node the
+product tree over the T slots has ~T·min(k, 12) multiply-adds in its direct levels (factors of up
+to 12 coefficients) and FFT products of ~T·log k beyond, its derivative (all slots at once) about
+as much again, and backward about twice the forward. Q is ``points × range / width + 8 × gaps``:
+5 (float32) or 8 (float64) points per panel of width ``min(1, 2.5/√k)``, a range of
+``O(log T + log 1/ε)`` in g (wider for small τ), a few gaps between far-apart scores: a few
+dozen to a few hundred nodes, whatever the logit spread. ``benchmarks/exact_runtime.py``
+measures c(k).
+
+Memory. The work of a block is split into pieces (rows of the batch, and nodes when one row is
+too large) of at most ``min(memory_budget, 64 MiB)`` of what they keep for backward. When all
+pieces of a block would keep more than ``memory_budget`` bytes and a gradient is needed, every
+piece is recomputed in backward (activation checkpointing): what a block keeps is then its
+inputs, its nodes and its output, O(B · (T + Q)), whatever k (at the price of one more forward;
+inside ``torch.func`` transforms, which refuse checkpointing, the pieces are kept instead).
+Everything is differentiable to any order.
 """
 
 from __future__ import annotations
@@ -49,13 +64,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from capg_rec._head_tail import HeadTail
 from capg_rec._numerics import log1mexp, log1mexp_exp
 
-__all__ = ["EXACT_NUM_POWERS", "exact_log_inclusion"]
+__all__ = ["DEFAULT_MEMORY_BUDGET", "EXACT_NUM_POWERS", "exact_log_inclusion"]
 
 EXACT_NUM_POWERS = 4
+DEFAULT_MEMORY_BUDGET = 2**30  # bytes that the pieces of a block may keep for backward, all together
 
 _SHIFT_MAX = 12  # polynomial factors up to this length are multiplied by shifted products
 _SILENT = 140.0  # e^{s-g} ≥ _SILENT: the clock has rung for sure (1 - q ≤ e^{-140})
@@ -65,7 +82,9 @@ _MAX_EXP = 60.0  # exp arguments are clamped here: 1 - exp(-e^60) is exactly 1 i
 _ROOT_TOLERANCE = 1e-3  # the range ends need no more accuracy than this
 _RANGE_STEPS = 40  # at most this many bisection steps in asinh(g): 1e-12 of the widest bracket
 _FAR = 64.0  # scores beyond finfo.max / _FAR from the reference are masked (below) or clamped (above)
-_CHUNK_ELEMENTS = 1 << 26  # nodes are processed in chunks of about this many B·T·k entries
+_SEARCH_ENTRIES = 64  # entries per row and head slot that the node search keeps at once
+_SLOT_ENTRIES = 16  # entries per row, node and head slot that a piece keeps outside the product tree
+_PIECE_BYTES = 2**26  # a piece's size when the budget allows more: larger ones run slower (cache, page faults)
 
 
 def _log_eps(dtype: torch.dtype) -> float:
@@ -382,6 +401,29 @@ def _pb_poly(p: Tensor, k: int, fft: bool) -> Tensor:
     return poly[..., 0, :]
 
 
+@functools.cache
+def _tree_entries(slots: int, k: int) -> int:
+    """Entries per row and node that the product tree of :func:`_pb_poly` keeps for backward (the
+    factors of its shifted products, the inputs of its FFT products)."""
+    size = 1 << max(0, (slots - 1).bit_length())
+    total, length = 2 * size, min(3, k)
+    size //= 2
+    while size > 1:
+        size //= 2
+        n = min(2 * length - 1, k)
+        total += size * (length * n if length <= _SHIFT_MAX else 2 * length + n)
+        length = n
+    return total
+
+
+def _piece_entries(slots: int, k: int, targets: int | None) -> int:
+    """Entries per row and node of a piece (:func:`_piece`): the product tree, its derivative (all
+    slots) or the targets multiplied back in (``targets`` of them), and the per-slot tensors."""
+    tree = _tree_entries(slots, k)
+    extra = 2 * tree if targets is None else targets * (targets + 2) * k
+    return tree + extra + _SLOT_ENTRIES * slots
+
+
 def _tail_cdf(log_z: Tensor, g: Tensor, k: int) -> Tensor:
     """``P(tail count ≤ c)`` for ``c < k`` at every node → ``[B, Q, k]``; ``log_z [B, P]``.
 
@@ -484,40 +526,78 @@ def _bottom(s: Tensor, rho: Tensor, log_z: Tensor, s_a: Tensor, g_flat: Tensor, 
     return torch.where(flat, out, torch.full_like(out, -math.inf))
 
 
+def _under_functorch(t: Tensor) -> bool:
+    """Whether ``t`` is wrapped by a ``torch.func`` transform (which refuses activation checkpointing)."""
+    return bool(torch._C._functorch.is_functorch_wrapped_tensor(t))
+
+
 def _block_log_hazard(s: Tensor, log_rho: Tensor | None, valid: Tensor, log_z: Tensor, k: int,
-                      targets: Tensor | None) -> Tensor:
+                      targets: Tensor | None, budget: int) -> Tensor:
     """``log P(a drawn in this block | a present)`` for ``targets [B, L]`` (or all slots if None).
 
     ``s [B, T]`` scores in the block's frame (finite where ``valid``), ``log_rho [B, T]`` log
     survival of earlier blocks (None: all present), ``log_z [B, P]`` tail log power sums, ``k``
-    draws → ``[B, L]`` (or ``[B, T]``; ``-inf`` where the item is not valid). The nodes are
-    processed in chunks of at most ~``_CHUNK_ELEMENTS`` tree entries (this bounds the forward's
-    temporaries; what backward keeps grows with the nodes).
+    draws → ``[B, L]`` (or ``[B, T]``; ``-inf`` where the item is not valid). The work is split into
+    pieces of rows (and of nodes when one row is too large) of at most ``min(budget, _PIECE_BYTES)``
+    bytes; when a gradient is needed and all pieces together would keep more than ``budget`` bytes
+    for backward, each piece is checkpointed (recomputed in backward).
     """
+    batch, slots = s.shape
     s = torch.where(valid, s, torch.zeros_like(s))  # finite stand-in for empty slots
     rho = torch.ones_like(s) if log_rho is None else torch.exp(log_rho)
     rho = torch.where(valid, rho, torch.zeros_like(rho))
     s_a = s if targets is None else s.gather(1, targets)
     valid_a = valid if targets is None else valid.gather(1, targets)
-    with torch.no_grad():
-        g, log_w, g_hi, g_flat = _nodes(s.detach(), rho.detach(), valid, log_z[:, 0].detach(), k, log_rho is None)
-        low = s_a.detach() < g.min(1, keepdim=True).values  # below every node
-        has_tail = bool(torch.isfinite(log_z[:, 0]).any())
-        # FFT products are accurate to ~1e-16 absolute only. That suffices when the block surely
-        # fills up (the values of F_{-a} that matter are then not tiny); with few items present,
-        # F_{-a} can be tiny where it matters and direct products are used.
-        mu_lo = float(_chernoff_levels(k, _log_eps(s.dtype))[k, 0])
-        fft = log_rho is None or bool((rho.sum(1) >= mu_lo).all())
-    settings = {"k": k, "targets": targets, "has_tail": has_tail, "fft": fft}
-    chunk = max(_gl_points(s.dtype), _CHUNK_ELEMENTS // (s.shape[0] * s.shape[1] * min(k, s.shape[1])))
-    terms = [_log_survival(s_a, g_hi, low)]
-    for i in range(0, g.shape[1], chunk):
-        terms.append(_piece(s, rho, log_z, s_a, low, g[:, i:i + chunk], log_w[:, i:i + chunk], **settings))
-    log_h = torch.logsumexp(torch.stack(terms), dim=0)  # the survival term is finite
-    log_h = torch.where(low, s_a, torch.zeros_like(log_h)) + log_h
-    if log_rho is not None:
-        bottom = _bottom(s, rho, log_z, s_a, g_flat, **settings)
-        log_h = torch.logsumexp(torch.stack([log_h, bottom]), dim=0)  # (logaddexp: NaN 2nd derivative at -inf)
+    item = s.element_size()
+    piece = min(budget, _PIECE_BYTES)
+    search_rows = max(1, piece // (_SEARCH_ENTRIES * item * slots))
+    per_node = item * _piece_entries(slots, k, None if targets is None else targets.shape[1])
+    mu_lo = float(_chernoff_levels(k, _log_eps(s.dtype))[k, 0])
+    grad = torch.is_grad_enabled() and (s.requires_grad or log_z.requires_grad or rho.requires_grad)
+    out = []
+    for r0 in range(0, batch, search_rows):
+        rows = slice(r0, r0 + search_rows)
+        s_r, rho_r, log_z_r, s_a_r = s[rows], rho[rows], log_z[rows], s_a[rows]
+        t_r = None if targets is None else targets[rows]
+        with torch.no_grad():
+            g, log_w, g_hi, g_flat = _nodes(s_r.detach(), rho_r.detach(), valid[rows], log_z_r[:, 0].detach(), k,
+                                            log_rho is None)
+            low = s_a_r.detach() < g.min(1, keepdim=True).values  # below every node
+            # Each row's own nodes first, so that a piece of rows leaves out the padding it does not need.
+            order = torch.isinf(log_w).to(torch.int8).argsort(dim=1, stable=True)
+            g, log_w = g.gather(1, order), log_w.gather(1, order)
+            used = torch.isfinite(log_w).sum(1)
+            has_tail = bool(torch.isfinite(log_z_r[:, 0]).any())
+            # FFT products are accurate to ~1e-16 absolute only. That suffices when the block surely
+            # fills up (the values of F_{-a} that matter are then not tiny); with few items present,
+            # F_{-a} can be tiny where it matters and direct products are used.
+            fft = log_rho is None or bool((rho_r.sum(1) >= mu_lo).all())
+        n_rows = g.shape[0]
+        row_step = max(1, min(n_rows, piece // (per_node * g.shape[1])))
+        # What all pieces would keep, estimated from this chunk's nodes (the others are alike).
+        split = grad and int(used.sum()) * batch * per_node > budget * n_rows and not _under_functorch(s)
+        for i in range(0, n_rows, row_step):
+            sub = slice(i, i + row_step)
+            t_sub = None if t_r is None else t_r[sub]
+            n_nodes = int(used[sub].max())
+            node_step = max(1, piece // (per_node * g[sub].shape[0]))
+
+            def run(fn, *args: Tensor, t_sub=t_sub, has_tail=has_tail, fft=fft, split=split) -> Tensor:
+                fn = functools.partial(fn, k=k, targets=t_sub, has_tail=has_tail, fft=fft)
+                return checkpoint(fn, *args, use_reentrant=False) if split else fn(*args)
+
+            terms = [_log_survival(s_a_r[sub], g_hi[sub], low[sub])]
+            for j in range(0, n_nodes, node_step):
+                nodes = slice(j, j + node_step)
+                terms.append(run(_piece, s_r[sub], rho_r[sub], log_z_r[sub], s_a_r[sub], low[sub], g[sub, nodes],
+                                 log_w[sub, nodes]))
+            log_h = torch.logsumexp(torch.stack(terms), dim=0)  # the survival term is finite
+            log_h = torch.where(low[sub], s_a_r[sub], torch.zeros_like(log_h)) + log_h
+            if log_rho is not None:
+                bottom = run(_bottom, s_r[sub], rho_r[sub], log_z_r[sub], s_a_r[sub], g_flat[sub])
+                log_h = torch.logsumexp(torch.stack([log_h, bottom]), dim=0)  # (logaddexp: NaN 2nd derivative at -inf)
+            out.append(log_h)
+    log_h = torch.cat(out, dim=0)
     return torch.where(valid_a, log_h, torch.full_like(log_h, -math.inf))
 
 
@@ -539,14 +619,17 @@ def _check_runs(runs: Sequence[tuple[int, int]], num_experts: int) -> list[tuple
     return merged
 
 
-def exact_log_inclusion(summary: HeadTail, runs: Sequence[tuple[int, int]]) -> Tensor:
+def exact_log_inclusion(summary: HeadTail, runs: Sequence[tuple[int, int]], *,
+                        memory_budget: int = DEFAULT_MEMORY_BUDGET) -> Tensor:
     """``log P(target ∈ the K PL(-MoE) draws)`` → ``[B, L]``.
 
     ``summary`` holds ``head_scores [B, M, T]`` (−inf in unused slots and for masked items),
     ``target_pos [B, L]`` and ``tail_log_power_sums [B, M, P]``; ``runs`` is the position → expert
     map as ``[(expert, count), ...]`` summing to K. One run is exact up to quadrature (and the
     tail's power-series truncation); several runs use the block-exact approximation. A target
-    masked under every expert gets ``-inf`` (zero gradient).
+    masked under every expert gets ``-inf`` (zero gradient). ``memory_budget`` (bytes) bounds what
+    each expert block keeps for backward (beyond it, pieces are recomputed in backward) and the size
+    of its pieces of work; the result does not depend on it beyond rounding.
     """
     scores, tail, targets = summary.head_scores, summary.tail_log_power_sums, summary.target_pos
     if scores.dim() != 3 or tail.dim() != 3 or tail.shape[:2] != scores.shape[:2]:
@@ -554,6 +637,10 @@ def exact_log_inclusion(summary: HeadTail, runs: Sequence[tuple[int, int]]) -> T
                          f"{tuple(scores.shape)} and {tuple(tail.shape)}")
     if targets.dim() != 2 or targets.shape[0] != scores.shape[0]:
         raise ValueError(f"summary.target_pos must be [B={scores.shape[0]}, L], got {tuple(targets.shape)}")
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, int):
+        raise TypeError(f"memory_budget must be an int (bytes), got {type(memory_budget).__name__}")
+    if memory_budget <= 0:
+        raise ValueError(f"memory_budget must be positive, got {memory_budget}")
     runs = _check_runs(runs, scores.shape[1])
     if scores.shape[0] == 0 or targets.shape[1] == 0 or scores.shape[2] == 0:
         return scores.new_zeros(targets.shape) + scores.sum() * 0.0
@@ -570,7 +657,7 @@ def exact_log_inclusion(summary: HeadTail, runs: Sequence[tuple[int, int]]) -> T
         # Few targets: each one's leave-one-out count directly; many: every slot's at once.
         direct = last and targets.shape[1] ** 2 <= scores.shape[2]
         log_h = _block_log_hazard(s_all[:, expert], log_survival, valid_all[:, expert], tail_all[:, expert], count,
-                                  targets if direct else None)
+                                  targets if direct else None, memory_budget)
         if last and not direct:
             log_h = log_h.gather(1, targets)
         if last:

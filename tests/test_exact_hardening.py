@@ -1,7 +1,7 @@
 """The exact inclusion method on every input a user can send: extreme but finite logits, per-row
-shifts, masked items and targets (``-inf``), second derivatives and ``torch.func``. The
-references enumerate every ordered draw with 60-digit arithmetic, so they stay exact for logit
-gaps of 1e30."""
+shifts, masked items and targets (``-inf``), second derivatives and ``torch.func``, and memory
+bounded by a setting. The references enumerate every ordered draw with 60-digit arithmetic, so
+they stay exact for logit gaps of 1e30."""
 
 from __future__ import annotations
 
@@ -274,7 +274,7 @@ def _finite_inputs(scores: torch.Tensor):
     return leaf, lambda v: scores.detach().masked_scatter(keep, v)
 
 
-@pytest.mark.parametrize("case", ["one_target", "all_slots", "mixture", "masked", "fft", "tail"])
+@pytest.mark.parametrize("case", ["one_target", "all_slots", "mixture", "masked", "fft", "tail", "pieces"])
 def test_gradgradcheck(case):
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(2, 2, 5, generator=gen, dtype=torch.float64) * 2
@@ -290,6 +290,8 @@ def test_gradgradcheck(case):
     elif case == "fft":  # K = 14 > 12: the long factors of the product tree go through _FFTConv
         x = torch.randn(1, 1, 20, generator=gen, dtype=torch.float64)
         targets, runs = torch.tensor([[0, 5, 19, 7, 2]]), [(0, 14)]
+    elif case == "pieces":
+        runs, settings = [(0, 1), (1, 2)], {"memory_budget": 2**17}  # checkpointed, a few pieces per row
     leaf, fill = _finite_inputs(x)
     if case == "tail":
         tail = torch.tensor([[0.3, 0.2, 0.1, 0.0], [-1.0, -1.5, -2.0, -2.5]], dtype=torch.float64)
@@ -360,6 +362,70 @@ def test_fft_conv_under_vmap_and_grad():
         assert torch.allclose(grad, want, rtol=1e-12, atol=1e-14)
 
 
+def _mixed_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(6, 2, 40, generator=gen, dtype=torch.float64) * torch.tensor([0.3, 1.0, 3.0, 1.0, 1.0, 8.0],
+                                                                                   dtype=torch.float64).view(-1, 1, 1)
+    x[3, :, :4] += 1e4
+    x[4, :, 5:9] = -INF
+    x[5, :, 0] = -1e30
+    return x, torch.tensor([[0, 7], [39, 39], [2, 3], [0, 20], [5, 6], [0, 1]])
+
+
+@pytest.mark.parametrize("runs", [[(0, 6)], [(0, 3), (1, 3)]])
+def test_memory_budget_does_not_change_the_result(runs):
+    """A tiny budget (one row and one node per piece, checkpointed) and the default one agree to
+    rounding, values and gradients; so do a row alone and the row inside a batch of other rows."""
+    x, targets = _mixed_batch()
+    results = []
+    for budget in (2**18, 2**20, 2**30):  # a few nodes per piece, tens of nodes, everything at once
+        leaf = x.clone().requires_grad_()
+        out = exact_log_inclusion(_summary(leaf, targets), runs, memory_budget=budget)
+        results.append((out.detach(), torch.autograd.grad(out.where(torch.isfinite(out), out.new_zeros(())).sum(),
+                                                         leaf)[0]))
+    for out, grad in results[:-1]:
+        assert torch.equal(torch.isinf(out), torch.isinf(results[-1][0]))
+        assert torch.allclose(out, results[-1][0], rtol=1e-12, atol=1e-14)
+        assert torch.allclose(grad, results[-1][1], rtol=1e-10, atol=1e-14)
+    whole = results[-1][0]
+
+    def value(s):
+        out = exact_log_inclusion(_summary(s, targets), runs, memory_budget=2**18)
+        return out.where(torch.isfinite(out), out.new_zeros(())).sum()
+
+    assert torch.allclose(torch.func.grad(value)(x), results[0][1], rtol=1e-12, atol=1e-15)  # not checkpointed
+    for row in range(x.shape[0]):
+        alone = exact_log_inclusion(_summary(x[row:row + 1], targets[row:row + 1]), runs)
+        assert torch.allclose(alone[0], whole[row], rtol=1e-12, atol=1e-14), row
+
+
+def _saved_bytes(fn) -> int:
+    """Bytes of the tensors autograd keeps for backward while ``fn()`` runs (an upper bound: views
+    of one storage count once each)."""
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return total
+
+
+def test_memory_kept_for_backward_is_bounded_by_the_budget():
+    """What autograd keeps grows with B·N (the inputs' size), not with B·N·K·Q: with a 1 MiB budget
+    the pieces are recomputed in backward."""
+    gen = torch.Generator().manual_seed(1)
+    batch, items, k = 16, 300, 12
+    x = torch.randn(batch, 1, items, generator=gen).requires_grad_()
+    targets = torch.randint(0, items, (batch, 2), generator=gen)
+    budget = 2**20
+    saved = _saved_bytes(lambda: exact_log_inclusion(_summary(x, targets), [(0, k)], memory_budget=budget))
+    assert saved <= 64 * batch * items * x.element_size() + budget, saved
+
+
 def test_empty_batch_and_no_targets():
     x = torch.randn(0, 1, 5, requires_grad=True)
     out = exact_log_inclusion(_summary(x, torch.zeros(0, 2, dtype=torch.long)), [(0, 2)])
@@ -368,6 +434,14 @@ def test_empty_batch_and_no_targets():
     assert x.grad.shape == x.shape
     y = torch.randn(3, 1, 5)
     assert exact_log_inclusion(_summary(y, torch.zeros(3, 0, dtype=torch.long)), [(0, 2)]).shape == (3, 0)
+
+
+def test_bad_memory_budget_raises():
+    summary = _summary(torch.randn(1, 1, 5), torch.tensor([[0]]))
+    with pytest.raises(TypeError, match="memory_budget"):
+        exact_log_inclusion(summary, [(0, 1)], memory_budget=1.5)
+    with pytest.raises(ValueError, match="memory_budget"):
+        exact_log_inclusion(summary, [(0, 1)], memory_budget=0)
 
 
 def test_reference_agrees_with_probability_space_enumeration():
