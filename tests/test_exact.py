@@ -22,12 +22,12 @@ from tests.stats import assert_counts_match
 
 
 def _log_pi(logits: torch.Tensor, targets: torch.Tensor, num_candidates: int,
-            head_size: int | None = None) -> torch.Tensor:
+            head_size: int | None = None, **settings) -> torch.Tensor:
     catalog = DenseCatalog(logits)
     head = head_size_for(catalog.num_items, num_candidates) if head_size is None else head_size
     summary = summarize(catalog, targets, head, EXACT_NUM_POWERS)
     runs = expert_runs(num_candidates, catalog.num_experts)
-    return exact_log_inclusion(summary, runs)
+    return exact_log_inclusion(summary, runs, **settings)
 
 
 def _all_items(batch: int, num_items: int) -> torch.Tensor:
@@ -241,13 +241,13 @@ def test_node_count_does_not_grow_with_the_logit_gap(gap):
     logits[:, -5:] -= gap
     valid, no_tail = torch.ones_like(logits, dtype=torch.bool), torch.full((4,), -math.inf)
     for k in (1, 5, 10, 200):
-        g, _, g_hi = _nodes(logits, torch.ones_like(logits), valid, no_tail, k, True)
+        g, _, g_hi, _ = _nodes(logits, torch.ones_like(logits), valid, no_tail, k, True)
         assert g.shape[1] <= 100, (k, g.shape)
         assert bool((g_hi - g.min(1).values < 30.0).all())
     small = logits[:, 245:257].clone()
     small[:, :3] += gap
     small[:, -3:] -= gap
-    g, _, g_hi = _nodes(small, torch.full_like(small, 0.5), valid[:, :12], no_tail, 9, False)
+    g, _, g_hi, _ = _nodes(small, torch.full_like(small, 0.5), valid[:, :12], no_tail, 9, False)
     assert bool((g_hi - g.min(1).values > 2 * gap).all()) and g.shape[1] <= 300, g.shape
 
 
@@ -284,13 +284,12 @@ def test_fft_products_match_direct_products(dtype):
         assert torch.autograd.gradcheck(fn, args) and torch.autograd.gradgradcheck(fn, args)
 
 
-def test_node_chunks_do_not_change_the_result(monkeypatch):
+def test_node_chunks_do_not_change_the_result():
     logits = torch.randn(2, 2, 40, generator=torch.Generator().manual_seed(2), dtype=torch.float64).requires_grad_()
     items = torch.tensor([[0, 7], [39, 39]])
     whole = _log_pi(logits, items, 6)
     (grad_whole,) = torch.autograd.grad(whole.sum(), logits)
-    monkeypatch.setattr(exact_module, "_CHUNK_ELEMENTS", 1)  # one panel per chunk
-    chunked = _log_pi(logits, items, 6)
+    chunked = _log_pi(logits, items, 6, memory_budget=1)  # one row and one node per piece
     (grad_chunked,) = torch.autograd.grad(chunked.sum(), logits)
     assert torch.allclose(chunked, whole, rtol=1e-12, atol=0.0)
     assert torch.allclose(grad_chunked, grad_whole, rtol=1e-10, atol=1e-14)
