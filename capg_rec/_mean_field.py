@@ -71,7 +71,7 @@ def mean_field_log_inclusion(catalog: CatalogScores, items: Tensor, runs: Runs, 
         raise TypeError(f"tol must be a float or None, got {type(tol).__name__}")
     if tol is not None and not 0 < tol < 1:
         raise ValueError(f"tol must be in (0, 1), got {tol}")
-    if items.shape[0] == 0:
+    if items.shape[0] == 0 and isinstance(catalog, DenseCatalog):  # other catalogs may be collective: run them
         return catalog.gather(items)[:, 0] * 0.0
     head = _head_size(catalog.num_items, runs)
     dense = isinstance(catalog, DenseCatalog) or head >= catalog.num_items
