@@ -1,16 +1,20 @@
 """capg_rec: credit-assigned policy gradients as drop-in losses for early-stage retrievers."""
 
+from capg_rec import functional
+from capg_rec._checks import set_default_validate_args
 from capg_rec.catalog import CatalogScores, DenseCatalog, EmbeddingCatalog, as_catalog
-from capg_rec.losses import CAPGLoss, TOP1PGLoss, VPGLoss
-from capg_rec.marginals import DEFAULT_METHOD, METHODS, inclusion_log_prob
+from capg_rec.losses import CAPGLoss, VPGLoss
+from capg_rec.marginals import (DEFAULT_METHOD, Exact, InclusionMethod, MeanField, PlugIn, WithReplacement,
+                                inclusion_log_prob, inclusion_method, inclusion_methods, register_inclusion_method)
 from capg_rec.plackett_luce import candidate_log_prob, expert_of_position, greedy_candidates, sample_candidates
 from capg_rec.rewards import dcg_weights, group_normalize
 
 __all__ = [
-    "CAPGLoss", "TOP1PGLoss", "VPGLoss",
+    "CAPGLoss", "VPGLoss", "functional",
     "CatalogScores", "DenseCatalog", "EmbeddingCatalog", "as_catalog",
-    "DEFAULT_METHOD", "METHODS", "inclusion_log_prob",
+    "InclusionMethod", "Exact", "MeanField", "PlugIn", "WithReplacement", "DEFAULT_METHOD",
+    "inclusion_log_prob", "inclusion_method", "inclusion_methods", "register_inclusion_method",
     "candidate_log_prob", "expert_of_position", "greedy_candidates", "sample_candidates",
-    "dcg_weights", "group_normalize",
+    "dcg_weights", "group_normalize", "set_default_validate_args",
 ]
 __version__ = "0.1.0"

@@ -1,19 +1,43 @@
 """Input validation shared by the public functions (private).
 
-Every check raises ``ValueError`` naming the argument, what was expected and what was given.
+A wrong type raises ``TypeError``, a wrong value ``ValueError``; every message names the argument,
+what was expected and what was given. Structural checks (types, shapes) cost nothing and always
+run; value checks (finiteness, id ranges) are a pass over the data and a host sync each, and run
+only when validation is on (:func:`set_default_validate_args`, or an entry point's
+``validate_args``), as in ``torch.distributions``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
+__all__ = ["set_default_validate_args"]
+
+_validate_default = True
+
+
+def set_default_validate_args(value: bool) -> None:
+    """Turn the value checks of every capg_rec entry point on (the default) or off.
+
+    An entry point's own ``validate_args`` argument, when given, wins. With checks off, invalid
+    inputs give undefined results; the checks' host syncs are gone (what ``torch.compile`` needs).
+    """
+    global _validate_default
+    _validate_default = check_flag("value", value)
+
+
+def resolve_validate_args(value: bool | None) -> bool:
+    """An entry point's ``validate_args``: the module default when ``None``."""
+    return _validate_default if value is None else check_flag("validate_args", value)
+
 
 def check_positive(name: str, value: float) -> float:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise ValueError(f"{name} must be a positive number, got {value!r}")
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
     return float(value)
@@ -21,59 +45,144 @@ def check_positive(name: str, value: float) -> float:
 
 def check_flag(name: str, value: bool) -> bool:
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
     return value
 
 
 def check_count(name: str, value: int, *, low: int = 1, high: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if value < low or (high is not None and value > high):
         bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
         raise ValueError(f"{name} must be {bound}, got {value}")
     return value
 
 
-def check_float_tensor(name: str, x: object, *, ndims: tuple[int, ...]) -> Tensor:
+def check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, got {type(value).__name__}")
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
+
+
+def check_float_tensor(name: str, x: object, *, ndims: tuple[int, ...], validate: bool = True,
+                       allow_masked: bool = False) -> Tensor:
+    """A floating tensor of one of ``ndims`` dims; with ``validate``, no NaN and no ``+inf`` (and
+    no ``-inf`` either unless ``allow_masked``: ``-inf`` marks an item outside a row's catalog)."""
     if not isinstance(x, Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
-        raise ValueError(f"{name} must have a floating dtype, got {x.dtype}")
+        raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
     if x.dim() not in ndims:
         raise ValueError(f"{name} must have {' or '.join(map(str, ndims))} dims, got shape {tuple(x.shape)}")
-    if not all_finite(x):
-        raise ValueError(f"{name} must be finite (no NaN or inf)")
+    if validate and allow_masked and x.numel():
+        if not float(_memory_order(x.detach()).amax()) < math.inf:  # amax propagates NaN
+            raise ValueError(f"{name} must be finite or -inf (masked): no NaN or +inf")
+    elif validate:
+        lo, hi = value_range(x)
+        if math.isnan(lo) or math.isnan(hi) or hi == math.inf or (lo == -math.inf and not allow_masked):
+            allowed = "finite or -inf (masked)" if allow_masked else "finite"
+            raise ValueError(f"{name} must be {allowed}: no NaN{'' if allow_masked else ' or inf'}"
+                             f"{' or +inf' if allow_masked else ''}, got values in [{lo}, {hi}]")
     return x
+
+
+def value_range(x: Tensor) -> tuple[float, float]:
+    """``(min, max)`` of ``x`` (NaN if any is NaN), in one reduction over memory order (no copy)."""
+    if x.numel() == 0:
+        return 0.0, 0.0
+    lo, hi = torch.aminmax(_memory_order(x.detach()))
+    return float(lo), float(hi)
+
+
+def _memory_order(x: Tensor) -> Tensor:
+    """``x`` permuted so that its dims run in memory order (a reduction then reads it without a copy)."""
+    return x.permute(sorted(range(x.dim()), key=x.stride, reverse=True))
 
 
 def all_finite(x: Tensor) -> bool:
     """No NaN or inf in ``x``: one min/max reduction (NaN propagates), ~10x cheaper than isfinite().all()."""
-    if x.numel() == 0:
-        return True
-    x = x.detach()
-    lo, hi = torch.aminmax(x.permute(sorted(range(x.dim()), key=x.stride, reverse=True)))  # memory order: no copy
-    return math.isfinite(float(lo)) and math.isfinite(float(hi))
+    lo, hi = value_range(x)
+    return math.isfinite(lo) and math.isfinite(hi)
 
 
-def check_items(name: str, items: object, *, batch_size: int, num_items: int,
-                unique: bool = True, width: int | None = None) -> Tensor:
-    """Validate an id tensor ``[B, L]`` with ids in ``[0, num_items)``; returns it as int64."""
+def check_id_tensor(name: str, items: object, *, batch_size: int, width: int | None = None,
+                    allow_empty: bool = False) -> Tensor:
+    """Structural checks of an id tensor ``[B, L]`` (integer dtype, shape); returns it as int64."""
     if not isinstance(items, Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor of item ids, got {type(items).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor of item ids, got {type(items).__name__}")
     if items.dtype.is_floating_point or items.dtype.is_complex or items.dtype == torch.bool:
-        raise ValueError(f"{name} must have an integer dtype, got {items.dtype}")
+        raise TypeError(f"{name} must have an integer dtype, got {items.dtype}")
     if items.dim() != 2 or items.shape[0] != batch_size:
         raise ValueError(f"{name} must have shape [B={batch_size}, L], got {tuple(items.shape)}")
     if width is not None and items.shape[1] != width:
         raise ValueError(f"{name} must have {width} columns, got {items.shape[1]}")
-    if items.shape[1] == 0:
+    if items.shape[1] == 0 and not allow_empty:
         raise ValueError(f"{name} must have at least one column")
-    items = items.long()
+    return items.long()
+
+
+def check_items(name: str, items: object, *, batch_size: int, num_items: int, unique: bool = True,
+                width: int | None = None, validate: bool = True, low: int = 0) -> Tensor:
+    """An id tensor ``[B, L]``; with ``validate``, ids in ``[low, num_items)`` (``low = -1`` admits
+    padding) and, with ``unique``, no id twice in a row. Returns it as int64."""
+    items = check_id_tensor(name, items, batch_size=batch_size, width=width, allow_empty=low < 0)
+    if not validate or items.numel() == 0:
+        return items
     lo, hi = (int(v) for v in torch.aminmax(items))
-    if lo < 0 or hi >= num_items:
-        raise ValueError(f"{name} must hold ids in [0, {num_items}), got values in [{lo}, {hi}]")
+    if lo < low or hi >= num_items:
+        raise ValueError(f"{name} must hold ids in [{low}, {num_items}), got values in [{lo}, {hi}]")
     if unique and items.shape[1] > 1:
         s = items.sort(dim=1).values
-        if bool((s[:, 1:] == s[:, :-1]).any()):
+        if bool(((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any()):
             raise ValueError(f"{name} must not repeat an item within a row")
     return items
+
+
+class DeferredChecks:
+    """Value checks gathered as 0-dim bool tensors and read back in ONE host sync (:meth:`run`),
+    which raises ``ValueError`` with the first failing check's message."""
+
+    def __init__(self) -> None:
+        self._checks: list[tuple[Tensor, str]] = []
+
+    def require(self, ok: Tensor, message: str) -> None:
+        self._checks.append((ok, message))  # 0-dim
+
+    def no_nan_or_inf(self, name: str, x: Tensor, *, allow_masked: bool = False) -> None:
+        """No NaN, no ``+inf``, and no ``-inf`` unless ``allow_masked`` (then one ``amax``, which
+        propagates NaN: a third of ``aminmax``'s cost)."""
+        if x.numel() == 0:
+            return
+        x = _memory_order(x.detach())
+        if allow_masked:
+            ok = x.amax() < math.inf
+        else:
+            lo, hi = torch.aminmax(x)
+            ok = (hi < math.inf) & (lo > -math.inf)
+        self.require(ok, f"{name} must be {'finite or -inf (masked)' if allow_masked else 'finite'} "
+                         f"(no NaN or {'+inf' if allow_masked else 'inf'})")
+
+    def ids_in_range(self, name: str, items: Tensor, num_items: int) -> None:
+        if items.numel() == 0:
+            return
+        lo, hi = torch.aminmax(items)
+        self.require((lo >= 0) & (hi < num_items), f"{name} must hold ids in [0, {num_items})")
+
+    def distinct(self, name: str, items: Tensor) -> None:
+        if items.numel() == 0 or items.shape[1] < 2:
+            return
+        s = items.sort(dim=1).values
+        self.require((s[:, 1:] != s[:, :-1]).all(), f"{name} must not repeat an item within a row")
+
+    def run(self, agree: Callable[[Tensor], Tensor] | None = None) -> None:
+        """Raise the first failing check; ``agree`` combines the results with other processes (e.g.
+        :meth:`capg_rec.CatalogScores.agree`), so that every process raises the same error or none."""
+        if not self._checks:
+            return
+        local = torch.stack([ok for ok, _ in self._checks])
+        both = torch.stack([local, local if agree is None else agree(local)]).tolist()  # the one host sync
+        for here, everywhere, (_, message) in zip(*both, self._checks):
+            if not everywhere:
+                raise ValueError(message + ("" if here else " (in another process)"))

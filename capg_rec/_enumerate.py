@@ -11,6 +11,8 @@ import itertools
 import torch
 from torch import Tensor
 
+from capg_rec._numerics import safe_logsumexp
+
 
 def all_draws(num_items: int, num_candidates: int, device: torch.device | None = None) -> Tensor:
     """Every ordered sequence of ``K`` distinct ids out of ``N`` → ``[S, K]``."""
@@ -30,7 +32,11 @@ def draw_log_probs(scores: Tensor, draws: Tensor, experts: Tensor) -> Tensor:
     for k in range(k_total):
         s = scores[:, int(experts[k])]  # [B, N]
         remaining = s.unsqueeze(1).masked_fill(removed.unsqueeze(0), -torch.inf)  # [B, S, N]
-        log_prob = log_prob + s[:, draws[:, k]] - torch.logsumexp(remaining, dim=2)
+        picked = s[:, draws[:, k]]  # [B, S]; -inf for a masked item: the draw is impossible
+        drawable = picked > -torch.inf
+        rest = safe_logsumexp(remaining, dim=2)  # finite wherever the pick is drawable
+        step = torch.where(drawable, picked, 0.0) - torch.where(drawable, rest, 0.0)
+        log_prob = log_prob + torch.where(drawable, step, -torch.inf)
         removed = removed.clone()
         removed[torch.arange(num_draws), draws[:, k]] = True
     return log_prob

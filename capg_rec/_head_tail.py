@@ -47,7 +47,7 @@ def summarize(catalog: CatalogScores, targets: Tensor, head_size: int, num_power
         best = catalog.top_items(head_size)  # [B, M, H], best first
         with torch.no_grad():
             floor = catalog.gather(best[:, :, -1]).diagonal(dim1=1, dim2=2)  # expert m's own H-th
-        ids = best.reshape(batch, -1)
+        ids = best.flatten(1)
     ids = torch.cat([ids, targets], dim=1)
     sorted_ids, order = ids.sort(dim=1, stable=True)
     first = torch.ones_like(sorted_ids, dtype=torch.bool)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 _LOG_HALF = -math.log(2.0)
 
@@ -43,102 +43,226 @@ def exp_floored(x: Tensor) -> Tensor:
     return torch.exp(x.clamp(min=exp_floor(x.dtype)))
 
 
+def bound_once(cls: type[torch.autograd.Function]) -> type[torch.autograd.Function]:
+    """Class decorator: ``Function.apply`` binds its arguments to ``inspect.signature(forward)`` on every
+    call, which rebuilds the signature (~8 µs, as much as a small kernel) unless it is stored."""
+    cls.forward.__signature__ = inspect.signature(cls.forward)
+    return cls
+
+
 def _softmax_terms(x: Tensor, dim: int) -> tuple[Tensor, Tensor, Tensor]:
-    """``top = max(x)``, ``terms = exp_floored(x - top)`` and ``total = Σ terms`` along ``dim`` (kept)."""
-    top = x.amax(dim=dim, keepdim=True)
-    terms = (x - top).clamp_(min=exp_floor(x.dtype)).exp_()
+    """``top = max(x)`` (at least the lowest finite value), ``terms = exp_floored(x - top)`` and
+    ``total = Σ terms`` along ``dim`` (kept). ``-inf`` entries give floor terms, which add nothing to a
+    total >= 1 and which :func:`scaled_terms` turns into exact zeros."""
+    top = x.amax(dim=dim, keepdim=True).clamp_min_(torch.finfo(x.dtype).min)
+    terms = (x - top).clamp_min_(exp_floor(x.dtype)).exp_()
     return top, terms, terms.sum(dim=dim, keepdim=True)
+
+
+def _softmax(x: Tensor, dim: int) -> Tensor:
+    """``softmax(x)`` along ``dim`` in differentiable ops: exactly 0 (with zero gradient) at ``-inf`` and
+    below the exp floor, and on rows with nothing above it."""
+    shifted = x - x.detach().amax(dim=dim, keepdim=True).clamp(min=torch.finfo(x.dtype).min)
+    terms = torch.exp(torch.where(shifted >= exp_floor(x.dtype), shifted, -math.inf))
+    total = terms.sum(dim=dim, keepdim=True)
+    return terms / total.masked_fill(total == 0, 1.0)
 
 
 def scaled_terms(terms: Tensor, scale: Tensor) -> Tensor:
     """``terms * scale`` for ``0 <= terms <= 1`` (floored exps) and a broadcastable ``scale``,
     without subnormal numbers, here or downstream (an x86 slow path): products below
-    ``2^p·tiny`` (p = mantissa bits; fp32: 2e-31) become exactly 0, the others move by less.
+    ``2^p·tiny`` (p = mantissa bits; fp32: 2e-31) become exactly 0, and so do terms at the exp
+    floor (``-inf`` entries) whatever the scale; the others move by less than that or by
+    ``4·e^floor·|scale|`` (fp32: 1e-37 of the scale).
 
-    Adding and subtracting ``C = 2^2p·tiny / |scale|`` rounds ``terms`` to multiples of
-    ``ulp(C) >= 2^p·tiny / |scale|`` (Sterbenz: the subtraction is exact)."""
-    finfo = torch.finfo(terms.dtype)
-    shift = ((2 / finfo.eps) ** 2 * finfo.tiny) / scale.abs().clamp(min=finfo.tiny)
+    Adding and subtracting ``C = max(2^2p·tiny / |scale|, 8·e^floor / eps)`` rounds ``terms`` to
+    multiples of ``ulp(C)`` (Sterbenz: the subtraction is exact). When the product is recorded for
+    a higher-order backward the rounding would give wrong derivatives (at ``scale = 0`` every term
+    rounds to 0), so there only the floor terms are zeroed. float16 (no exp floor, and a normal range
+    too narrow for the shift) gets the plain product.
+    """
+    if terms.dtype == torch.float16:
+        return terms * scale
+    kept, low, tiny, top = _FLUSH[terms.dtype]
+    if torch.is_grad_enabled() and (terms.requires_grad or scale.requires_grad):
+        return torch.where(terms >= kept, terms, 0.0) * scale
+    shift = scale.abs().clamp(min=tiny, max=top).reciprocal_().mul_(low)
     return (terms + shift).sub_(shift).mul_(scale)
 
 
+def _flush_constants(dtype: torch.dtype) -> tuple[float, float, float, float]:
+    """:func:`scaled_terms`' constants: the smallest term kept (``2·e^floor``), ``2^2p·tiny``, and the
+    scales below and above which the shift stops growing or shrinking."""
+    finfo = torch.finfo(dtype)
+    floor = math.exp(exp_floor(dtype))
+    low = (2 / finfo.eps) ** 2 * finfo.tiny
+    return 2 * floor, low, finfo.tiny, low * finfo.eps / (8 * floor)
+
+
+_FLUSH = {dtype: _flush_constants(dtype) for dtype in (torch.bfloat16, torch.float32, torch.float64)}
+
+
+@bound_once
+class _SoftmaxGrad(torch.autograd.Function):
+    """The backward of the Functions below as a Function of its own, so that it is differentiable in
+    turn: ``coef · softmax(x) + scatter_add(index, named)`` along ``dim`` → shape of ``x``, where the
+    softmax leaves out the entries named in ``index`` if ``rest`` is set.
+
+    The forward reuses the floored exps ``terms`` and their ``total`` (> 0); the backward recomputes
+    the softmax from ``x`` in differentiable ops.
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: Tensor, coef: Tensor, named: Tensor | None, terms: Tensor, total: Tensor,
+                index: Tensor | None, dim: int, rest: bool) -> Tensor:
+        grad = scaled_terms(terms, coef / total)
+        return grad if named is None else grad.scatter_add_(dim, index, named)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: Tensor) -> None:
+        x, coef, named, _, _, index, dim, rest = inputs
+        ctx.save_for_backward(x, coef, index)
+        ctx.dim, ctx.rest, ctx.has_named = dim, rest, named is not None
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x, coef, index = ctx.saved_tensors
+        dim = ctx.dim
+        p = _softmax(x.scatter(dim, index, -math.inf) if ctx.rest else x, dim)
+        weighted = grad * p
+        mean = weighted.sum(dim=dim, keepdim=True)  # <grad, p>: d/d coef
+        grad_named = grad.gather(dim, index) if ctx.has_named else None
+        return coef * (weighted - p * mean), mean, grad_named, None, None, None, None, None
+
+
+def _softmax_grad(x: Tensor, coef: Tensor, named: Tensor | None, terms: Tensor, total: Tensor,
+                  index: Tensor | None, dim: int, rest: bool) -> Tensor:
+    """:class:`_SoftmaxGrad`, as a node of the graph only when the backward is itself recorded (a
+    higher-order gradient); a plain backward skips the node's cost."""
+    if torch.is_grad_enabled():
+        return _SoftmaxGrad.apply(x, coef, named, terms, total, index, dim, rest)
+    return _SoftmaxGrad.forward(x, coef, named, terms, total, index, dim, rest)
+
+
+@bound_once
 class _LogSumExp(torch.autograd.Function):
-    """``logsumexp`` of finite ``x`` whose exps are floored (:func:`exp_floored`), so confident
-    scores (spreads beyond ~87 in fp32) stay on the fast path; gradient = the (floored) softmax."""
+    """``logsumexp`` of ``x`` (``-inf`` allowed) whose exps are floored (:func:`exp_floored`), so
+    confident scores (spreads beyond ~87 in fp32) stay on the fast path; gradient = the (floored)
+    softmax, through :class:`_SoftmaxGrad`. Returns ``(out, terms, total)``; the last two are for the
+    backward only."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, x: Tensor, dim: int) -> Tensor:
+    def forward(x: Tensor, dim: int) -> tuple[Tensor, Tensor, Tensor]:
         top, terms, total = _softmax_terms(x, dim)
-        ctx.save_for_backward(terms, total)  # all the backward needs: x itself is not kept
-        ctx.dim = dim
-        return (top + total.log()).squeeze(dim)
+        return (top + total.log()).squeeze(dim), terms, total
 
     @staticmethod
-    @once_differentiable
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
-        terms, total = ctx.saved_tensors
-        return scaled_terms(terms, grad.unsqueeze(ctx.dim) / total), None
+    def setup_context(ctx, inputs: tuple, output: tuple) -> None:
+        x, dim = inputs
+        _, terms, total = output
+        ctx.mark_non_differentiable(terms, total)
+        ctx.set_materialize_grads(False)  # no [..., N] zeros for the gradients of terms and total
+        ctx.save_for_backward(x, terms, total)
+        ctx.dim = dim
+
+    @staticmethod
+    def backward(ctx, grad: Tensor | None, *_) -> tuple[Tensor | None, None]:
+        if grad is None:  # grads are not materialized
+            return None, None
+        x, terms, total = ctx.saved_tensors
+        return _softmax_grad(x, grad.unsqueeze(ctx.dim), None, terms, total, None, ctx.dim, False), None
 
 
+@bound_once
 class _LogSoftmaxAt(torch.autograd.Function):
-    """``x.gather(dim, index) - logsumexp(x, dim)`` of finite ``x`` as one autograd node, with the
-    exps floored as in :class:`_LogSumExp`: the backward is one scaled softmax plus a scatter-add."""
+    """``x.gather(dim, index) - logsumexp(x, dim)`` (``-inf`` allowed) as one autograd node, with the
+    exps floored as in :class:`_LogSumExp`: the backward is one scaled softmax plus a scatter-add. A
+    named ``-inf`` entry gives ``-inf`` and passes no gradient."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, x: Tensor, index: Tensor, dim: int) -> Tensor:
+    def forward(x: Tensor, index: Tensor, dim: int) -> tuple[Tensor, Tensor, Tensor]:
         top, terms, total = _softmax_terms(x, dim)
-        ctx.save_for_backward(terms, total, index)
-        ctx.dim = dim
-        return (x.gather(dim, index) - top).sub_(total.log())  # shifted first: exact near the top
+        return (x.gather(dim, index) - top).sub_(total.log()), terms, total  # shifted first: exact near the top
 
     @staticmethod
-    @once_differentiable
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
-        terms, total, index = ctx.saved_tensors
-        grad_x = scaled_terms(terms, grad.sum(dim=ctx.dim, keepdim=True).neg_() / total)
-        return grad_x.scatter_add_(ctx.dim, index, grad), None, None
+    def setup_context(ctx, inputs: tuple, output: tuple) -> None:
+        x, index, dim = inputs
+        out, terms, total = output
+        ctx.mark_non_differentiable(terms, total)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x, index, out, terms, total)
+        ctx.dim = dim
+
+    @staticmethod
+    def backward(ctx, grad: Tensor | None, *_) -> tuple[Tensor | None, None, None]:
+        if grad is None:
+            return None, None, None
+        x, index, out, terms, total = ctx.saved_tensors
+        grad = grad.masked_fill(out == -math.inf, 0.0)
+        coef = grad.sum(dim=ctx.dim, keepdim=True).neg_()
+        return _softmax_grad(x, coef, grad, terms, total, index, ctx.dim, False), None, None
 
 
 def log_softmax_at(x: Tensor, index: Tensor, dim: int) -> Tensor:
-    """``log_softmax(x, dim).gather(dim, index)`` of finite ``x`` without the ``[..., N]`` output:
-    e.g. ``x [B, M, N]``, ``index [B, M, L]`` → ``[B, M, L]``."""
-    return _LogSoftmaxAt.apply(x, index, dim)
+    """``log_softmax(x, dim).gather(dim, index)`` without the ``[..., N]`` output: e.g. ``x [B, M, N]``,
+    ``index [B, M, L]`` → ``[B, M, L]``. ``-inf`` entries of ``x`` are masked: a named one gives
+    ``-inf``; none gets a gradient."""
+    return _LogSoftmaxAt.apply(x, index, dim)[0]
 
 
+@bound_once
 class _GatherWithRest(torch.autograd.Function):
-    """``(x.gather(dim, index), logsumexp of x over the entries not in index)`` of finite ``x`` as
-    one node, exps floored as in :class:`_LogSumExp`; the backward is one scaled softmax with the
-    named entries overwritten (no ``[..., N]`` zeros, scatter copy or accumulation)."""
+    """``(x.gather(dim, index), logsumexp of x over the entries not in index)`` (``-inf`` allowed) as
+    one node, exps floored as in :class:`_LogSumExp`; the backward is one scaled softmax in which the
+    named entries are exact zeros, plus a scatter-add (no ``[..., N]`` zeros or scatter copy)."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, x: Tensor, index: Tensor, dim: int) -> tuple[Tensor, Tensor]:
-        lowest = torch.finfo(x.dtype).min
-        top, terms, total = _softmax_terms(x.scatter(dim, index, lowest), dim)
-        ctx.save_for_backward(terms, total, index)
+    def forward(x: Tensor, index: Tensor, dim: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        top, terms, total = _softmax_terms(x.scatter(dim, index, -math.inf), dim)
+        rest = _empty_to_minus_inf((top + total.log()).squeeze(dim))
+        # Nothing left (total = N·e^floor): a total of 1 keeps the backward's scale finite, and the
+        # floor terms still come out as exact zeros.
+        return x.gather(dim, index), rest, terms, total.clamp_min_(1.0)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: tuple) -> None:
+        x, index, dim = inputs
+        named, _, terms, total = output
+        ctx.mark_non_differentiable(terms, total)
+        ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None
+        ctx.save_for_backward(x, index, named, terms, total)
         ctx.dim = dim
-        return x.gather(dim, index), _empty_to_minus_inf((top + total.log()).squeeze(dim))
 
     @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_named: Tensor | None, grad_rest: Tensor | None) -> tuple[Tensor, None, None]:
-        terms, total, index = ctx.saved_tensors
-        dim = ctx.dim
-        grad_x = scaled_terms(terms, grad_rest.unsqueeze(dim) / total) if grad_rest is not None \
-            else torch.zeros_like(terms)
-        grad_x.scatter_(dim, index, 0.0)  # the named entries are not in the rest
-        return (grad_x if grad_named is None else grad_x.scatter_add_(dim, index, grad_named)), None, None
+    def backward(ctx, grad_named: Tensor | None, grad_rest: Tensor | None, *_) -> tuple[Tensor | None, None, None]:
+        if grad_named is None and grad_rest is None:
+            return None, None, None
+        x, index, named, terms, total = ctx.saved_tensors
+        if grad_named is not None:
+            grad_named = grad_named.masked_fill(named == -math.inf, 0.0)
+        coef = torch.zeros_like(total) if grad_rest is None else grad_rest.unsqueeze(ctx.dim)
+        return _softmax_grad(x, coef, grad_named, terms, total, index, ctx.dim, True), None, None
 
 
 def gather_with_rest(x: Tensor, index: Tensor, dim: int) -> tuple[Tensor, Tensor]:
     """``x.gather(dim, index)`` and the ``logsumexp`` of ``x`` over every other entry (``-inf`` if
-    none is left), for finite ``x``: e.g. ``x [B, M, N]``, ``index [B, M, K]`` → ``[B, M, K]``, ``[B, M]``."""
-    return _GatherWithRest.apply(x, index, dim)
+    none is left): e.g. ``x [B, M, N]``, ``index [B, M, K]`` → ``[B, M, K]``, ``[B, M]``. ``-inf``
+    entries of ``x`` are masked: they add nothing and get no gradient."""
+    return _GatherWithRest.apply(x, index, dim)[:2]
 
 
 def filled_logsumexp(x: Tensor, dim: int) -> Tensor:
-    """``logsumexp`` of finite ``x`` whose dropped entries hold the dtype's lowest finite value;
+    """``logsumexp`` of ``x`` whose dropped entries hold the dtype's lowest finite value or ``-inf``;
     ``-inf`` (with zero grad) where all were dropped."""
-    return _empty_to_minus_inf(_LogSumExp.apply(x, dim))
+    return _empty_to_minus_inf(_LogSumExp.apply(x, dim)[0])
 
 
 def _empty_to_minus_inf(out: Tensor) -> Tensor:
@@ -214,3 +338,45 @@ def log1mexp_exp(y: Tensor) -> Tensor:
     y_small = torch.where(small, y, torch.full_like(y, -20.0))
     y_big = torch.where(small, torch.zeros_like(y), y).clamp(max=30.0)  # beyond 30 the value is 0
     return torch.where(small, y_small - 0.5 * torch.exp(y_small), log1mexp(-torch.exp(y_big)))
+
+
+def safe_logsumexp(x: Tensor, dim: int) -> Tensor:
+    """``torch.logsumexp`` whose value and gradients (all orders) stay NaN-free when every entry
+    along ``dim`` is ``-inf`` (a masked item's terms): then ``-inf`` with zero gradient."""
+    top = x.detach().amax(dim=dim, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    total = torch.exp(x - top).sum(dim=dim, keepdim=True)
+    some = total > 0
+    out = torch.where(some, torch.log(torch.where(some, total, torch.ones_like(total))) + top, -math.inf)
+    return out.squeeze(dim)
+
+
+_CUMSUM_SPREAD = 700.0  # float64 exps of arguments above -700 neither underflow nor lose the sum
+
+
+def reverse_logcumsumexp(x: Tensor, dim: int) -> Tensor:
+    """``log Σ_{j ≥ k} exp(x_j)`` along ``dim`` (e.g. ``[B, M, K]``, small K).
+
+    On the CPU, ``torch.logcumsumexp`` is a serial log-add per element (1.9 ms fwd+bwd at
+    ``[128, 1, 200]``); when every entry lies within 700 of its row's maximum, a float64 suffix sum
+    of ``exp(x - max)`` is exact to float32 and ~10x faster. Otherwise (extreme spreads, ``-inf``),
+    on other devices, under ``torch.compile`` and under ``torch.func`` transforms, it is
+    ``torch.logcumsumexp`` itself."""
+    if x.device.type == "cpu" and x.numel() and not torch.compiler.is_compiling() \
+            and not torch._C._functorch.is_functorch_wrapped_tensor(x):  # no host read under vmap/grad
+        top = x.detach().amax(dim=dim, keepdim=True)
+        shifted = x.double() - top
+        if float(shifted.detach().amin()) > -_CUMSUM_SPREAD:  # a host read of a CPU tensor: no device sync
+            suffix = shifted.exp().flip(dim).cumsum(dim).flip(dim)
+            return (suffix.log() + top).to(x.dtype)
+    return torch.logcumsumexp(x.flip(dim), dim).flip(dim)
+
+
+def safe_logaddexp(a: Tensor, b: Tensor) -> Tensor:
+    """``torch.logaddexp`` whose second derivatives are right when an argument is ``-inf``
+    (torch's are not) and whose gradients stay NaN-free when both are."""
+    top = torch.maximum(a, b).detach()
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    total = torch.exp(a - top) + torch.exp(b - top)
+    some = total > 0
+    return torch.where(some, torch.log(torch.where(some, total, torch.ones_like(total))) + top, -math.inf)

@@ -23,16 +23,17 @@ import time
 import numpy as np
 import torch
 
-ESTIMATORS = ("bare", "vpg", "vpg_swr", "capg_exact", "capg_mean_field", "capg_plugin", "top1")
+ESTIMATORS = ("bare", "vpg", "vpg_swr", "capg_exact", "capg_mean_field", "capg_plugin", "capg_swr")
 
 
 def _loss(name: str, k: int):
-    from capg_rec import CAPGLoss, TOP1PGLoss, VPGLoss
+    from capg_rec import CAPGLoss, VPGLoss
 
     return {"vpg": lambda: VPGLoss(k), "vpg_swr": lambda: VPGLoss(k, with_replacement=True),
             "capg_exact": lambda: CAPGLoss(k, method="exact"),
             "capg_mean_field": lambda: CAPGLoss(k, method="mean_field"),
-            "capg_plugin": lambda: CAPGLoss(k, method="plugin"), "top1": lambda: TOP1PGLoss(k)}[name]()
+            "capg_plugin": lambda: CAPGLoss(k, method="plugin"),
+            "capg_swr": lambda: CAPGLoss(k, method="with_replacement")}[name]()
 
 
 def _rss_mib() -> float:
@@ -120,7 +121,7 @@ def _format_cost(row: dict) -> str:
 def accuracy_table(num_samples: int, seed: int = 0) -> list[dict]:
     """Mean relative error of each method at N = 1000, standard-normal logits: against a
     Monte-Carlo estimate (items seen ≥ 100 times) and against the exact method (all items)."""
-    from capg_rec import METHODS, inclusion_log_prob, sample_candidates
+    from capg_rec import inclusion_log_prob, inclusion_method, inclusion_methods, sample_candidates
 
     rows = []
     gen = torch.Generator().manual_seed(seed)
@@ -138,9 +139,9 @@ def accuracy_table(num_samples: int, seed: int = 0) -> list[dict]:
             row = {"tau": tau, "K": k, "mc_items": int(seen.sum()),
                    "mc_se": float(np.mean(np.sqrt((1 - p_mc[seen]) / (p_mc[seen] * num_samples))))}
             probs = {}
-            for method in METHODS:
+            for method in inclusion_methods():
                 p = inclusion_log_prob(logits, items, k, temperature=tau, method=method).exp()[0]
-                if method == "swr":  # Σ_k π(a) → P(drawn at least once in K draws with replacement)
+                if not inclusion_method(method).is_probability:  # E[count] → P(drawn at least once)
                     p = 1 - (1 - p / k) ** k
                 probs[method] = p.numpy()
             for method, p in probs.items():

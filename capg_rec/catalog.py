@@ -27,9 +27,9 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from capg_rec._checks import check_count, check_flag, check_float_tensor, check_positive
-from capg_rec._numerics import (exp_floored, filled_logsumexp, gather_with_rest, gumbel_like, gumbel_top_k,
-                               log_softmax_at, scaled_terms)
+from capg_rec._checks import check_count, check_float_tensor, check_items, check_positive, resolve_validate_args
+from capg_rec._numerics import (bound_once, exp_floored, filled_logsumexp, gather_with_rest, gumbel_like,
+                               gumbel_top_k, log_softmax_at, scaled_terms)
 
 __all__ = ["CatalogScores", "DenseCatalog", "EmbeddingCatalog", "as_catalog"]
 
@@ -39,7 +39,9 @@ class CatalogScores(abc.ABC):
 
     Implementations must provide the attributes ``batch_size``, ``num_experts``, ``num_items``,
     ``dtype``, ``device`` and the three reductions below. Item ids are global catalog ids in
-    ``[0, num_items)``; an ``exclude`` tensor ``[B, E]`` may be padded with ``-1``.
+    ``[0, num_items)``; an ``exclude`` tensor ``[B, E]`` may be padded with ``-1``. A score of
+    ``-inf`` marks an item outside a row's catalog (masked): it is never drawn, has probability
+    0 and gets no gradient. ``dtype`` is the compute dtype: float32 for half-precision inputs.
     """
 
     batch_size: int
@@ -69,6 +71,16 @@ class CatalogScores(abc.ABC):
         Excluded items are never returned. No gradient.
         """
 
+    def agree(self, passed: Tensor) -> Tensor:
+        """Input checks' results ``passed [C]`` (bool) → True where a check passed in every process that
+        shares this catalog, so that all of them raise or none does (default: one process)."""
+        return passed
+
+    def num_available(self) -> Tensor:
+        """Items not masked, per row and expert → ``LongTensor[B, M]`` (default: every item)."""
+        return torch.full((self.batch_size, self.num_experts), self.num_items, dtype=torch.long,
+                          device=self.device)
+
     def log_normalizer(self) -> Tensor:
         """``logsumexp_n s[b, m, n]`` → ``[B, M]`` (differentiable)."""
         return self.log_power_sums(None, 1)[..., 0]
@@ -85,7 +97,7 @@ class CatalogScores(abc.ABC):
 
 
 def as_catalog(scores: Tensor | CatalogScores, temperature: float = 1.0, *,
-               validate_args: bool = True) -> CatalogScores:
+               validate_args: bool | None = None) -> CatalogScores:
     """Wrap logits ``[B, N]`` / ``[B, M, N]`` in a :class:`DenseCatalog`; pass catalogs through.
 
     A catalog object carries its own temperature, so ``temperature`` must then be 1.
@@ -96,7 +108,15 @@ def as_catalog(scores: Tensor | CatalogScores, temperature: float = 1.0, *,
             raise ValueError("temperature must be 1.0 when a CatalogScores object is given: "
                              f"set the temperature on the catalog instead (got {temperature})")
         return scores
+    if not isinstance(scores, Tensor):
+        raise TypeError(f"logits must be a torch.Tensor or a CatalogScores, got {type(scores).__name__}")
     return DenseCatalog(scores, temperature, validate_args=validate_args)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype probabilities are computed in: float32 for half precision (whose 10- or 7-bit
+    mantissas and, for float16, range cannot hold log-probabilities), else ``dtype`` itself."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def _exclusion_mask(exclude: Tensor | None, batch_size: int, start: int, stop: int,
@@ -123,19 +143,26 @@ def _select(x: Tensor, experts: Sequence[int]) -> Tensor:
 class DenseCatalog(CatalogScores):
     """A catalog given as a logits tensor ``[B, N]`` (one logit model) or ``[B, M, N]`` (MoE).
 
-    ``validate_args=False`` skips the check that ``logits`` are finite (one catalog-wide pass and
-    a host sync), for callers that have checked them already; non-finite logits then give
-    undefined results.
+    Args:
+        logits: ``[B, N]`` or ``[B, M, N]``; ``-inf`` masks an item out of a row's catalog.
+            float16/bfloat16 logits are computed in float32 (their gradients come back in their dtype).
+        temperature: τ > 0; the scores are ``logits / τ``.
+        validate_args: check that the logits hold no NaN or ``+inf`` (a pass and a host sync);
+            ``None`` takes :func:`capg_rec.set_default_validate_args`'s default.
     """
 
-    def __init__(self, logits: Tensor, temperature: float = 1.0, *, validate_args: bool = True) -> None:
-        if check_flag("validate_args", validate_args):
-            logits = check_float_tensor("logits", logits, ndims=(2, 3))
+    def __init__(self, logits: Tensor, temperature: float = 1.0, *, validate_args: bool | None = None) -> None:
+        logits = check_float_tensor("logits", logits, ndims=(2, 3), validate=resolve_validate_args(validate_args),
+                                    allow_masked=True)
         tau = check_positive("temperature", temperature)
         scores = logits.unsqueeze(1) if logits.dim() == 2 else logits
+        scores = scores.to(compute_dtype(scores.dtype))
         self.scores = scores / tau if tau != 1.0 else scores  # [B, M, N]
         self.batch_size, self.num_experts, self.num_items = self.scores.shape
         self.dtype, self.device = self.scores.dtype, self.scores.device
+
+    def num_available(self) -> Tensor:
+        return (self.scores > -math.inf).sum(2)
 
     def gather(self, items: Tensor) -> Tensor:
         return self.scores.gather(2, self._per_expert(items))
@@ -150,16 +177,14 @@ class DenseCatalog(CatalogScores):
         return items.unsqueeze(1).expand(-1, self.num_experts, -1)
 
     def _drop(self, scores: Tensor, exclude: Tensor | None, value: float) -> Tensor:
-        """``scores [B, E, N]`` with each row's excluded items set to ``value`` (differentiable)."""
+        """``scores [B, E, N]`` with each row's excluded items set to ``value`` (differentiable).
+
+        One scatter of E writes per row (no ``[B, N]`` mask, no host sync); padding (``-1``) writes
+        to a spare last column. (A scatter-min without the spare column has a 6x slower backward.)"""
         if exclude is None or exclude.numel() == 0:
             return scores
-        inside = (exclude >= 0) & (exclude < self.num_items)
-        if not bool(inside.all()):  # padding: repeat one of the row's real ids, if it has one
-            if not bool(inside.any(1).all()):
-                mask = _exclusion_mask(exclude, self.batch_size, 0, self.num_items, self.device)
-                return scores.masked_fill(mask.unsqueeze(1), value)
-            exclude = torch.where(inside, exclude, exclude.gather(1, inside.int().argmax(1, keepdim=True)))
-        return scores.scatter(2, exclude.unsqueeze(1).expand(-1, scores.shape[1], -1), value)  # no [B, N] mask
+        index = torch.where(exclude >= 0, exclude, self.num_items).unsqueeze(1).expand(-1, scores.shape[1], -1)
+        return torch.nn.functional.pad(scores, (0, 1)).scatter(2, index, value)[..., :-1]
 
     def log_power_sums(self, exclude: Tensor | None = None, num_powers: int = 1) -> Tensor:
         check_count("num_powers", num_powers)
@@ -176,19 +201,30 @@ class DenseCatalog(CatalogScores):
             return s.topk(k, dim=2).indices
 
 
+def _overflow_error(dtype: torch.dtype) -> ValueError:
+    return ValueError(f"user and item embeddings give scores <user, item> that overflow {dtype} (inf or NaN): "
+                      "scale them down (or the temperature up), or compute in float64")
+
+
+@bound_once
 class _ChunkedLogPowerSums(torch.autograd.Function):
     """``log Σ_n exp(p · <u[b,m], v[n,m]>)`` over non-excluded n, streamed over item chunks.
 
-    Backward recomputes each chunk's scores, so no ``[B, M, N]`` tensor is ever kept.
+    Backward recomputes each chunk's scores, so no ``[B, M, N]`` tensor is ever kept; it is written in
+    differentiable ops, so it has a backward in turn (which keeps ``O(B·M·chunk)`` per chunk).
+    ``check_finite`` raises a ValueError where a score or a power sum overflows (one host sync).
     """
 
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, user: Tensor, item: Tensor, exclude: Tensor | None, num_powers: int,
-                chunk_size: int) -> Tensor:
+    def forward(user: Tensor, item: Tensor, exclude: Tensor | None, num_powers: int, chunk_size: int,
+                check_finite: bool = False) -> Tensor:
         batch, experts, _ = user.shape
         lowest = torch.finfo(user.dtype).min
         powers = torch.arange(1, num_powers + 1, dtype=user.dtype, device=user.device)
         out = torch.full((batch, experts, num_powers), -torch.inf, dtype=user.dtype, device=user.device)
+        finite = []  # per chunk: no score is +inf or NaN, and no row of a chunk overflowed to -inf
         for start in range(0, item.shape[0], chunk_size):
             stop = min(start + chunk_size, item.shape[0])
             s = torch.einsum("bmd,nmd->bmn", user, item[start:stop])
@@ -196,49 +232,68 @@ class _ChunkedLogPowerSums(torch.autograd.Function):
             if mask is not None:
                 s = s.masked_fill(mask.unsqueeze(1), lowest)
             top = s.amax(dim=2, keepdim=True)  # `lowest` where the whole chunk is excluded
+            if check_finite:
+                finite.append(torch.isfinite(top).all())
             d = s - top
             sums = torch.stack([exp_floored(d if p == 1 else p * d).sum(2) for p in range(1, num_powers + 1)], -1)
             part = (sums.log() + powers * top).masked_fill(top <= lowest / 2, -torch.inf)
             out = torch.logaddexp(out, part)
-        ctx.save_for_backward(user, item, out, exclude if exclude is not None else torch.empty(0))
-        ctx.chunk_size, ctx.has_exclude = chunk_size, exclude is not None
+        if check_finite and not bool(torch.stack([*finite, (out < math.inf).all()]).all()):
+            raise _overflow_error(user.dtype)
         return out
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor):
+    def setup_context(ctx, inputs: tuple, output: Tensor) -> None:
+        user, item, exclude, _, chunk_size, _ = inputs
+        ctx.save_for_backward(user, item, output, exclude)
+        ctx.chunk_size = chunk_size
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor, Tensor, None, None, None, None]:
         user, item, out, exclude = ctx.saved_tensors
-        exclude = exclude if ctx.has_exclude else None
         batch, num_powers = user.shape[0], out.shape[-1]
+        lowest = torch.finfo(user.dtype).min
         powers = torch.arange(1, num_powers + 1, dtype=user.dtype, device=user.device)
         # d out_p / d s = p · exp(p·s - out_p) = p · r^p · exp(p·out_1 - out_p), r = exp(s - out_1) ≤ 1;
         # rows with no support (out = -inf) get no gradient.
-        finite = torch.isfinite(out)
-        log_z = torch.where(finite[..., :1], out[..., :1], torch.zeros_like(out[..., :1]))  # [B, M, 1]
-        scale = torch.exp(torch.where(finite, powers * log_z - out, torch.zeros_like(out)))
-        coef = torch.where(finite, grad_out * powers * scale, torch.zeros_like(grad_out))  # [B, M, P]
-        grad_user = torch.zeros_like(user)
-        grad_item = torch.zeros_like(item)
+        empty = out == -torch.inf
+        log_z = out[..., :1].masked_fill(empty[..., :1], 0.0)  # [B, M, 1]
+        scale = torch.exp((powers * log_z - out).masked_fill(empty, 0.0))
+        coef = (grad_out * powers * scale).masked_fill(empty, 0.0)  # [B, M, P]
+        grad_user, parts = torch.zeros_like(user), []
+        # A recorded (higher-order) backward, or one under vmap, collects the chunks out of place.
+        grad_item = None if torch.is_grad_enabled() else torch.zeros_like(item)
         for start in range(0, item.shape[0], ctx.chunk_size):
             stop = min(start + ctx.chunk_size, item.shape[0])
             v = item[start:stop]
-            d = torch.einsum("bmd,nmd->bmn", user, v) - log_z  # log r
+            s = torch.einsum("bmd,nmd->bmn", user, v)
+            mask = _exclusion_mask(exclude, batch, start, stop, user.device)
+            if mask is not None:  # their exps land on the floor, which scaled_terms turns into exact zeros
+                s = s.masked_fill(mask.unsqueeze(1), lowest)
+            d = s - log_z  # log r
             grad_s = sum(scaled_terms(exp_floored(d if p == 1 else p * d), coef[..., p - 1:p])
                          for p in range(1, num_powers + 1))
-            mask = _exclusion_mask(exclude, batch, start, stop, user.device)
-            if mask is not None:
-                grad_s = grad_s.masked_fill(mask.unsqueeze(1), 0.0)
-            grad_user += torch.einsum("bmn,nmd->bmd", grad_s, v)
-            grad_item[start:stop] = torch.einsum("bmn,bmd->nmd", grad_s, user)
-        return grad_user, grad_item, None, None, None
+            grad_user = grad_user + torch.einsum("bmn,nmd->bmd", grad_s, v)
+            part = torch.einsum("bmn,bmd->nmd", grad_s, user)
+            if grad_item is None:
+                parts.append(part)
+            else:
+                grad_item[start:stop] = part
+        if grad_item is None:
+            grad_item = torch.cat(parts) if parts else torch.zeros_like(item)
+        return grad_user, grad_item, None, None, None, None
 
 
 def _chunked_top_k(user: Tensor, item: Tensor, k: int, exclude: Tensor | None,
-                   noise: Callable[[int, int], Tensor] | None, chunk_size: int) -> tuple[Tensor, Tensor]:
+                   noise: Callable[[int, int], Tensor] | None, chunk_size: int,
+                   check_finite: bool = False) -> tuple[Tensor, Tensor]:
     """The ``min(k, N)`` best of ``<user[b,m], item[n,m]> + noise(start, stop)[b,m,n-start]``.
 
     ``user [B, M, D]``, ``item [N, M, D]``, streamed over ``chunk_size`` items; ``noise`` (or None)
     gives the perturbation of items ``[start, stop)`` as ``[B, M, stop - start]``. Returns
     ``(values, ids) [B, M, min(k, N)]``, best first, ids in ``[0, N)``; excluded items score -inf.
+    ``check_finite`` raises a ValueError where a score is +inf or NaN (read off the best values: one
+    host sync); scores that overflow to -inf rank last, as excluded items do.
     """
     batch, num_sel = user.shape[:2]
     best_val = torch.full((batch, num_sel, 0), -torch.inf, dtype=user.dtype, device=user.device)
@@ -255,6 +310,8 @@ def _chunked_top_k(user: Tensor, item: Tensor, k: int, exclude: Tensor | None,
             ids = torch.arange(start, stop, device=user.device).expand(batch, num_sel, -1)
             best_val, pos = torch.cat([best_val, s], 2).topk(min(k, best_val.shape[2] + stop - start), dim=2)
             best_idx = torch.cat([best_idx, ids], 2).gather(2, pos)
+    if check_finite and not bool((best_val[..., :1] < math.inf).all()):  # NaN and +inf sort first
+        raise _overflow_error(user.dtype)
     return best_val, best_idx
 
 
@@ -274,30 +331,67 @@ def _expert_views(user: Tensor, item: Tensor) -> tuple[Tensor, Tensor]:
 class EmbeddingCatalog(CatalogScores):
     """A catalog scored from embeddings: ``s[b, m, n] = <user[b, m], item[n, m]> / τ``.
 
-    ``user`` is ``[B, D]`` or ``[B, M, D]``; ``item`` is ``[N, D]`` or ``[N, M, D]``. Catalog-wide
-    reductions stream over ``chunk_size`` items at a time, with recomputation in backward, so
-    memory is ``O(B·M·chunk_size)`` beyond the embeddings themselves.
+    Catalog-wide reductions stream over ``chunk_size`` items at a time, with recomputation in
+    backward, so memory is ``O(B·M·chunk_size)`` beyond the embeddings themselves.
+
+    Args:
+        user: ``[B, D]`` or ``[B, M, D]``.
+        item: ``[N, D]`` or ``[N, M, D]``, same dtype (float16/bfloat16 are computed in float32).
+        temperature: τ > 0.
+        masked_items: ``[B, E]`` ids of items outside each row's catalog (already seen,
+            unavailable), padded with ``-1``; they score ``-inf``.
+        chunk_size: items scored at once.
+        validate_args: check that the embeddings are finite, that their scores do not overflow
+            and that ``masked_items`` holds ids in ``[-1, N)``; ``None`` takes the module default.
+
+    Example:
+        >>> catalog = EmbeddingCatalog(torch.randn(4, 8), torch.randn(100, 8), masked_items=torch.tensor([[3, -1]] * 4))
+        >>> candidates = capg_rec.sample_candidates(catalog, 10)
     """
 
-    def __init__(self, user: Tensor, item: Tensor, temperature: float = 1.0, *,
-                 chunk_size: int = 8192) -> None:
-        user = check_float_tensor("user", user, ndims=(2, 3))
-        item = check_float_tensor("item", item, ndims=(2, 3))
+    def __init__(self, user: Tensor, item: Tensor, temperature: float = 1.0, *, masked_items: Tensor | None = None,
+                 chunk_size: int = 8192, validate_args: bool | None = None) -> None:
+        self.validate = resolve_validate_args(validate_args)
+        user = check_float_tensor("user", user, ndims=(2, 3), validate=self.validate)
+        item = check_float_tensor("item", item, ndims=(2, 3), validate=self.validate)
         tau = check_positive("temperature", temperature)
         self.chunk_size = check_count("chunk_size", chunk_size)
         user, item = _expert_views(user, item)
+        dtype = compute_dtype(user.dtype)
+        user, item = user.to(dtype), item.to(dtype)
         self.user = user / tau if tau != 1.0 else user  # [B, M, D], temperature folded in
         self.item = item  # [N, M, D]
         self.batch_size, self.num_experts = self.user.shape[:2]
         self.num_items = item.shape[0]
-        self.dtype, self.device = user.dtype, user.device
+        self.dtype, self.device = dtype, user.device
+        self.masked_items = None if masked_items is None else check_items(
+            "masked_items", masked_items, batch_size=self.batch_size, num_items=self.num_items, unique=False,
+            validate=self.validate, low=-1)
+
+    def num_available(self) -> Tensor:
+        if self.masked_items is None:
+            return super().num_available()
+        s = self.masked_items.sort(dim=1).values
+        distinct = s >= 0
+        distinct[:, 1:] &= s[:, 1:] != s[:, :-1]
+        return (self.num_items - distinct.sum(1)).unsqueeze(1).expand(-1, self.num_experts)
+
+    def _with_masked(self, exclude: Tensor | None) -> Tensor | None:
+        if self.masked_items is None or exclude is None:
+            return self.masked_items if exclude is None else exclude
+        return torch.cat([self.masked_items, exclude], dim=1)
 
     def gather(self, items: Tensor) -> Tensor:
-        return torch.einsum("bmd,blmd->bml", self.user, self.item[items])
+        scores = torch.einsum("bmd,blmd->bml", self.user, self.item[items])
+        if self.masked_items is None:
+            return scores
+        masked = (items.unsqueeze(2) == self.masked_items.unsqueeze(1)).any(2)  # [B, L]
+        return scores.masked_fill(masked.unsqueeze(1), -math.inf)
 
     def log_power_sums(self, exclude: Tensor | None = None, num_powers: int = 1) -> Tensor:
         check_count("num_powers", num_powers)
-        return _ChunkedLogPowerSums.apply(self.user, self.item, exclude, num_powers, self.chunk_size)
+        return _ChunkedLogPowerSums.apply(self.user, self.item, self._with_masked(exclude), num_powers,
+                                          self.chunk_size, self.validate)
 
     def top_items(self, k: int, *, experts: Sequence[int] | None = None, exclude: Tensor | None = None,
                   generator: torch.Generator | None = None, perturb: bool = False) -> Tensor:
@@ -308,4 +402,5 @@ class EmbeddingCatalog(CatalogScores):
             def noise(start: int, stop: int) -> Tensor:
                 shape = (user.shape[0], user.shape[1], stop - start)
                 return gumbel_like(shape, generator=generator, dtype=self.dtype, device=self.device)
-        return _chunked_top_k(user, item, k, exclude, noise, self.chunk_size)[1]
+        return _chunked_top_k(user, item, k, self._with_masked(exclude), noise, self.chunk_size,
+                              check_finite=self.validate)[1]

@@ -1,129 +1,84 @@
 """Policy-gradient losses for an ESR behind a fixed LSR, as drop-in ``torch.nn.Module`` losses.
 
-All share one forward, so switching estimator is a one-line change::
+Each module holds its options and calls its function in :mod:`capg_rec.functional`, as
+``torch.nn.NLLLoss`` calls ``torch.nn.functional.nll_loss``. All share one forward, so switching
+estimator is a one-line change::
 
-    loss_fn = CAPGLoss(num_candidates=K)          # or VPGLoss(K), TOP1PGLoss(K), ...
+    loss_fn = CAPGLoss(num_candidates=K)          # or VPGLoss(K), CAPGLoss(K, method="plugin"), ...
     loss = loss_fn(logits, candidates, chosen, rewards)
     loss.backward()
-
-``loss = -mean_B Σ_l α_l (r_l - b) · score``, where the score is ``log π(A^K | x)`` for V-PG and
-``log π(a_l ∈ A^K | x)`` for CA-PG. Rewards and baselines are treated as constants.
-
-Every input is checked (finite logits and rewards, ids in range, distinct candidates, chosen ⊆
-candidates, shapes); as in ``torch.distributions``, ``validate_args=False`` skips the checks for
-callers that build the inputs themselves (each costs a pass and a host sync), and invalid inputs
-then give undefined results.
 """
 
 from __future__ import annotations
 
-import abc
-
-import torch
 from torch import Tensor, nn
 
-from capg_rec._checks import all_finite, check_count, check_flag, check_items, check_positive
-from capg_rec.catalog import CatalogScores, as_catalog
-from capg_rec.marginals import DEFAULT_METHOD, METHODS, _inclusion_log_prob
-from capg_rec.plackett_luce import _candidate_log_prob
+from capg_rec import functional as F
+from capg_rec._checks import check_choice, check_count, check_flag, check_positive
+from capg_rec.catalog import CatalogScores
+from capg_rec.marginals import DEFAULT_METHOD, InclusionMethod, inclusion_method
 
-__all__ = ["VPGLoss", "CAPGLoss", "TOP1PGLoss"]
-
-_REDUCTIONS = ("mean", "sum", "none")
+__all__ = ["VPGLoss", "CAPGLoss"]
 
 
-def _check_float(name: str, x: Tensor, shapes: tuple[tuple[int, ...], ...]) -> Tensor:
-    if not isinstance(x, Tensor) or not x.is_floating_point():
-        raise ValueError(f"{name} must be a floating-point torch.Tensor, got "
-                         f"{x.dtype if isinstance(x, Tensor) else type(x).__name__}")
-    if tuple(x.shape) not in shapes:
-        raise ValueError(f"{name} must have shape {' or '.join(map(str, map(list, shapes)))}, "
-                         f"got {list(x.shape)}")
-    if not all_finite(x):
-        raise ValueError(f"{name} must be finite (no NaN or inf)")
-    return x
+class _PolicyGradientLoss(nn.Module):
+    """Options shared by the losses; subclasses call their function in :mod:`capg_rec.functional`."""
 
-
-class _PolicyGradientLoss(nn.Module, abc.ABC):
-    """Shared forward: validation, advantages, reduction. Subclasses define ``score``."""
-
-    def __init__(self, num_candidates: int, *, temperature: float = 1.0, reduction: str = "mean",
-                 validate_args: bool = True) -> None:
+    def __init__(self, num_candidates: int, *, temperature: float, reduction: str,
+                 validate_args: bool | None) -> None:
         super().__init__()
         self.num_candidates = check_count("num_candidates", num_candidates)
         self.temperature = check_positive("temperature", temperature)
-        if reduction not in _REDUCTIONS:
-            raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-        self.reduction = reduction
-        self.validate_args = check_flag("validate_args", validate_args)
+        self.reduction = check_choice("reduction", reduction, F.REDUCTIONS)
+        self.validate_args = None if validate_args is None else check_flag("validate_args", validate_args)
 
-    def forward(self, logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor, *,
-                position_weights: Tensor | None = None, baseline: Tensor | None = None) -> Tensor:
-        """``logits [B, N] | [B, M, N] | CatalogScores``, ``candidates [B, K]`` (the ESR draw, in
-        draw order), ``chosen [B, L]`` (what the LSR showed), ``rewards [B, L]``,
-        ``position_weights [L]`` (default ones), ``baseline [B] | [B, L]`` → scalar, or ``[B]``
-        with ``reduction="none"``."""
-        if self.validate_args:
-            catalog, candidates, chosen = self._checked_items(logits, candidates, chosen)
-            batch, length = chosen.shape
-            rewards = _check_float("rewards", rewards, ((batch, length),))
-            if baseline is not None:
-                baseline = _check_float("baseline", baseline, ((batch,), (batch, length)))
-            if position_weights is not None:
-                position_weights = _check_float("position_weights", position_weights, ((length,),))
-        else:
-            catalog = as_catalog(logits, self.temperature, validate_args=False)
-        advantage = rewards.detach()
-        if baseline is not None:
-            baseline = baseline.detach()
-            advantage = advantage - (baseline.unsqueeze(1) if baseline.dim() == 1 else baseline)
-        if position_weights is not None:
-            advantage = advantage * position_weights.detach()
-        per_row = -self._weighted_score(catalog, candidates, chosen, advantage.to(catalog.dtype))
-        if self.reduction == "mean":
-            return per_row.mean()
-        if self.reduction == "sum":
-            return per_row.sum()
-        return per_row
-
-    def _checked_items(self, logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor
-                       ) -> tuple[CatalogScores, Tensor, Tensor]:
-        catalog = as_catalog(logits, self.temperature)
-        batch = catalog.batch_size
-        check_count("num_candidates", self.num_candidates, high=catalog.num_items)
-        candidates = check_items("candidates", candidates, batch_size=batch, num_items=catalog.num_items,
-                                 width=self.num_candidates)
-        chosen = check_items("chosen", chosen, batch_size=batch, num_items=catalog.num_items)
-        if not bool((chosen.unsqueeze(2) == candidates.unsqueeze(1)).any(2).all()):
-            raise ValueError("chosen must be a subset of candidates in every row (the LSR picks among them)")
-        return catalog, candidates, chosen
-
-    @abc.abstractmethod
-    def _weighted_score(self, catalog: CatalogScores, candidates: Tensor, chosen: Tensor,
-                        advantage: Tensor) -> Tensor:
-        """``Σ_l advantage_l · score_l`` per row → ``[B]``."""
+    def _check_width(self, candidates: Tensor) -> None:
+        if isinstance(candidates, Tensor) and candidates.dim() == 2 and candidates.shape[1] != self.num_candidates:
+            raise ValueError(f"candidates must have num_candidates={self.num_candidates} columns, "
+                             f"got {candidates.shape[1]}")
 
     def extra_repr(self) -> str:
         return (f"num_candidates={self.num_candidates}, temperature={self.temperature}, reduction={self.reduction!r}"
-                + ("" if self.validate_args else ", validate_args=False"))
+                + ("" if self.validate_args is None else f", validate_args={self.validate_args}"))
 
 
 class VPGLoss(_PolicyGradientLoss):
     """Vanilla policy gradient: pushes up ``log π(A^K | x)`` of the whole ordered draw.
 
-    With ``with_replacement=True`` the score normalises every position over the whole catalog
-    (V-PG-SwR), which is cheaper and numerically gentler but biased.
+    Args:
+        num_candidates: K, the ESR's draw size.
+        with_replacement: normalise every position over the whole catalog (V-PG-SwR): cheaper
+            and numerically gentler, but biased.
+        temperature: τ of the ESR's softmax (logits are divided by it).
+        reduction: ``"mean"`` | ``"sum"`` | ``"none"`` over the batch.
+        validate_args: check input values (one host sync); ``None``: the module default
+            (:func:`capg_rec.set_default_validate_args`).
+
+    Shape:
+        - logits: ``[B, N]``, ``[B, M, N]`` (``-inf`` masks an item) or a :class:`~capg_rec.CatalogScores`
+        - candidates: ``[B, K]`` in draw order; chosen: ``[B, L]`` ⊆ candidates; rewards: ``[B, L]``
+        - position_weights: ``[L]``; baseline: ``[B]`` or ``[B, L]``
+        - output: scalar, or ``[B]`` with ``reduction="none"``
+
+    Example:
+        >>> loss_fn = VPGLoss(num_candidates=10)
+        >>> logits = torch.randn(4, 100, requires_grad=True)
+        >>> candidates = capg_rec.sample_candidates(logits.detach(), 10)
+        >>> loss = loss_fn(logits, candidates, candidates[:, :2], torch.rand(4, 2))
+        >>> loss.backward()
     """
 
     def __init__(self, num_candidates: int, *, with_replacement: bool = False, temperature: float = 1.0,
-                 reduction: str = "mean", validate_args: bool = True) -> None:
+                 reduction: str = "mean", validate_args: bool | None = None) -> None:
         super().__init__(num_candidates, temperature=temperature, reduction=reduction, validate_args=validate_args)
-        self.with_replacement = bool(with_replacement)
+        self.with_replacement = check_flag("with_replacement", with_replacement)
 
-    def _weighted_score(self, catalog: CatalogScores, candidates: Tensor, chosen: Tensor,
-                        advantage: Tensor) -> Tensor:
-        score = _candidate_log_prob(catalog, candidates, self.with_replacement)
-        return advantage.sum(1) * score
+    def forward(self, logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor, *,
+                position_weights: Tensor | None = None, baseline: Tensor | None = None) -> Tensor:
+        self._check_width(candidates)
+        return F.vpg_loss(logits, candidates, chosen, rewards, with_replacement=self.with_replacement,
+                          position_weights=position_weights, baseline=baseline, temperature=self.temperature,
+                          reduction=self.reduction, validate_args=self.validate_args)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", with_replacement={self.with_replacement}"
@@ -132,30 +87,36 @@ class VPGLoss(_PolicyGradientLoss):
 class CAPGLoss(_PolicyGradientLoss):
     """Credit-assigned policy gradient: pushes up ``log π(a_l ∈ A^K | x)`` for each shown item.
 
-    ``method`` picks how the inclusion probability is computed (see :mod:`capg_rec.marginals`):
-    ``"exact"``, ``"mean_field"``, ``"plugin"`` (the paper's), or ``"swr"`` (= :class:`TOP1PGLoss`).
+    Args:
+        num_candidates: K, the ESR's draw size.
+        method: how the inclusion probability is computed: an
+            :class:`~capg_rec.marginals.InclusionMethod` (``MeanField()``, ``PlugIn()``, ``Exact()``,
+            ``WithReplacement()`` for CA-PG-SwR / TOP1-PG, or your own) or a registered name
+            (``"mean_field"``, the default; ``"plugin"``, ``"exact"``, ``"with_replacement"``).
+        temperature, reduction, validate_args: as in :class:`VPGLoss`.
+
+    Shape:
+        As :class:`VPGLoss`.
+
+    Example:
+        >>> loss_fn = CAPGLoss(num_candidates=10)                 # or method="with_replacement"
+        >>> logits = torch.randn(4, 100, requires_grad=True)
+        >>> candidates = capg_rec.sample_candidates(logits.detach(), 10)
+        >>> loss = loss_fn(logits, candidates, candidates[:, :2], torch.rand(4, 2))
+        >>> loss.backward()
     """
 
-    def __init__(self, num_candidates: int, *, method: str = DEFAULT_METHOD, temperature: float = 1.0,
-                 reduction: str = "mean", validate_args: bool = True) -> None:
+    def __init__(self, num_candidates: int, *, method: str | InclusionMethod = DEFAULT_METHOD,
+                 temperature: float = 1.0, reduction: str = "mean", validate_args: bool | None = None) -> None:
         super().__init__(num_candidates, temperature=temperature, reduction=reduction, validate_args=validate_args)
-        if method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-        self.method = method
+        self.method = inclusion_method(method)
 
-    def _weighted_score(self, catalog: CatalogScores, candidates: Tensor, chosen: Tensor,
-                        advantage: Tensor) -> Tensor:
-        score = _inclusion_log_prob(catalog, chosen, self.num_candidates, self.method)
-        return (advantage * score).sum(1)
+    def forward(self, logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor, *,
+                position_weights: Tensor | None = None, baseline: Tensor | None = None) -> Tensor:
+        self._check_width(candidates)
+        return F.capg_loss(logits, candidates, chosen, rewards, method=self.method,
+                           position_weights=position_weights, baseline=baseline, temperature=self.temperature,
+                           reduction=self.reduction, validate_args=self.validate_args)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", method={self.method!r}"
-
-
-class TOP1PGLoss(CAPGLoss):
-    """CA-PG-SwR (TOP1-PG when M = 1): ``log Σ_k π_{m(k)}(a_l)`` with full-catalog softmaxes."""
-
-    def __init__(self, num_candidates: int, *, temperature: float = 1.0, reduction: str = "mean",
-                 validate_args: bool = True) -> None:
-        super().__init__(num_candidates, method="swr", temperature=temperature, reduction=reduction,
-                         validate_args=validate_args)

@@ -1,16 +1,22 @@
 """Inclusion probabilities ``log π(a ∈ A^K | x)`` of the PL(-MoE) ESR: the CA-PG score.
 
-Methods (all differentiable, all computed in log-space):
+A method is an :class:`InclusionMethod` object; the built-in ones are registered by name, so a
+string works wherever a method is taken (``CAPGLoss(K, method="plugin")``):
 
-* ``"exact"``: the exponential-race integral with an exact Poisson-binomial count (exact up to
-  quadrature for one expert; "block-exact" for a mixture: exact inside each expert block,
-  survival across blocks treated as independent).
-* ``"mean_field"``: Rosén's successive-sampling approximation ``1 - exp(-w_a t)`` with
-  ``Σ_b (1 - exp(-w_b t)) = K``, run block by block for a mixture. O(N).
-* ``"plugin"``: the paper's arg-top-(k-1) plug-in: the hazard at position k is evaluated at the
-  most probable prefix of k-1 items *that excludes the target*.
-* ``"swr"``: sampling with replacement, ``log Σ_k π_{m(k)}(a)`` — the CA-PG-SwR / TOP1-PG score.
-  Not a probability (it can exceed 1); its gradient is what CA-PG-SwR uses.
+* :class:`Exact` (``"exact"``): the exponential-race integral with an exact Poisson-binomial count
+  (exact up to quadrature for one expert; "block-exact" for a mixture: exact inside each expert
+  block, survival across blocks treated as independent).
+* :class:`MeanField` (``"mean_field"``, the default): Rosén's successive-sampling approximation
+  ``1 - exp(-w_a t)`` with ``Σ_b (1 - exp(-w_b t)) = K``, run block by block for a mixture. O(N).
+* :class:`PlugIn` (``"plugin"``): the paper's arg-top-(k-1) plug-in: the hazard at position k is
+  evaluated at the most probable prefix of k-1 items *that excludes the target*.
+* :class:`Enumeration` (``"enumerate"``): every ordered draw, for catalogs of at most 8 items.
+* :class:`WithReplacement` (``"with_replacement"``): sampling with replacement,
+  ``log Σ_k π_{m(k)}(a)`` — the CA-PG-SwR / TOP1-PG score. Not a probability (it can exceed 1:
+  it is the expected number of times a is drawn); its gradient is what CA-PG-SwR uses.
+
+Your own approximation: subclass :class:`InclusionMethod` and pass an instance, or register it
+with :func:`register_inclusion_method` to use it by name (from the command line, say).
 
 Large catalogs are handled through a head/tail summary (:mod:`capg_rec._head_tail`): every
 expert's best items and the targets item by item, the rest through a few streamed power sums.
@@ -18,27 +24,29 @@ expert's best items and the targets item by item, the rest through a few streame
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
-from capg_rec._checks import check_count, check_items
+from capg_rec._enumerate import inclusion_probs
+from capg_rec._checks import check_count, check_items, check_positive, resolve_validate_args
+from capg_rec._mean_field import mean_field_log_inclusion
 from capg_rec._head_tail import HeadTail, head_size_for, summarize
-from capg_rec._numerics import exp_floored, log1mexp, log1mexp_exp, masked_logsumexp
+from capg_rec._numerics import log1mexp, masked_logsumexp, \
+    reverse_logcumsumexp, safe_logaddexp, safe_logsumexp
 from capg_rec.catalog import CatalogScores, as_catalog
-from capg_rec.plackett_luce import expert_of_position, expert_runs
+from capg_rec.plackett_luce import check_enough_items, expert_of_position, expert_runs
 
-__all__ = ["inclusion_log_prob", "METHODS", "DEFAULT_METHOD"]
+__all__ = ["InclusionMethod", "Exact", "MeanField", "PlugIn", "WithReplacement", "Enumeration", "inclusion_log_prob",
+           "inclusion_method", "register_inclusion_method", "inclusion_methods", "DEFAULT_METHOD"]
 
 Runs = Sequence[tuple[int, int]]
 
 DEFAULT_METHOD = "mean_field"
-
-_MEAN_FIELD_POWERS = 3
-_ROOT_STEPS = 40
-
+"""The name of the default method (:class:`MeanField`)."""
 
 def _swr(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
     """``log Σ_m n_m exp(s_m(a) - A_m)``: the CA-PG-SwR score → ``[B, L]``."""
@@ -48,7 +56,7 @@ def _swr(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
         return log_softmax[:, expert] + math.log(count)
     experts = torch.tensor([m for m, _ in runs], device=catalog.device)
     log_counts = torch.tensor([math.log(n) for _, n in runs], dtype=catalog.dtype, device=catalog.device)
-    return torch.logsumexp(log_softmax[:, experts] + log_counts.view(1, -1, 1), dim=1)
+    return safe_logsumexp(log_softmax[:, experts] + log_counts.view(1, -1, 1), dim=1)
 
 
 def _target_scores(ht: HeadTail) -> Tensor:
@@ -82,16 +90,16 @@ def _plugin(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
     # Mass left once the whole prefix is drawn: the tail plus head items outside the prefix
     # (the target among them).
     left_in_head = available | (slot.view(1, 1, -1) == ht.target_pos.unsqueeze(2))
-    rest = torch.logaddexp(ht.tail_log_power_sums[..., 0].unsqueeze(1),
+    rest = safe_logaddexp(ht.tail_log_power_sums[..., 0].unsqueeze(1),
                            masked_logsumexp(scores, ~left_in_head.unsqueeze(2), dim=3))
     if prefix:
         pre = torch.cat(prefix, dim=2)
         pre_scores = scores.gather(3, pre.unsqueeze(2).expand(-1, -1, num_experts, -1))  # [B, L, M, K-1]
-        later = torch.logcumsumexp(pre_scores.flip(3), dim=3).flip(3)
+        later = reverse_logcumsumexp(pre_scores, dim=3)
         later = torch.cat([later, later.new_full((*later.shape[:3], 1), -torch.inf)], dim=3)
     else:
         later = scores.new_full((batch, num_targets, num_experts, 1), -torch.inf)
-    denom = torch.logaddexp(rest.unsqueeze(3), later)  # [B, L, M, K]: mass before position k
+    denom = safe_logaddexp(rest.unsqueeze(3), later)  # [B, L, M, K]: mass before position k
     experts = expert_of_position(num_candidates, catalog.num_experts).to(catalog.device)
     idx = experts.view(1, 1, 1, -1).expand(batch, num_targets, 1, -1)
     log_hazard = (_target_scores(ht).unsqueeze(3) - denom).gather(2, idx)[:, :, 0]  # [B, L, K]
@@ -100,135 +108,168 @@ def _plugin(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
     # exact where 1 - Π (1 - h) would round to 0 (tiny probabilities).
     log_miss = log1mexp(log_hazard)
     log_miss_before = torch.nn.functional.pad(torch.cumsum(log_miss, dim=2)[..., :-1], (1, 0))
-    return torch.logsumexp(log_hazard + log_miss_before, dim=2)
+    return safe_logsumexp(log_hazard + log_miss_before, dim=2)
 
 
-def _head_size(method: str, num_items: int, runs: Runs) -> int:
-    """Items per expert kept one by one. Mean-field: the best ``8·n + (K - n)`` for the largest
-    block n, so that after any earlier blocks took their items a tail item's chance within its
-    block stays below 1/8; the exact method keeps more (see :func:`head_size_for`)."""
-    num_candidates = sum(n for _, n in runs)
-    if method == "mean_field":
-        block = max(n for _, n in runs)
-        return min(num_items, 8 * block + num_candidates - block)
-    return head_size_for(num_items, num_candidates)
+class InclusionMethod(abc.ABC):
+    """How ``log π(a ∈ A^K | x)`` is computed from a catalog (subclass it for your own method).
 
-
-def _clock(scores: Tensor, kappa: Tensor) -> Tensor:
-    """``e^{s - κ}`` (the rate of an item's exponential clock at time ``e^{-κ}``) → ``[B, T]``.
-
-    Clamped where ``1 - exp(-x)`` is already exactly 1, so neither value nor gradient overflows,
-    and floored (:func:`exp_floored`) where it is negligible, so that the rates themselves are
-    never subnormal (a slow path); unused head slots (score −inf) give the floor, ~1e-38.
+    Attributes:
+        is_probability: False for a score that is not a probability (sampling with replacement
+            gives ``log E[times drawn]``); the validator then compares it with counts.
+        num_powers: the highest catalog power sum ``Σ e^{p·s}`` the method reads (1: the normaliser).
+        uses_top_items: whether it reads the catalog's best items (``CatalogScores.top_items``).
     """
-    return exp_floored((scores - kappa.unsqueeze(1)).clamp(max=60.0))
+
+    is_probability: bool = True
+    num_powers: int = 1
+    uses_top_items: bool = True
+
+    @abc.abstractmethod
+    def log_inclusion(self, catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
+        """``items [B, L]`` (valid ids, may repeat) → ``[B, L]``; ``runs`` = ``((expert, count), ...)``,
+        the blocks of :func:`~capg_rec.expert_of_position`, with ``K = Σ count < N``."""
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({fields})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and vars(self) == vars(other)
+
+    def __hash__(self) -> int:
+        return hash((type(self), tuple(sorted(vars(self).items()))))
 
 
-def _mean_field(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
-    """Rosén's mean-field inclusion probabilities, block by block → ``[B, L]``.
+class WithReplacement(InclusionMethod):
+    """``log Σ_k π_{m(k)}(a)``: the expected number of times a is drawn when every position draws
+    from the whole catalog (CA-PG-SwR; TOP1-PG for one expert). Costs one softmax."""
 
-    Block m solves ``Σ_b ρ_b (1 - exp(-e^{s_mb - κ_m})) = n_m`` for κ_m, where ρ_b is the chance
-    that b survived the earlier blocks; tail items enter through a 3-term power-series expansion
-    (accurate because the head keeps enough of every expert's best items that each tail item's
-    chance within a block is below 1/8, and the neglected fourth-order terms below 1e-4 of it).
+    is_probability = False
+    uses_top_items = False
+
+    def log_inclusion(self, catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
+        return _swr(catalog, items, runs)
+
+
+class PlugIn(InclusionMethod):
+    """The paper's plug-in: each position's hazard at the greedy prefix that excludes the target."""
+
+    def log_inclusion(self, catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
+        return _plugin(catalog, items, runs)
+
+
+class MeanField(InclusionMethod):
+    """Rosén's successive-sampling (mean-field) approximation, block by block for a mixture.
+
+    Args:
+        max_iter: root-solver iterations per block at most (under ``torch.compile`` a fixed number runs).
+        tol: relative step at which the solve stops (default: ``eps^(2/3)`` of the dtype).
     """
-    head = _head_size("mean_field", catalog.num_items, runs)
-    ht = summarize(catalog, items, head, _MEAN_FIELD_POWERS)
-    scores, tail = ht.head_scores, ht.tail_log_power_sums  # [B, M, T], [B, M, P]
-    valid = ht.head_ids >= 0  # [B, T]; unused slots score -inf
-    has_tail = bool(torch.isfinite(tail[..., 0]).any())
-    powers = torch.arange(1, _MEAN_FIELD_POWERS + 1, dtype=scores.dtype, device=scores.device)
-    tail_coef = torch.tensor([(-1.0) ** (p + 1) / math.factorial(p) for p in range(1, _MEAN_FIELD_POWERS + 1)],
-                             dtype=scores.dtype, device=scores.device)
-    log_survival = torch.zeros_like(scores[:, 0])  # [B, T]
-    kappas = []
-    drawn = 0
-    for expert, count in runs:
-        s, lz = scores[:, expert], tail[:, expert]  # [B, T], [B, P]
 
-        rho = torch.exp(log_survival)
+    num_powers = 3
 
-        def excess(kappa: Tensor) -> tuple[Tensor, Tensor]:
-            """``f(κ) - n`` and ``f'(κ)`` for κ ``[B]``."""
-            x = _clock(s, kappa)
-            f = (rho * -torch.expm1(-x)).sum(1) - count
-            df = -(rho * x * torch.exp(-x)).sum(1)
-            if has_tail:
-                t = exp_floored(lz - powers * kappa.unsqueeze(1)).nan_to_num(0.0)  # e^{-pκ} Z_p
-                f = f + (tail_coef * t).sum(1)
-                df = df - (tail_coef * powers * t).sum(1)
-            return f, df
+    def __init__(self, max_iter: int = 50, tol: float | None = None) -> None:
+        self.max_iter = check_count("max_iter", max_iter)
+        self.tol = None if tol is None else check_positive("tol", tol)
 
-        with torch.no_grad():
-            total = torch.logaddexp(torch.logsumexp(s, 1), lz[:, 0])
-            hi = total - math.log(count)  # f(hi) ≤ Σ x = n
-            if has_tail:  # every head item likely enough that the tail expansion stays accurate
-                share = count / max(head - drawn, count)
-                lo = ht.head_floor[:, expert] - math.log(-math.log1p(-share))
-            else:
-                lo = s.masked_fill(~valid, torch.inf).min(1).values - 50.0
-            lo = torch.minimum(lo, hi - 1.0)
-            kappa0 = 0.5 * (lo + hi)
-            tolerance = math.sqrt(torch.finfo(s.dtype).eps)  # the Newton step below squares the error
-            for _ in range(_ROOT_STEPS):  # Newton, falling back to bisection outside the bracket
-                f, df = excess(kappa0)
-                above = f > 0
-                lo, hi = torch.where(above, kappa0, lo), torch.where(above, hi, kappa0)
-                newton = kappa0 - f / df
-                inside = torch.isfinite(newton) & (newton > lo) & (newton < hi)
-                update = torch.where(inside, newton, 0.5 * (lo + hi))
-                converged = bool(((update - kappa0).abs() <= tolerance * (1 + kappa0.abs())).all())
-                kappa0 = update
-                if converged:
-                    break
-        f, df = excess(kappa0)  # one differentiable Newton step: implicit-function gradient
-        df = df.detach()
-        ok = torch.isfinite(df) & (df < 0)
-        kappa = kappa0 - torch.where(ok, f / torch.where(ok, df, torch.ones_like(df)), torch.zeros_like(f))
-        kappas.append(kappa)
-        log_survival = log_survival - _clock(s, kappa)
-        drawn += count
-    experts = torch.tensor([m for m, _ in runs], device=scores.device)
-    hazard_logits = _target_scores(ht)[:, :, experts] - torch.stack(kappas, 1).unsqueeze(1)  # [B, L, R]
-    return log1mexp_exp(torch.logsumexp(hazard_logits, dim=2))
+    def log_inclusion(self, catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
+        return mean_field_log_inclusion(catalog, items, runs, max_iter=self.max_iter, tol=self.tol)
 
 
-def _exact(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
-    from capg_rec._exact import EXACT_NUM_POWERS, exact_log_inclusion
+class Exact(InclusionMethod):
+    """The exponential-race integral with an exact Poisson-binomial count ("block-exact" for a
+    mixture). For validation and tests: 10–600× a softmax."""
 
-    ht = summarize(catalog, items, _head_size("exact", catalog.num_items, runs), EXACT_NUM_POWERS)
-    return exact_log_inclusion(ht, runs)
+    def __init__(self) -> None:
+        from capg_rec._exact import EXACT_NUM_POWERS
+
+        self.num_powers = EXACT_NUM_POWERS
+
+    def log_inclusion(self, catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
+        from capg_rec._exact import exact_log_inclusion
+
+        ht = summarize(catalog, items, head_size_for(catalog.num_items, sum(n for _, n in runs)), self.num_powers)
+        return exact_log_inclusion(ht, runs)
 
 
-_METHODS: dict[str, Callable[[CatalogScores, Tensor, Runs], Tensor]] = {
-    "exact": _exact,
-    "mean_field": _mean_field,
-    "plugin": _plugin,
-    "swr": _swr,
+class Enumeration(InclusionMethod):
+    """Every ordered draw enumerated, in float64: exact for mixtures too (``"exact"`` is block-exact
+    there). The reference of the tests and the validator, for catalogs of at most 8 items."""
+
+    max_items = 8
+
+    def log_inclusion(self, catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
+        if catalog.num_items > self.max_items:
+            raise ValueError(f"Enumeration needs num_items <= {self.max_items}, got {catalog.num_items}")
+        experts = torch.tensor([m for m, n in runs for _ in range(n)], device=catalog.device)
+        everything = torch.arange(catalog.num_items, device=catalog.device).expand(catalog.batch_size, -1)
+        probs = inclusion_probs(catalog.gather(everything).double(), experts)  # [B, N]
+        p = probs.gather(1, items)
+        drawable = p > 0  # log(0) with a finite gradient: -inf for masked items
+        return torch.where(drawable, torch.where(drawable, p, 1.0).log(), -math.inf).to(catalog.dtype)
+
+
+_REGISTRY: dict[str, Callable[[], InclusionMethod]] = {
+    "exact": Exact, "mean_field": MeanField, "plugin": PlugIn, "with_replacement": WithReplacement,
+    "enumerate": Enumeration,
 }
-METHODS = tuple(_METHODS)
+
+
+def register_inclusion_method(name: str, factory: Callable[[], InclusionMethod]) -> None:
+    """Make ``factory()`` available by ``name`` wherever a method is taken (losses, validator, CLI)."""
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name must be a non-empty str, got {name!r}")
+    if not callable(factory):
+        raise TypeError(f"factory must be callable (a class or a function), got {type(factory).__name__}")
+    _REGISTRY[name] = factory
+
+
+def inclusion_methods() -> tuple[str, ...]:
+    """The registered method names."""
+    return tuple(_REGISTRY)
+
+
+def inclusion_method(method: str | InclusionMethod) -> InclusionMethod:
+    """An :class:`InclusionMethod` from a registered name or an instance (returned as is)."""
+    if isinstance(method, InclusionMethod):
+        return method
+    if not isinstance(method, str):
+        raise TypeError(f"method must be an InclusionMethod or a registered name, got {type(method).__name__}")
+    if method not in _REGISTRY:
+        raise ValueError(f"method must be an InclusionMethod or one of {inclusion_methods()}, got {method!r}")
+    made = _REGISTRY[method]()
+    if not isinstance(made, InclusionMethod):
+        raise TypeError(f"the factory registered as {method!r} returned {type(made).__name__}, not an InclusionMethod")
+    return made
 
 
 def inclusion_log_prob(logits: Tensor | CatalogScores, items: Tensor, num_candidates: int, *,
-                       temperature: float = 1.0, method: str = DEFAULT_METHOD) -> Tensor:
-    """``log π(S^K(a) | x)``: log-probability that each item of ``items [B, L]`` is among the K
+                       temperature: float = 1.0, method: str | InclusionMethod = DEFAULT_METHOD,
+                       validate_args: bool | None = None) -> Tensor:
+    """``log π(a ∈ A^K | x)``: log-probability that each item of ``items [B, L]`` is among the K
     candidates drawn from ``logits`` (``[B, N]``, ``[B, M, N]`` or a CatalogScores) → ``[B, L]``.
 
-    ``method`` is one of ``"exact"``, ``"mean_field"``, ``"plugin"``, ``"swr"`` (see the module
-    docstring); ``"swr"`` returns the CA-PG-SwR score, which is not a log-probability.
+    ``method`` is an :class:`InclusionMethod` or a registered name (see the module docstring);
+    ``WithReplacement`` returns the CA-PG-SwR score, which is not a log-probability. Masked items
+    (scored ``-inf``) have log-probability ``-inf``; every row needs at least K unmasked items.
+    Half-precision logits give float32 results.
     """
-    if method not in _METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    catalog = as_catalog(logits, temperature)
+    validate = resolve_validate_args(validate_args)
+    method = inclusion_method(method)
+    catalog = as_catalog(logits, temperature, validate_args=validate)
     check_count("num_candidates", num_candidates, high=catalog.num_items)
     items = check_items("items", items, batch_size=catalog.batch_size, num_items=catalog.num_items,
-                        unique=False)
+                        unique=False, validate=validate)
+    if validate:
+        check_enough_items(catalog, num_candidates)
     return _inclusion_log_prob(catalog, items, num_candidates, method)
 
 
-def _inclusion_log_prob(catalog: CatalogScores, items: Tensor, num_candidates: int, method: str) -> Tensor:
+def _inclusion_log_prob(catalog: CatalogScores, items: Tensor, num_candidates: int,
+                        method: InclusionMethod) -> Tensor:
     """:func:`inclusion_log_prob` on validated inputs."""
     runs = expert_runs(num_candidates, catalog.num_experts)
-    if method != "swr" and num_candidates == catalog.num_items:  # every item is drawn
+    if method.is_probability and num_candidates == catalog.num_items:  # every item is drawn: log 1
         return catalog.gather(items)[:, 0] * 0.0
-    return _METHODS[method](catalog, items, runs)
+    return method.log_inclusion(catalog, items, runs)

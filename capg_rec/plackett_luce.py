@@ -8,11 +8,13 @@ item a with probability ``exp(s_{m(k)}(a)) / Σ_{b not drawn yet} exp(s_{m(k)}(b
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 from torch import Tensor
 
-from capg_rec._checks import check_count, check_items
+from capg_rec._checks import check_count, check_flag, check_items, resolve_validate_args
+from capg_rec._numerics import reverse_logcumsumexp, safe_logaddexp
 from capg_rec.catalog import CatalogScores, as_catalog
 
 __all__ = ["expert_of_position", "sample_candidates", "greedy_candidates", "candidate_log_prob"]
@@ -33,10 +35,33 @@ def expert_runs(num_candidates: int, num_experts: int) -> tuple[tuple[int, int],
     return tuple((e, base + (e < extra)) for e in range(num_experts) if base + (e < extra) > 0)
 
 
-def _checked(logits: Tensor | CatalogScores, num_candidates: int, temperature: float) -> CatalogScores:
-    catalog = as_catalog(logits, temperature)
+def _checked(logits: Tensor | CatalogScores, num_candidates: int, temperature: float,
+             validate_args: bool | None) -> CatalogScores:
+    validate = resolve_validate_args(validate_args)
+    catalog = as_catalog(logits, temperature, validate_args=validate)
     check_count("num_candidates", num_candidates, high=catalog.num_items)
+    if validate:
+        check_enough_items(catalog, num_candidates)
     return catalog
+
+
+def check_enough_items(catalog: CatalogScores, num_candidates: int) -> None:
+    """``ValueError`` unless every expert block can draw its items from the row's unmasked items
+    whatever the earlier blocks took: expert m needs as many unmasked items as positions up to
+    the end of its block (with one shared mask: K unmasked items per row)."""
+    runs = expert_runs(num_candidates, catalog.num_experts)
+    experts = [m for m, _ in runs]
+    needed = torch.tensor(list(itertools.accumulate(n for _, n in runs)), device=catalog.device)
+    available = catalog.num_available()[:, experts]  # [B, R]
+    short = available < needed
+    enough = ~short.any()
+    if not bool(catalog.agree(enough.reshape(1))[0]):
+        if bool(enough):
+            raise ValueError(f"num_candidates={num_candidates} needs more unmasked items in another process's rows "
+                             "(items scored -inf are masked)")
+        row, run = (int(v) for v in short.nonzero()[0])
+        raise ValueError(f"num_candidates={num_candidates} needs {int(needed[run])} unmasked items under expert "
+                         f"{experts[run]}, but row {row} has {int(available[row, run])} (items scored -inf are masked)")
 
 
 def _draw(catalog: CatalogScores, num_candidates: int, *, perturb: bool,
@@ -50,36 +75,40 @@ def _draw(catalog: CatalogScores, num_candidates: int, *, perturb: bool,
 
 
 def sample_candidates(logits: Tensor | CatalogScores, num_candidates: int, *, temperature: float = 1.0,
-                      generator: torch.Generator | None = None) -> Tensor:
+                      generator: torch.Generator | None = None, validate_args: bool | None = None) -> Tensor:
     """Draw K candidates from the PL(-MoE) ESR, exactly, in draw order → ``LongTensor[B, K]``.
 
-    ``logits`` is ``[B, N]``, ``[B, M, N]`` or a :class:`~capg_rec.catalog.CatalogScores`. Each
-    expert block is a Gumbel top-k over the items not drawn yet with *fresh* noise (one noise
+    ``logits`` is ``[B, N]``, ``[B, M, N]`` or a :class:`~capg_rec.catalog.CatalogScores`; items
+    scored ``-inf`` are masked and never drawn (a row with fewer than K others is a ``ValueError``).
+    Each expert block is a Gumbel top-k over the items not drawn yet with *fresh* noise (one noise
     vector shared by all blocks, as in the paper's appendix, is biased when experts differ).
+    ``validate_args``: check the logits and the unmasked counts (``None``: the module default).
     """
-    catalog = _checked(logits, num_candidates, temperature)
+    catalog = _checked(logits, num_candidates, temperature, validate_args)
     return _draw(catalog, num_candidates, perturb=True, generator=generator)
 
 
 def greedy_candidates(logits: Tensor | CatalogScores, num_candidates: int, *,
-                      temperature: float = 1.0) -> Tensor:
+                      temperature: float = 1.0, validate_args: bool | None = None) -> Tensor:
     """The noise-free draw: each block takes its expert's best remaining items → ``LongTensor[B, K]``."""
-    catalog = _checked(logits, num_candidates, temperature)
+    catalog = _checked(logits, num_candidates, temperature, validate_args)
     return _draw(catalog, num_candidates, perturb=False, generator=None)
 
 
 def candidate_log_prob(logits: Tensor | CatalogScores, candidates: Tensor, *, temperature: float = 1.0,
-                       with_replacement: bool = False) -> Tensor:
+                       with_replacement: bool = False, validate_args: bool | None = None) -> Tensor:
     """``log π(A^K | x)`` of the ordered draw ``candidates [B, K]`` → ``[B]`` (the V-PG score).
 
     Without replacement each position is normalised over the items not drawn yet; the
     remaining mass is summed directly (items outside the draw plus the later draws), never
     obtained by subtraction, so confident policies stay finite. With ``with_replacement=True``
-    every position is normalised over the whole catalog (the V-PG-SwR score).
+    every position is normalised over the whole catalog (the V-PG-SwR score). A draw that
+    holds a masked item (scored ``-inf``) has log-probability ``-inf``.
     """
-    catalog = as_catalog(logits, temperature)
-    candidates = check_items("candidates", candidates, batch_size=catalog.batch_size,
-                             num_items=catalog.num_items, unique=not with_replacement)
+    validate = resolve_validate_args(validate_args)
+    catalog = as_catalog(logits, temperature, validate_args=validate)
+    candidates = check_items("candidates", candidates, batch_size=catalog.batch_size, num_items=catalog.num_items,
+                             unique=not check_flag("with_replacement", with_replacement), validate=validate)
     return _candidate_log_prob(catalog, candidates, with_replacement)
 
 
@@ -92,6 +121,6 @@ def _candidate_log_prob(catalog: CatalogScores, candidates: Tensor, with_replace
         return catalog.log_softmax(candidates).gather(1, idx)[:, 0].sum(dim=1)
     scores, outside = catalog.gather_with_rest(candidates)  # [B, M, K], [B, M]: items never drawn
     picked = scores.gather(1, idx)[:, 0]  # [B, K]: s_{m(k)}(a_k)
-    later = torch.logcumsumexp(scores.flip(2), dim=2).flip(2)  # [B, M, K]: Σ_{j ≥ k}
-    remaining = torch.logaddexp(outside.unsqueeze(2), later).gather(1, idx)[:, 0]  # [B, K]
+    later = reverse_logcumsumexp(scores, dim=2)  # [B, M, K]: Σ_{j ≥ k}
+    remaining = safe_logaddexp(outside.unsqueeze(2), later).gather(1, idx)[:, 0]  # [B, K]
     return (picked - remaining).sum(dim=1)

@@ -41,11 +41,14 @@ def _st():
 
 
 def logits(*, max_batch: int = 3, max_experts: int = 1, min_items: int = 1, max_items: int = 8,
-           scale: float = 5.0, extreme: bool = True, ties: bool = True, dtype: torch.dtype = torch.float32):
+           scale: float = 5.0, extreme: bool = True, ties: bool = True, masked: bool = False,
+           dtype: torch.dtype = torch.float32):
     """Logits ``[B, N]`` (``max_experts == 1``) or ``[B, M, N]``, with ``1 ≤ B ≤ max_batch``.
 
     Values are finite floats in ``[-scale, scale]``; with ``extreme`` about a quarter are
-    ``±EXTREME_LOGIT``; with ``ties`` many entries repeat a small drawn pool of values.
+    ``±EXTREME_LOGIT``; with ``ties`` many entries repeat a small drawn pool of values; with
+    ``masked`` some items of a row are ``-inf`` under every expert (masked out of that row's
+    catalog), at least ``min_items`` of each row staying unmasked.
     """
     st = _st()
     check_count("max_batch", max_batch)
@@ -69,7 +72,14 @@ def logits(*, max_batch: int = 3, max_experts: int = 1, min_items: int = 1, max_
         shape = (batch, items) if max_experts == 1 else (batch, experts, items)
         size = batch * experts * items
         values = draw(st.lists(element, min_size=size, max_size=size))
-        return torch.tensor(values, dtype=dtype).reshape(shape)
+        out = torch.tensor(values, dtype=dtype).reshape(batch, experts, items)
+        if masked:
+            keep = torch.tensor(draw(st.lists(st.booleans(), min_size=batch * items, max_size=batch * items)))
+            keep = keep.reshape(batch, items)
+            keep[:, :min_items] = True  # at least min_items unmasked, anywhere in the row
+            order = torch.tensor(draw(st.permutations(range(items))))
+            out = out.masked_fill(~keep[:, order].unsqueeze(1), -torch.inf)
+        return out.reshape(shape)
 
     return build()
 
@@ -116,15 +126,17 @@ def contexts(*, max_batch: int = 4, dim: int = 8, scale: float = 1.0, dtype: tor
 
 
 def esr_cases(*, max_batch: int = 3, max_experts: int = 1, min_items: int = 1, max_items: int = 8,
-              extreme: bool = True, ties: bool = True):
-    """``(logits, K, τ, seed)`` with ``K ≤ N``: a complete PL(-MoE) problem to test against."""
+              extreme: bool = True, ties: bool = True, masked: bool = False):
+    """``(logits, K, τ, seed)`` with ``K`` at most each row's unmasked items: a complete PL(-MoE)
+    problem to test against."""
     st = _st()
 
     @st.composite
     def build(draw) -> tuple[Tensor, int, float, int]:
         x = draw(logits(max_batch=max_batch, max_experts=max_experts, min_items=min_items, max_items=max_items,
-                        extreme=extreme, ties=ties))
-        return x, draw(num_candidates(x.shape[-1])), draw(temperatures()), draw(seeds())
+                        extreme=extreme, ties=ties, masked=masked))
+        available = int((x > -torch.inf).sum(-1).min())
+        return x, draw(num_candidates(available)), draw(temperatures()), draw(seeds())
 
     return build()
 

@@ -114,7 +114,7 @@ def planted_esrs(num_items: int = 20, num_candidates: int = 5, seed: int = 0) ->
     exact_moe = CatalogESR(moe_tiny, 4, method="enumerate")
     exact = CatalogESR(single, k, method="exact")
     tempered = CatalogESR(single, k, temperature=tau, method="exact")
-    swr = CatalogESR(moe, k, method="swr")
+    swr = CatalogESR(moe, k, method="with_replacement")
     return {
         "shared_noise": Planted(4, lambda _, n, gen: shared_noise_sample(moe_tiny, 4, n, gen),
                                 exact_moe.inclusion_log_prob, candidate_log_prob=exact_moe.candidate_log_prob),

@@ -7,9 +7,12 @@ single-process reference, fed the whole global batch). Both start from the same 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -46,9 +49,10 @@ class Setup:
 
 
 def init() -> tuple[int, int]:
-    """Start the gloo process group; (rank, world size)."""
+    """Start the gloo process group; (rank, world size). A collective that waits longer than
+    ``CAPG_COLLECTIVE_TIMEOUT_S`` seconds (default 300) fails instead of hanging."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=timedelta(seconds=env_int("CAPG_COLLECTIVE_TIMEOUT_S", 300)))
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -162,3 +166,25 @@ def my_slice(batch: int, rank: int, world: int) -> slice:
 
 def env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
+
+
+@contextlib.contextmanager
+def count_host_syncs() -> Iterator[list[str]]:
+    """Counts the Tensor methods that read a value back to the host (``bool(t)``, ``int(t)``, ``.item()``, ...)."""
+    calls: list[str] = []
+    names = ["item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy"]
+    saved = {name: getattr(torch.Tensor, name) for name in names}
+
+    def counted(name: str):
+        def call(self, *args, **kwargs):
+            calls.append(name)
+            return saved[name](self, *args, **kwargs)
+        return call
+
+    for name in names:
+        setattr(torch.Tensor, name, counted(name))
+    try:
+        yield calls
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)

@@ -87,7 +87,8 @@ def driver(args: argparse.Namespace) -> None:
     common = ["--out", str(args.out), "--num-items", str(args.num_items), "--dim", str(args.dim),
               "--batch", str(args.batch), "--steps", str(args.steps), "--candidates", str(args.candidates),
               "--chunk-size", str(args.chunk_size)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    path = os.pathsep.join(p for p in (str(here.parents[1]), os.environ.get("PYTHONPATH")) if p)  # this checkout
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": path}
     runs = [[sys.executable, str(here), "--worker", "--mode", "unsharded", *common]]
     for world in args.worlds:
         runs.append([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",

@@ -2,16 +2,21 @@
 
 Run with ``torchrun --nproc_per_node=W integration/parity.py --out DIR``. Every rank builds the
 retriever sharded over the W ranks and, as the reference, unsharded with the whole global batch.
-For each set-up (uneven row-wise split, a mixture of experts, a table-wise table) it checks:
+For each set-up (uneven row-wise split, a mixture of experts, table-wise tables) it checks:
 
 * the raw reductions (normalizer, power sums with exclusions, gather, top-k, Gumbel top-k),
   also against :class:`capg_rec.EmbeddingCatalog`;
 * for each estimator, the candidates sampled from a seed, the loss (mean over ranks vs the
   global-batch loss), and every embedding row after one fused-SGD step;
-* that bad set-ups raise a clear ``ValueError`` on every rank instead of hanging.
+* all of the above again with masked items (``masked_items``: each row's best items and random
+  ones), which must also never be drawn;
+* a batch split with ranks that hold no users (B_r = 0), and an empty global batch;
+* that gather and the power sums make no host sync with validation off;
+* that bad set-ups and bad values on one rank only raise the same error on every rank instead
+  of hanging, and that the ranks stay in step afterwards.
 
-Each rank writes ``DIR/parity_rank{r}.json`` (check name → relative error) and exits non-zero if
-any check exceeds its tolerance.
+Each rank writes ``DIR/parity_rank{r}.json`` (check name → relative error, and the error messages
+each rank raised) and exits non-zero if any check exceeds its tolerance.
 """
 
 from __future__ import annotations
@@ -26,12 +31,17 @@ import torch.distributed as dist
 from torch import Tensor
 
 import _harness as h
-from capg_rec import CAPGLoss, EmbeddingCatalog, VPGLoss, sample_candidates
+from capg_rec import CAPGLoss, EmbeddingCatalog, VPGLoss, candidate_log_prob, sample_candidates
+from capg_rec.functional import vpg_loss
+from capg_rec.torchrec import ShardedEmbeddingCatalog
 
 SETUPS = {
     "rw_uneven": h.Setup(num_items=10_001, num_experts=1, dim=8, temperature=0.5),
     "rw_moe": h.Setup(num_items=10_001, num_experts=3, dim=4, chunk_size=777),
     "table_wise": h.Setup(num_items=3_001, num_experts=2, dim=4, temperature=2.0, sharding="table_wise"),
+    # small enough that the inclusion methods read the whole catalog through gather alone: a rank
+    # without item rows must still join the lookup's backward
+    "table_wise_small": h.Setup(num_items=1_001, num_experts=2, dim=4, sharding="table_wise"),
 }
 CANDIDATES, SHOWN, GLOBAL_BATCH, LR = 7, 3, 6, 0.5
 ESTIMATORS = {
@@ -40,8 +50,10 @@ ESTIMATORS = {
     "capg_plugin": lambda: CAPGLoss(CANDIDATES, method="plugin"),
     "capg_mean_field": lambda: CAPGLoss(CANDIDATES, method="mean_field"),
     "capg_exact": lambda: CAPGLoss(CANDIDATES, method="exact"),
-    "capg_swr": lambda: CAPGLoss(CANDIDATES, method="swr"),
+    "capg_swr": lambda: CAPGLoss(CANDIDATES, method="with_replacement"),
 }
+EMPTY_SPLITS = {1: [GLOBAL_BATCH], 2: [0, GLOBAL_BATCH], 3: [2, 0, GLOBAL_BATCH - 2]}  # users per rank
+EMPTY_RANK_SETUPS = ("rw_uneven", "table_wise")
 TOLERANCE = 1e-5
 # updates are differences of O(1) rows: float32 leaves them ~1e-5 relative precision; allow 1e-3
 UPDATE_TOLERANCE_FACTOR = TOLERANCE / 1e-3
@@ -71,17 +83,37 @@ def lsr(users: Tensor, candidates: Tensor, num_items: int) -> tuple[Tensor, Tens
     return candidates.gather(1, top.indices), top.values
 
 
-def check_reductions(name, setup, model, reference, state, local_kjt, global_kjt, mine, record) -> None:
-    cat, ref = model(local_kjt), reference(global_kjt)
+def masks_for(setup: h.Setup, reference, global_kjt) -> Tensor:
+    """Masked ids ``[GLOBAL_BATCH, 11]`` (-1 pads): each row's 3 best items under expert 0 (so the
+    masks change what is drawn), random ones (on every rank's rows), a repeat, a row with none."""
+    g = torch.Generator().manual_seed(17)
+    with torch.no_grad():
+        best = reference(global_kjt).top_items(3, experts=[0])[:, 0]
+    masked = torch.cat([best, torch.randint(0, setup.num_items, (GLOBAL_BATCH, 6), generator=g),
+                        torch.full((GLOBAL_BATCH, 2), -1)], 1)
+    masked[1] = -1
+    masked[2, 9] = masked[2, 0]
+    return masked
+
+
+def check_reductions(name, setup, model, reference, state, local_kjt, global_kjt, mine, record,
+                     masked: Tensor | None = None) -> None:
+    h.load(model, state)
+    h.load(reference, state)
+    cat = model(local_kjt, masked_items=None if masked is None else masked[mine])
+    ref = reference(global_kjt, masked_items=masked)
     # the independent reference: plain EmbeddingCatalog over the full tables
     users = global_kjt[h.USER_ID].values()
     dense = EmbeddingCatalog(state[f"embeddings.embeddings.{h.USER_TABLE}.weight"][users].view(
         -1, setup.num_experts, setup.dim), state[f"embeddings.embeddings.{h.ITEM_TABLE}.weight"].view(
-        setup.num_items, setup.num_experts, setup.dim), setup.temperature)
+        setup.num_items, setup.num_experts, setup.dim), setup.temperature, masked_items=masked)
     g = torch.Generator().manual_seed(11)
     exclude = torch.randint(0, setup.num_items, (GLOBAL_BATCH, 5), generator=g)
     exclude[0, 2:] = -1
     items = torch.randint(0, setup.num_items, (GLOBAL_BATCH, 4), generator=g)
+    if masked is not None:
+        items[:, 0] = masked[:, 0]  # masked targets: -inf
+        items[1, 0] = 0
     record(f"{name}/ref_vs_dense/log_power_sums", rel(ref.log_power_sums(exclude, 3), dense.log_power_sums(exclude, 3)))
     record(f"{name}/ref_vs_dense/gather", rel(ref.gather(items), dense.gather(items)))
     # scores on the grid tie often, so top-k lists are compared by the scores they pick
@@ -92,6 +124,7 @@ def check_reductions(name, setup, model, reference, state, local_kjt, global_kjt
 
     record(f"{name}/ref_vs_dense/top_items", same(picked(ref.top_items(9, exclude=exclude)),
                                                   picked(dense.top_items(9, exclude=exclude))))
+    record(f"{name}/num_available", same(cat.num_available(), dense.num_available()[mine]))
     record(f"{name}/log_normalizer", rel(cat.log_normalizer(), ref.log_normalizer()[mine]))
     record(f"{name}/log_power_sums", rel(cat.log_power_sums(exclude[mine], 3), ref.log_power_sums(exclude, 3)[mine]))
     record(f"{name}/gather", rel(cat.gather(items[mine]), ref.gather(items)[mine]))
@@ -103,9 +136,17 @@ def check_reductions(name, setup, model, reference, state, local_kjt, global_kjt
         expected = ref.top_items(5, experts=[m], exclude=exclude, perturb=True,
                                  generator=torch.Generator().manual_seed(5 + m))[mine]
         record(f"{name}/gumbel_top_items/expert{m}", same(sampled, expected))
+        if masked is not None:
+            record(f"{name}/gumbel_top_items/expert{m}/never_masked", never_masked(sampled[:, 0], masked[mine]))
 
 
-def check_estimator(name, est, setup, model, reference, state, local_kjt, global_kjt, mine, record) -> None:
+def never_masked(ids: Tensor, masked: Tensor) -> float:
+    """0 when no id of ``ids [B, K]`` is among its row's ``masked [B, E]``."""
+    return float("inf") if (ids.unsqueeze(2) == masked.unsqueeze(1)).any() else 0.0
+
+
+def check_estimator(name, est, setup, model, reference, state, local_kjt, global_kjt, mine, record,
+                    masked: Tensor | None = None) -> None:
     h.load(model, state)
     h.load(reference, state)
     model.zero_grad(set_to_none=True)
@@ -113,10 +154,13 @@ def check_estimator(name, est, setup, model, reference, state, local_kjt, global
     ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
     dense_params = [p for n, p in model.named_parameters() if "embeddings" not in n]
     dense_opt = torch.optim.SGD(dense_params, lr=LR) if dense_params else None
-    cat, ref = model(local_kjt), reference(global_kjt)
+    cat = model(local_kjt, masked_items=None if masked is None else masked[mine])
+    ref = reference(global_kjt, masked_items=masked)
     cand = sample_candidates(cat, CANDIDATES, generator=torch.Generator().manual_seed(2024))
     ref_cand = sample_candidates(ref, CANDIDATES, generator=torch.Generator().manual_seed(2024))
     record(f"{name}/{est}/candidates", same(cand, ref_cand[mine]))
+    if masked is not None:
+        record(f"{name}/{est}/candidates_never_masked", never_masked(cand, masked[mine]))
     users = global_kjt[h.USER_ID].values()
     chosen, rewards = lsr(users, ref_cand, setup.num_items)
     loss = ESTIMATORS[est]()(cat, cand, chosen[mine], rewards[mine])
@@ -136,18 +180,22 @@ def check_estimator(name, est, setup, model, reference, state, local_kjt, global
         record(f"{name}/{est}/update/{key}", err * UPDATE_TOLERANCE_FACTOR)
 
 
-def expect_error(check: str, fragment: str, call, record) -> None:
-    """``call()`` must raise a ValueError whose message contains ``fragment``."""
+def expect_error(check: str, fragment: str, call, record, messages: dict[str, str] | None = None,
+                 kind: type[Exception] = ValueError) -> None:
+    """``call()`` must raise ``kind`` whose message contains ``fragment`` (kept in ``messages``)."""
     try:
         call()
-    except ValueError as err:
+    except kind as err:
         record(check, 0.0 if fragment in str(err) else float("inf"))
+        if messages is not None:
+            messages[check] = f"{type(err).__name__}: {err}"
         return
     record(check, float("inf"))
 
 
-def check_bad_setups(mine: slice, record) -> None:
+def check_bad_setups(mine: slice, record, messages: dict[str, str]) -> None:
     """Mis-configurations fail on every rank with a clear message (no rank is left waiting)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     setup = h.Setup(num_items=1_000, num_experts=2, dim=4)
     users = h.user_batch(torch.arange(GLOBAL_BATCH)[mine])
     model = h.shard(setup, lr=LR)
@@ -156,11 +204,108 @@ def check_bad_setups(mine: slice, record) -> None:
     wrong = h.KeyedJaggedTensor.concat([wrong, h.KeyedJaggedTensor.from_lengths_sync(
         [h.CATALOG], torch.arange(3), torch.tensor([3] + [0] * (wrong.stride() - 1)))])
     expect_error("bad_setup/wrong_catalog_rows", "must list this rank's item rows", lambda: model(wrong), record)
-    del model
+    # the last rank alone lists its rows in the wrong order: every rank raises (validation exchanges first)
+    kjt = model.module.with_catalog(users)
+    if rank == world - 1:
+        catalog = kjt.values()[-model.module.catalog_ids().numel():]
+        catalog.copy_(catalog.flip(0).clone())
+    expect_error("bad_setup/one_rank_wrong_catalog_order", "must list this rank's item rows",
+                 lambda: model(kjt), record, messages)
     replicated = h.shard(h.Setup(num_items=1_000, num_experts=2, dim=4, sharding="data_parallel"), lr=LR)
     expect_error("bad_setup/data_parallel_item_table", "row_wise or table_wise",
                  lambda: replicated(replicated.module.with_catalog(users)), record)
-    del replicated
+
+
+def check_one_rank_errors(record, messages: dict[str, str]) -> None:
+    """Bad arguments on the last rank only: every rank raises the same error, then all go on in step.
+    Also: with validation off, gather and the power sums read nothing back to the host."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    num_items, last = 20, rank == world - 1
+    g = torch.Generator().manual_seed(3)
+    users, items = torch.randn(2 * world, 2, 3, generator=g), torch.randn(num_items, 2, 3, generator=g)
+    block = -(-num_items // world)
+    offset, mine = min(rank * block, num_items), slice(2 * rank, 2 * rank + 2)
+    rows = items[offset: offset + block]
+    masked = torch.tensor([[3, -1], [19, 7]] * world)
+
+    def catalog(user=None, item=None, **kw) -> ShardedEmbeddingCatalog:
+        args = {"num_items": num_items, "row_offset": offset, "process_group": group, "masked_items": masked[mine],
+                "chunk_size": 4, **kw}
+        return ShardedEmbeddingCatalog(users[mine] if user is None else user, rows if item is None else item, **args)
+
+    nan_user = users[mine].clone()
+    nan_user[1, 1, 0] = float("nan") if last else 0.0
+    expect_error("one_rank/nan_user", "user must be finite", lambda: catalog(nan_user), record, messages)
+    expect_error("one_rank/masked_out_of_range", "masked_items must hold ids in [-1, 20)",
+                 lambda: catalog(masked_items=torch.tensor([[20], [0]]) if last else torch.tensor([[0], [1]])),
+                 record, messages)
+    expect_error("one_rank/user_dims", "user must have 2 or 3 dims",
+                 lambda: catalog(users[mine][0, 0] if last else None), record, messages)
+    expect_error("one_rank/masked_dtype", "masked_items must have an integer dtype",
+                 lambda: catalog(masked_items=masked[mine].float() if last else masked[mine]), record, messages,
+                 kind=TypeError)
+    if world > 1:
+        expect_error("one_rank/validate_args_differ", "validate_args must be the same on every rank",
+                     lambda: catalog(validate_args=not last), record, messages)
+        expect_error("one_rank/overlapping_rows", "must tile the catalog",
+                     lambda: catalog(item=items[:rows.shape[0]] if last else None, row_offset=0 if last else offset),
+                     record, messages)
+    good = catalog()
+    ids = torch.tensor([[0, 5], [19, 3]])
+    expect_error("one_rank/gather_out_of_range", "items must hold ids in [0, 20)",
+                 lambda: good.gather(ids + 1 if last else ids), record, messages)
+    expect_error("one_rank/exclude_out_of_range", "exclude must hold ids in [-1, 20)",
+                 lambda: good.log_power_sums(ids - 6 if last else ids), record, messages)
+    if world > 1:
+        expect_error("one_rank/gather_widths", "items must have the same number of columns on every rank",
+                     lambda: good.gather(ids[:, :1] if last else ids), record, messages)
+        expect_error("one_rank/exclude_widths", "exclude must have the same number of columns on every rank",
+                     lambda: good.top_items(3, exclude=ids[:, :1] if last else ids), record, messages)
+    # still in step: the same values as one process holding everything
+    reference = EmbeddingCatalog(users, items, masked_items=masked, chunk_size=3)
+    record("one_rank/after_errors/log_normalizer", rel(good.log_normalizer(), reference.log_normalizer()[mine]))
+    record("one_rank/after_errors/gather", rel(good.gather(ids), reference.gather(ids.repeat(world, 1))[mine]))
+    quiet = catalog(validate_args=False)
+    with h.count_host_syncs() as calls:
+        scores = quiet.gather(ids)
+        quiet.log_softmax(ids)
+        quiet.log_power_sums(ids, 2)
+    record("no_host_sync/gather_log_softmax_log_power_sums", float(len(calls)))
+    record("no_host_sync/values", rel(scores, reference.gather(ids.repeat(world, 1))[mine]))
+
+
+def check_empty_ranks(name, setup, model, reference, state, users, rank, world, record) -> None:
+    """Ranks without users (B_r = 0) next to ranks with some, and an empty global batch: empty
+    results there, the right ones elsewhere, no collective left hanging."""
+    sizes = EMPTY_SPLITS[world]
+    mine = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
+    global_kjt = reference.with_catalog(h.user_batch(users))
+    local_kjt = model.module.with_catalog(h.user_batch(users[mine]))
+    masked = masks_for(setup, reference, global_kjt)
+    check_reductions(f"{name}/empty_ranks", setup, model, reference, state, local_kjt, global_kjt, mine, record,
+                     masked)
+    cat = model(local_kjt, masked_items=masked[mine])
+    ref = reference(global_kjt, masked_items=masked)
+    cand = sample_candidates(cat, CANDIDATES, generator=torch.Generator().manual_seed(7))
+    ref_cand = sample_candidates(ref, CANDIDATES, generator=torch.Generator().manual_seed(7))
+    record(f"{name}/empty_ranks/candidates", same(cand, ref_cand[mine]))
+    record(f"{name}/empty_ranks/candidate_log_prob", rel(candidate_log_prob(cat, cand),
+                                                          candidate_log_prob(ref, ref_cand)[mine]))
+    chosen, rewards = lsr(users, ref_cand, setup.num_items)
+    loss = vpg_loss(cat, cand, chosen[mine], rewards[mine], reduction="none", validate_args=False)
+    record(f"{name}/empty_ranks/vpg_loss", rel(loss, vpg_loss(ref, ref_cand, chosen, rewards, reduction="none")[mine]))
+    loss.sum().backward()
+    # an empty global batch: every rank has B_r = 0
+    none = h.user_batch(users[:0])
+    empty = torch.zeros(0, CANDIDATES, dtype=torch.long)
+    record(f"{name}/empty_batch/candidates", same(sample_candidates(model(model.module.with_catalog(none)),
+                                                                    CANDIDATES), empty))
+    for est, make in ESTIMATORS.items():
+        cat, ref = model(model.module.with_catalog(none)), reference(reference.with_catalog(none))
+        loss = make()(cat, empty, empty[:, :SHOWN], torch.zeros(0, SHOWN))
+        loss.backward()
+        record(f"{name}/empty_batch/{est}", rel(loss, make()(ref, empty, empty[:, :SHOWN], torch.zeros(0, SHOWN))))
 
 
 def main() -> int:
@@ -175,6 +320,7 @@ def main() -> int:
         if err > TOLERANCE:
             print(f"[rank {rank}] FAIL {check}: {err:.3g}", file=sys.stderr, flush=True)
 
+    messages: dict[str, str] = {}
     mine = h.my_slice(GLOBAL_BATCH, rank, world)
     for name, setup in SETUPS.items():
         state = h.full_state(setup, seed=len(name))
@@ -184,16 +330,23 @@ def main() -> int:
         users = torch.arange(GLOBAL_BATCH) * 7 % setup.num_users
         global_kjt = reference.with_catalog(h.user_batch(users))
         local_kjt = model.module.with_catalog(h.user_batch(users[mine]))
-        check_reductions(name, setup, model, reference, state, local_kjt, global_kjt, mine, record)
-        for est in ESTIMATORS:
-            print(f"[rank {rank}] {name}/{est}", file=sys.stderr, flush=True)
-            check_estimator(name, est, setup, model, reference, state, local_kjt, global_kjt, mine, record)
+        masked = masks_for(setup, reference, global_kjt)
+        for suffix, mask in (("", None), ("/masked", masked)):
+            check_reductions(name + suffix, setup, model, reference, state, local_kjt, global_kjt, mine, record, mask)
+            for est in ESTIMATORS:
+                print(f"[rank {rank}] {name}{suffix}/{est}", file=sys.stderr, flush=True)
+                check_estimator(name + suffix, est, setup, model, reference, state, local_kjt, global_kjt, mine,
+                                record, mask)
+        if name in EMPTY_RANK_SETUPS:
+            check_empty_ranks(name, setup, model, reference, state, users, rank, world, record)
         del model
-    check_bad_setups(mine, record)
+    check_bad_setups(mine, record, messages)
+    check_one_rank_errors(record, messages)
     failures = sorted(k for k, v in results.items() if v > TOLERANCE)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"parity_rank{rank}.json").write_text(json.dumps(
-        {"world_size": world, "tolerance": TOLERANCE, "failures": failures, "errors": results}, indent=1))
+        {"world_size": world, "tolerance": TOLERANCE, "failures": failures, "errors": results,
+         "messages": messages}, indent=1))
     h.teardown()
     return 1 if failures else 0
 

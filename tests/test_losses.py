@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from capg_rec import (CAPGLoss, DenseCatalog, EmbeddingCatalog, TOP1PGLoss, VPGLoss, candidate_log_prob, dcg_weights,
+from capg_rec import (CAPGLoss, DenseCatalog, EmbeddingCatalog, VPGLoss, candidate_log_prob, dcg_weights,
                       expert_of_position, inclusion_log_prob, sample_candidates)
 from capg_rec._enumerate import all_draws, draw_log_probs, inclusion_probs
 
@@ -13,7 +13,7 @@ ESTIMATORS = {
     "capg_exact": lambda k, **kw: CAPGLoss(k, method="exact", **kw),
     "capg_mean_field": lambda k, **kw: CAPGLoss(k, method="mean_field", **kw),
     "capg_plugin": lambda k, **kw: CAPGLoss(k, method="plugin", **kw),
-    "top1": lambda k, **kw: TOP1PGLoss(k, **kw),
+    "top1": lambda k, **kw: CAPGLoss(k, **kw, method="with_replacement"),
 }
 
 
@@ -74,7 +74,7 @@ def test_loss_values_are_the_documented_formulas():
     adv = rewards * alpha
     vpg = VPGLoss(6, temperature=0.5)(logits, cand, chosen, rewards, position_weights=alpha)
     torch.testing.assert_close(vpg, -(adv.sum(1) * candidate_log_prob(logits, cand, temperature=0.5)).mean())
-    for method in ("mean_field", "plugin", "swr"):
+    for method in ("mean_field", "plugin", "with_replacement"):
         capg = CAPGLoss(6, method=method)(logits, cand, chosen, rewards, position_weights=alpha)
         score = inclusion_log_prob(logits, chosen, 6, method=method)
         torch.testing.assert_close(capg, -(adv * score).sum(1).mean())
@@ -137,7 +137,7 @@ def test_bad_inputs_raise():
         loss(logits, cand, chosen, rewards[:, :2])
     with pytest.raises(ValueError, match="rewards"):
         loss(logits, cand, chosen, torch.full_like(rewards, float("nan")))
-    with pytest.raises(ValueError, match="rewards"):
+    with pytest.raises(TypeError, match="rewards"):
         loss(logits, cand, chosen, rewards.long())
     with pytest.raises(ValueError, match="baseline"):
         loss(logits, cand, chosen, rewards, baseline=torch.zeros(5, dtype=torch.float64))
@@ -153,12 +153,14 @@ def test_bad_inputs_raise():
         loss(logits, cand, cand[:, [0, 0, 1]], rewards)
     with pytest.raises(ValueError, match="logits"):
         loss(logits.masked_fill(logits > 2, float("inf")), cand, chosen, rewards)
+    with pytest.raises(ValueError, match="masked"):
+        loss(logits.scatter(2, cand[:, None, 4:5].expand(-1, 2, -1), float("-inf")), cand, chosen, rewards)
     with pytest.raises(ValueError, match="reduction"):
         VPGLoss(6, reduction="avg")
     with pytest.raises(ValueError, match="method"):
         CAPGLoss(6, method="approx")
     with pytest.raises(ValueError, match="temperature"):
-        TOP1PGLoss(6, temperature=0.0)
+        CAPGLoss(6, temperature=0.0, method="with_replacement")
     with pytest.raises(ValueError, match="num_candidates"):
         VPGLoss(0)
     with pytest.raises(ValueError, match="num_candidates"):
@@ -181,12 +183,12 @@ def test_validate_args_false_gives_the_same_loss_and_skips_the_checks(name):
     with pytest.raises(ValueError, match="rewards"):
         ESTIMATORS[name](6)(logits, cand, chosen, torch.full_like(rewards, float("nan")))
     infinite = logits.detach().masked_fill(logits.detach() > 2, float("inf"))
-    with pytest.raises(ValueError, match="logits must be finite"):
+    with pytest.raises(ValueError, match="logits must be finite or -inf"):
         DenseCatalog(infinite)
     assert DenseCatalog(infinite, validate_args=False).num_items == 40
-    with pytest.raises(ValueError, match="validate_args must be True or False"):
+    with pytest.raises(TypeError, match="validate_args must be True or False"):
         ESTIMATORS[name](6, validate_args="no")
-    with pytest.raises(ValueError, match="validate_args must be True or False"):
+    with pytest.raises(TypeError, match="validate_args must be True or False"):
         DenseCatalog(logits.detach(), validate_args=0)
 
 

@@ -7,16 +7,17 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import capg_rec._mean_field
 import capg_rec.marginals as marginals
 from capg_rec import DenseCatalog, EmbeddingCatalog, expert_of_position, inclusion_log_prob, sample_candidates
 from capg_rec._enumerate import inclusion_probs
 from tests import references
 from tests.stats import assert_counts_match
 
-APPROX = ["mean_field", "plugin", "swr"]
-ALL = ["exact", "mean_field", "plugin", "swr"]
+APPROX = ["mean_field", "plugin", "with_replacement"]
+ALL = ["exact", "mean_field", "plugin", "with_replacement"]
 REFERENCE = {"mean_field": references.mean_field_inclusion, "plugin": references.plugin_inclusion,
-             "swr": references.swr_score}
+             "with_replacement": references.swr_score}
 
 
 def _all_items(batch, n):
@@ -38,7 +39,7 @@ def test_matches_reference_definition(method, n, k, m, scale):
     np.testing.assert_allclose(got, ref, rtol=1e-8, atol=1e-12)
 
 
-@pytest.mark.parametrize("method", ["plugin", "swr"])
+@pytest.mark.parametrize("method", ["plugin", "with_replacement"])
 def test_top1_is_softmax(method):
     logits = _logits(3, 1, 9, seed=0, scale=2.0)
     got = inclusion_log_prob(logits, _all_items(3, 9), 1, method=method)
@@ -71,7 +72,7 @@ def test_symmetries(method):
     permuted = inclusion_log_prob(logits[:, :, perm], items, 4, method=method)
     torch.testing.assert_close(permuted, base[:, perm])
     equal = inclusion_log_prob(torch.zeros(1, 1, 12, dtype=torch.float64), items[:1], 4, method=method)
-    expected = torch.full_like(equal, np.log(4 * (1.0 if method == "swr" else 1.0) / 12))
+    expected = torch.full_like(equal, np.log(4 * (1.0 if method == "with_replacement" else 1.0) / 12))
     torch.testing.assert_close(equal, expected)
 
 
@@ -96,7 +97,7 @@ def test_float32_extremes_are_finite(method, gap):
         out = inclusion_log_prob(logits, items, k, method=method)
         (grad,) = torch.autograd.grad(out.sum(), logits)
         assert torch.isfinite(out).all() and torch.isfinite(grad).all(), (k, out)
-    assert (out[:, :2] <= 0.0 + 1e-6).all() or method == "swr"
+    assert (out[:, :2] <= 0.0 + 1e-6).all() or method == "with_replacement"
 
 
 @pytest.mark.parametrize("method", ["exact", "mean_field", "plugin"])
@@ -118,7 +119,8 @@ def test_large_catalog_head_tail_matches_full(method, monkeypatch):
     items = torch.cat([catalog.top_items(3)[:, 0], torch.tensor([[5, 17], [1000, 19_999], [7, 8]])], 1)
     for k in (10, 100):
         summarised = inclusion_log_prob(catalog, items, k, method=method)
-        monkeypatch.setattr(marginals, "_head_size", lambda method, n, runs: n)
+        monkeypatch.setattr(capg_rec._mean_field, "_head_size", lambda n, runs: n)
+        monkeypatch.setattr(marginals, "head_size_for", lambda n, k: n)
         full = inclusion_log_prob(catalog, items, k, method=method)
         monkeypatch.undo()
         torch.testing.assert_close(summarised.exp(), full.exp(), rtol=1e-4, atol=0)

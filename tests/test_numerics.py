@@ -5,9 +5,10 @@ import math
 import pytest
 import torch
 
-from capg_rec import DenseCatalog, EmbeddingCatalog, TOP1PGLoss, VPGLoss, sample_candidates
+from capg_rec import CAPGLoss, DenseCatalog, EmbeddingCatalog, VPGLoss, sample_candidates
 from capg_rec._numerics import (exp_floor, filled_logsumexp, gather_with_rest, log_softmax_at, masked_logsumexp,
                                scaled_terms)
+from capg_rec.catalog import _chunked_top_k, _ChunkedLogPowerSums
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -89,11 +90,13 @@ def test_gather_with_rest_matches_torch(dtype, scale):
     w_named, w_rest = torch.randn(5, 2, 6, generator=gen, dtype=dtype), torch.randn(5, 2, generator=gen, dtype=dtype)
     for use in ("both", "named", "rest"):
         out = (named * w_named).sum() * (use != "rest") + (rest * w_rest).sum() * (use != "named")
-        ref = (ref_named * w_named.double()).sum() * (use != "rest") + (ref_rest * w_rest.double()).sum() * (use != "named")
+        ref = ((ref_named * w_named.double()).sum() * (use != "rest")
+               + (ref_rest * w_rest.double()).sum() * (use != "named"))
         (grad,) = torch.autograd.grad(out, x, retain_graph=True)
         (ref_grad,) = torch.autograd.grad(ref, ref_x, retain_graph=True)
         # exp(x - m) carries the rounding of its argument: ~eps·|x| relative, |x| up to ~4·scale
-        torch.testing.assert_close(grad.double(), ref_grad, rtol=0, atol=4 * eps * (1 + 4 * scale) * float(ref_grad.abs().max()))
+        atol = 4 * eps * (1 + 4 * scale) * float(ref_grad.abs().max())
+        torch.testing.assert_close(grad.double(), ref_grad, rtol=0, atol=atol)
     only_named = gather_with_rest(x, index, 2)[0].sum()  # the rest unused: its grad arrives as None
     torch.testing.assert_close(torch.autograd.grad(only_named, x)[0].double(),
                                torch.autograd.grad(ref_x.gather(2, index).sum(), ref_x)[0])
@@ -142,7 +145,8 @@ def test_confident_policy_gradients_have_no_subnormals(estimator):
     gen = torch.Generator().manual_seed(3)
     logits = (30 * torch.randn(64, 1000, generator=gen)).requires_grad_()
     cand = sample_candidates(logits.detach(), 10, generator=gen)
-    loss_fn = {"top1": TOP1PGLoss(10), "vpg_swr": VPGLoss(10, with_replacement=True), "vpg": VPGLoss(10)}[estimator]
+    loss_fn = {"top1": CAPGLoss(10, method="with_replacement"), "vpg_swr": VPGLoss(10, with_replacement=True),
+               "vpg": VPGLoss(10)}[estimator]
     loss_fn(logits, cand, cand[:, :2], torch.rand(64, 2, generator=gen)).backward()
     assert _subnormal(logits.grad) == 0 and bool(torch.isfinite(logits.grad).all())
 
@@ -194,3 +198,96 @@ def test_confident_chunked_power_sums_match_dense():
         grads.append((out, *torch.autograd.grad(out.sum(), (user, item))))
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_masked_entries_add_nothing_and_get_exactly_zero_gradient(dtype):
+    """-inf scores (items not in a row's catalog) anywhere: the fused reductions equal torch's over the
+    other entries; a row with nothing left gives -inf; no -inf entry gets a gradient, even under
+    large upstream gradients, and nothing is NaN."""
+    gen = torch.Generator().manual_seed(5)
+    x = 3 * torch.randn(4, 2, 50, generator=gen, dtype=torch.float64)
+    x[torch.rand(x.shape, generator=gen) < 0.3] = -math.inf
+    x[0, 1] = -math.inf  # a row with nothing left
+    index = torch.randint(0, 50, (4, 2, 3), generator=gen)
+    index[1, 0, 0] = int((x[1, 0] == -math.inf).nonzero()[0])  # a masked target
+    x = x.to(dtype).requires_grad_()
+    ref = x.detach().double()
+    named, rest = gather_with_rest(x, index, 2)
+    outputs = [filled_logsumexp(x, 2), log_softmax_at(x, index, 2), named, rest]
+    kept = torch.ones_like(ref, dtype=torch.bool)
+    kept[0, 1] = False
+    refs = [torch.logsumexp(ref, 2), torch.log_softmax(ref, 2).gather(2, index), ref.gather(2, index),
+            _rest_reference(ref, index, 2)]
+    eps = torch.finfo(dtype).eps
+    for out, want in zip(outputs, refs):
+        good = torch.isfinite(want)
+        assert torch.equal(torch.isfinite(out), good)
+        torch.testing.assert_close(out.double()[good], want[good], rtol=8 * eps, atol=8 * eps)
+        weights = 1e8 * torch.randn(out.shape, generator=gen, dtype=dtype)
+        (grad,) = torch.autograd.grad((torch.where(torch.isfinite(out), out, 0) * weights).sum(), x,
+                                      retain_graph=True)
+        assert bool(torch.isfinite(grad).all())
+        assert bool((grad[ref == -math.inf] == 0).all())
+        # a gradient arriving at -inf outputs too (rows with nothing left, masked targets)
+        (grad,) = torch.autograd.grad(out, x, torch.full_like(out, 1e3), retain_graph=True)
+        assert bool(torch.isfinite(grad).all())
+        assert bool((grad[ref == -math.inf] == 0).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_gradients_match_float64(dtype):
+    """float16 and bfloat16: the gradients of the fused reductions are right to the dtype's precision
+    (the subnormal-free product must not round small float16 terms to 0)."""
+    x = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.5, -3.0, 1.5, 0.0]], dtype=dtype, requires_grad=True)
+    index = torch.tensor([[0, 2], [1, 1]])
+    ref = x.detach().double().requires_grad_()
+    for ours, theirs in [(filled_logsumexp(x, 1), torch.logsumexp(ref, 1)),
+                         (log_softmax_at(x, index, 1), torch.log_softmax(ref, 1).gather(1, index)),
+                         (gather_with_rest(x, index, 1)[1], _rest_reference(ref, index, 1))]:
+        (grad,) = torch.autograd.grad(ours.sum(), x)
+        (want,) = torch.autograd.grad(theirs.sum(), ref)
+        assert grad.dtype == dtype
+        torch.testing.assert_close(grad.double(), want, rtol=0, atol=4 * torch.finfo(dtype).eps)
+    terms = torch.tensor([1.0, 0.3, 1e-3, 6e-5], dtype=torch.float16)
+    assert torch.equal(scaled_terms(terms, torch.tensor(0.25, dtype=torch.float16)), terms * 0.25)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_scaled_terms_zeroes_floor_terms_whatever_the_scale(dtype):
+    """A term on the exp floor (a masked entry) times any scale is exactly 0; a term of 1 is kept."""
+    floor = torch.exp(torch.tensor(exp_floor(dtype), dtype=dtype))
+    terms = torch.stack([floor, torch.ones((), dtype=dtype)]).expand(5, 2)
+    scale = torch.tensor([1e-3, 1.0, 1e8, -1e20, torch.finfo(dtype).max / 4], dtype=dtype)[:, None]
+    out = scaled_terms(terms, scale)
+    assert bool((out[:, 0] == 0).all())
+    torch.testing.assert_close(out[:, 1], scale[:, 0])
+
+
+def _overflowing_embeddings() -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 finite embeddings whose inner products overflow: item 1 to +inf, item 2 to -inf and item 3
+    to NaN (+inf + -inf) for user 0; user 1 sees ordinary scores."""
+    user = torch.tensor([[1e20, 1e20], [0.5, -0.5]]).unsqueeze(1)
+    item = torch.tensor([[1.0, 2.0], [1e20, 1e20], [-1e20, -1e20], [1e20, -1e20], [0.0, 1.0]]).unsqueeze(1)
+    return user, item
+
+
+def test_chunked_reductions_raise_on_overflowing_scores_when_checking():
+    """Finite embeddings whose scores overflow: a ValueError when checking, instead of NaN; an
+    overflowing item that is excluded does not count; no check (and no host sync) otherwise."""
+    user, item = _overflowing_embeddings()
+    for chunk_size in (1, 2, 5):
+        with pytest.raises(ValueError, match="overflow"):
+            _ChunkedLogPowerSums.apply(user, item, None, 1, chunk_size, True)
+        with pytest.raises(ValueError, match="overflow"):
+            _chunked_top_k(user, item, 2, None, None, chunk_size, check_finite=True)
+        _ChunkedLogPowerSums.apply(user, item, None, 1, chunk_size, False)
+        _chunked_top_k(user, item, 2, None, None, chunk_size, check_finite=False)
+        out = _ChunkedLogPowerSums.apply(user, item, torch.tensor([[1, 2, 3], [-1, -1, -1]]), 2, chunk_size, True)
+        assert bool(torch.isfinite(out).all())
+    big = torch.full((1, 1, 1), 1.5e19)  # a finite score of 2.25e38, whose second power overflows
+    assert bool(torch.isfinite(_ChunkedLogPowerSums.apply(big, big, None, 1, 1, True)).all())
+    with pytest.raises(ValueError, match="overflow"):
+        _ChunkedLogPowerSums.apply(big, big, None, 2, 1, True)
+    with pytest.raises(ValueError, match="overflow"):  # every score of a row overflows to -inf
+        _ChunkedLogPowerSums.apply(user[:1], item[2:3], None, 1, 1, True)

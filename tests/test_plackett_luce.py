@@ -235,7 +235,7 @@ def test_bad_inputs_raise(fn):
         call(torch.tensor([[0.0, float("nan"), 1.0]]), 1)
     with pytest.raises(ValueError, match="logits"):
         call(torch.ones(5, dtype=torch.float32), 1)
-    with pytest.raises(ValueError, match="logits"):
+    with pytest.raises(TypeError, match="logits"):
         call(torch.ones(2, 5, dtype=torch.long), 1)
     with pytest.raises(ValueError, match="temperature"):
         {"sample": sample_candidates, "greedy": greedy_candidates}.get(fn, lambda lg, k, temperature: (
@@ -253,5 +253,5 @@ def test_candidate_ids_are_checked():
         candidate_log_prob(logits, torch.tensor([[0, 0], [1, 2]]))
     with pytest.raises(ValueError, match="shape"):
         candidate_log_prob(logits, torch.tensor([[0, 1]]))
-    with pytest.raises(ValueError, match="integer"):
+    with pytest.raises(TypeError, match="integer"):
         candidate_log_prob(logits, torch.tensor([[0.0, 1.0], [1.0, 2.0]]))

@@ -2,24 +2,70 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import math
 import sys
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 pytest.importorskip("torchrec")
 
 from torch import nn  # noqa: E402
 from torchrec import EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor  # noqa: E402
 
-from capg_rec import CAPGLoss, DenseCatalog, EmbeddingCatalog, TOP1PGLoss, VPGLoss, sample_candidates  # noqa: E402
+import capg_rec  # noqa: E402
+from capg_rec import (CAPGLoss, DenseCatalog, EmbeddingCatalog, VPGLoss, candidate_log_prob,  # noqa: E402
+                      greedy_candidates, inclusion_log_prob, sample_candidates)
 from capg_rec._enumerate import all_draws, draw_log_probs  # noqa: E402
 from capg_rec.plackett_luce import expert_of_position  # noqa: E402
 from capg_rec.torchrec import ShardedEmbeddingCatalog, TwoTowerRetriever  # noqa: E402
 from capg_rec.torchrec._hash_noise import _mul32, hashed_gumbel, row_keys  # noqa: E402
 from tests.stats import assert_counts_match  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """A real one-process gloo group, so the collective code paths (exchanges, all-gathers) run here."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+@pytest.fixture(params=["no_group", "one_rank_group"])
+def group(request):
+    return request.getfixturevalue("one_rank") if request.param == "one_rank_group" else None
+
+
+@pytest.fixture
+def restore_validation():
+    yield
+    capg_rec.set_default_validate_args(True)
+
+
+@contextlib.contextmanager
+def count_host_syncs():
+    """Counts the Tensor methods that read a value back to the host (``bool(t)``, ``int(t)``, ``.item()``, ...)."""
+    calls = []
+    names = ["item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy"]
+    saved = {name: getattr(torch.Tensor, name) for name in names}
+
+    def counted(name):
+        def call(self, *args, **kwargs):
+            calls.append(name)
+            return saved[name](self, *args, **kwargs)
+        return call
+
+    for name in names:
+        setattr(torch.Tensor, name, counted(name))
+    try:
+        yield calls
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
 
 
 def make_retriever(num_items=40, num_experts=2, dim=3, num_users=10, tower=None, **kw) -> TwoTowerRetriever:
@@ -33,7 +79,7 @@ def make_retriever(num_items=40, num_experts=2, dim=3, num_users=10, tower=None,
 
 
 def user_batch(users: list[int]) -> KeyedJaggedTensor:
-    ids = torch.tensor(users)
+    ids = torch.tensor(users, dtype=torch.long)
     return KeyedJaggedTensor.from_lengths_sync(["user_id"], ids, torch.ones_like(ids))
 
 
@@ -76,7 +122,7 @@ def test_losses_accept_the_retriever_output_and_gradients_reach_the_tables():
     u = retriever.embeddings.embeddings["user_table"].weight
     v = retriever.embeddings.embeddings["item_table"].weight
     for loss_fn in [VPGLoss(k), VPGLoss(k, with_replacement=True), CAPGLoss(k, method="plugin"),
-                    CAPGLoss(k, method="exact"), TOP1PGLoss(k)]:
+                    CAPGLoss(k, method="exact"), CAPGLoss(k, method="with_replacement")]:
         retriever.zero_grad()
         loss = loss_fn(retriever(retriever.with_catalog(user_batch(users))), cand, chosen, rewards)
         loss.backward()
@@ -100,18 +146,23 @@ def test_dense_features_through_a_tower():
     torch.testing.assert_close(cat.log_normalizer(), ref.log_normalizer())
 
 
-def test_catalog_gradcheck_float64():
+def test_catalog_gradcheck_float64(group):
     g = torch.Generator().manual_seed(1)
     user = torch.randn(3, 2, 2, dtype=torch.float64, generator=g, requires_grad=True)
     item = torch.randn(9, 2, 2, dtype=torch.float64, generator=g, requires_grad=True)
     exclude = torch.tensor([[0, 3], [8, -1], [-1, -1]])
     items = torch.tensor([[1, 2], [0, 8], [4, 4]])
+    masked = torch.tensor([[2, -1], [5, 6], [-1, -1]])
 
     def f(u, v):
-        cat = ShardedEmbeddingCatalog(u, v, num_items=9, temperature=0.8, chunk_size=4)
-        return cat.log_power_sums(exclude, 2), cat.gather(items)
+        cat = ShardedEmbeddingCatalog(u, v, num_items=9, temperature=0.8, chunk_size=4, process_group=group,
+                                      masked_items=masked)
+        scores = cat.gather(items)
+        return cat.log_power_sums(exclude, 2), scores.masked_fill(scores == -math.inf, 0.0)
 
     assert torch.autograd.gradcheck(f, (user, item))
+    # the scores' own path (gathers and reductions over ranks) is twice differentiable
+    assert torch.autograd.gradgradcheck(lambda u, v: f(u, v)[1], (user, item))
 
 
 def test_sampling_is_exact_plackett_luce_moe():
@@ -162,9 +213,10 @@ def test_noise_is_finite_for_extreme_ids_and_dtypes():
 def test_with_catalog_appends_the_rows():
     retriever = make_retriever(num_items=6)
     kjt = retriever.with_catalog(user_batch([1, 2]))
-    assert kjt.keys() == ["user_id", "catalog"]
+    assert kjt.keys() == ["user_id", "catalog"] and kjt.stride() == 3  # the rows are one extra last sample
     assert kjt["catalog"].values().tolist() == list(range(6))
-    assert kjt["catalog"].lengths().tolist() == [6, 0]
+    assert kjt["catalog"].lengths().tolist() == [0, 0, 6]
+    assert kjt["user_id"].values().tolist() == [1, 2] and kjt["user_id"].lengths().tolist() == [1, 1, 0]
     assert retriever.catalog_ids().tolist() == list(range(6))
 
 
@@ -181,11 +233,13 @@ def test_bad_setups_raise_clear_errors():
         TwoTowerRetriever(width_ec, item_table="item_table", user_features=["catalog"])
     with pytest.raises(ValueError, match="give user_features, a user_tower"):
         TwoTowerRetriever(width_ec, item_table="item_table")
-    with pytest.raises(ValueError, match="EmbeddingCollection"):
+    with pytest.raises(TypeError, match="EmbeddingCollection"):
         TwoTowerRetriever(nn.Linear(2, 2), item_table="item_table")
     retriever = make_retriever()
     with pytest.raises(ValueError, match="with_catalog"):
         retriever(user_batch([1]))
+    with pytest.raises(TypeError, match="features must be a KeyedJaggedTensor"):
+        retriever(torch.tensor([1]))
     bad_rows = KeyedJaggedTensor.concat([user_batch([1]), KeyedJaggedTensor.from_lengths_sync(
         ["catalog"], torch.arange(5), torch.tensor([5]))])
     with pytest.raises(ValueError, match="must list this rank's item rows"):
@@ -203,16 +257,189 @@ def test_catalog_argument_errors():
         ShardedEmbeddingCatalog(user, item[:5], num_items=10)
     with pytest.raises(ValueError, match="must agree on"):
         ShardedEmbeddingCatalog(user, torch.randn(10, 4), num_items=10)
-    with pytest.raises(ValueError, match="item must be a floating tensor"):
+    with pytest.raises(TypeError, match="item must have a floating dtype"):
         ShardedEmbeddingCatalog(user, torch.ones(10, 3, dtype=torch.long), num_items=10)
     with pytest.raises(ValueError, match="temperature"):
         ShardedEmbeddingCatalog(user, item, num_items=10, temperature=0.0)
     cat = ShardedEmbeddingCatalog(user, item, num_items=10)
     with pytest.raises(ValueError, match=r"items must hold ids in \[0, 10\)"):
         cat.gather(torch.tensor([[0], [10]]))
-    with pytest.raises(ValueError, match=r"items must be an integer tensor \[B=2, L\]"):
+    with pytest.raises(ValueError, match=r"items must have shape \[B=2, L\]"):
         cat.gather(torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="k must be in"):
         cat.top_items(11)
     with pytest.raises(ValueError, match="experts must be in"):
         cat.top_items(2, experts=[1])
+
+
+# ---------------------------------------------------------------- masked items
+
+def _masked_setup(dtype=torch.float64):
+    g = torch.Generator().manual_seed(2)
+    user = torch.randn(3, 2, 4, generator=g, dtype=dtype, requires_grad=True)
+    item = torch.randn(30, 2, 4, generator=g, dtype=dtype, requires_grad=True)
+    masked = torch.tensor([[3, 7, -1, 3], [29, -1, -1, -1], [-1, -1, -1, -1]])  # a repeat, padding, a full row
+    drop = torch.zeros(3, 30, dtype=torch.bool)
+    drop[0, [3, 7]] = drop[1, 29] = True
+    return user, item, masked, drop
+
+
+def test_masked_items_equal_minus_inf_logits(group):
+    """``masked_items`` ≡ ``-inf`` logits (DenseCatalog) ≡ EmbeddingCatalog(masked_items): every reduction,
+    inclusion and draw probabilities with their gradients, and masked items are never drawn."""
+    user, item, masked, drop = _masked_setup()
+    sharded = ShardedEmbeddingCatalog(user, item, num_items=30, temperature=0.7, masked_items=masked, chunk_size=7,
+                                      process_group=group)
+    logits = torch.einsum("bmd,nmd->bmn", user, item).masked_fill(drop.unsqueeze(1), -math.inf)
+    dense = DenseCatalog(logits, 0.7)
+    emb = EmbeddingCatalog(user, item, 0.7, masked_items=masked, chunk_size=5)
+    assert torch.equal(sharded.num_available(), dense.num_available())
+    items = torch.tensor([[0, 3, 5], [29, 1, 2], [4, 5, 6]])
+    exclude = torch.tensor([[1, -1], [2, 29], [-1, -1]])
+    torch.testing.assert_close(sharded.gather(items), dense.gather(items))
+    assert sharded.gather(items)[0, :, 1].eq(-math.inf).all() and sharded.gather(items)[1, :, 0].eq(-math.inf).all()
+    torch.testing.assert_close(sharded.log_power_sums(exclude, 3), emb.log_power_sums(exclude, 3))
+    torch.testing.assert_close(sharded.log_power_sums(exclude, 1)[..., 0], dense.log_power_sums(exclude, 1)[..., 0])
+    assert torch.equal(sharded.top_items(8, exclude=exclude), dense.top_items(8, exclude=exclude))
+    for method in ["with_replacement", "plugin", "mean_field", "exact"]:
+        got, ref = (inclusion_log_prob(c, items, 5, method=method) for c in (sharded, dense))
+        torch.testing.assert_close(got, ref)
+        grads = [torch.autograd.grad(x.masked_fill(x == -math.inf, 0).sum(), (user, item), retain_graph=True)
+                 for x in (got, ref)]
+        for a, b in zip(*grads):  # finite wherever the dense reference is (the core's tests hold that to finite)
+            torch.testing.assert_close(a, b, equal_nan=True)
+    cand = torch.tensor([[0, 1, 2, 4], [3, 4, 5, 6], [7, 8, 9, 10]])
+    got, ref = (candidate_log_prob(c, cand) for c in (sharded, dense))
+    torch.testing.assert_close(got, ref)
+    for a, b in zip(*(torch.autograd.grad(x.sum(), (user, item), retain_graph=True) for x in (got, ref))):
+        torch.testing.assert_close(a, b)
+    gen = torch.Generator().manual_seed(0)
+    many = ShardedEmbeddingCatalog(user.detach().repeat(100, 1, 1), item, num_items=30,
+                                   masked_items=masked.repeat(100, 1), process_group=group)
+    draws = sample_candidates(many, 28, generator=gen)  # row 0 has exactly 28 unmasked items
+    assert not drop.repeat(100, 1).gather(1, draws).any()
+    assert not drop.gather(1, greedy_candidates(sharded, 28)).any()
+    with pytest.raises(ValueError, match="unmasked"):
+        sample_candidates(sharded, 29, generator=gen)
+
+
+def test_masked_sampling_is_exact_plackett_luce_moe(group):
+    """Draws from a masked catalog follow the sequential PL-MoE law of the catalog without those items."""
+    num_items, k, rows = 6, 3, 6000
+    g = torch.Generator().manual_seed(4)
+    user = torch.randn(1, 2, 2, generator=g).expand(rows, -1, -1)
+    item = torch.randn(num_items, 2, 2, generator=g)
+    cat = ShardedEmbeddingCatalog(user, item, num_items=num_items, chunk_size=4, process_group=group,
+                                  masked_items=torch.tensor([[4, -1]]).expand(rows, -1))
+    draws = all_draws(num_items, k)
+    index = {tuple(d): i for i, d in enumerate(draws.tolist())}
+    counts = np.zeros(len(draws))
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        for row in sample_candidates(cat, k, generator=gen).tolist():
+            counts[index[tuple(row)]] += 1
+    scores = torch.einsum("bmd,nmd->bmn", user[:1], item).index_fill(2, torch.tensor([4]), -math.inf)
+    probs = draw_log_probs(scores.double(), draws, expert_of_position(k, 2))[0].exp().numpy()
+    assert counts[probs == 0].sum() == 0 and (probs == 0).sum() > 0
+    assert_counts_match(counts, probs, 3 * rows)
+
+
+def test_retriever_passes_masks_to_its_catalog():
+    retriever = make_retriever(num_experts=2, temperature=0.5, chunk_size=6)
+    users = [0, 3, 5]
+    masked = torch.tensor([[1, 2, -1], [39, -1, -1], [0, 5, 9]])
+    cat = retriever(retriever.with_catalog(user_batch(users)), masked_items=masked)
+    ref = EmbeddingCatalog(*(t for t in (
+        retriever.embeddings.embeddings["user_table"].weight[users].view(3, 2, 3),
+        retriever.embeddings.embeddings["item_table"].weight.view(40, 2, 3))), 0.5, masked_items=masked)
+    torch.testing.assert_close(cat.log_normalizer(), ref.log_normalizer())
+    assert torch.equal(cat.num_available(), ref.num_available())
+    torch.testing.assert_close(cat.gather(masked.clamp(min=0)), ref.gather(masked.clamp(min=0)))
+
+
+# ---------------------------------------------------------------- validate_args
+
+def test_gather_without_validation_makes_no_host_sync(group):
+    """Validation off: gather and log_power_sums never read a value back (it used to sync on every
+    gather); validation on: one exchange (one sync) per call."""
+    user, item = torch.randn(4, 2, 3), torch.randn(20, 2, 3)
+    items = torch.tensor([[0, 5], [19, 3], [7, 7], [1, 2]])
+    masked = torch.tensor([[1, -1], [2, 3], [-1, -1], [0, 19]])
+    quiet = ShardedEmbeddingCatalog(user, item, num_items=20, masked_items=masked, chunk_size=6, process_group=group,
+                                    validate_args=False)
+    with count_host_syncs() as calls:
+        quiet.gather(items)
+        quiet.log_softmax(items)
+        quiet.log_power_sums(items, 2)
+    assert calls == []
+    checked = ShardedEmbeddingCatalog(user, item, num_items=20, masked_items=masked, process_group=group,
+                                      validate_args=True)
+    with count_host_syncs() as calls:
+        checked.gather(items)
+    assert calls == ["tolist"]
+    if group is None:  # no collectives: the whole gather traces into one graph
+        compiled = torch.compile(lambda u, v, i: ShardedEmbeddingCatalog(
+            u, v, num_items=20, masked_items=masked, validate_args=False).log_softmax(i),
+            fullgraph=True, backend="eager")
+        torch.testing.assert_close(compiled(user, item, items), quiet.log_softmax(items))
+
+
+def test_validation_follows_the_argument_and_the_module_default(group, restore_validation):
+    user, item = torch.randn(2, 3), torch.randn(10, 3)
+    nan_user = user.clone()
+    nan_user[1, 0] = math.nan
+    with pytest.raises(ValueError, match="user must be finite"):
+        ShardedEmbeddingCatalog(nan_user, item, num_items=10, process_group=group)
+    with pytest.raises(ValueError, match="item must be finite"):
+        ShardedEmbeddingCatalog(user, item.index_fill(0, torch.tensor([3]), math.inf), num_items=10,
+                                process_group=group)
+    with pytest.raises(ValueError, match=r"masked_items must hold ids in \[-1, 10\)"):
+        ShardedEmbeddingCatalog(user, item, num_items=10, masked_items=torch.tensor([[10], [0]]), process_group=group)
+    cat = ShardedEmbeddingCatalog(user, item, num_items=10, process_group=group)
+    with pytest.raises(ValueError, match=r"items must hold ids in \[0, 10\)"):
+        cat.gather(torch.tensor([[0], [-1]]))
+    with pytest.raises(ValueError, match=r"exclude must hold ids in \[-1, 10\)"):
+        cat.log_power_sums(torch.tensor([[0], [-2]]))
+    with pytest.raises(TypeError, match="masked_items must have an integer dtype"):
+        ShardedEmbeddingCatalog(user, item, num_items=10, masked_items=torch.zeros(2, 1), process_group=group)
+    with pytest.raises(TypeError, match="validate_args must be True or False"):
+        ShardedEmbeddingCatalog(user, item, num_items=10, validate_args=1, process_group=group)
+    ShardedEmbeddingCatalog(nan_user, item, num_items=10, validate_args=False, process_group=group)
+    capg_rec.set_default_validate_args(False)
+    quiet = ShardedEmbeddingCatalog(nan_user, item, num_items=10, process_group=group)
+    assert not quiet.validate
+    with pytest.raises(ValueError, match="user must be finite"):
+        ShardedEmbeddingCatalog(nan_user, item, num_items=10, validate_args=True, process_group=group)
+    retriever = make_retriever(validate_args=True)
+    assert retriever(retriever.with_catalog(user_batch([1]))).validate
+    with pytest.raises(TypeError, match="validate_args must be True or False"):
+        make_retriever(validate_args="yes")
+
+
+# ---------------------------------------------------------------- empty batches and half precision
+
+def test_empty_batches_give_empty_results(group):
+    user, item = torch.randn(0, 2, 3, requires_grad=True), torch.randn(12, 2, 3, requires_grad=True)
+    cat = ShardedEmbeddingCatalog(user, item, num_items=12, process_group=group,
+                                  masked_items=torch.zeros(0, 2, dtype=torch.long))
+    none = torch.zeros(0, 3, dtype=torch.long)
+    assert cat.gather(none).shape == (0, 2, 3) and cat.log_power_sums(none, 2).shape == (0, 2, 2)
+    assert cat.top_items(4, exclude=none, perturb=True).shape == (0, 2, 4) and cat.num_available().shape == (0, 2)
+    assert sample_candidates(cat, 4).shape == (0, 4) and inclusion_log_prob(cat, none, 4).shape == (0, 3)
+    for loss_fn in (VPGLoss(3), CAPGLoss(3)):
+        loss = loss_fn(cat, none, none[:, :1], torch.zeros(0, 1))
+        loss.backward()
+        assert loss.item() == 0.0 and item.grad.abs().sum() == 0
+    retriever = make_retriever(num_experts=2, dim=3)
+    empty = retriever(retriever.with_catalog(user_batch([])))
+    assert (empty.batch_size, empty.num_items) == (0, 40) and sample_candidates(empty, 5).shape == (0, 5)
+
+
+def test_half_precision_is_computed_in_float32(group):
+    user, item = torch.randn(3, 4, dtype=torch.float16), torch.randn(9, 4, dtype=torch.float16, requires_grad=True)
+    cat = ShardedEmbeddingCatalog(user, item, num_items=9, process_group=group)
+    ref = EmbeddingCatalog(user, item)
+    assert cat.dtype == torch.float32 and cat.log_normalizer().dtype == torch.float32
+    torch.testing.assert_close(cat.log_normalizer(), ref.log_normalizer())
+    (grad,) = torch.autograd.grad(cat.log_normalizer().sum(), item)
+    assert grad.dtype == torch.float16

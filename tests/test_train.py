@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import re
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ from capg_rec.plackett_luce import greedy_candidates
 from capg_rec.sim import MatrixEnv, synthetic_env
 from capg_rec.train.cli import register
 from capg_rec.train.config import TrainConfig
-from capg_rec.train.reproduce import TARGETS, build_target
+from capg_rec.train.reproduce import TARGETS, Cell, build_target, run_cells
 from capg_rec.train.trainer import Trainer, policy_value
 from capg_rec.train.variance import gradient_variance
 
@@ -143,6 +145,143 @@ def test_interrupted_checkpoint_write_keeps_the_last_good_one(env, tmp_path, mon
     assert restored.step_count == 10
 
 
+def _flip_inside(path, tensor: torch.Tensor) -> None:
+    """Flip bytes in the middle of ``tensor``'s data inside the checkpoint file."""
+    data = bytearray(path.read_bytes())
+    raw = tensor.detach().numpy().tobytes()
+    at = data.find(raw)
+    assert at > 0
+    for i in range(at + len(raw) // 2, at + len(raw) // 2 + 16):
+        data[i] ^= 0x5A
+    path.write_bytes(bytes(data))
+
+
+def test_corrupt_checkpoint_is_refused(env, tmp_path):
+    trainer = Trainer(env, _config(steps=10))
+    trainer.run(progress=False)
+    path = tmp_path / "checkpoint.pt"
+    trainer.save(path)
+    _flip_inside(path, trainer.model.state_dict()["user"])
+    with pytest.raises(ValueError, match=f"checkpoint {re.escape(str(path))} is corrupt"):
+        Trainer.load(path, env)
+
+
+def test_corrupt_checkpoint_falls_back_to_the_previous_one(env, tmp_path):
+    trainer = Trainer(env, _config(steps=10))
+    path = tmp_path / "checkpoint.pt"
+    for _ in range(5):
+        trainer.step()
+    trainer.save(path)
+    good = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    for _ in range(5):
+        trainer.step()
+    trainer.save(path)  # the step-5 file is kept as checkpoint.pt.prev
+    _flip_inside(path, trainer.model.state_dict()["user"])
+    with pytest.warns(RuntimeWarning, match=r"is corrupt.*using the previous checkpoint .*\.prev \(step 5\)"):
+        restored = Trainer.load(path, env)
+    assert restored.step_count == 5
+    assert all(torch.equal(good[k], v) for k, v in restored.model.state_dict().items())
+    _flip_inside(tmp_path / "checkpoint.pt.prev", good["user"])
+    with pytest.raises(ValueError, match=r"checkpoint\.pt is corrupt.*checkpoint\.pt\.prev is corrupt"):
+        Trainer.load(path, env)
+
+
+class _Planted:
+    """Unpickling this creates ``marker``: what a pickle-loaded file in --out could do."""
+
+    def __init__(self, marker) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (str(self.marker), "w")
+
+
+def test_loading_a_checkpoint_runs_no_code(env, tmp_path):
+    path, marker = tmp_path / "checkpoint.pt", tmp_path / "code-ran"
+    torch.save({"version": 1, "planted": _Planted(marker)}, path)  # a bare pickle
+    with pytest.raises(ValueError, match="not a capg_rec checkpoint"):
+        Trainer.load(path, env)
+    assert not marker.exists()
+    from capg_rec.train.checkpoint import _encode
+
+    buffer = io.BytesIO()
+    torch.save({"version": 2, "planted": _Planted(marker)}, buffer)
+    path.write_bytes(_encode(buffer.getvalue()))  # with a valid header and checksum
+    with pytest.raises(ValueError, match="could run code"):
+        Trainer.load(path, env)
+    assert not marker.exists()
+
+
+def test_load_keeps_the_saved_run_unless_told(env, tmp_path):
+    trainer = Trainer(env, _config(steps=10))
+    for _ in range(4):
+        trainer.step()
+    trainer.save(tmp_path / "c.pt")
+    assert Trainer.load(tmp_path / "c.pt", env).config == trainer.config
+    assert Trainer.load(tmp_path / "c.pt", env, steps=5).config.steps == 5
+    for steps in (4, 2):
+        with pytest.raises(ValueError, match="steps must be an int > the checkpoint's step 4"):
+            Trainer.load(tmp_path / "c.pt", env, steps=steps)
+    other = MatrixEnv(env.q, env.reward_std, env.lsr_scores, name="other")
+    with pytest.raises(ValueError, match="env must be the checkpoint's"):
+        Trainer.load(tmp_path / "c.pt", other)
+
+
+def _train_cli(*argv: str) -> int:
+    parser = argparse.ArgumentParser(prog="capg-rec")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["train", *argv])
+    return args.func(args)
+
+
+class _Started(Exception):
+    pass
+
+
+def test_cli_resume_continues_the_saved_run(tmp_path, monkeypatch, capsys):
+    out = ["--out", str(tmp_path)]
+    assert _train_cli(*out, "--steps", "10", "-K", "5", "--batch-size", "16", "--eval-every", "10",
+                      "--checkpoint-every", "10", "--lr", "0.05", "--seed", "3") == 0
+    saved = Trainer.load(tmp_path / "checkpoint.pt", synthetic_env()).config
+    started = []
+
+    def fake_run(self, **kwargs):
+        started.append(self.config)
+        raise _Started
+
+    monkeypatch.setattr(Trainer, "run", fake_run)
+    with pytest.raises(_Started):
+        _train_cli(*out, "--resume")
+    assert started[-1] == saved and saved.steps == 10 and saved.lr == 0.05 and saved.num_candidates == 5
+    with pytest.raises(_Started):  # options equal to the saved ones, and a longer run
+        _train_cli(*out, "--resume", "--steps", "25", "--lr", "0.05", "-K", "5", "--estimator", "capg_swr")
+    assert started[-1] == saved.replace(steps=25)
+    for extra, named in [(("--estimator", "vpg"), "--estimator vpg (saved: 'capg_swr')"),
+                         (("--lr", "0.1"), "--lr 0.1 (saved: 0.05)"), (("--seed", "0"), "--seed 0"),
+                         (("--adaptive-lr",), "--adaptive-lr True"), (("--env", "movielens"), "--env movielens"),
+                         (("--steps", "10"), "--steps 10: the saved run is at step 10"),
+                         (("--steps", "5"), "--steps 5: the saved run is at step 10")]:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_info:
+            _train_cli(*out, "--resume", *extra)
+        assert exit_info.value.code == 2 and named in capsys.readouterr().err
+    assert len(started) == 2
+    with pytest.raises(SystemExit) as exit_info:
+        _train_cli("--out", str(tmp_path / "none"), "--resume")
+    assert exit_info.value.code == 2 and "no checkpoint" in capsys.readouterr().err
+
+
+def test_reproduce_restarts_a_checkpoint_past_its_steps(env, tmp_path):
+    cell = Cell("K=5", _config(steps=20, eval_every=10))
+    run_cells(env, [cell], [0], tmp_path, checkpoint_every=10, progress=False)
+    run_dir = next((tmp_path / "runs").iterdir())
+    (run_dir / "result.json").unlink()  # an interrupted longer run: only its step-20 checkpoint is left
+    shorter = Cell("K=5", _config(steps=10, eval_every=10))
+    results = run_cells(env, [shorter], [0], tmp_path, checkpoint_every=10, progress=False)
+    (result,) = results[("CA-PG-SwR", "K=5")]
+    assert result.steps_done == 10 and [row["step"] for row in result.history] == [0, 10]
+
+
 def test_group_normalisation_and_baseline_reach_the_loss(env):
     seen = {}
 
@@ -264,3 +403,18 @@ def test_adaptive_lr_matches_the_papers_rounded_values():
            for lsr in ("noisy", "uniform", "anti")}
     assert round(lrs["noisy"], 2) == 0.02
     assert lrs["uniform"] == pytest.approx(0.1) and lrs["anti"] == pytest.approx(0.01)
+
+
+def test_package_ships_its_license_and_type_marker():
+    """The metadata declares MIT: the LICENSE file says so; py.typed is shipped as package data."""
+    import importlib.resources
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")
+    root = Path(__file__).resolve().parents[1]
+    license_text = (root / "LICENSE").read_text(encoding="utf-8")
+    assert license_text.startswith("MIT License") and "Copyright (c) 2026 the capg_rec authors" in license_text
+    assert importlib.resources.files("capg_rec").joinpath("py.typed").is_file()
+    project = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))
+    assert project["project"]["license"] == {"text": "MIT"}
+    assert "py.typed" in project["tool"]["setuptools"]["package-data"]["capg_rec"]

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -18,7 +20,9 @@ from torch import nn
 from capg_rec import DenseCatalog, EmbeddingCatalog
 from capg_rec.catalog import CatalogScores
 from capg_rec.validate import CatalogESR, ESR, validate_esr
+from capg_rec.cli import main
 from capg_rec.validate import _stats
+from capg_rec.validate import cli as validate_cli
 from capg_rec.validate.cli import load_factory, register
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,8 +52,8 @@ OWN = {
     "exact_tiny": (lambda: CatalogESR(randn(2, 5), 2, method="exact"), True),
     "exact": (lambda: CatalogESR(randn(3, 40, seed=1), 6, temperature=0.7, method="exact"), False),
     "moe_enumerate": (lambda: CatalogESR(randn(2, 3, 6, seed=2), 4, method="enumerate"), True),
-    "swr_moe_tiny": (lambda: CatalogESR(randn(2, 2, 5, seed=3), 3, method="swr"), True),
-    "swr_moe": (lambda: CatalogESR(randn(2, 3, 30, seed=4), 7, method="swr"), False),
+    "swr_moe_tiny": (lambda: CatalogESR(randn(2, 2, 5, seed=3), 3, method="with_replacement"), True),
+    "swr_moe": (lambda: CatalogESR(randn(2, 3, 30, seed=4), 7, method="with_replacement"), False),
 }
 
 
@@ -188,7 +192,7 @@ def test_swapped_prefix_plugin_matches_its_definition():
 
 # ---------------------------------------------------------------- false alarms at most α
 
-@pytest.mark.parametrize("method", ["enumerate", "swr"])
+@pytest.mark.parametrize("method", ["enumerate", "with_replacement"])
 def test_false_alarm_rate_at_most_alpha(method):
     """200 seeds of a correct ESR at α = 0.05: failures stay within the binomial (200, α) upper
     bound that a correct implementation exceeds with probability 1e-4."""
@@ -293,10 +297,119 @@ def test_cli(tmp_path, monkeypatch, capsys):
         load_factory("my_esrs")
 
 
+EXIT_ESRS = """
+import torch
+from capg_rec.validate import CatalogESR
+
+CALLS = []
+
+
+class Spy:
+    num_candidates = 2
+
+    def __init__(self, rows=1, fail_in=None, draws_dtype=torch.long):
+        self.rows, self.fail_in, self.draws_dtype = rows, fail_in, draws_dtype
+
+    def inclusion_log_prob(self, contexts):
+        CALLS.append("inclusion_log_prob")
+        return torch.full((self.rows, 4), 0.5).log()
+
+    def sample(self, contexts, num_samples, generator):
+        CALLS.append("sample")
+        if self.fail_in == "sample":
+            raise RuntimeError("boom in sample")
+        return torch.tensor([[0, 1]], dtype=self.draws_dtype).expand(self.rows, num_samples, 2)
+
+
+def good():
+    return CatalogESR(torch.tensor([[0.0, 1.0, 2.0, 3.0]]), 2, method="enumerate")
+
+
+def crashes_in_sample():
+    return Spy(fail_in="sample")
+
+
+def crashes_itself():
+    return 1 / 0
+
+
+def float_draws():
+    return Spy(draws_dtype=torch.float32)
+
+
+def empty_contexts():
+    return CatalogESR(lambda x: x, 2), torch.zeros(0, 4)
+
+
+def empty_claims():
+    return Spy(rows=0)
+
+
+def spy():
+    return Spy()
+
+
+not_callable = 3
+"""
+
+
+def _exit_code(*argv: str) -> int:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["validate", *argv])
+    return exit_info.value.code
+
+
+def test_cli_exit_codes(tmp_path, monkeypatch, capsys):
+    """0 pass, 1 fail, 2 usage or bad input (before any draw), 3 the ESR crashed."""
+    (tmp_path / "exit_esrs.py").write_text(EXIT_ESRS)
+    (tmp_path / "exit_esrs_broken.py").write_text("import torch\nraise ImportError('broken at import')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "exit_esrs", raising=False)
+    assert _exit_code("exit_esrs:good", "--samples", "500") == 0
+    assert _exit_code("exit_esrs:spy", "--samples", "500") == 1
+    calls = importlib.import_module("exit_esrs").CALLS
+    crashes = {"exit_esrs:crashes_in_sample": "esr.sample raised RuntimeError: boom in sample",
+               "exit_esrs:crashes_itself": "the factory exit_esrs:crashes_itself raised ZeroDivisionError",
+               "exit_esrs_broken:f": "importing exit_esrs_broken raised ImportError: broken at import",
+               "exit_esrs:float_draws": "breaks the ESR protocol: esr.sample must return an integer"}
+    for spec, message in crashes.items():
+        capsys.readouterr()
+        assert _exit_code(spec, "--samples", "50") == 3, spec
+        assert message in capsys.readouterr().err
+    usage = {("exit_esrs:missing",): "exit_esrs has no attribute 'missing'",
+             ("no_such_module:f",): "no module named 'no_such_module'",
+             ("exit_esrs:not_callable",): "must be callable",
+             ("exit_esrs:empty_contexts",): "returned B = 0 contexts",
+             ("exit_esrs:empty_claims",): "the ESR has B = 0 contexts",
+             ("exit_esrs:spy", "--json", str(tmp_path / "no_dir" / "r.json")): "--json",
+             ("exit_esrs:spy", "--json", str(tmp_path)): "--json",
+             ("exit_esrs:spy", "--plot", str(tmp_path / "no_dir" / "r.png")): "--plot",
+             ("exit_esrs:spy", "--samples", "0"): "--samples",
+             ("exit_esrs:spy", "--alpha", "1"): "--alpha",
+             ("exit_esrs:spy", "--tolerance", "nan"): "--tolerance"}
+    for argv, message in usage.items():
+        calls.clear()
+        capsys.readouterr()
+        assert _exit_code(*argv) == 2, argv
+        assert message in capsys.readouterr().err
+        assert "sample" not in calls, argv  # found before any draw
+    assert not (tmp_path / "no_dir").exists()
+
+
+def test_cli_help_documents_the_exit_codes(capsys):
+    with pytest.raises(SystemExit):
+        main(["validate", "--help"])
+    text = capsys.readouterr().out
+    assert "Exit status:" in text and validate_cli._EXIT_STATUS.strip() in validate_cli.__doc__
+    for code, meaning in ((0, "passes"), (1, "fails validation"), (2, "usage or input error"), (3, "crashed")):
+        assert re.search(rf"^  {code}  the ESR {meaning}|^  {code}  {meaning}", text, re.M), code
+
+
 # ---------------------------------------------------------------- bad input
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"num_samples": 0}, "num_samples"), ({"num_samples": 2.5}, "num_samples"),
+    ({"num_samples": 0}, "num_samples"),
     ({"alpha": 0.0}, "alpha"), ({"alpha": 1.0}, "alpha"), ({"power": 1.0}, "power"),
     ({"seed": -1}, "seed"), ({"tolerance": -0.1}, "tolerance"), ({"sum_tolerance": math.inf}, "sum_tolerance"),
     ({"rel_error": 0.0}, "rel_error"), ({"num_worst": -1}, "num_worst"),
@@ -305,6 +418,11 @@ def test_cli(tmp_path, monkeypatch, capsys):
 def test_bad_arguments_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         validate_esr(CatalogESR(randn(1, 4), 2), **kwargs)
+
+
+def test_bad_argument_types_raise_type_error():
+    with pytest.raises(TypeError, match="num_samples"):
+        validate_esr(CatalogESR(randn(1, 4), 2), num_samples=2.5)
 
 
 class Broken:
@@ -343,15 +461,16 @@ def test_repeated_items_fail_the_distinct_check():
     assert names(report, False) >= {"distinct"}
 
 
-@pytest.mark.parametrize("args,kwargs,match", [
-    ((3, 2), {}, "scores must be a logits tensor"),
-    ((randn(1, 4), 0), {}, "num_candidates"),
-    ((randn(1, 4), 2), {"method": "nope"}, "method must be one of"),
-    ((randn(1, 4), 2), {"temperature": 0.0}, "temperature"),
-    ((randn(1, 4), 2), {"max_elements": 0}, "max_elements"),
+@pytest.mark.parametrize("args,kwargs,error,match", [
+    ((3, 2), {}, TypeError, "scores must be a logits tensor"),
+    ((randn(1, 4), 0), {}, ValueError, "num_candidates"),
+    ((randn(1, 4), 2), {"method": "nope"}, ValueError, "method must be an InclusionMethod or one of"),
+    ((randn(1, 4), 2), {"method": 3}, TypeError, "method must be an InclusionMethod"),
+    ((randn(1, 4), 2), {"temperature": 0.0}, ValueError, "temperature"),
+    ((randn(1, 4), 2), {"max_elements": 0}, ValueError, "max_elements"),
 ])
-def test_catalog_esr_bad_arguments(args, kwargs, match):
-    with pytest.raises(ValueError, match=match):
+def test_catalog_esr_bad_arguments(args, kwargs, error, match):
+    with pytest.raises(error, match=match):
         CatalogESR(*args, **kwargs)
 
 
@@ -362,3 +481,9 @@ def test_enumerate_needs_a_tiny_catalog():
 
 def test_catalog_esr_is_an_esr():
     assert isinstance(CatalogESR(randn(1, 4), 2), ESR)
+
+
+def test_empty_contexts_are_a_clear_error():
+    """B = 0 used to end in a ZeroDivisionError deep in the sampler's chunking."""
+    with pytest.raises(ValueError, match="at least one context"):
+        validate_esr(CatalogESR(randn(0, 4), 2), num_samples=10)

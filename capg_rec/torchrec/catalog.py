@@ -11,58 +11,49 @@ into the local users: the same gradients as one process holding the concatenated
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from capg_rec._checks import check_count, check_float_tensor, check_positive
-from capg_rec._numerics import masked_logsumexp
-from capg_rec.catalog import CatalogScores, _chunked_top_k, _ChunkedLogPowerSums, _expert_views
+from capg_rec._checks import check_count, check_float_tensor, check_id_tensor, check_positive, resolve_validate_args
+from capg_rec._numerics import safe_logsumexp
+from capg_rec.catalog import CatalogScores, _chunked_top_k, _ChunkedLogPowerSums, _expert_views, compute_dtype
+from capg_rec.torchrec._collective import all_gather_rows, exchange, gather_rows, ranks_where, reduce_rows
 from capg_rec.torchrec._hash_noise import draw_seed, hashed_gumbel, row_keys
 
 __all__ = ["ShardedEmbeddingCatalog"]
 
-
-class _AllGatherRows(torch.autograd.Function):
-    """Concatenate every rank's rows ``[n_r, ...]`` (sizes may differ) → ``[Σ n_r, ...]``.
-
-    Backward sums the incoming gradients over ranks and returns this rank's rows (a reduce-
-    scatter, written as all-reduce + slice because gloo has no reduce-scatter).
-    """
-
-    @staticmethod
-    def forward(ctx, x: Tensor, sizes: list[int], rank: int, group: dist.ProcessGroup) -> Tensor:
-        width = max(sizes)
-        padded = x.new_zeros((width, *x.shape[1:]))
-        padded[: x.shape[0]] = x
-        parts = [torch.empty_like(padded) for _ in sizes]
-        dist.all_gather(parts, padded.contiguous(), group=group)
-        ctx.group, ctx.start, ctx.rows = group, sum(sizes[:rank]), x.shape[0]
-        return torch.cat([p[:n] for p, n in zip(parts, sizes)])
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad[ctx.start: ctx.start + ctx.rows], None, None, None
+_DTYPES = (torch.float32, torch.float64)  # compute dtypes, by code in the set-up exchange
 
 
 class ShardedEmbeddingCatalog(CatalogScores):
     """``s[b, m, n] = <user[b, m], item[n, m]> / τ`` with the item rows split over ranks.
 
     Args:
-        user: this rank's users ``[B_r, D]`` or ``[B_r, M, D]``.
+        user: this rank's users ``[B_r, D]`` or ``[B_r, M, D]`` (``B_r`` may be 0).
         item: this rank's item rows ``[R, D]`` or ``[R, M, D]``: global ids ``[row_offset, row_offset + R)``
-            (``R`` may be 0 on ranks that hold none).
+            (``R`` may be 0 on ranks that hold none); the ranks' rows must tile ``[0, num_items)``.
+            float16/bfloat16 embeddings are computed in float32, as by :class:`capg_rec.EmbeddingCatalog`.
         num_items: N, the size of the whole catalog.
         row_offset: global id of the first local row.
         temperature: τ > 0.
+        masked_items: ``[B_r, E]`` global ids of items outside each of this rank's users' catalog
+            (already seen, unavailable), padded with ``-1``: they score ``-inf``, are never drawn and
+            are left out of every catalog-wide reduction (each rank drops those among its rows).
         chunk_size: items scored at once; memory is ``O(W·B_r·M·chunk_size)``.
         process_group: the ranks sharing the catalog; ``None`` means a single process (no collectives).
+        validate_args: check the values (finite embeddings, ids in range, the same id widths on
+            every rank) collectively: every rank raises the same ``ValueError`` or none. ``None``
+            takes :func:`capg_rec.set_default_validate_args`'s default; it must be the same on every rank.
 
-    All ranks of the group must call the same methods in the same order (the estimators do).
+    All ranks of the group must call the same methods in the same order, with id tensors of the
+    same width (the estimators do); with validation off a mistake there is undefined behaviour.
+    Set-up errors (types, shapes, layouts) are raised on every rank alike. With validation off,
+    :meth:`gather` and :meth:`log_power_sums` make no host sync; the constructor makes one (the
+    ranks' batch sizes), plus the value checks when validating, in the same collective.
     ``batch_size`` is the local ``B_r``; results are for this rank's users. Sampling noise is a
     hash of (seed, global user index, expert, item id), with the seed drawn from rank 0's
     generator, so a seed gives the same candidates at any world size. The global user index is
@@ -70,95 +61,179 @@ class ShardedEmbeddingCatalog(CatalogScores):
     """
 
     def __init__(self, user: Tensor, item: Tensor, *, num_items: int, row_offset: int = 0,
-                 temperature: float = 1.0, chunk_size: int = 8192,
-                 process_group: dist.ProcessGroup | None = None) -> None:
-        user = check_float_tensor("user", user, ndims=(2, 3))
-        if not isinstance(item, Tensor) or not item.is_floating_point() or item.dim() not in (2, 3):
-            raise ValueError(f"item must be a floating tensor [R, D] or [R, M, D], got {_describe(item)}")
+                 temperature: float = 1.0, masked_items: Tensor | None = None, chunk_size: int = 8192,
+                 process_group: dist.ProcessGroup | None = None, validate_args: bool | None = None) -> None:
+        self.group = process_group
+        self._rank = 0 if process_group is None else dist.get_rank(process_group)
+
+        def set_up() -> list[int | Tensor]:
+            return self._set_up(user, item, num_items, row_offset, temperature, masked_items, chunk_size,
+                                validate_args)
+
+        if process_group is None and not resolve_validate_args(validate_args):
+            table = [set_up()]  # plain ints: nothing to check or exchange
+        else:
+            device = user.device if isinstance(user, Tensor) else torch.device("cpu")
+            table = exchange(set_up, 12, process_group, device)
+            self._agree_on_set_up(table)
+        self._sizes = [entries[0] for entries in table]
+        self._start = sum(self._sizes[: self._rank])
+        widths = [entries[1] for entries in table]
+        self._masked_all = None  # [B_tot, E_max]: everyone's masked ids, as local row ids
+        if max(widths) > 0:
+            mine = self._masked_sorted if self._masked_sorted is not None else \
+                torch.empty((self.batch_size, 0), dtype=torch.long, device=self.device)
+            padded = torch.nn.functional.pad(mine, (0, max(widths) - mine.shape[1]), value=-1)
+            masked = padded if self.group is None else all_gather_rows(padded, self._sizes, self.group)
+            self._masked_all = self._local_ids(masked)
+        self.user_all = self._user if self.group is None else \
+            gather_rows(self._user, self._sizes, self._rank, self.group)  # [B_tot, M, D]
+        del self._user
+
+    def _set_up(self, user: Tensor, item: Tensor, num_items: int, row_offset: int, temperature: float,
+                masked_items: Tensor | None, chunk_size: int, validate_args: bool | None) -> list[int | Tensor]:
+        """This rank's structural checks and attributes → its entries of the set-up exchange."""
+        self.validate = resolve_validate_args(validate_args)
+        user = check_float_tensor("user", user, ndims=(2, 3), validate=False)
+        item = check_float_tensor("item", item, ndims=(2, 3), validate=False)
         tau = check_positive("temperature", temperature)
         self.num_items = check_count("num_items", num_items)
         self.chunk_size = check_count("chunk_size", chunk_size)
         self.row_offset = check_count("row_offset", row_offset, low=0)
         user, item = _expert_views(user, item)
-        if process_group is None and (row_offset, item.shape[0]) != (0, num_items):
+        if self.group is None and (row_offset, item.shape[0]) != (0, num_items):
             raise ValueError(f"without a process_group item must hold the whole catalog: row_offset=0 and "
                              f"{num_items} rows, got row_offset={row_offset} and {item.shape[0]} rows")
         if row_offset + item.shape[0] > num_items:
             raise ValueError(f"local rows [row_offset={row_offset}, {row_offset + item.shape[0]}) must lie "
                              f"inside the catalog [0, num_items={num_items})")
+        self.dtype, self.device = compute_dtype(user.dtype), user.device
+        user, item = user.to(self.dtype), item.to(self.dtype)
         self.item = item  # [R, M, D]
         self.batch_size, self.num_experts = user.shape[:2]
-        self.dtype, self.device = user.dtype, user.device
-        self.group = process_group
-        user = user / tau if tau != 1.0 else user
-        if process_group is None:
-            self._sizes, self._rank = [self.batch_size], 0
-            self.user_all = user  # [B_tot, M, D]
-        else:
-            self._rank = dist.get_rank(process_group)
-            size = torch.tensor([self.batch_size], device=self.device)
-            sizes = [torch.empty_like(size) for _ in range(dist.get_world_size(process_group))]
-            dist.all_gather(sizes, size, group=process_group)
-            self._sizes = [int(s) for s in sizes]
-            self.user_all = _AllGatherRows.apply(user, self._sizes, self._rank, process_group)
-        self._start = sum(self._sizes[: self._rank])
+        self._user = user / tau if tau != 1.0 else user
+        self._masked_sorted = None  # [B_r, E] this rank's masked global ids, sorted (padding first)
+        width = 0
+        if masked_items is not None:
+            masked = check_id_tensor("masked_items", masked_items, batch_size=self.batch_size, allow_empty=True)
+            self._masked_sorted, width = masked.sort(dim=1).values.contiguous(), masked.shape[1]
+        bad: list[int | Tensor] = [0, 0, 0]
+        if self.validate:
+            bad = [~_finite(user), ~_finite(item),
+                   _outside(self._masked_sorted, -1, num_items) if self._masked_sorted is not None else 0]
+        return [self.batch_size, width, int(self.validate), self.num_experts, user.shape[2],
+                _DTYPES.index(self.dtype), num_items, row_offset, item.shape[0], *bad]
+
+    def _agree_on_set_up(self, table: list[list[int]]) -> None:
+        """Set-up decisions every rank takes alike from the exchanged ``table`` (see :meth:`_set_up`)."""
+        def differ(column: int) -> bool:
+            return len({entries[column] for entries in table}) > 1
+
+        if differ(2):
+            raise ValueError(f"validate_args must be the same on every rank, got {[bool(e[2]) for e in table]}")
+        if differ(3) or differ(4) or differ(5):
+            raise ValueError("user and item must have the same (M, D) and dtype on every rank, got "
+                             f"{[(e[3], e[4], str(_DTYPES[e[5]])) for e in table]}")
+        if differ(6):
+            raise ValueError(f"num_items must be the same on every rank, got {[e[6] for e in table]}")
+        blocks = sorted((e[7], e[7] + e[8]) for e in table if e[8])
+        ends = [0] + [stop for _, stop in blocks]
+        if [start for start, _ in blocks] != ends[:-1] or ends[-1] != self.num_items:
+            raise ValueError(f"the ranks' item rows must tile the catalog [0, {self.num_items}) without overlap, "
+                             f"got blocks {[(e[7], e[7] + e[8]) for e in table]} (by rank)")
+        for column, message in ((9, "user must be finite (no NaN or inf)"), (10, "item must be finite (no NaN or inf)"),
+                                (11, f"masked_items must hold ids in [-1, {self.num_items}) (-1 pads)")):
+            failed = ranks_where(table, column)
+            if failed:
+                raise ValueError(message + _on_ranks(self.group, failed))
 
     # -- collectives (identity in a single process) --------------------------------------------
-    def _gather_ids(self, ids: Tensor) -> Tensor:
-        """This rank's ``[B_r, E]`` ids → everyone's ``[B_tot, E_max]``, padded with -1."""
-        if self.group is None:
-            return ids
-        width = torch.tensor([ids.shape[1]], device=self.device)
-        widths = [torch.empty_like(width) for _ in self._sizes]
-        dist.all_gather(widths, width, group=self.group)
-        padded = ids.new_full((ids.shape[0], int(max(widths))), -1)
-        padded[:, : ids.shape[1]] = ids
-        return _AllGatherRows.apply(padded, self._sizes, self._rank, self.group)
+    def _local_ids(self, ids: Tensor) -> Tensor:
+        """Global ids → local row ids; ``-1`` pads stay ``-1`` (other ranks' rows fall outside ``[0, R)``)."""
+        return torch.where(ids >= 0, ids - self.row_offset, -1)
+
+    def _everyone(self, ids: Tensor) -> Tensor:
+        """This rank's ``[B_r, L]`` → everyone's ``[B_tot, L]`` (the same L on every rank)."""
+        return ids if self.group is None else all_gather_rows(ids, self._sizes, self.group)
 
     def _per_rank(self, partial: Tensor) -> Tensor:
         """Every rank's ``partial [B_tot, ...]`` → ``[W, B_tot, ...]`` (differentiable)."""
         if self.group is None:
             return partial.unsqueeze(0)
-        rows = partial.shape[0]
-        flat = _AllGatherRows.apply(partial, [rows] * len(self._sizes), self._rank, self.group)
+        flat = gather_rows(partial, [partial.shape[0]] * len(self._sizes), self._rank, self.group)
         return flat.view(len(self._sizes), *partial.shape)
 
     def _mine(self, x: Tensor) -> Tensor:
         return x[self._start: self._start + self.batch_size]
 
-    def _check_ids(self, name: str, ids: Tensor) -> Tensor:
-        if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.shape[0] != self.batch_size \
-                or ids.dtype.is_floating_point or ids.dtype == torch.bool:
-            raise ValueError(f"{name} must be an integer tensor [B={self.batch_size}, L], got {_describe(ids)}")
-        ids = ids.long()
-        if ids.numel() and (int(ids.min()) < -1 or int(ids.max()) >= self.num_items):
-            raise ValueError(f"{name} must hold ids in [0, {self.num_items}) (or -1 padding), got values in "
-                             f"[{int(ids.min())}, {int(ids.max())}]")
-        return ids
+    def _ids(self, name: str, ids: Tensor, *, low: int) -> Tensor:
+        """``ids [B_r, L]`` as int64. With validation, collectively: the same L on every rank and ids in
+        ``[low, num_items)`` (one exchange); without, structure only (no host sync)."""
+        if not self.validate:
+            return check_id_tensor(name, ids, batch_size=self.batch_size, allow_empty=True)
+        checked: list[Tensor] = []
+
+        def local() -> list[int | Tensor]:
+            checked.append(check_id_tensor(name, ids, batch_size=self.batch_size, allow_empty=True))
+            return [checked[0].shape[1], _outside(checked[0], low, self.num_items)]
+
+        table = exchange(local, 2, self.group, self.device)
+        if len({entries[0] for entries in table}) > 1:
+            raise ValueError(f"{name} must have the same number of columns on every rank, got "
+                             f"{[entries[0] for entries in table]} (by rank)")
+        failed = ranks_where(table, 1)
+        if failed:
+            pads = " (-1 pads)" if low < 0 else ""
+            raise ValueError(f"{name} must hold ids in [{low}, {self.num_items}){pads}" + _on_ranks(self.group, failed))
+        return checked[0]
+
+    def _drop(self, exclude: Tensor | None) -> Tensor | None:
+        """Everyone's masked and ``exclude``d items as local row ids ``[B_tot, E']`` (``-1`` pads), or None."""
+        parts = [] if self._masked_all is None else [self._masked_all]
+        if exclude is not None:
+            parts.append(self._local_ids(self._everyone(self._ids("exclude", exclude, low=-1))))
+        return torch.cat(parts, dim=1) if parts else None
 
     # -- the CatalogScores protocol ------------------------------------------------------------
+    def agree(self, passed: Tensor) -> Tensor:
+        if self.group is None:
+            return passed
+        everywhere = passed.to(torch.int32)
+        dist.all_reduce(everywhere, op=dist.ReduceOp.MIN, group=self.group)
+        return everywhere.bool()
+
+    def num_available(self) -> Tensor:
+        if self._masked_sorted is None:
+            return super().num_available()
+        s = self._masked_sorted
+        distinct = s >= 0
+        distinct[:, 1:] &= s[:, 1:] != s[:, :-1]
+        return (self.num_items - distinct.sum(1)).unsqueeze(1).expand(-1, self.num_experts)
+
     def gather(self, items: Tensor) -> Tensor:
-        items = self._check_ids("items", items)
-        if bool((items < 0).any()):
-            raise ValueError("items must hold ids in [0, num_items), got -1")
-        local = self._gather_ids(items) - self.row_offset  # [B_tot, L]
+        items = self._ids("items", items, low=0)
+        local = self._local_ids(self._everyone(items))  # [B_tot, L]
         rows = self.item.shape[0]
         owned = (local >= 0) & (local < rows)
         if rows:
             vec = self.item[local.clamp(0, rows - 1)]  # [B_tot, L, M, D]
-        else:  # still a product with user_all, so every rank's graph has the same collectives
-            vec = self.user_all.new_zeros((*local.shape, *self.user_all.shape[1:]))
+        else:  # zeros that still depend on item and user_all: on every rank the backward reaches the
+            # lookup's outputs, so every rank joins the lookup's backward collectives
+            vec = self.item.sum(0).expand(*local.shape, -1, -1)
         part = torch.einsum("bmd,blmd->bml", self.user_all, vec) * owned.unsqueeze(1)
-        return self._mine(self._per_rank(part).sum(0))[..., : items.shape[1]]
+        scores = part if self.group is None else reduce_rows(part, self._sizes, self._rank, self.group)
+        if self._masked_sorted is None or self._masked_sorted.shape[1] == 0:
+            return scores
+        pos = torch.searchsorted(self._masked_sorted, items.contiguous()).clamp(max=self._masked_sorted.shape[1] - 1)
+        masked = self._masked_sorted.gather(1, pos) == items  # [B_r, L]
+        return scores.masked_fill(masked.unsqueeze(1), -math.inf)
 
     def log_power_sums(self, exclude: Tensor | None = None, num_powers: int = 1) -> Tensor:
         check_count("num_powers", num_powers)
-        if exclude is not None:
-            exclude = self._gather_ids(self._check_ids("exclude", exclude))
-            exclude = torch.where(exclude >= 0, exclude - self.row_offset, -1)
-        part = _ChunkedLogPowerSums.apply(self.user_all, self.item, exclude, num_powers, self.chunk_size)
-        parts = self._per_rank(part)  # [W, B_tot, M, P]
-        return self._mine(masked_logsumexp(parts, ~torch.isfinite(parts), dim=0))
+        # check_finite stays off: one rank's overflow error would leave the others in the next collective
+        part = _ChunkedLogPowerSums.apply(self.user_all, self.item, self._drop(exclude), num_powers, self.chunk_size,
+                                          False)
+        return self._mine(safe_logsumexp(self._per_rank(part), 0))  # -inf (zero grad) where no rank has an item
 
     def top_items(self, k: int, *, experts: Sequence[int] | None = None, exclude: Tensor | None = None,
                   generator: torch.Generator | None = None, perturb: bool = False) -> Tensor:
@@ -169,9 +244,7 @@ class ShardedEmbeddingCatalog(CatalogScores):
         with torch.no_grad():
             user = self.user_all.detach()[:, sel]
             item = self.item.detach()[:, sel]
-            if exclude is not None:
-                exclude = self._gather_ids(self._check_ids("exclude", exclude))
-                exclude = torch.where(exclude >= 0, exclude - self.row_offset, -1)
+            drop = self._drop(exclude)
             noise = None
             if perturb:
                 keys = row_keys(self._shared_seed(generator), torch.arange(user.shape[0]), torch.tensor(sel))
@@ -181,7 +254,7 @@ class ShardedEmbeddingCatalog(CatalogScores):
                 def noise(start: int, stop: int) -> Tensor:
                     ids = torch.arange(offset + start, offset + stop, device=self.device)
                     return hashed_gumbel(keys, ids, self.dtype)
-            vals, ids = _chunked_top_k(user, item, k, exclude, noise, self.chunk_size)
+            vals, ids = _chunked_top_k(user, item, k, drop, noise, self.chunk_size)
             if self.group is None:
                 return ids
             short = k - vals.shape[2]  # ranks with fewer than k rows pad with -inf
@@ -203,7 +276,21 @@ class ShardedEmbeddingCatalog(CatalogScores):
         return seed
 
 
-def _describe(x: object) -> str:
-    if isinstance(x, Tensor):
-        return f"{x.dtype} tensor of shape {tuple(x.shape)}"
-    return type(x).__name__
+def _on_ranks(group: dist.ProcessGroup | None, failed: list[int]) -> str:
+    return "" if group is None else f" on every rank; not so on rank(s) {failed}"
+
+
+def _finite(x: Tensor) -> Tensor:
+    """0-dim bool: no NaN or inf in ``x`` (one min/max reduction; True when empty)."""
+    if x.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=x.device)
+    lo, hi = torch.aminmax(x.detach())
+    return torch.isfinite(lo) & torch.isfinite(hi)
+
+
+def _outside(ids: Tensor, low: int, high: int) -> Tensor:
+    """0-dim bool: some id of ``ids`` lies outside ``[low, high)`` (False when empty)."""
+    if ids.numel() == 0:
+        return torch.zeros((), dtype=torch.bool, device=ids.device)
+    lo, hi = torch.aminmax(ids)
+    return (lo < low) | (hi >= high)

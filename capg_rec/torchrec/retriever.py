@@ -12,7 +12,8 @@ from torchrec.distributed.types import ShardingType
 from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from capg_rec._checks import check_count, check_positive
+from capg_rec._checks import check_count, check_flag, check_positive, resolve_validate_args
+from capg_rec.torchrec._collective import exchange
 from capg_rec.torchrec.catalog import ShardedEmbeddingCatalog
 
 __all__ = ["TwoTowerRetriever"]
@@ -30,7 +31,8 @@ class TwoTowerRetriever(nn.Module):
     features. Scores are ``s[b, m, n] = <user[b, m], item[n, m]> / τ``.
 
     The item rows reach the scores through TorchRec's lookup: the batch carries a catalog
-    feature listing this rank's rows (:meth:`with_catalog` adds it), so gradients go through the
+    feature listing this rank's rows in an extra last sample (:meth:`with_catalog` adds it), so
+    a batch of B users is a KJT of stride B + 1 and gradients go through the
     public path into the fused optimizer, in the same single lookup as the user features.
     Unsharded, the catalog feature lists all N rows; after ``DistributedModelParallel`` (row-wise
     or table-wise item table), it lists the local shard and the returned catalog combines the
@@ -47,15 +49,23 @@ class TwoTowerRetriever(nn.Module):
         catalog_feature: a feature of the item table, reserved for the catalog rows
             (default: the item table's first feature).
         chunk_size: items scored at once in the catalog-wide reductions.
+        process_group: the ranks the item table is sharded over (default: the world).
+        validate_args: check the inputs' values (the catalog feature, and the catalog's checks);
+            ``None`` takes :func:`capg_rec.set_default_validate_args`'s default at each forward.
+
+    Example:
+        >>> catalog = retriever(retriever.with_catalog(user_features), masked_items=seen)  # seen [B, E], -1 pads
+        >>> candidates = capg_rec.sample_candidates(catalog, 10)
     """
 
     def __init__(self, embeddings: EmbeddingCollection, *, item_table: str, num_experts: int = 1,
                  temperature: float = 1.0, user_features: Sequence[str] = (),
                  user_tower: nn.Module | None = None, catalog_feature: str | None = None,
-                 chunk_size: int = 8192, process_group: dist.ProcessGroup | None = None) -> None:
+                 chunk_size: int = 8192, process_group: dist.ProcessGroup | None = None,
+                 validate_args: bool | None = None) -> None:
         super().__init__()
         if not isinstance(embeddings, EmbeddingCollection):
-            raise ValueError(f"embeddings must be a torchrec EmbeddingCollection, got {type(embeddings).__name__}")
+            raise TypeError(f"embeddings must be a torchrec EmbeddingCollection, got {type(embeddings).__name__}")
         configs = {c.name: c for c in embeddings.embedding_configs()}
         if item_table not in configs:
             raise ValueError(f"item_table must name a table of embeddings {sorted(configs)}, got {item_table!r}")
@@ -84,6 +94,7 @@ class TwoTowerRetriever(nn.Module):
         self.temperature = check_positive("temperature", temperature)
         self.chunk_size = check_count("chunk_size", chunk_size)
         self.process_group = process_group
+        self.validate_args = None if validate_args is None else check_flag("validate_args", validate_args)
         self._catalog_group: dist.ProcessGroup | None = None
 
     def _layout(self) -> tuple[int, int, dist.ProcessGroup | None]:
@@ -91,7 +102,7 @@ class TwoTowerRetriever(nn.Module):
         if isinstance(self.embeddings, EmbeddingCollection):
             return 0, self.num_items, None
         if not isinstance(self.embeddings, ShardedEmbeddingCollection):
-            raise ValueError(f"embeddings must be an EmbeddingCollection or its sharded form, "
+            raise TypeError(f"embeddings must be an EmbeddingCollection or its sharded form, "
                              f"got {type(self.embeddings).__name__}")
         sharding = self.embeddings.module_sharding_plan[self.item_table]
         if sharding.sharding_type not in _SHARDABLE:
@@ -115,32 +126,46 @@ class TwoTowerRetriever(nn.Module):
         return torch.arange(offset, offset + rows)
 
     def with_catalog(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        """``features`` plus the catalog feature (this rank's rows, all attached to the first sample)."""
+        """``features`` of B users plus one sample appended after them whose only feature is the
+        catalog feature, listing this rank's rows: a KJT of stride ``B + 1`` (also for B = 0, which
+        TorchRec's sharded lookup cannot take as stride 0)."""
+        if features.variable_stride_per_key():
+            raise ValueError("features must have one stride for every key (variable batch sizes are not supported)")
         ids = self.catalog_ids().to(features.values().device)
-        lengths = torch.zeros(features.stride(), dtype=features.lengths().dtype, device=ids.device)
-        lengths[0] = ids.numel()
-        catalog = KeyedJaggedTensor.from_lengths_sync([self.catalog_feature], ids, lengths)
-        return KeyedJaggedTensor.concat([features, catalog])
+        batch, keys = features.stride(), features.keys()
+        lengths = features.lengths().view(len(keys), batch)
+        lengths = torch.cat([torch.nn.functional.pad(lengths, (0, 1)).flatten(),
+                             torch.nn.functional.pad(lengths.new_full((1,), ids.numel()), (batch, 0))])
+        weights = features.weights_or_none()
+        if weights is not None:
+            weights = torch.cat([weights, weights.new_ones(ids.numel())])
+        return KeyedJaggedTensor(keys=[*keys, self.catalog_feature], values=torch.cat([features.values(), ids.to(
+            features.values().dtype)]), weights=weights, lengths=lengths, stride=batch + 1)
 
-    def forward(self, features: KeyedJaggedTensor, dense: Tensor | None = None) -> ShardedEmbeddingCatalog:
-        """Catalog scores for the users of ``features`` (which must carry the catalog feature).
+    def forward(self, features: KeyedJaggedTensor, dense: Tensor | None = None, *,
+                masked_items: Tensor | None = None) -> ShardedEmbeddingCatalog:
+        """Catalog scores for the B users of ``features`` (built by :meth:`with_catalog`: stride B + 1).
 
-        ``dense [B, F]`` goes to the user tower next to the pooled user features.
+        ``dense [B, F]`` goes to the user tower next to the pooled user features. ``masked_items
+        [B, E]`` (global ids, ``-1`` pads) are the items outside each user's catalog: see
+        :class:`ShardedEmbeddingCatalog`. With several ranks, a mistake in the inputs of one rank is
+        raised on every rank when validating.
         """
         offset, rows, group = self._layout()
-        if self.catalog_feature not in features.keys():
-            raise ValueError(f"features has no catalog feature {self.catalog_feature!r} (keys {features.keys()}): "
-                             f"add this rank's item rows with retriever.with_catalog(features)")
-        ids = features[self.catalog_feature].values()
-        expected = torch.arange(offset, offset + rows, device=ids.device)
-        if ids.shape != expected.shape or not torch.equal(ids.long(), expected):
-            raise ValueError(f"the catalog feature {self.catalog_feature!r} must list this rank's item rows "
-                             f"[{offset}, {offset + rows}) in order, got {ids.numel()} ids: "
-                             f"build it with retriever.with_catalog(features)")
-        if dense is not None and self.user_tower is None:
-            raise ValueError("dense features need a user_tower")
+        validate = resolve_validate_args(self.validate_args)
+
+        def check() -> list[int]:
+            self._check_inputs(features, dense, offset, rows, validate)
+            return []
+
+        if group is not None and validate:
+            device = features.values().device if isinstance(features, KeyedJaggedTensor) else torch.device("cpu")
+            exchange(check, 0, group, device)
+        else:
+            check()
+        batch = features.stride() - 1
         out = self.embeddings(features)
-        pooled = [_mean_pool(out[f].values(), out[f].lengths(), features.stride()) for f in self.user_features]
+        pooled = [_mean_pool(out[f].values(), out[f].lengths(), batch) for f in self.user_features]
         if self.user_tower is None:
             user = torch.stack(pooled).sum(0)
         else:
@@ -151,12 +176,34 @@ class TwoTowerRetriever(nn.Module):
         dim = self.width // self.num_experts
         item = out[self.catalog_feature].values().view(rows, self.num_experts, dim)
         return ShardedEmbeddingCatalog(user.view(-1, self.num_experts, dim), item, num_items=self.num_items,
-                                       row_offset=offset, temperature=self.temperature,
-                                       chunk_size=self.chunk_size, process_group=group)
+                                       row_offset=offset, temperature=self.temperature, masked_items=masked_items,
+                                       chunk_size=self.chunk_size, process_group=group,
+                                       validate_args=self.validate_args)
+
+    def _check_inputs(self, features: KeyedJaggedTensor, dense: Tensor | None, offset: int, rows: int,
+                      validate: bool) -> None:
+        """The catalog feature lists this rank's rows in the last sample (the values only when
+        ``validate``: a host sync); ``dense`` goes with a tower."""
+        if not isinstance(features, KeyedJaggedTensor):
+            raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
+        if self.catalog_feature not in features.keys() or features.stride() < 1:
+            raise ValueError(f"features has no catalog feature {self.catalog_feature!r} (keys {features.keys()}): "
+                             f"add this rank's item rows with retriever.with_catalog(features)")
+        catalog = features[self.catalog_feature]
+        ids, lengths = catalog.values(), catalog.lengths()
+        if ids.shape != (rows,) or (validate and not (
+                torch.equal(ids.long(), torch.arange(offset, offset + rows, device=ids.device))
+                and int(lengths[-1]) == rows)):
+            raise ValueError(f"the catalog feature {self.catalog_feature!r} must list this rank's item rows "
+                             f"[{offset}, {offset + rows}) in order, in the last sample, got {ids.numel()} ids: "
+                             f"build it with retriever.with_catalog(features)")
+        if dense is not None and self.user_tower is None:
+            raise ValueError("dense features need a user_tower")
 
 
 def _mean_pool(values: Tensor, lengths: Tensor, batch_size: int) -> Tensor:
-    """Mean of each sample's rows: ``values [Σ lengths, W]``, ``lengths [B]`` → ``[B, W]`` (0 if empty)."""
-    owner = torch.repeat_interleave(torch.arange(batch_size, device=values.device), lengths)
-    total = values.new_zeros((batch_size, values.shape[1])).index_add(0, owner, values)
-    return total / lengths.clamp(min=1).unsqueeze(1).to(values.dtype)
+    """Mean of each of the first ``batch_size`` samples' rows: ``values [Σ lengths, W]``, ``lengths [S]``
+    (``S >= batch_size``: later samples are dropped) → ``[batch_size, W]`` (0 if a sample has none)."""
+    owner = torch.repeat_interleave(torch.arange(lengths.shape[0], device=values.device), lengths)
+    total = values.new_zeros((lengths.shape[0], values.shape[1])).index_add(0, owner, values)
+    return (total / lengths.clamp(min=1).unsqueeze(1).to(values.dtype))[:batch_size]

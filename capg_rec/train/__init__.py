@@ -1,7 +1,8 @@
 """Online training of an ESR behind a fixed LSR, and the paper's experiments.
 
 * :class:`TrainConfig` / :class:`Trainer`: the paper's online loop (Adagrad, B = 128, exact greedy
-  evaluation every 1000 steps, gradient-overflow detection, atomic checkpoints, bit-identical resume),
+  evaluation every 1000 steps, gradient-overflow detection, bit-identical resume),
+* :mod:`capg_rec.train.checkpoint`: checksummed checkpoint files, written atomically next to the previous one,
 * :func:`policy_value`: the exact value of a greedy ESR under an LSR,
 * :mod:`capg_rec.train.reproduce`: the paper's tables as runnable targets (``capg-rec reproduce``),
 * :mod:`capg_rec.train.variance`: gradient variance vs K (Theorem 1),

@@ -3,45 +3,66 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from capg_rec.sim.lsr import LSR_NAMES
 from capg_rec.train.config import ESTIMATORS, TrainConfig
 
+if TYPE_CHECKING:
+    from capg_rec.train.trainer import Trainer
+
 __all__ = ["register"]
 
 _REPRODUCE_TARGETS = ("table2", "table3", "movielens", "kuairec", "grpo", "variance")
+_ENVS = ("synthetic", "movielens", "kuairec")
+_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig))
+
+
+def _option(parser: argparse.ArgumentParser, *flags: str, help: str | None = None, **kwargs: Any) -> None:
+    """A ``train`` option setting the TrainConfig field of its name. It defaults to ``None`` (not
+    given) so that a resume can tell the options a user typed from the saved run's."""
+    default = getattr(TrainConfig, flags[-1].lstrip("-").replace("-", "_"))
+    parts = [help] if help else []
+    if default is not None and kwargs.get("action") is None:
+        parts.append(f"default {default}")
+    parser.add_argument(*flags, default=None, help="; ".join(parts) + " (with --resume: the saved run's)", **kwargs)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``train``, ``reproduce`` and ``demo`` to a ``capg-rec`` argparse parser."""
-    p = subparsers.add_parser("train", help="online training of an ESR on a simulated problem")
-    p.add_argument("--env", choices=("synthetic", "movielens", "kuairec"), default="synthetic")
+    p = subparsers.add_parser(
+        "train", help="online training of an ESR on a simulated problem",
+        description="Train an ESR online on a simulated problem. With --resume the run saved in OUT continues "
+                    "unchanged: the run's options default to the saved ones, one that differs from them is an "
+                    "error, and only --steps (above the saved step) may change, to extend or shorten the run.")
+    p.add_argument("--env", choices=_ENVS, default=None, help="default synthetic (with --resume: the saved run's)")
     p.add_argument("--data", help="KuaiRec small_matrix.csv (for --env kuairec)")
-    p.add_argument("--estimator", choices=ESTIMATORS, default="capg_swr")
-    p.add_argument("--capg-method", default=None, help="CA-PG inclusion method (exact, mean_field, plugin)")
-    p.add_argument("-K", "--num-candidates", type=int, default=10)
-    p.add_argument("-L", "--num-outputs", type=int, default=1)
-    p.add_argument("-M", "--num-experts", type=int, default=1)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--steps", type=int, default=50_000)
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--optimizer", choices=("adagrad", "adam", "sgd"), default="adagrad")
-    p.add_argument("--lr", type=float, default=None, help="default: the paper's (1e-1 V-PG, 1e-2 CA-PG)")
-    p.add_argument("--adaptive-lr", action="store_true", help="scale lr by the inverse mean LSR propensity")
-    p.add_argument("--train-lsr", choices=LSR_NAMES, default="optimal")
-    p.add_argument("--eval-lsr", choices=LSR_NAMES, default="optimal")
-    p.add_argument("--eval-every", type=int, default=1000)
-    p.add_argument("--position-weights", choices=("mean", "sum", "dcg"), default="mean")
-    p.add_argument("--group-size", type=int, default=1, help="GRPO group size (1 = off)")
-    p.add_argument("--group-offset", type=float, default=0.0, help="constant added after group normalisation")
-    p.add_argument("--baseline", choices=("none", "context"), default="none")
-    p.add_argument("--on-overflow", choices=("stop", "skip"), default="stop")
-    p.add_argument("--seed", type=int, default=0)
+    _option(p, "--estimator", choices=ESTIMATORS)
+    _option(p, "--capg-method", help="CA-PG inclusion method (exact, mean_field, plugin); default the library's")
+    _option(p, "-K", "--num-candidates", type=int)
+    _option(p, "-L", "--num-outputs", type=int)
+    _option(p, "-M", "--num-experts", type=int)
+    _option(p, "--temperature", type=float)
+    _option(p, "--steps", type=int)
+    _option(p, "--batch-size", type=int)
+    _option(p, "--optimizer", choices=("adagrad", "adam", "sgd"))
+    _option(p, "--lr", type=float, help="default the paper's (1e-1 V-PG, 1e-2 CA-PG)")
+    _option(p, "--adaptive-lr", action="store_true", help="scale lr by the inverse mean LSR propensity")
+    _option(p, "--train-lsr", choices=LSR_NAMES)
+    _option(p, "--eval-lsr", choices=LSR_NAMES)
+    _option(p, "--eval-every", type=int)
+    _option(p, "--position-weights", choices=("mean", "sum", "dcg"))
+    _option(p, "--group-size", type=int, help="GRPO group size (1 = off)")
+    _option(p, "--group-offset", type=float, help="constant added after group normalisation")
+    _option(p, "--baseline", choices=("none", "context"))
+    _option(p, "--on-overflow", choices=("stop", "skip"))
+    _option(p, "--seed", type=int)
     p.add_argument("--out", default="runs/train")
     p.add_argument("--checkpoint-every", type=int, default=5000)
-    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    p.add_argument("--resume", action="store_true", help="continue the run saved in OUT/checkpoint.pt")
     p.set_defaults(func=_train)
 
     p = subparsers.add_parser("reproduce", help="rerun one of the paper's experiments next to its numbers")
@@ -82,22 +103,50 @@ def _make_env(name: str, data: str | None):
     return load_kuairec(data)
 
 
+def _fail(message: str) -> NoReturn:
+    """Report a usage or input error of ``train`` and exit with status 2, as argparse does."""
+    print(f"capg-rec train: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _resume(args: argparse.Namespace, given: dict, out: Path) -> Trainer:
+    """The trainer of the run saved in ``out``, checked against the options the user typed."""
+    from capg_rec.train.checkpoint import read_checkpoint
+    from capg_rec.train.trainer import Trainer
+
+    path = out / "checkpoint.pt"
+    try:
+        state = read_checkpoint(path)
+    except FileNotFoundError:
+        _fail(f"--resume: no checkpoint {path} to continue (is --out right?)")
+    saved = dict(state["config"], env=state["env"].partition("(")[0])
+    given = dict(given, env=args.env) if args.env is not None else given
+    conflicts = [f"--{name.replace('_', '-')} {value} (saved: {saved[name]!r})"
+                 for name, value in given.items() if name != "steps" and value != saved[name]]
+    if conflicts:
+        _fail(f"--resume continues the run saved in {path} unchanged; these options differ from it: "
+              f"{', '.join(conflicts)}. Drop them, or start a new run in another --out.")
+    steps = given.get("steps")
+    if steps is not None and steps <= state["step"]:
+        _fail(f"--resume --steps {steps}: the saved run is at step {state['step']}; give more steps to go on")
+    if saved["env"] not in _ENVS:
+        _fail(f"--resume: the saved run's env {state['env']!r} is not one this command builds")
+    return Trainer.from_state(state, _make_env(saved["env"], args.data), steps=steps)
+
+
 def _train(args: argparse.Namespace) -> int:
     from capg_rec.train.trainer import Trainer
 
-    env = _make_env(args.env, args.data)
+    given = {name: getattr(args, name) for name in _CONFIG_FIELDS if getattr(args, name, None) is not None}
     out = Path(args.out)
-    if args.resume:
-        trainer = Trainer.load(out / "checkpoint.pt", env, steps=args.steps)
-    else:
-        config = TrainConfig(
-            estimator=args.estimator, capg_method=args.capg_method, num_candidates=args.num_candidates,
-            num_outputs=args.num_outputs, num_experts=args.num_experts, temperature=args.temperature,
-            steps=args.steps, batch_size=args.batch_size, optimizer=args.optimizer, lr=args.lr,
-            adaptive_lr=args.adaptive_lr, train_lsr=args.train_lsr, eval_lsr=args.eval_lsr,
-            eval_every=args.eval_every, position_weights=args.position_weights, group_size=args.group_size,
-            group_offset=args.group_offset, baseline=args.baseline, on_overflow=args.on_overflow, seed=args.seed)
-        trainer = Trainer(env, config)
+    try:
+        if args.resume:
+            trainer = _resume(args, given, out)
+        else:
+            trainer = Trainer(_make_env(args.env or "synthetic", args.data), TrainConfig(**given))
+    except ValueError as err:
+        _fail(str(err))
+    env = trainer.env
     result = trainer.run(out_dir=out, checkpoint_every=args.checkpoint_every)
     print(f"{trainer.config.label} on {env.name}: policy value {result.final_value:.4f} after "
           f"{result.steps_done} steps (best achievable {env.optimal_value(trainer.config.num_outputs):.4f}); "

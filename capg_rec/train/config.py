@@ -6,7 +6,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from capg_rec.marginals import METHODS
+from capg_rec.marginals import inclusion_methods
 from capg_rec.sim.lsr import LSR_NAMES
 
 __all__ = ["TrainConfig", "ESTIMATORS", "PAPER_LR", "ESTIMATOR_LABELS"]
@@ -102,7 +102,7 @@ class TrainConfig:
         if self.baseline_decay >= 1:
             raise ValueError(f"baseline_decay must be in [0, 1), got {self.baseline_decay}")
         if self.capg_method is not None:
-            _choice("capg_method", self.capg_method, tuple(METHODS))
+            _choice("capg_method", self.capg_method, inclusion_methods())
         if not isinstance(self.adaptive_lr, bool):
             raise ValueError(f"adaptive_lr must be a bool, got {self.adaptive_lr!r}")
         _choice("optimizer", self.optimizer, _OPTIMIZERS)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from capg_rec.sim.env import MatrixEnv
+from capg_rec.train.checkpoint import read_checkpoint
 from capg_rec.train.config import ESTIMATOR_LABELS, TrainConfig
 from capg_rec.train.report import markdown_table, mean_se, plot_curves, value_at, write_csv, write_json
 from capg_rec.train.trainer import Trainer, TrainResult
@@ -175,13 +176,20 @@ def run_cells(env: MatrixEnv, cells: Sequence[Cell], seeds: Sequence[int], out: 
                                      steps_done=saved["steps_done"], lr=saved["lr"], seconds=saved["seconds"])
                 results.setdefault((cell.method, cell.setting), []).append(result)
                 continue
-        checkpoint = run_dir / "checkpoint.pt"
-        trainer = Trainer.load(checkpoint, env, steps=config.steps) if checkpoint.exists() else None
-        if trainer is None or trainer.config != config:  # a longer run extends, another config restarts
-            trainer = Trainer(env, config)
+        trainer = _resumable(run_dir / "checkpoint.pt", env, config) or Trainer(env, config)
         result = trainer.run(out_dir=run_dir, checkpoint_every=checkpoint_every, progress=progress)
         results.setdefault((cell.method, cell.setting), []).append(result)
     return results
+
+
+def _resumable(path: Path, env: MatrixEnv, config: TrainConfig) -> Trainer | None:
+    """The checkpointed run of ``config`` (or of a shorter one, then extended), else ``None``."""
+    try:
+        state = read_checkpoint(path)
+    except FileNotFoundError:
+        return None
+    same = state["config"] == config.replace(steps=state["config"]["steps"]).to_dict() and state["env"] == env.name
+    return Trainer.from_state(state, env, steps=config.steps) if same and state["step"] < config.steps else None
 
 
 def summarize(target: str, env: MatrixEnv, cells: Sequence[Cell], results: dict, out: str | os.PathLike,

@@ -6,7 +6,7 @@ estimator. Every ``eval_every`` steps the *greedy* ESR (its top-K) is scored exa
 value is the mean over all users of the expected ``q`` of the evaluation LSR's picks.
 
 All randomness flows through one ``torch.Generator`` seeded from the config, and checkpoints
-store its state, so a resumed run continues bit-identically.
+store its state, so a resumed run continues bit-identically (file format: :mod:`capg_rec.train.checkpoint`).
 """
 
 from __future__ import annotations
@@ -23,18 +23,18 @@ from torch import Tensor
 
 from capg_rec._checks import all_finite, check_items
 from capg_rec.catalog import DenseCatalog
-from capg_rec.losses import CAPGLoss, TOP1PGLoss, VPGLoss
+from capg_rec.losses import CAPGLoss, VPGLoss
 from capg_rec.plackett_luce import greedy_candidates, sample_candidates
 from capg_rec.rewards import dcg_weights, group_normalize
 from capg_rec.sim.env import MatrixEnv
 from capg_rec.sim.lsr import LSRPolicy, make_lsr
+from capg_rec.train.checkpoint import CHECKPOINT_VERSION, read_checkpoint, write_checkpoint
 from capg_rec.train.config import TrainConfig
 from capg_rec.train.model import TwoTowerMoE
 
 __all__ = ["Trainer", "TrainResult", "policy_value", "make_loss"]
 
 _EVAL_CHUNK = 256
-_CHECKPOINT_VERSION = 1
 
 
 def make_loss(config: TrainConfig, *, validate_args: bool = True) -> torch.nn.Module:
@@ -48,7 +48,7 @@ def make_loss(config: TrainConfig, *, validate_args: bool = True) -> torch.nn.Mo
     if config.estimator == "capg":
         return CAPGLoss(k, **common) if config.capg_method is None else \
             CAPGLoss(k, method=config.capg_method, **common)
-    return TOP1PGLoss(k, **common)
+    return CAPGLoss(k, method="with_replacement", **common)
 
 
 @torch.no_grad()
@@ -296,36 +296,42 @@ class Trainer:
 
     # ---------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
-        return {"version": _CHECKPOINT_VERSION, "config": self.config.to_dict(), "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(), "generator": self.generator.get_state(),
-                "baseline_table": self.baseline_table, "baseline_seen": self.baseline_seen,
-                "step": self.step_count, "interval_losses": self.interval_losses,
-                "result": self.result.to_dict() if self.result.history else None,
-                "lr": self.result.lr}
+        """Everything a resume needs, as containers of tensors, numbers and strings."""
+        return {"version": CHECKPOINT_VERSION, "config": self.config.to_dict(), "env": self.env.name,
+                "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "generator": self.generator.get_state(), "baseline_table": self.baseline_table,
+                "baseline_seen": self.baseline_seen, "step": self.step_count, "interval_losses": self.interval_losses,
+                "result": self.result.to_dict() if self.result.history else None, "lr": self.result.lr}
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write a checkpoint atomically (temp file + ``os.replace``): an interrupted write leaves
-        the previous checkpoint intact."""
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:
-            torch.save(self.state_dict(), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        """Write a checksummed checkpoint atomically; the one it replaces is kept as ``<path>.prev``
+        (see :func:`~capg_rec.train.checkpoint.write_checkpoint`)."""
+        write_checkpoint(self.state_dict(), path)
 
     @classmethod
     def load(cls, path: str | os.PathLike, env: MatrixEnv, *, train_lsr: LSRPolicy | None = None,
              eval_lsr: LSRPolicy | None = None, steps: int | None = None) -> Trainer:
-        """Rebuild a trainer from a checkpoint; ``steps`` may extend the run."""
-        state = torch.load(path, weights_only=False)
-        if state.get("version") != _CHECKPOINT_VERSION:
-            raise ValueError(f"checkpoint version must be {_CHECKPOINT_VERSION}, got {state.get('version')!r}")
+        """Rebuild a trainer from a checkpoint file (verified, falling back to ``<path>.prev`` if it
+        is corrupt: :func:`~capg_rec.train.checkpoint.read_checkpoint`); see :meth:`from_state`."""
+        return cls.from_state(read_checkpoint(path), env, train_lsr=train_lsr, eval_lsr=eval_lsr, steps=steps)
+
+    @classmethod
+    def from_state(cls, state: dict, env: MatrixEnv, *, train_lsr: LSRPolicy | None = None,
+                   eval_lsr: LSRPolicy | None = None, steps: int | None = None) -> Trainer:
+        """Rebuild a trainer from a :meth:`state_dict` on the env it was trained on. The run keeps
+        its saved config; ``steps`` (> the saved step) sets another target."""
+        if state.get("version") != CHECKPOINT_VERSION:
+            raise ValueError(f"checkpoint version must be {CHECKPOINT_VERSION}, got {state.get('version')!r}")
         config = TrainConfig(**state["config"])
         if steps is not None:
+            if isinstance(steps, bool) or not isinstance(steps, int) or steps <= state["step"]:
+                raise ValueError(f"steps must be an int > the checkpoint's step {state['step']} to continue "
+                                 f"the run, got {steps!r}")
             config = config.replace(steps=steps)
         trainer = cls.__new__(cls)
         trainer._setup(env, config, train_lsr, eval_lsr)
+        if env.name != state["env"]:
+            raise ValueError(f"env must be the checkpoint's {state['env']!r}, got {env.name!r}")
         shape = tuple(state["model"]["user"].shape[1:2]) + tuple(state["model"]["item"].shape[1:2])
         if shape != (env.num_users, env.num_items):
             raise ValueError(f"env must have the checkpoint's (users, items) = {shape}, "

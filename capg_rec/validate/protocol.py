@@ -15,17 +15,13 @@ import torch
 from torch import Tensor
 
 from capg_rec._checks import check_count, check_positive
-from capg_rec._enumerate import inclusion_probs
 from capg_rec.catalog import CatalogScores, DenseCatalog, EmbeddingCatalog, as_catalog
-from capg_rec.marginals import METHODS, inclusion_log_prob
+from capg_rec.marginals import InclusionMethod, inclusion_log_prob, inclusion_method
 from capg_rec.plackett_luce import candidate_log_prob, expert_of_position, sample_candidates
 
 __all__ = ["ESR", "CatalogESR"]
 
 ScoresSource = Tensor | CatalogScores | Callable[[Any], Tensor | CatalogScores]
-
-_MAX_ENUMERATED_ITEMS = 8
-
 
 @runtime_checkable
 class ESR(Protocol):
@@ -58,10 +54,11 @@ class ESR(Protocol):
 def _replicate(catalog: CatalogScores, copies: int) -> CatalogScores:
     """The same catalog with every row repeated ``copies`` times (row ``b·c + j``)."""
     if isinstance(catalog, DenseCatalog):
-        return DenseCatalog(catalog.scores.repeat_interleave(copies, 0))
+        return DenseCatalog(catalog.scores.repeat_interleave(copies, 0), validate_args=False)
     if isinstance(catalog, EmbeddingCatalog):
-        return EmbeddingCatalog(catalog.user.repeat_interleave(copies, 0), catalog.item,
-                                chunk_size=catalog.chunk_size)
+        masked = None if catalog.masked_items is None else catalog.masked_items.repeat_interleave(copies, 0)
+        return EmbeddingCatalog(catalog.user.repeat_interleave(copies, 0), catalog.item, masked_items=masked,
+                                chunk_size=catalog.chunk_size, validate_args=False)
     raise TypeError(f"cannot replicate {type(catalog).__name__}")
 
 
@@ -71,26 +68,25 @@ class CatalogESR:
     ``scores`` is logits ``[B, N]`` / ``[B, M, N]``, a :class:`CatalogScores`, or a callable
     (e.g. a ``torch.nn.Module`` such as a two-tower retriever) mapping contexts to either; a
     tensor or catalog ignores the contexts. Sampling is :func:`~capg_rec.sample_candidates`
-    (or, for ``method="swr"``, one independent softmax draw per position); claims come from
-    :func:`~capg_rec.inclusion_log_prob` with ``method`` and :func:`~capg_rec.candidate_log_prob`.
-    ``method="enumerate"`` claims exact inclusion probabilities by enumerating every ordered
-    draw (N ≤ 8; the exact reference for mixtures, where ``"exact"`` is block-exact).
-    ``max_elements`` bounds the ``B·copies·M·N`` scores held at once while sampling.
+    (or, for a method that is not a probability such as ``WithReplacement``, one independent
+    softmax draw per position); claims come from :func:`~capg_rec.inclusion_log_prob` with
+    ``method`` (an :class:`~capg_rec.InclusionMethod`, yours included, or a registered name;
+    ``"enumerate"`` is exact for mixtures on catalogs of at most 8 items) and
+    :func:`~capg_rec.candidate_log_prob`. ``max_elements`` bounds the ``B·copies·M·N`` scores
+    held at once while sampling.
     """
 
     def __init__(self, scores: ScoresSource, num_candidates: int, *, temperature: float = 1.0,
-                 method: str = "exact", max_elements: int = 1 << 22) -> None:
+                 method: str | InclusionMethod = "exact", max_elements: int = 1 << 22) -> None:
         if not isinstance(scores, (Tensor, CatalogScores)) and not callable(scores):
-            raise ValueError("scores must be a logits tensor, a CatalogScores or a callable returning "
-                             f"one, got {type(scores).__name__}")
-        if method not in (*METHODS, "enumerate"):
-            raise ValueError(f"method must be one of {(*METHODS, 'enumerate')}, got {method!r}")
+            raise TypeError("scores must be a logits tensor, a CatalogScores or a callable returning "
+                            f"one, got {type(scores).__name__}")
         self.scores = scores
         self.num_candidates = check_count("num_candidates", num_candidates)
         self.temperature = check_positive("temperature", temperature)
-        self.method = method
+        self.method = inclusion_method(method)
         self.max_elements = check_count("max_elements", max_elements)
-        self.with_replacement = method == "swr"
+        self.with_replacement = not self.method.is_probability
 
     def catalog(self, contexts: Any) -> CatalogScores:
         """The catalog scores for ``contexts`` (no gradient is tracked)."""
@@ -128,18 +124,12 @@ class CatalogESR:
                                  lambda rep, _: sample_candidates(rep, k, generator=generator))
 
     def inclusion_log_prob(self, contexts: Any) -> Tensor:
-        """Claimed ``log P(a ∈ A^K)`` (``log E[count]`` for ``"swr"``) of every item → ``[B, N]``."""
+        """Claimed ``log P(a ∈ A^K)`` of every item → ``[B, N]`` (``log E[count]`` for a method that is
+        not a probability)."""
         catalog = self.catalog(contexts)
         items = torch.arange(catalog.num_items, device=catalog.device).expand(catalog.batch_size, -1)
         with torch.no_grad():
-            if self.method != "enumerate":
-                return inclusion_log_prob(catalog, items, self.num_candidates, method=self.method)
-            if catalog.num_items > _MAX_ENUMERATED_ITEMS:
-                raise ValueError(f"method='enumerate' needs num_items <= {_MAX_ENUMERATED_ITEMS}, "
-                                 f"got {catalog.num_items}")
-            experts = expert_of_position(self.num_candidates, catalog.num_experts)
-            probs = inclusion_probs(catalog.gather(items).double(), experts)
-            return probs.log().to(catalog.dtype)
+            return inclusion_log_prob(catalog, items, self.num_candidates, method=self.method)
 
     def candidate_log_prob(self, contexts: Any, candidates: Tensor) -> Tensor:
         """Claimed log-probability of each ordered draw ``candidates [B, C, K]`` → ``[B, C]``."""

@@ -114,6 +114,8 @@ def validate_esr(esr: ESR, contexts: Any = None, *, num_samples: int = 20_000, a
     with torch.no_grad():
         claims_log = _check_claims("esr.inclusion_log_prob", esr.inclusion_log_prob(contexts))
     batch, num_items = claims_log.shape
+    if batch == 0:
+        raise ValueError("contexts must hold at least one context: esr.inclusion_log_prob returned B = 0 rows")
     if not with_replacement and k > num_items:
         raise ValueError(f"esr.num_candidates must be <= num_items={num_items} without replacement, got {k}")
     claimed = claims_log.double().exp().cpu().numpy()

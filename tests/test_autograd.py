@@ -1,0 +1,258 @@
+"""Second derivatives and torch.func transforms of the custom autograd Functions, against plain autograd.
+
+Outputs that are ``-inf`` (masked entries) are replaced by 0 before they enter a loss, so that finite
+differences and the references are defined; the Functions must then give those entries exactly zero
+first and second derivatives.
+"""
+
+import math
+
+import pytest
+import torch
+
+from capg_rec._numerics import filled_logsumexp, gather_with_rest, log_softmax_at
+from capg_rec.catalog import _chunked_top_k, _ChunkedLogPowerSums
+
+SHAPE = (3, 4, 5)
+
+
+def _finite(t: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isfinite(t), t, torch.zeros_like(t))
+
+
+def _case(dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 ``x`` of SHAPE with scattered ``-inf`` entries and one all-``-inf`` slice along ``dim``, and
+    ids along ``dim`` with a repeat in every slice; one slice names every entry (its rest is empty)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = 2 * torch.randn(SHAPE, generator=gen, dtype=torch.float64)
+    x[torch.rand(SHAPE, generator=gen) < 0.15] = -math.inf
+    x.movedim(dim, -1)[0, 0] = -math.inf
+    n = SHAPE[dim]
+    index = torch.randint(0, n, tuple(n + 1 if d == dim % len(SHAPE) else s for d, s in enumerate(SHAPE)),
+                          generator=gen)
+    index.select(dim, 1).copy_(index.select(dim, 0))
+    index.movedim(dim, -1)[-1, -1] = torch.cat([torch.arange(n), torch.zeros(1, dtype=torch.long)])
+    return x.requires_grad_(), index
+
+
+def _ours(name, x, index, dim):
+    if name == "logsumexp":
+        return (filled_logsumexp(x, dim),)
+    if name == "log_softmax_at":
+        return (log_softmax_at(x, index, dim),)
+    return gather_with_rest(x, index, dim)
+
+
+def _logsumexp(x, dim):
+    """torch.logsumexp, with -inf and a zero gradient (not NaN) where a slice is all -inf."""
+    empty = (x == -math.inf).all(dim, keepdim=True)
+    return torch.logsumexp(x.masked_fill(empty, 0.0), dim).masked_fill(empty.squeeze(dim), -math.inf)
+
+
+def _reference(name, x, index, dim):
+    if name == "logsumexp":
+        return (_logsumexp(x, dim),)
+    if name == "log_softmax_at":
+        empty = (x == -math.inf).all(dim, keepdim=True)
+        return (torch.log_softmax(x.masked_fill(empty, 0.0), dim).masked_fill(empty, -math.inf).gather(dim, index),)
+    named = torch.zeros_like(x, dtype=torch.bool).scatter(dim, index, True)
+    return x.gather(dim, index), _logsumexp(x.masked_fill(named, -math.inf), dim)
+
+
+def _loss(outputs, weights):
+    """A loss with a nonzero second derivative in each output: Σ w·f + Σ f²/2 (f with -inf → 0)."""
+    return sum((w * _finite(f) + _finite(f) ** 2 / 2).sum() for f, w in zip(outputs, weights))
+
+
+def _weights(outputs, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(f.shape, generator=gen, dtype=f.dtype) for f in outputs]
+
+
+FUNCTIONS = ["logsumexp", "log_softmax_at", "gather_with_rest"]
+
+
+@pytest.mark.parametrize("name", FUNCTIONS)
+@pytest.mark.parametrize("dim", [0, 1, 2, -1])
+def test_gradcheck_and_gradgradcheck_with_masked_entries(name, dim):
+    """First and second derivatives equal finite differences, with -inf entries, all-(-inf) slices,
+    slices whose rest is empty and repeated ids."""
+    x, index = _case(dim, seed=10 + dim)
+
+    def f(t):
+        return tuple(_finite(o) for o in _ours(name, t, index, dim))
+
+    assert torch.autograd.gradcheck(f, (x,))
+    assert torch.autograd.gradgradcheck(f, (x,))
+
+
+@pytest.mark.parametrize("name", FUNCTIONS)
+@pytest.mark.parametrize("dim", [0, 1, 2])
+def test_hvp_matches_plain_autograd(name, dim):
+    """Hessian-vector products through a loss equal those of torch.logsumexp / log_softmax (masked
+    entries and slices included)."""
+    x, index = _case(dim, seed=20 + dim)
+    weights = _weights(_ours(name, x, index, dim), seed=dim)
+    v = torch.randn(SHAPE, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    got = torch.autograd.functional.hvp(lambda t: _loss(_ours(name, t, index, dim), weights), x, v)
+    ref = torch.autograd.functional.hvp(lambda t: _loss(_reference(name, t, index, dim), weights), x, v)
+    assert float(ref[1].abs().max()) > 0.1  # a real second derivative
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b)
+    vhp = torch.autograd.functional.vhp(lambda t: _loss(_ours(name, t, index, dim), weights), x, v)[1]
+    torch.testing.assert_close(vhp, ref[1])
+
+
+@pytest.mark.parametrize("name", FUNCTIONS)
+def test_masked_entries_have_zero_first_and_second_derivatives(name):
+    """-inf entries, all-(-inf) slices and empty rests: exactly zero gradient and Hessian rows, no NaN."""
+    x, index = _case(2, seed=30)
+    outputs = _ours(name, x, index, 2)
+    weights = [1e8 * w for w in _weights(outputs, seed=1)]  # large upstream gradients
+    (grad,) = torch.autograd.grad(_loss(outputs, weights), x, create_graph=True)
+    v = torch.randn(SHAPE, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    (hvp,) = torch.autograd.grad(grad, x, v)
+    masked = x.detach() == -math.inf
+    assert bool(torch.isfinite(grad).all()) and bool(torch.isfinite(hvp).all())
+    assert bool((grad[masked] == 0).all()) and bool((hvp[masked] == 0).all())
+    if name == "logsumexp":
+        assert outputs[0][0, 0] == -math.inf
+    if name == "gather_with_rest":
+        assert outputs[1][-1, -1] == -math.inf
+
+
+@pytest.mark.parametrize("name", FUNCTIONS)
+def test_torch_func_grad_vmap_and_jacrev(name):
+    """torch.func.grad, vmap(grad) and jacrev agree with plain-autograd references."""
+    x, index = _case(1, seed=40)
+    x = x.detach()
+    weights = _weights(_ours(name, x, index, 1), seed=2)
+
+    def loss(fn):
+        return lambda t: _loss(fn(name, t, index, 1), weights)
+
+    torch.testing.assert_close(torch.func.grad(loss(_ours))(x), torch.func.grad(loss(_reference))(x))
+    batch = torch.stack([x, x * 0.5, x + 1.0])
+    torch.testing.assert_close(torch.func.vmap(torch.func.grad(loss(_ours)))(batch),
+                               torch.func.vmap(torch.func.grad(loss(_reference)))(batch))
+
+    def outputs(fn):
+        return lambda t: tuple(_finite(o) for o in fn(name, t, index, 1))
+
+    torch.testing.assert_close(torch.func.jacrev(outputs(_ours))(x), torch.func.jacrev(outputs(_reference))(x))
+    torch.testing.assert_close(torch.func.jacrev(torch.func.grad(loss(_ours)))(x),
+                               torch.func.jacrev(torch.func.grad(loss(_reference)))(x))
+
+
+def test_the_fused_functions_compile_without_graph_breaks():
+    x = torch.randn(4, 6, requires_grad=True)
+    index = torch.tensor([[0, 0], [1, 2], [5, 3], [4, 4]])
+
+    def f(t):
+        named, rest = gather_with_rest(t, index, 1)
+        return (filled_logsumexp(t, 1).sum() + log_softmax_at(t, index, 1).sum() + named.sum() + rest.sum())
+
+    out = torch.compile(f, fullgraph=True, backend="eager")(x)
+    (grad,) = torch.autograd.grad(out, x)
+    torch.testing.assert_close(out, f(x))
+    torch.testing.assert_close(grad, torch.autograd.grad(f(x), x)[0])
+
+
+# ---- the streamed (embedding) power sums ----------------------------------------------------------
+
+N_ITEMS = 13
+EXCLUDE = torch.tensor([[0, 5, 12, -1, -1], [3, 3, 4, 7, -1], [-1, -1, -1, -1, -1]])  # padded, repeated ids
+
+
+def _embeddings(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    user = torch.randn(3, 2, 4, generator=gen, dtype=torch.float64).requires_grad_()
+    item = torch.randn(N_ITEMS, 2, 4, generator=gen, dtype=torch.float64).requires_grad_()
+    return user, item
+
+
+def _dense_power_sums(user, item, exclude, num_powers):
+    s = torch.einsum("bmd,nmd->bmn", user, item)
+    spare = torch.where(exclude >= 0, exclude, N_ITEMS)
+    excluded = torch.zeros(user.shape[0], N_ITEMS + 1, dtype=torch.bool).scatter(1, spare, True)[:, :N_ITEMS]
+    s = s.masked_fill(excluded.unsqueeze(1), -math.inf)
+    return torch.stack([torch.logsumexp(p * s, 2) for p in range(1, num_powers + 1)], -1)
+
+
+def _chunked(user, item, exclude, num_powers, chunk_size):
+    return _ChunkedLogPowerSums.apply(user, item, exclude, num_powers, chunk_size)
+
+
+@pytest.mark.parametrize("num_powers", [1, 2, 4])
+@pytest.mark.parametrize("chunk_size", [1, 5, 20])
+def test_chunked_gradcheck_and_gradgradcheck(num_powers, chunk_size):
+    """Chunks that do not divide N (and one chunk for all), exclusions with padding and repeats, and a
+    row whose items are all excluded (-inf, zero derivatives)."""
+    user, item = _embeddings(50)
+    exclude = torch.cat([torch.nn.functional.pad(EXCLUDE, (0, N_ITEMS - EXCLUDE.shape[1]), value=-1),
+                         torch.arange(N_ITEMS).unsqueeze(0)])
+    user = torch.cat([user, user[:1]]).detach().requires_grad_()
+
+    def f(u, v):
+        return _finite(_chunked(u, v, exclude, num_powers, chunk_size))
+
+    assert torch.autograd.gradcheck(f, (user, item))
+    assert torch.autograd.gradgradcheck(f, (user, item))
+
+
+@pytest.mark.parametrize("num_powers", [1, 2, 3, 4])
+@pytest.mark.parametrize("chunk_size", [3, 5])
+def test_chunked_hvp_matches_dense(num_powers, chunk_size):
+    user, item = _embeddings(60 + num_powers)
+    weights = _weights([torch.zeros(3, 2, num_powers, dtype=torch.float64)], seed=num_powers)
+
+    def loss(fn):
+        return lambda u, v: _loss([fn(u, v)], weights)
+
+    ours = loss(lambda u, v: _chunked(u, v, EXCLUDE, num_powers, chunk_size))
+    ref = loss(lambda u, v: _dense_power_sums(u, v, EXCLUDE, num_powers))
+    gen = torch.Generator().manual_seed(5)
+    vecs = (torch.randn(user.shape, generator=gen, dtype=torch.float64),
+            torch.randn(item.shape, generator=gen, dtype=torch.float64))
+    got = torch.autograd.functional.hvp(ours, (user, item), vecs)
+    want = torch.autograd.functional.hvp(ref, (user, item), vecs)
+    assert float(want[1][0].abs().max()) > 0.1
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.autograd.functional.vhp(ours, (user, item), vecs), want)
+
+
+def test_chunked_torch_func_grad_vmap_and_jacrev():
+    user, item = _embeddings(70)
+    user, item = user.detach(), item.detach()
+    weights = _weights([torch.zeros(3, 2, 3, dtype=torch.float64)], seed=7)
+
+    def loss(fn):
+        return lambda u, v: _loss([fn(u, v)], weights)
+
+    ours = loss(lambda u, v: _chunked(u, v, EXCLUDE, 3, 5))
+    ref = loss(lambda u, v: _dense_power_sums(u, v, EXCLUDE, 3))
+    both = (0, 1)
+    torch.testing.assert_close(torch.func.grad(ours, both)(user, item), torch.func.grad(ref, both)(user, item))
+    users = torch.stack([user, 0.5 * user])
+    torch.testing.assert_close(torch.func.vmap(torch.func.grad(ours, both), (0, None))(users, item),
+                               torch.func.vmap(torch.func.grad(ref, both), (0, None))(users, item))
+    torch.testing.assert_close(torch.func.jacrev(lambda u, v: _chunked(u, v, EXCLUDE, 3, 5), both)(user, item),
+                               torch.func.jacrev(lambda u, v: _dense_power_sums(u, v, EXCLUDE, 3), both)(user, item))
+    torch.testing.assert_close(torch.func.jacrev(torch.func.grad(ours))(user, item),
+                               torch.func.jacrev(torch.func.grad(ref))(user, item))
+
+
+def test_chunked_functions_compile_without_graph_breaks_when_not_checking():
+    """check_finite=False: no host sync, so the streamed reductions trace as one graph."""
+    user, item = _embeddings(80)
+
+    def f(u, v):
+        return _ChunkedLogPowerSums.apply(u, v, EXCLUDE, 2, 5, False).sum()
+
+    out = torch.compile(f, fullgraph=True, backend="eager")(user, item)
+    torch.testing.assert_close(torch.autograd.grad(out, (user, item)), torch.autograd.grad(f(user, item), (user, item)))
+
+    def top(u, v):
+        return _chunked_top_k(u, v, 3, EXCLUDE, None, 5, check_finite=False)[1]
+
+    assert torch.equal(torch.compile(top, fullgraph=True, backend="eager")(user, item), top(user, item))

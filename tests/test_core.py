@@ -1,0 +1,415 @@
+"""The core as a demanding PyTorch user drives it: masks, empty batches, every dtype, every autograd
+mode, torch.compile, the module-wide validation default and pluggable inclusion methods."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import capg_rec
+from capg_rec import (CAPGLoss, DenseCatalog, EmbeddingCatalog, InclusionMethod, VPGLoss, candidate_log_prob,
+                      functional, greedy_candidates, inclusion_log_prob, sample_candidates)
+from capg_rec._enumerate import inclusion_probs
+from capg_rec.testing import esr_cases
+from capg_rec.validate import CatalogESR, validate_esr
+
+FAST_METHODS = ["with_replacement", "plugin", "mean_field"]
+METHODS = [*FAST_METHODS, "exact"]
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+
+
+def _loss(name: str, k: int, **kw) -> torch.nn.Module:
+    if name == "vpg":
+        return VPGLoss(k, **kw)
+    if name == "vpg_swr":
+        return VPGLoss(k, with_replacement=True, **kw)
+    return CAPGLoss(k, method=name, **kw)
+
+
+LOSSES = ["vpg", "vpg_swr", *METHODS]
+
+
+def _tolerance(dtype: torch.dtype, span: float) -> float:
+    """Absolute error allowed on a log-probability computed in ``dtype``'s compute precision from
+    scores spanning ``span``: a few dozen roundings of numbers of that size (each ``eps·span``)."""
+    eps = torch.finfo(torch.promote_types(dtype, torch.float32)).eps
+    return 64 * eps * (1.0 + span)
+
+
+@pytest.fixture
+def restore_validation():
+    yield
+    capg_rec.set_default_validate_args(True)
+
+
+# ---------------------------------------------------------------- masks (-inf logits)
+
+def _masked_case(seed: int, experts: int, n: int = 7):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(3, experts, n, generator=g, dtype=torch.float64) * 2
+    keep = torch.ones(3, n, dtype=torch.bool)
+    keep[0, [1, 4]] = False
+    keep[1, 6] = False  # row 2 keeps every item
+    return logits.masked_fill(~keep.unsqueeze(1), -math.inf), keep
+
+
+@pytest.mark.parametrize("method", [*METHODS, "enumerate"])
+@pytest.mark.parametrize("experts", [1, 2])
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_masked_items_are_removed_from_the_catalog(method, experts, k):
+    """Masking an item (-inf) gives each row exactly what the catalog without that item gives:
+    values and gradients; masked items get log-probability -inf and zero gradient."""
+    logits, keep = _masked_case(k + 10 * experts, experts)
+    logits.requires_grad_()
+    items = torch.arange(7).expand(3, -1)
+    out = inclusion_log_prob(logits, items, k, method=method)
+    (grad,) = torch.autograd.grad(out.masked_fill(~keep, 0).sum(), logits)
+    assert torch.isfinite(grad).all()
+    assert (out[~keep] == -math.inf).all() and (grad.masked_select(~keep.unsqueeze(1)) == 0).all()
+    for b in range(3):
+        sub = logits.detach()[b:b + 1, :, keep[b]].requires_grad_()
+        ref = inclusion_log_prob(sub, torch.arange(int(keep[b].sum())).unsqueeze(0), k, method=method)
+        torch.testing.assert_close(out[b, keep[b]], ref[0], rtol=1e-6, atol=1e-9)
+        (ref_grad,) = torch.autograd.grad(ref.sum(), sub)
+        torch.testing.assert_close(grad[b][:, keep[b]], ref_grad[0], rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("experts", [1, 2])
+def test_enumeration_of_the_masked_catalog(experts):
+    logits, keep = _masked_case(3, experts)
+    probs = inclusion_log_prob(logits, torch.arange(7).expand(3, -1), 3, method="plugin").exp()
+    exact = inclusion_log_prob(logits, torch.arange(7).expand(3, -1), 3, method="enumerate").exp()
+    for b in range(3):
+        ref = inclusion_probs(logits[b:b + 1, :, keep[b]], capg_rec.expert_of_position(3, experts))[0]
+        torch.testing.assert_close(exact[b, keep[b]], ref)
+        assert (probs[b, ~keep[b]] == 0).all() and (exact[b, ~keep[b]] == 0).all()
+
+
+@pytest.mark.parametrize("loss_name", LOSSES)
+def test_losses_with_masked_items_have_finite_gradients(loss_name):
+    """The default loss with -inf logits used to return 0.0 with non-finite gradients."""
+    logits, keep = _masked_case(5, 2, n=12)
+    logits.requires_grad_()
+    cand = sample_candidates(logits.detach(), 4, generator=torch.Generator().manual_seed(0))
+    loss = _loss(loss_name, 4)(logits, cand, cand[:, :2], torch.rand(3, 2, dtype=torch.float64) + 0.5)
+    loss.backward()
+    assert torch.isfinite(loss) and loss != 0
+    assert torch.isfinite(logits.grad).all() and (logits.grad.masked_select(~keep.unsqueeze(1)) == 0).all()
+
+
+def test_the_sampler_never_draws_masked_items_and_counts_them():
+    logits, keep = _masked_case(0, 2, n=9)
+    gen = torch.Generator().manual_seed(1)
+    draws = sample_candidates(logits.repeat(200, 1, 1), 7, generator=gen)
+    assert keep.repeat(200, 1).gather(1, draws).all()
+    assert keep.gather(1, greedy_candidates(logits, 7)).all()
+    with pytest.raises(ValueError, match="unmasked"):
+        sample_candidates(logits, 8, generator=gen)  # row 0 has 7 unmasked items
+    with pytest.raises(ValueError, match="unmasked"):
+        inclusion_log_prob(logits, torch.zeros(3, 1, dtype=torch.long), 8)
+
+
+def test_embedding_catalog_masked_items_equal_minus_inf_logits():
+    g = torch.Generator().manual_seed(2)
+    user = torch.randn(3, 2, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    item = torch.randn(30, 2, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    masked = torch.tensor([[3, 7, -1], [29, -1, -1], [-1, -1, -1]])
+    emb = EmbeddingCatalog(user, item, masked_items=masked, chunk_size=7)
+    logits = torch.einsum("bmd,nmd->bmn", user, item)
+    drop = torch.zeros(3, 31, dtype=torch.bool).scatter(1, masked.clamp(min=-1) % 31, True)[:, :30]
+    dense = DenseCatalog(logits.masked_fill(drop.unsqueeze(1), -math.inf))
+    assert torch.equal(emb.num_available(), dense.num_available())
+    items = torch.tensor([[0, 3, 5], [29, 1, 2], [4, 5, 6]])
+    for method in FAST_METHODS:
+        a, b = (inclusion_log_prob(c, items, 5, method=method) for c in (emb, dense))
+        torch.testing.assert_close(a, b)
+        ga, gb = (torch.autograd.grad(x.masked_fill(x == -math.inf, 0).sum(), (user, item), retain_graph=True)
+                  for x in (a, b))
+        for x, y in zip(ga, gb):
+            torch.testing.assert_close(x, y)
+    draws = sample_candidates(emb, 27, generator=g)
+    assert not drop.gather(1, draws).any()
+    with pytest.raises(ValueError, match="masked_items"):
+        EmbeddingCatalog(user, item, masked_items=torch.tensor([[30], [0], [0]]))
+
+
+# ---------------------------------------------------------------- empty batches
+
+@pytest.mark.parametrize("method", [*METHODS, "enumerate"])
+def test_empty_batch_inclusion(method):
+    out = inclusion_log_prob(torch.randn(0, 2, 6), torch.zeros(0, 2, dtype=torch.long), 3, method=method)
+    assert out.shape == (0, 2)
+
+
+@pytest.mark.parametrize("loss_name", LOSSES)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_empty_batch_losses(loss_name, reduction):
+    logits = torch.randn(0, 6, requires_grad=True)
+    empty = torch.zeros(0, 3, dtype=torch.long)
+    loss = _loss(loss_name, 3, reduction=reduction)(logits, empty, empty[:, :1], torch.zeros(0, 1))
+    assert loss.shape == ((0,) if reduction == "none" else ())
+    if reduction != "none":
+        assert loss.item() == 0.0
+        loss.backward()
+        assert logits.grad.shape == (0, 6)
+
+
+def test_empty_batch_samplers_and_catalogs():
+    assert sample_candidates(torch.randn(0, 2, 6), 3).shape == (0, 3)
+    assert greedy_candidates(torch.randn(0, 6), 3).shape == (0, 3)
+    assert candidate_log_prob(torch.randn(0, 6), torch.zeros(0, 3, dtype=torch.long)).shape == (0,)
+    emb = EmbeddingCatalog(torch.randn(0, 4), torch.randn(10, 4))
+    assert sample_candidates(emb, 3).shape == (0, 3)
+    assert inclusion_log_prob(emb, torch.zeros(0, 1, dtype=torch.long), 3).shape == (0, 1)
+
+
+# ---------------------------------------------------------------- half precision
+
+def test_float16_gradients_are_right():
+    """fp16 logits are computed in float32: the issue's repro gave gradients 8-210% off or NaN."""
+    x16 = torch.tensor([[2.0, 1.0, 0.0, -1.0]], dtype=torch.float16, requires_grad=True)
+    x64 = x16.detach().double().requires_grad_()
+    for name in LOSSES:
+        cand = torch.tensor([[0, 2]]) if name != "with_replacement" else torch.tensor([[0]])
+        k = cand.shape[1]
+        for x in (x16, x64):
+            _loss(name, k)(x, cand, cand[:, :1], torch.ones(1, 1, dtype=x.dtype)).backward()
+        assert x16.grad.dtype == torch.float16
+        torch.testing.assert_close(x16.grad.double(), x64.grad, rtol=2e-3, atol=2e-3)
+        x16.grad = x64.grad = None
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("method", METHODS)
+def test_low_precision_agrees_with_float64(dtype, method):
+    g = torch.Generator().manual_seed(4)
+    x = (3 * torch.randn(4, 2, 50, generator=g)).to(dtype)
+    items = torch.randint(0, 50, (4, 3), generator=g)
+    low = inclusion_log_prob(x, items, 6, method=method)
+    ref = inclusion_log_prob(x.double(), items, 6, method=method)
+    span = float(x.double().abs().max())
+    assert low.dtype == torch.float32
+    torch.testing.assert_close(low.double(), ref, rtol=0, atol=_tolerance(dtype, span))
+
+
+# ---------------------------------------------------------------- property: shift, dtype, gradients
+
+@given(case=esr_cases(max_batch=2, max_experts=2, min_items=2, max_items=6, masked=True), data=st.data())
+def test_shift_invariance_dtype_agreement_and_finite_gradients(case, data):
+    """Every method and loss, on logits with ±1e4 values, ties and -inf masks: a per-row shift
+    changes nothing, float32 agrees with float64, and gradients are finite."""
+    logits, k, tau, _ = case
+    k = min(k, logits.shape[-1] - 1) or 1
+    method = data.draw(st.sampled_from(METHODS))
+    shift = data.draw(st.sampled_from([-1e4, -3.0, 1e3, 1e4]))
+    finite = torch.where(torch.isfinite(logits), logits, 0.0)
+    span = float(finite.abs().max()) / tau
+    batch = logits.shape[0]
+    shifts = torch.tensor([shift, -shift / 2][:batch]).view(batch, *([1] * (logits.dim() - 1)))
+    available = torch.isfinite(logits.view(batch, -1, logits.shape[-1])[:, 0])  # [B, N]
+    items = torch.arange(logits.shape[-1]).expand(batch, -1)
+    x64 = logits.double().requires_grad_()
+    ref = inclusion_log_prob(x64, items, k, temperature=tau, method=method)
+    x32 = logits.clone().requires_grad_()
+    out = inclusion_log_prob(x32, items, k, temperature=tau, method=method)
+    moved = inclusion_log_prob(logits + shifts, items, k, temperature=tau, method=method)
+    tol = _tolerance(torch.float32, span + abs(shift) / tau)
+    assert (out[~available] == -math.inf).all() and (ref[~available] == -math.inf).all()
+    torch.testing.assert_close(out[available].double(), ref[available], rtol=0, atol=tol)
+    torch.testing.assert_close(moved[available].double(), ref[available], rtol=0, atol=tol)
+    for x, y in ((x32, out), (x64, ref)):
+        (grad,) = torch.autograd.grad(y.masked_fill(~available, 0).sum(), x)
+        assert torch.isfinite(grad).all()
+
+
+# ---------------------------------------------------------------- second order, torch.func
+
+def _plain_log_softmax_score(logits: torch.Tensor, cand: torch.Tensor, with_replacement: bool) -> torch.Tensor:
+    """V-PG(-SwR) score of one expert written with plain torch ops (the autograd reference)."""
+    if with_replacement:
+        return torch.log_softmax(logits, 1).gather(1, cand).sum(1)
+    total = torch.zeros(logits.shape[0], dtype=logits.dtype)
+    removed = torch.zeros_like(logits, dtype=torch.bool)
+    for k in range(cand.shape[1]):
+        total = total + torch.log_softmax(logits.masked_fill(removed, -math.inf), 1).gather(1, cand[:, k:k + 1])[:, 0]
+        removed = removed.scatter(1, cand[:, k:k + 1], True)
+    return total
+
+
+@pytest.mark.parametrize("name", ["vpg", "vpg_swr", "with_replacement"])
+def test_hessian_vector_products_match_plain_autograd(name):
+    """hvp through the losses used to be exactly 0 (once-differentiable Functions)."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 8, generator=g, dtype=torch.float64)
+    cand = sample_candidates(logits, 3, generator=g)
+    rewards = torch.rand(3, 1, generator=g, dtype=torch.float64)
+    v = torch.randn(3, 8, generator=g, dtype=torch.float64)
+
+    def ours(x):
+        return _loss(name, 3)(x, cand, cand[:, :1], rewards)
+
+    def plain(x):
+        if name == "with_replacement":
+            score = torch.logsumexp(torch.log_softmax(x, 1).gather(1, cand[:, :1]) + math.log(3), 1)
+            return -(rewards[:, 0] * score).mean()
+        return -(rewards[:, 0] * _plain_log_softmax_score(x, cand, name == "vpg_swr")).mean()
+
+    _, h_ours = torch.autograd.functional.hvp(ours, logits, v)
+    _, h_plain = torch.autograd.functional.hvp(plain, logits, v)
+    assert h_plain.abs().max() > 1e-3
+    torch.testing.assert_close(h_ours, h_plain)
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_gradgradcheck_every_loss(name):
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(2, 2, 6, generator=g, dtype=torch.float64)
+    cand = sample_candidates(logits, 3, generator=g)
+    rewards = torch.rand(2, 2, generator=g, dtype=torch.float64)
+    fn = _loss(name, 3)
+    x = logits.requires_grad_()
+    assert torch.autograd.gradgradcheck(lambda y: fn(y, cand, cand[:, :2], rewards), (x,))
+
+
+@pytest.mark.parametrize("name", ["vpg", "vpg_swr", *FAST_METHODS])
+def test_torch_func_grad_and_vmap(name):
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(4, 10, generator=g, dtype=torch.float64, requires_grad=True)
+    cand = sample_candidates(logits.detach(), 3, generator=g)
+    rewards = torch.rand(4, 2, generator=g, dtype=torch.float64)
+    fn = _loss(name, 3, validate_args=False)
+    (expected,) = torch.autograd.grad(fn(logits, cand, cand[:, :2], rewards), logits)
+    got = torch.func.grad(lambda x: fn(x, cand, cand[:, :2], rewards))(logits.detach())
+    torch.testing.assert_close(got, expected)
+    per_row = torch.func.vmap(torch.func.grad(lambda x, c, r: fn(x[None], c[None], c[None, :2], r[None])))(
+        logits.detach(), cand, rewards)
+    torch.testing.assert_close(per_row, expected * logits.shape[0])
+
+
+# ---------------------------------------------------------------- torch.compile
+
+@pytest.mark.parametrize("name", ["vpg", "vpg_swr", *FAST_METHODS])
+def test_losses_compile_without_graph_breaks(name):
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(4, 2, 30, generator=g, requires_grad=True)
+    cand = sample_candidates(logits.detach(), 5, generator=g)
+    rewards = torch.rand(4, 2, generator=g)
+    fn = _loss(name, 5, validate_args=False)
+    compiled = torch.compile(fn, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(logits, cand, cand[:, :2], rewards), fn(logits, cand, cand[:, :2], rewards))
+
+
+# ---------------------------------------------------------------- validation default
+
+def test_module_wide_validate_args_default(restore_validation):
+    nan = torch.tensor([[0.0, float("nan"), 1.0, 2.0]])
+    calls = {
+        "sample_candidates": lambda: sample_candidates(nan, 2),
+        "greedy_candidates": lambda: greedy_candidates(nan, 2),
+        "inclusion_log_prob": lambda: inclusion_log_prob(nan, torch.tensor([[0]]), 2),
+        "candidate_log_prob": lambda: candidate_log_prob(nan, torch.tensor([[0, 1]])),
+        "DenseCatalog": lambda: DenseCatalog(nan),
+        "EmbeddingCatalog": lambda: EmbeddingCatalog(nan, torch.randn(5, 4)),
+        "CAPGLoss": lambda: CAPGLoss(2)(nan, torch.tensor([[0, 2]]), torch.tensor([[0]]), torch.ones(1, 1)),
+        "capg_loss": lambda: functional.capg_loss(nan, torch.tensor([[0, 2]]), torch.tensor([[0]]), torch.ones(1, 1)),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError):
+            call()
+    capg_rec.set_default_validate_args(False)
+    for name, call in calls.items():
+        call()  # no check, no error: undefined values, as documented
+    with pytest.raises(ValueError, match="logits"):
+        inclusion_log_prob(nan, torch.tensor([[0]]), 2, validate_args=True)  # the argument wins
+    with pytest.raises(TypeError, match="value"):
+        capg_rec.set_default_validate_args(1)
+
+
+# ---------------------------------------------------------------- the API shape
+
+def test_functional_equals_modules():
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(5, 2, 20, generator=g, requires_grad=True)
+    cand = sample_candidates(logits.detach(), 4, generator=g)
+    args = (logits, cand, cand[:, :2], torch.rand(5, 2, generator=g))
+    assert torch.equal(VPGLoss(4)(*args), functional.vpg_loss(*args))
+    assert torch.equal(VPGLoss(4, with_replacement=True)(*args), functional.vpg_loss(*args, with_replacement=True))
+    for method in (*METHODS, capg_rec.PlugIn(), capg_rec.WithReplacement()):
+        assert torch.equal(CAPGLoss(4, method=method)(*args), functional.capg_loss(*args, method=method))
+
+
+class _HalfOfSwR(InclusionMethod):
+    """A user's own method: half the SwR expected count (deliberately wrong for the validator)."""
+
+    is_probability = False
+    uses_top_items = False
+
+    def log_inclusion(self, catalog, items, runs):
+        return capg_rec.WithReplacement().log_inclusion(catalog, items, runs) - math.log(2)
+
+
+def test_a_users_method_plugs_into_losses_validator_and_registry():
+    g = torch.Generator().manual_seed(10)
+    logits = torch.randn(3, 12, generator=g, requires_grad=True)
+    cand = sample_candidates(logits.detach(), 4, generator=g)
+    args = (logits, cand, cand[:, :1], torch.rand(3, 1, generator=g))
+    ours, swr = (torch.autograd.grad(CAPGLoss(4, method=m)(*args), logits)[0]
+                 for m in (_HalfOfSwR(), "with_replacement"))
+    torch.testing.assert_close(ours, swr)  # a constant offset of the score: the same gradient
+    report = validate_esr(CatalogESR(logits.detach(), 4, method=_HalfOfSwR()), num_samples=2000, seed=0)
+    assert not report.passed
+    capg_rec.register_inclusion_method("half_swr", _HalfOfSwR)
+    assert "half_swr" in capg_rec.inclusion_methods()
+    assert isinstance(capg_rec.inclusion_method("half_swr"), _HalfOfSwR)
+    assert "_HalfOfSwR()" in repr(CAPGLoss(4, method="half_swr"))
+    with pytest.raises(TypeError, match="factory"):
+        capg_rec.register_inclusion_method("bad", 3)
+    with pytest.raises(TypeError, match="method"):
+        CAPGLoss(4, method=3)
+    with pytest.raises(ValueError, match="method"):
+        CAPGLoss(4, method="nope")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_losses_run_on_every_device(device):
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(4, 2, 30, generator=g).to(device).requires_grad_()
+    cand = sample_candidates(logits.detach(), 5, generator=torch.Generator(device).manual_seed(0))
+    for name in LOSSES:
+        loss = _loss(name, 5)(logits, cand, cand[:, :2], torch.rand(4, 2, device=device))
+        loss.backward()
+        assert loss.device.type == device and torch.isfinite(logits.grad).all()
+
+
+@pytest.mark.parametrize("name", LOSSES)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nan_or_inf_logits_are_caught(name, bad):
+    """A NaN or +inf anywhere in a row, candidate or not, is a ValueError naming the logits (the
+    check is one amax, which propagates NaN)."""
+    g = torch.Generator().manual_seed(12)
+    logits = torch.randn(3, 2, 20, generator=g, dtype=torch.float64)
+    cand = sample_candidates(logits, 4, generator=g)
+    poisoned = logits.clone()
+    poisoned[1, 1, min(set(range(20)) - set(cand[1].tolist()))] = bad  # one entry, not a candidate
+    with pytest.raises(ValueError, match="logits"):
+        _loss(name, 4)(poisoned, cand, cand[:, :2], torch.rand(3, 2, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("spread", [1.0, 300.0, 1e4])
+def test_reverse_logcumsumexp_matches_torch(spread):
+    """The CPU fast path (float64 suffix sums) and its fallback for spreads beyond 700 nats."""
+    from capg_rec._numerics import reverse_logcumsumexp
+
+    g = torch.Generator().manual_seed(13)
+    x = (spread * torch.randn(4, 2, 30, generator=g)).requires_grad_()
+    x.data[0, 0, 5] = -math.inf
+    got = reverse_logcumsumexp(x, 2)
+    want = torch.logcumsumexp(x.flip(2), 2).flip(2)
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-5 * spread)
+    v = torch.randn(4, 2, 30, generator=g)
+    torch.testing.assert_close(*(torch.autograd.grad(y, x, v)[0] for y in (got, want)), rtol=1e-4, atol=1e-6)
