@@ -7,9 +7,9 @@ large catalogs the user and item embeddings of an ``EmbeddingCatalog``): the flo
 estimator that normalises over the catalog. "direct" is ``mean_field_log_inclusion`` on an
 unvalidated catalog; "public" is ``inclusion_log_prob(..., method="mean_field")`` with its input
 checks (whichever implementation it dispatches to). All columns of a row are timed in the same
-process, round-robin (one repetition of each in turn), as CPU time of this process (one thread),
-and the median is reported, so that the ratios hold on a busy machine. B = 128, L = 1 target per
-row, standard-normal logits.
+process, round-robin in short runs of each, as CPU time of this process (one thread), and the
+median is reported, so that the ratios hold on a busy machine. B = 128, L = 1 target per row,
+standard-normal logits.
 """
 
 from __future__ import annotations
@@ -29,16 +29,19 @@ DENSE = [(10, 1), (50, 1), (20, 2), (200, 5)]  # (K, M) at N = 1000
 LARGE = [(100_000, 10, 1), (100_000, 200, 5), (1_000_000, 10, 1)]  # (N, K, M) through EmbeddingCatalog
 
 
-def _median_times(steps: dict[str, Callable[[], None]], reps: int) -> dict[str, float]:
-    """Median seconds of each step over ``reps`` round-robin repetitions (after one warm-up each)."""
+def _median_times(steps: dict[str, Callable[[], None]], reps: int, run: int = 5) -> dict[str, float]:
+    """Median seconds of each step over ``reps`` repetitions, taken round-robin in runs of ``run``
+    (after one warm-up each): a run lets the allocator settle on the step's own buffers, which
+    another step's would otherwise evict (page faults, several times the arithmetic at N = 1000)."""
     for step in steps.values():
         step()
     times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(reps):
+    for _ in range(max(reps // run, 1)):
         for name, step in steps.items():
-            start = time.process_time()
-            step()
-            times[name].append(time.process_time() - start)
+            for _ in range(run):
+                start = time.process_time()
+                step()
+                times[name].append(time.process_time() - start)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
