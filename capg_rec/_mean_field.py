@@ -44,7 +44,6 @@ Runs = tuple[tuple[int, int], ...]
 _MAX_ITER = 50
 _FULL_UP_TO = 2048  # catalogs up to this size are kept whole, item by item
 _FAST_ITER = 12  # Newton steps in t before the log-space solve takes over
-_COMPILED_ROBUST_ITER = 4  # log-space steps under torch.compile, where no early exit is possible
 _TAIL_COEF = (1.0, -0.5, 1.0 / 6.0)  # 1 - e^{-x} = x - x²/2 + x³/6 - …: the tail's power sums
 _SATURATION = 40.0  # below κ = min(s) - 40 every item's clock has rung: 1 - exp(-e^{40}) = 1
 
@@ -54,12 +53,24 @@ def mean_field_log_inclusion(catalog: CatalogScores, items: Tensor, runs: Runs, 
     """``log π(b ∈ A^K)`` under Rosén's mean-field approximation for ``items [B, L]`` → ``[B, L]``.
 
     ``runs`` are the expert blocks ``((expert, count), ...)`` (:func:`~capg_rec.plackett_luce.expert_runs`),
-    with ``K = Σ count`` below the number of items. ``max_iter`` bounds the root-solver iterations
-    of each block (under ``torch.compile`` exactly ``min(max_iter, 12)`` Newton steps and 4 log-space
-    steps run, as there is no early exit); ``tol`` is the relative step size at which it stops
-    (default ``eps^(2/3)`` of the dtype). Scores of ``-inf`` are items outside a row's catalog; a
-    target that is ``-inf`` under every expert gets ``-inf`` with zero gradient.
+    with ``K = Σ count`` below the number of items; ``items`` may repeat within a row. Scores of
+    ``-inf`` are items outside a row's catalog (per expert); a target that is ``-inf`` under every
+    expert gets ``-inf`` with zero gradient.
+
+    ``max_iter`` bounds the root-solver steps of each block: typical scores take one or two,
+    score gaps in the hundreds up to about 25. Under ``torch.compile`` there is no early exit and
+    exactly ``max_iter`` steps run, so pass a small one (say 8) where the scores are known to be
+    moderate. ``tol`` is the relative accuracy of the rates ``e^{s - κ}`` at which the solve stops
+    (default ``eps^(2/3)`` of the dtype; the derivatives get about the same).
     """
+    if isinstance(max_iter, bool) or not isinstance(max_iter, int):
+        raise TypeError(f"max_iter must be an int, got {type(max_iter).__name__}")
+    if max_iter < 1:
+        raise ValueError(f"max_iter must be >= 1, got {max_iter}")
+    if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float))):
+        raise TypeError(f"tol must be a float or None, got {type(tol).__name__}")
+    if tol is not None and not 0 < tol < 1:
+        raise ValueError(f"tol must be in (0, 1), got {tol}")
     if items.shape[0] == 0 and isinstance(catalog, DenseCatalog):  # other catalogs may be collective: run them
         return catalog.gather(items)[:, 0] * 0.0
     head = _head_size(catalog.num_items, runs)
@@ -288,13 +299,19 @@ def _solve(s: Tensor, top: Tensor, log_rho: Tensor | None, tail: Tensor | None, 
     tol = finfo.eps ** (2.0 / 3.0) if tol is None else tol
     compiling = torch.compiler.is_compiling()
     rho = None if log_rho is None else torch.exp(log_rho)
-    fast = _FastSolve(s, top, rho, tail, lower, count)
-    kappa, done = fast.run(min(max_iter, _FAST_ITER), tol, compiling)
-    if not compiling and bool(done.all()):
-        return kappa, *fast.finish(survive)
+    # Eager: each phase stops once converged. Compiled (no early exit): max_iter steps in all,
+    # the last one (at least) in log-space, which every row then goes through.
+    fast_iter = min(max_iter - 1 if compiling else max_iter, _FAST_ITER)
+    if fast_iter > 0:
+        fast = _FastSolve(s, top, rho, tail, lower, count)
+        kappa, done = fast.run(fast_iter, tol, compiling)
+        if not compiling and bool(done.all()):
+            return kappa, *fast.finish(survive)
+    else:
+        kappa = torch.full_like(top, math.nan)  # the log-space solve starts from its own bound
     d = s - top.unsqueeze(1)  # relative scores, max 0
     robust = _RobustSolve(d, rho, log_rho, tail, lower, count)
-    kappa, *shares = robust.run(kappa, _COMPILED_ROBUST_ITER if compiling else max_iter, tol, compiling)
+    kappa, *shares = robust.run(kappa, max_iter - fast_iter if compiling else max_iter, tol, compiling)
     neg_rate = -torch.exp((d - kappa.unsqueeze(1)).clamp(max=_log_max(d.dtype))) if survive else s[:, :0]
     return kappa, *shares, torch.ones_like(kappa), neg_rate
 
@@ -455,7 +472,8 @@ class _RobustSolve:
     def run(self, kappa: Tensor, iters: int, tol: float, compiling: bool
             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Iterate from ``kappa`` → κ and its derivatives (see :class:`_Root`)."""
-        kappa = torch.where(self.no_root | ~torch.isfinite(kappa), self.lo, kappa).clamp(min=self.lo, max=self.hi)
+        kappa = torch.where(self.no_root | ~torch.isfinite(kappa), self.hi, kappa).clamp(min=self.lo, max=self.hi)
+        kappa = torch.where(self.no_root, self.lo, kappa)
         lo, hi = self.lo, self.hi
         before = last = torch.full_like(kappa, math.inf)  # the last two step sizes, for the stall test
         done = self.no_root

@@ -180,6 +180,19 @@ def test_target_masked_under_every_expert():
     assert torch.isfinite(grad).all() and (grad[0, :, 3] == 0).all()
 
 
+def test_bad_settings_raise():
+    scores = _scores(1, 1, 5, seed=18)
+    items = torch.tensor([[0]])
+    with pytest.raises(ValueError, match="max_iter"):
+        _log_inclusion(scores, items, 2, max_iter=0)
+    with pytest.raises(TypeError, match="max_iter"):
+        _log_inclusion(scores, items, 2, max_iter=2.0)
+    with pytest.raises(ValueError, match="tol"):
+        _log_inclusion(scores, items, 2, tol=0.0)
+    with pytest.raises(TypeError, match="tol"):
+        _log_inclusion(scores, items, 2, tol="small")
+
+
 def test_empty_batch():
     scores = torch.zeros(0, 2, 9, requires_grad=True)
     out = mean_field_log_inclusion(DenseCatalog(scores, validate_args=False), torch.zeros(0, 3, dtype=torch.long),
@@ -303,14 +316,16 @@ def test_torch_func_grad_and_vmap():
     torch.testing.assert_close(torch.func.vmap(fn)(batch), torch.stack([fn(x) for x in batch]))
 
 
-@pytest.mark.parametrize(("k", "m", "scale"), [(3, 1, 1.0), (4, 2, 1.0), (4, 2, 300.0)])
-def test_compiles_without_graph_breaks(k, m, scale):
-    """No host syncs: fullgraph compilation traces; the fixed-count solve it runs agrees with eager."""
+@pytest.mark.parametrize(("k", "m", "scale", "max_iter"), [(3, 1, 1.0, 6), (4, 2, 1.0, 6), (3, 1, 300.0, 24)])
+def test_compiles_without_graph_breaks(k, m, scale, max_iter):
+    """No host syncs: fullgraph compilation traces; the fixed-count solve it runs (max_iter steps:
+    a few for moderate scores, more for gaps of hundreds) agrees with eager's early exit."""
     scores = _scores(3, m, 12, seed=17, scale=scale, dtype=torch.float32).requires_grad_()
     items = torch.tensor([[0, 3], [5, 5], [1, 2]])
     runs = expert_runs(k, m)
     fn = lambda x: mean_field_log_inclusion(DenseCatalog(x, validate_args=False), items, runs)
-    compiled = torch.compile(fn, fullgraph=True, backend="eager")
+    compiled = torch.compile(lambda x: mean_field_log_inclusion(DenseCatalog(x, validate_args=False), items, runs,
+                                                                max_iter=max_iter), fullgraph=True, backend="eager")
     out = compiled(scores)
     (grad,) = torch.autograd.grad(out.sum(), scores)
     (expected_grad,) = torch.autograd.grad(fn(scores).sum(), scores)
