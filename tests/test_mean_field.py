@@ -259,7 +259,8 @@ def test_accuracy_against_exact():
 def test_gradcheck_and_gradgradcheck(n, k, m):
     scores = _scores(2, m, n, seed=n).requires_grad_()
     items = torch.tensor([[0, 3], [5, 5]])
-    fn = lambda x: _log_inclusion(x, items, k)
+    def fn(x):
+        return _log_inclusion(x, items, k)
     assert torch.autograd.gradcheck(fn, (scores,))
     assert torch.autograd.gradgradcheck(fn, (scores,))
 
@@ -269,7 +270,8 @@ def test_gradcheck_through_the_tail():
     user = torch.randn(2, 1, 3, generator=gen, dtype=torch.float64, requires_grad=True)
     item = torch.randn(3000, 1, 3, generator=gen, dtype=torch.float64, requires_grad=True)
     items = torch.tensor([[0, 3], [5, 2999]])
-    fn = lambda u, v: mean_field_log_inclusion(EmbeddingCatalog(u, v), items, expert_runs(2, 1))
+    def fn(u, v):
+        return mean_field_log_inclusion(EmbeddingCatalog(u, v), items, expert_runs(2, 1))
     assert torch.autograd.gradcheck(fn, (user, item), atol=1e-6, fast_mode=True)
 
 
@@ -308,7 +310,8 @@ def test_hessian_vector_product_matches_unrolled_autograd(k, m):
 def test_torch_func_grad_and_vmap():
     scores = _scores(3, 2, 9, seed=15)
     items = torch.tensor([[0, 3], [5, 5], [1, 2]])
-    fn = lambda x: _log_inclusion(x, items, 4)
+    def fn(x):
+        return _log_inclusion(x, items, 4)
     leaf = scores.clone().requires_grad_()
     (expected,) = torch.autograd.grad(fn(leaf).sum(), leaf)
     torch.testing.assert_close(torch.func.grad(lambda x: fn(x).sum())(scores), expected, rtol=1e-7, atol=1e-10)
@@ -323,7 +326,8 @@ def test_compiles_without_graph_breaks(k, m, scale, max_iter):
     scores = _scores(3, m, 12, seed=17, scale=scale, dtype=torch.float32).requires_grad_()
     items = torch.tensor([[0, 3], [5, 5], [1, 2]])
     runs = expert_runs(k, m)
-    fn = lambda x: mean_field_log_inclusion(DenseCatalog(x, validate_args=False), items, runs)
+    def fn(x):
+        return mean_field_log_inclusion(DenseCatalog(x, validate_args=False), items, runs)
     compiled = torch.compile(lambda x: mean_field_log_inclusion(DenseCatalog(x, validate_args=False), items, runs,
                                                                 max_iter=max_iter), fullgraph=True, backend="eager")
     out = compiled(scores)
