@@ -73,7 +73,7 @@ def _plugin(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
     if len(runs) == 1:
         denom = _plugin_one_block_denominators(scores[:, experts[0]], rest[:, experts[0]], pool, items)
     else:
-        denom = _plugin_denominators(scores, rest, pool, items, runs)  # [B, L, K]
+        denom = _plugin_denominators(scores[:, experts], rest[:, experts], pool, items, runs, catalog.num_items)
     position_expert = torch.tensor([e for e, n in runs for _ in range(n)], device=catalog.device)
     log_hazard = target.index_select(1, position_expert).transpose(1, 2) - denom  # [B, L, K]
     log_hazard = log_hazard.clamp(max=-torch.finfo(log_hazard.dtype).tiny)
@@ -102,43 +102,59 @@ def _plugin_one_block_denominators(scores: Tensor, rest: Tensor, pool: Tensor, i
     return torch.where(slot.view(1, 1, -1) <= left_out.unsqueeze(2), head, after)
 
 
-def _plugin_denominators(scores: Tensor, rest: Tensor, pool: Tensor, items: Tensor, runs: Runs) -> Tensor:
-    """Several blocks: ``scores [B, M, P]`` of the pool (each block's expert's top-K, concatenated;
-    ids may repeat), ``rest [B, M]`` outside it → log mass before each position ``[B, L, K]`` under
-    the position's expert, at the greedy prefix that excludes each target ``items [B, L]``."""
+def _pool_first_copy(pool: Tensor, num_items: int) -> Tensor:
+    """For each entry of ``pool [B, P]`` (ids, may repeat) the slot of its id's first entry → ``[B, P]``.
+
+    A scatter into a ``[B, N]`` table when N is at most a few times P, else a stable sort. No gradient."""
+    batch, size = pool.shape
+    slot = torch.arange(size, device=pool.device).expand(batch, -1)
+    if num_items <= 8 * size:
+        table = pool.new_full((batch, num_items), size).scatter_reduce(1, pool, slot, "amin")
+        return table.gather(1, pool)
+    ids, order = pool.sort(dim=1, stable=True)
+    new = torch.nn.functional.pad(ids[:, 1:] != ids[:, :-1], (1, 0), value=True)
+    start = torch.where(new, slot, torch.zeros_like(slot)).cummax(dim=1).values  # each run of equal ids' start
+    return torch.empty_like(order).scatter(1, order, order.gather(1, start))
+
+
+def _plugin_denominators(scores: Tensor, rest: Tensor, pool: Tensor, items: Tensor, runs: Runs,
+                         num_items: int) -> Tensor:
+    """Several blocks: ``scores [B, M', P]`` and ``rest [B, M']`` under the blocks' experts, of the
+    ``pool [B, P]`` (block i's expert's top-K, best first, at ``[iK, (i+1)K)``; ids may repeat) and
+    outside it → log mass before each position ``[B, L, K]`` under the position's expert, at the
+    greedy prefix that excludes each target ``items [B, L]``."""
     num_candidates = sum(n for _, n in runs)
-    num_targets = items.shape[1]
+    batch, num_targets = items.shape
     with torch.no_grad():
-        # A repeated id counts once: every copy but one is out of the game.
-        ids, order = pool.sort(dim=1)
-        repeat = torch.nn.functional.pad(ids[:, 1:] == ids[:, :-1], (1, 0))
-        copy = torch.zeros_like(repeat).scatter(1, order, repeat)  # [B, P]
-        taken = copy.unsqueeze(1) | (pool.unsqueeze(1) == items.unsqueeze(2))  # [B, L, P]: not drawable
-        lowest = torch.finfo(scores.dtype).min
+        first = _pool_first_copy(pool, num_items)  # every entry names its id by its first copy's slot
+        taken = pool.unsqueeze(1) == items.unsqueeze(2)  # [B, L, P]: first copies drawn (or the target)
         prefix, left = [], num_candidates - 1
-        for expert, count in runs:
+        for block, (_, count) in enumerate(runs):
             take = min(count, left)
             if take == 0:
                 break
-            # Masked items (-inf) rank below every drawable item, never below a taken one.
-            key = scores[:, expert].detach().clamp(min=lowest).unsqueeze(1).masked_fill(taken, -torch.inf)
-            picked = key.topk(take, dim=2).indices  # [B, L, take]
+            # The block's expert takes its best items still free: the first `take` free ones of its list.
+            own = first[:, block * num_candidates:(block + 1) * num_candidates].unsqueeze(1)
+            own = own.expand(-1, num_targets, -1)  # [B, L, K]
+            free = ~taken.gather(2, own)
+            rank = free.cumsum(2)
+            dest = torch.where(free & (rank <= take), rank - 1, take)
+            picked = own.new_zeros(batch, num_targets, take + 1).scatter(2, dest, own)[..., :take]
             taken = taken.scatter(2, picked, True)
             prefix.append(picked)
             left -= take
         prefix = torch.cat(prefix, 2)  # [B, L, K-1]: pool slots
-        outside = copy.unsqueeze(1).expand(-1, num_targets, -1).scatter(2, prefix, True)  # the copies and the prefix
-    parts, start = [], 0
-    for expert, count in runs:
-        s = scores[:, expert].unsqueeze(1).expand(-1, num_targets, -1)  # [B, L, P]
-        # Mass once the whole prefix is drawn: the pool outside it (the target among them) and the rest.
-        base = safe_logaddexp(rest[:, expert].unsqueeze(1), masked_logsumexp(s, outside, dim=2))  # [B, L]
-        later = s.new_full((*s.shape[:2], 1), -torch.inf)
-        if start < num_candidates - 1:
-            later = torch.cat([reverse_logcumsumexp(s.gather(2, prefix[..., start:]), dim=2), later], 2)[..., :count]
-        parts.append(safe_logaddexp(base.unsqueeze(2), later))
-        start += count
-    return torch.cat(parts, 2)
+        copies = first != torch.arange(first.shape[1], device=pool.device)
+        outside = copies.unsqueeze(1).expand(-1, num_targets, -1).scatter(2, prefix, True)  # [B, L, P]
+    s = scores.unsqueeze(1)  # [B, 1, M', P]
+    # Mass once the whole prefix is drawn: the pool outside it (the target among them) and the rest.
+    base = safe_logaddexp(rest.unsqueeze(1), masked_logsumexp(s, outside.unsqueeze(2), dim=3))  # [B, L, M']
+    pre = s.expand(-1, num_targets, -1, -1).gather(3, prefix.unsqueeze(2).expand(-1, -1, len(runs), -1))
+    later = reverse_logcumsumexp(pre, dim=3)  # [B, L, M', K-1]: the prefix from position k on
+    later = torch.cat([later, later.new_full((*later.shape[:3], 1), -torch.inf)], dim=3)
+    denom = safe_logaddexp(base.unsqueeze(3), later)  # [B, L, M', K]
+    block = torch.tensor([i for i, (_, n) in enumerate(runs) for _ in range(n)], device=pool.device)
+    return denom.gather(2, block.view(1, 1, 1, -1).expand(batch, num_targets, 1, -1)).squeeze(2)
 
 
 class InclusionMethod(abc.ABC):
