@@ -71,11 +71,13 @@ def _plugin(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
     scores, rest = catalog.gather_with_rest(pool)  # [B, M, P], [B, M]: the pool and the mass outside it
     target = catalog.gather(items)  # [B, M, L]
     if len(runs) == 1:
-        denom = _plugin_one_block_denominators(scores[:, experts[0]], rest[:, experts[0]], pool, items)
+        (expert, _), = runs
+        denom = _plugin_one_block_denominators(scores[:, expert], rest[:, expert], pool, items)
+        log_hazard = target[:, expert].unsqueeze(2) - denom  # [B, L, K]
     else:
         denom = _plugin_denominators(scores[:, experts], rest[:, experts], pool, items, runs, catalog.num_items)
-    position_expert = torch.tensor([e for e, n in runs for _ in range(n)], device=catalog.device)
-    log_hazard = target.index_select(1, position_expert).transpose(1, 2) - denom  # [B, L, K]
+        position_expert = torch.tensor([e for e, n in runs for _ in range(n)], device=catalog.device)
+        log_hazard = target.index_select(1, position_expert).transpose(1, 2) - denom
     log_hazard = log_hazard.clamp(max=-torch.finfo(log_hazard.dtype).tiny)
     # π = Σ_k h_k Π_{j<k} (1 - h_j): first drawn at position k. Summed in log-space, this stays
     # exact where 1 - Π (1 - h) would round to 0 (tiny probabilities).
@@ -94,8 +96,7 @@ def _plugin_one_block_denominators(scores: Tensor, rest: Tensor, pool: Tensor, i
     with torch.no_grad():
         hit = pool.unsqueeze(1) == items.unsqueeze(2)  # [B, L, K]
         left_out = torch.where(hit.any(2), hit.int().argmax(2), k - 1)  # [B, L]
-    suffix = torch.cat([reverse_logcumsumexp(scores, dim=1), scores.new_full((scores.shape[0], 1), -torch.inf)], 1)
-    before = safe_logaddexp(rest.unsqueeze(1), suffix)  # [B, K + 1]: rest + Σ_{j ≥ k} w_j
+    before = reverse_logcumsumexp(torch.cat([scores, rest.unsqueeze(1)], 1), dim=1)  # [B, K+1]: rest + Σ_{j≥k} w_j
     num_targets = items.shape[1]
     after = safe_logaddexp(before[:, 1:].unsqueeze(1), scores.gather(1, left_out).unsqueeze(2))  # [B, L, K]
     head = before[:, :k].unsqueeze(1).expand(-1, num_targets, -1)
