@@ -34,11 +34,11 @@ from torch import Tensor
 from capg_rec._enumerate import inclusion_probs
 from capg_rec._checks import check_count, check_items, check_positive, resolve_validate_args
 from capg_rec._mean_field import mean_field_log_inclusion
-from capg_rec._head_tail import HeadTail, head_size_for, summarize
+from capg_rec._head_tail import head_size_for, summarize
 from capg_rec._numerics import log1mexp, masked_logsumexp, \
     reverse_logcumsumexp, safe_logaddexp, safe_logsumexp
 from capg_rec.catalog import CatalogScores, as_catalog
-from capg_rec.plackett_luce import check_enough_items, expert_of_position, expert_runs
+from capg_rec.plackett_luce import check_enough_items, expert_runs
 
 __all__ = ["InclusionMethod", "Exact", "MeanField", "PlugIn", "WithReplacement", "Enumeration", "inclusion_log_prob",
            "inclusion_method", "register_inclusion_method", "inclusion_methods", "DEFAULT_METHOD"]
@@ -59,56 +59,103 @@ def _swr(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
     return safe_logsumexp(log_softmax[:, experts] + log_counts.view(1, -1, 1), dim=1)
 
 
-def _target_scores(ht: HeadTail) -> Tensor:
-    """Targets' scores under every expert → ``[B, L, M]``."""
-    idx = ht.target_pos.unsqueeze(1).expand(-1, ht.head_scores.shape[1], -1)
-    return ht.head_scores.gather(2, idx).transpose(1, 2)
-
-
 def _plugin(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
     """The paper's plug-in: ``1 - Π_k (1 - h_k)`` with each hazard at the greedy prefix that
-    excludes the target → ``[B, L]``. Denominators are summed directly, never subtracted."""
+    excludes the target → ``[B, L]``. Denominators are summed directly, never subtracted.
+
+    Every prefix lies in the pool of each block's expert's top-K items, so the catalog is read once
+    for the pool's scores and the mass outside it; the rest works on ``[B, L, K]``-sized tensors."""
     num_candidates = sum(n for _, n in runs)
-    ht = summarize(catalog, items, min(num_candidates, catalog.num_items), 1)
-    batch, num_experts, slots = ht.head_scores.shape
-    num_targets = items.shape[1]
-    slot = torch.arange(slots, device=catalog.device)
-    available = (ht.head_ids >= 0).unsqueeze(1) & (slot.view(1, 1, -1) != ht.target_pos.unsqueeze(2))
-    prefix: list[Tensor] = []
-    left = num_candidates - 1  # the prefix of position K has K-1 items
-    with torch.no_grad():
-        for expert, count in runs:
-            take = min(count, left)
-            if take == 0:
-                break
-            s = ht.head_scores[:, expert].unsqueeze(1).expand(-1, num_targets, -1)
-            picked = s.masked_fill(~available, -torch.inf).topk(take, dim=2).indices  # [B, L, take]
-            available = available.scatter(2, picked, False)
-            prefix.append(picked)
-            left -= take
-    scores = ht.head_scores.unsqueeze(1).expand(-1, num_targets, -1, -1)  # [B, L, M, T]
-    # Mass left once the whole prefix is drawn: the tail plus head items outside the prefix
-    # (the target among them).
-    left_in_head = available | (slot.view(1, 1, -1) == ht.target_pos.unsqueeze(2))
-    rest = safe_logaddexp(ht.tail_log_power_sums[..., 0].unsqueeze(1),
-                           masked_logsumexp(scores, ~left_in_head.unsqueeze(2), dim=3))
-    if prefix:
-        pre = torch.cat(prefix, dim=2)
-        pre_scores = scores.gather(3, pre.unsqueeze(2).expand(-1, -1, num_experts, -1))  # [B, L, M, K-1]
-        later = reverse_logcumsumexp(pre_scores, dim=3)
-        later = torch.cat([later, later.new_full((*later.shape[:3], 1), -torch.inf)], dim=3)
+    experts = [e for e, _ in runs]
+    pool = catalog.top_items(num_candidates, experts=experts).flatten(1)  # [B, P], P = len(runs)·K
+    scores, rest = catalog.gather_with_rest(pool)  # [B, M, P], [B, M]: the pool and the mass outside it
+    target = catalog.gather(items)  # [B, M, L]
+    if len(runs) == 1:
+        (expert, _), = runs
+        denom = _plugin_one_block_denominators(scores[:, expert], rest[:, expert], pool, items)
+        log_hazard = target[:, expert].unsqueeze(2) - denom  # [B, L, K]
     else:
-        later = scores.new_full((batch, num_targets, num_experts, 1), -torch.inf)
-    denom = safe_logaddexp(rest.unsqueeze(3), later)  # [B, L, M, K]: mass before position k
-    experts = expert_of_position(num_candidates, catalog.num_experts).to(catalog.device)
-    idx = experts.view(1, 1, 1, -1).expand(batch, num_targets, 1, -1)
-    log_hazard = (_target_scores(ht).unsqueeze(3) - denom).gather(2, idx)[:, :, 0]  # [B, L, K]
+        denom = _plugin_denominators(scores[:, experts], rest[:, experts], pool, items, runs, catalog.num_items)
+        position_expert = torch.tensor([e for e, n in runs for _ in range(n)], device=catalog.device)
+        log_hazard = target.index_select(1, position_expert).transpose(1, 2) - denom
     log_hazard = log_hazard.clamp(max=-torch.finfo(log_hazard.dtype).tiny)
     # π = Σ_k h_k Π_{j<k} (1 - h_j): first drawn at position k. Summed in log-space, this stays
     # exact where 1 - Π (1 - h) would round to 0 (tiny probabilities).
     log_miss = log1mexp(log_hazard)
     log_miss_before = torch.nn.functional.pad(torch.cumsum(log_miss, dim=2)[..., :-1], (1, 0))
     return safe_logsumexp(log_hazard + log_miss_before, dim=2)
+
+
+def _plugin_one_block_denominators(scores: Tensor, rest: Tensor, pool: Tensor, items: Tensor) -> Tensor:
+    """One expert: ``scores [B, K]`` of its top-K ``pool [B, K]`` (best first), ``rest [B]`` outside
+    it → log mass before each position ``[B, L, K]``. Target a's prefix is the pool without a
+    (without the K-th item when a is not in it): with ``p`` the slot left out, the mass before
+    position k is ``rest + Σ_{j ≥ k} w_j`` for ``k ≤ p`` and ``rest + w_p + Σ_{j > k} w_j`` after."""
+    k = pool.shape[1]
+    slot = torch.arange(k, device=pool.device)
+    with torch.no_grad():
+        hit = pool.unsqueeze(1) == items.unsqueeze(2)  # [B, L, K]
+        left_out = torch.where(hit.any(2), hit.int().argmax(2), k - 1)  # [B, L]
+    before = reverse_logcumsumexp(torch.cat([scores, rest.unsqueeze(1)], 1), dim=1)  # [B, K+1]: rest + Σ_{j≥k} w_j
+    num_targets = items.shape[1]
+    after = safe_logaddexp(before[:, 1:].unsqueeze(1), scores.gather(1, left_out).unsqueeze(2))  # [B, L, K]
+    head = before[:, :k].unsqueeze(1).expand(-1, num_targets, -1)
+    return torch.where(slot.view(1, 1, -1) <= left_out.unsqueeze(2), head, after)
+
+
+def _pool_first_copy(pool: Tensor, num_items: int) -> Tensor:
+    """For each entry of ``pool [B, P]`` (ids, may repeat) the slot of its id's first entry → ``[B, P]``.
+
+    A scatter into a ``[B, N]`` table when N is at most a few times P, else a stable sort. No gradient."""
+    batch, size = pool.shape
+    slot = torch.arange(size, device=pool.device).expand(batch, -1)
+    if num_items <= 8 * size:
+        table = pool.new_full((batch, num_items), size).scatter_reduce(1, pool, slot, "amin")
+        return table.gather(1, pool)
+    ids, order = pool.sort(dim=1, stable=True)
+    new = torch.nn.functional.pad(ids[:, 1:] != ids[:, :-1], (1, 0), value=True)
+    start = torch.where(new, slot, torch.zeros_like(slot)).cummax(dim=1).values  # each run of equal ids' start
+    return torch.empty_like(order).scatter(1, order, order.gather(1, start))
+
+
+def _plugin_denominators(scores: Tensor, rest: Tensor, pool: Tensor, items: Tensor, runs: Runs,
+                         num_items: int) -> Tensor:
+    """Several blocks: ``scores [B, M', P]`` and ``rest [B, M']`` under the blocks' experts, of the
+    ``pool [B, P]`` (block i's expert's top-K, best first, at ``[iK, (i+1)K)``; ids may repeat) and
+    outside it → log mass before each position ``[B, L, K]`` under the position's expert, at the
+    greedy prefix that excludes each target ``items [B, L]``."""
+    num_candidates = sum(n for _, n in runs)
+    batch, num_targets = items.shape
+    with torch.no_grad():
+        first = _pool_first_copy(pool, num_items)  # every entry names its id by its first copy's slot
+        taken = pool.unsqueeze(1) == items.unsqueeze(2)  # [B, L, P]: first copies drawn (or the target)
+        prefix, left = [], num_candidates - 1
+        for block, (_, count) in enumerate(runs):
+            take = min(count, left)
+            if take == 0:
+                break
+            # The block's expert takes its best items still free: the first `take` free ones of its list.
+            own = first[:, block * num_candidates:(block + 1) * num_candidates].unsqueeze(1)
+            own = own.expand(-1, num_targets, -1)  # [B, L, K]
+            free = ~taken.gather(2, own)
+            rank = free.cumsum(2)
+            dest = torch.where(free & (rank <= take), rank - 1, take)
+            picked = own.new_zeros(batch, num_targets, take + 1).scatter(2, dest, own)[..., :take]
+            taken = taken.scatter(2, picked, True)
+            prefix.append(picked)
+            left -= take
+        prefix = torch.cat(prefix, 2)  # [B, L, K-1]: pool slots
+        copies = first != torch.arange(first.shape[1], device=pool.device)
+        outside = copies.unsqueeze(1).expand(-1, num_targets, -1).scatter(2, prefix, True)  # [B, L, P]
+    s = scores.unsqueeze(1)  # [B, 1, M', P]
+    # Mass once the whole prefix is drawn: the pool outside it (the target among them) and the rest.
+    base = safe_logaddexp(rest.unsqueeze(1), masked_logsumexp(s, outside.unsqueeze(2), dim=3))  # [B, L, M']
+    pre = s.expand(-1, num_targets, -1, -1).gather(3, prefix.unsqueeze(2).expand(-1, -1, len(runs), -1))
+    later = reverse_logcumsumexp(pre, dim=3)  # [B, L, M', K-1]: the prefix from position k on
+    later = torch.cat([later, later.new_full((*later.shape[:3], 1), -torch.inf)], dim=3)
+    denom = safe_logaddexp(base.unsqueeze(3), later)  # [B, L, M', K]
+    block = torch.tensor([i for i, (_, n) in enumerate(runs) for _ in range(n)], device=pool.device)
+    return denom.gather(2, block.view(1, 1, 1, -1).expand(batch, num_targets, 1, -1)).squeeze(2)
 
 
 class InclusionMethod(abc.ABC):

@@ -1,0 +1,172 @@
+"""The plug-in inclusion probability: its definition, the earlier implementation's values, masks,
+second derivatives, torch.compile and streamed catalogs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from capg_rec import DenseCatalog, EmbeddingCatalog, expert_of_position, inclusion_log_prob
+from capg_rec._head_tail import summarize
+from capg_rec._numerics import log1mexp, masked_logsumexp, reverse_logcumsumexp, safe_logaddexp, safe_logsumexp
+from capg_rec.catalog import CatalogScores
+from capg_rec.marginals import PlugIn
+from capg_rec.plackett_luce import expert_runs
+from tests import references
+
+
+def _earlier_plugin(catalog: CatalogScores, items: torch.Tensor, runs) -> torch.Tensor:
+    """The implementation the plug-in had before it read only each expert's top-K (head/tail summary,
+    one greedy ``topk`` per block over ``[B, L, T]``, denominators over ``[B, L, M, K]``)."""
+    num_candidates = sum(n for _, n in runs)
+    ht = summarize(catalog, items, min(num_candidates, catalog.num_items), 1)
+    batch, num_experts, slots = ht.head_scores.shape
+    num_targets = items.shape[1]
+    slot = torch.arange(slots, device=catalog.device)
+    available = (ht.head_ids >= 0).unsqueeze(1) & (slot.view(1, 1, -1) != ht.target_pos.unsqueeze(2))
+    prefix = []
+    left = num_candidates - 1
+    with torch.no_grad():
+        for expert, count in runs:
+            take = min(count, left)
+            if take == 0:
+                break
+            s = ht.head_scores[:, expert].unsqueeze(1).expand(-1, num_targets, -1)
+            picked = s.masked_fill(~available, -torch.inf).topk(take, dim=2).indices
+            available = available.scatter(2, picked, False)
+            prefix.append(picked)
+            left -= take
+    scores = ht.head_scores.unsqueeze(1).expand(-1, num_targets, -1, -1)
+    left_in_head = available | (slot.view(1, 1, -1) == ht.target_pos.unsqueeze(2))
+    rest = safe_logaddexp(ht.tail_log_power_sums[..., 0].unsqueeze(1),
+                          masked_logsumexp(scores, ~left_in_head.unsqueeze(2), dim=3))
+    if prefix:
+        pre = torch.cat(prefix, dim=2)
+        pre_scores = scores.gather(3, pre.unsqueeze(2).expand(-1, -1, num_experts, -1))
+        later = reverse_logcumsumexp(pre_scores, dim=3)
+        later = torch.cat([later, later.new_full((*later.shape[:3], 1), -torch.inf)], dim=3)
+    else:
+        later = scores.new_full((batch, num_targets, num_experts, 1), -torch.inf)
+    denom = safe_logaddexp(rest.unsqueeze(3), later)
+    experts = expert_of_position(num_candidates, catalog.num_experts).to(catalog.device)
+    idx = experts.view(1, 1, 1, -1).expand(batch, num_targets, 1, -1)
+    target = ht.head_scores.gather(2, ht.target_pos.unsqueeze(1).expand(-1, num_experts, -1)).transpose(1, 2)
+    log_hazard = (target.unsqueeze(3) - denom).gather(2, idx)[:, :, 0]
+    log_hazard = log_hazard.clamp(max=-torch.finfo(log_hazard.dtype).tiny)
+    log_miss = log1mexp(log_hazard)
+    log_miss_before = torch.nn.functional.pad(torch.cumsum(log_miss, dim=2)[..., :-1], (1, 0))
+    return safe_logsumexp(log_hazard + log_miss_before, dim=2)
+
+
+def _logits(batch: int, m: int, n: int, seed: int, scale: float = 1.0, ties: bool = False) -> torch.Tensor:
+    """``[B, M, N]``; with ``ties`` items come in pairs with the same scores under every expert (the
+    greedy prefix is then defined whichever of a tied pair is taken first)."""
+    g = torch.Generator().manual_seed(seed)
+    x = scale * torch.randn(batch, m, n, generator=g, dtype=torch.float64)
+    return x[..., torch.arange(n) // 2] if ties else x
+
+
+def _plugin(logits, items, k):
+    return inclusion_log_prob(logits, items, k, method="plugin", validate_args=False)
+
+
+CASES = [(n, k, m) for n in (5, 9, 17) for m in (1, 2, 3) for k in sorted({1, 2, m + 1, n // 2, n - 1}) if k < n]
+
+
+@pytest.mark.parametrize(("n", "k", "m"), CASES)
+@pytest.mark.parametrize("ties", [False, True])
+def test_matches_the_definition(n, k, m, ties):
+    logits = _logits(3, m, n, seed=100 * n + 10 * k + m, scale=1.5, ties=ties)
+    got = _plugin(logits, torch.arange(n).expand(3, n), k).exp().numpy()
+    ref = np.stack([references.plugin_inclusion(logits[b].numpy(), k) for b in range(3)])
+    np.testing.assert_allclose(got, ref, rtol=1e-9, atol=1e-13)
+
+
+@pytest.mark.parametrize(("n", "k", "m"), [(30, 6, 1), (30, 29, 1), (40, 12, 3), (60, 20, 5), (25, 24, 2)])
+def test_values_and_gradients_match_the_earlier_implementation(n, k, m):
+    logits = _logits(4, m, n, seed=n + k + m, scale=2.0).requires_grad_()
+    g = torch.Generator().manual_seed(k)
+    items = torch.randint(0, n, (4, 7), generator=g)
+    items[:, 1] = items[:, 0]  # a repeated target
+    catalog = DenseCatalog(logits, validate_args=False)
+    runs = expert_runs(k, m)
+    got = PlugIn().log_inclusion(catalog, items, runs)
+    ref = _earlier_plugin(catalog, items, runs)
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    weights = torch.rand(4, 7, generator=g, dtype=torch.float64)
+    (grad,) = torch.autograd.grad((got * weights).sum(), logits)
+    (ref_grad,) = torch.autograd.grad((ref * weights).sum(), logits)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3])
+def test_float32_agrees_with_float64_and_is_shift_invariant(m):
+    logits = _logits(5, m, 50, seed=m, scale=3.0)
+    items = torch.randint(0, 50, (5, 6), generator=torch.Generator().manual_seed(m))
+    ref = _plugin(logits, items, 12)
+    torch.testing.assert_close(_plugin(logits.float(), items, 12).double(), ref, rtol=0, atol=1e-4)
+    shifted = _plugin((logits + 1e4 * torch.arange(1, m + 1).view(1, -1, 1)).float(), items, 12)
+    torch.testing.assert_close(shifted.double(), ref, rtol=0, atol=2e-3)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3])
+def test_masked_items_are_never_in_a_prefix_and_masked_targets_get_zero_gradient(m):
+    n, k = 12, 4
+    logits = _logits(3, m, n, seed=7 + m, scale=2.0)
+    keep = torch.ones(3, n, dtype=torch.bool)
+    keep[0, [0, 3, 5]] = False
+    keep[1, 1::2] = False
+    logits = logits.masked_fill(~keep.unsqueeze(1), -torch.inf).requires_grad_()
+    items = torch.arange(n).expand(3, n)
+    out = _plugin(logits, items, k)
+    assert torch.equal(out[~keep], torch.full_like(out[~keep], -torch.inf))
+    (grad,) = torch.autograd.grad(out.masked_fill(~keep, 0.0).sum() + out[~keep].clamp(min=-1.0).sum(), logits)
+    assert torch.isfinite(grad).all() and (grad[~keep.unsqueeze(1).expand_as(grad)] == 0).all()
+    for b in range(3):
+        sub = logits.detach()[b, :, keep[b]].numpy()
+        ref = references.plugin_inclusion(sub, k)
+        np.testing.assert_allclose(out[b, keep[b]].exp().detach().numpy(), ref, rtol=1e-9, atol=1e-13)
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_gradcheck_and_gradgradcheck(m):
+    logits = _logits(2, m, 7, seed=m, scale=1.5).requires_grad_()
+    mask = torch.zeros(2, 1, 7, dtype=torch.bool)
+    mask[0, :, 2] = True
+    items = torch.tensor([[0, 3, 4, 4], [6, 1, 1, 3]])
+
+    def f(x):
+        return _plugin(x.masked_fill(mask, -torch.inf), items, 4)
+
+    assert torch.autograd.gradcheck(f, (logits,))
+    assert torch.autograd.gradgradcheck(f, (logits,))
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_compiles_without_graph_breaks_and_handles_empty_batches(m):
+    logits = _logits(3, m, 20, seed=m)
+    items = torch.tensor([[0, 5], [19, 19], [3, 7]])
+    runs = expert_runs(6, m)
+
+    def f(x, a):
+        return PlugIn().log_inclusion(DenseCatalog(x, validate_args=False), a, runs)
+
+    torch.testing.assert_close(torch.compile(f, fullgraph=True, backend="eager")(logits, items), f(logits, items))
+    empty = f(logits[:0], items[:0])
+    assert empty.shape == (0, 2)
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_embedding_catalog_beyond_the_full_head(m):
+    """N = 5000 streamed: agrees with the same scores as a dense tensor."""
+    g = torch.Generator().manual_seed(m)
+    user = torch.randn(3, m, 8, generator=g, dtype=torch.float64)
+    item = torch.randn(5000, m, 8, generator=g, dtype=torch.float64)
+    masked = torch.tensor([[4, -1], [7, 9], [-1, -1]])
+    catalog = EmbeddingCatalog(user, item, masked_items=masked, chunk_size=1024)
+    dense = torch.einsum("bmd,nmd->bmn", user, item)
+    dense[0, :, 4] = dense[1, :, 7] = dense[1, :, 9] = -torch.inf
+    items = torch.tensor([[4, 0, 1], [2, 2, 7], [4999, 10, 11]])
+    got = _plugin(catalog, items, 10)
+    torch.testing.assert_close(got, _plugin(dense, items, 10), rtol=1e-10, atol=1e-12)
