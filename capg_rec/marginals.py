@@ -33,6 +33,7 @@ from torch import Tensor
 
 from capg_rec._enumerate import inclusion_probs
 from capg_rec._checks import check_count, check_items, check_positive, resolve_validate_args
+from capg_rec._exact import DEFAULT_MEMORY_BUDGET, EXACT_NUM_POWERS, exact_log_inclusion
 from capg_rec._mean_field import mean_field_log_inclusion
 from capg_rec._head_tail import head_size_for, summarize
 from capg_rec._numerics import log1mexp, masked_logsumexp, \
@@ -230,18 +231,22 @@ class MeanField(InclusionMethod):
 
 class Exact(InclusionMethod):
     """The exponential-race integral with an exact Poisson-binomial count ("block-exact" for a
-    mixture). For validation and tests: 10–600× a softmax."""
+    mixture). For validation and tests: its cost is quadrature nodes × head slots × c(K) per row
+    (:mod:`capg_rec._exact`), hundreds to thousands of times a softmax.
 
-    def __init__(self) -> None:
-        from capg_rec._exact import EXACT_NUM_POWERS
+    Args:
+        memory_budget: bytes that one block's autograd state may keep; larger blocks are
+            recomputed in backward (default 1 GiB).
+    """
 
-        self.num_powers = EXACT_NUM_POWERS
+    num_powers = EXACT_NUM_POWERS
+
+    def __init__(self, memory_budget: int = DEFAULT_MEMORY_BUDGET) -> None:
+        self.memory_budget = check_count("memory_budget", memory_budget)
 
     def log_inclusion(self, catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
-        from capg_rec._exact import exact_log_inclusion
-
         ht = summarize(catalog, items, head_size_for(catalog.num_items, sum(n for _, n in runs)), self.num_powers)
-        return exact_log_inclusion(ht, runs)
+        return exact_log_inclusion(ht, runs, memory_budget=self.memory_budget)
 
 
 class Enumeration(InclusionMethod):
@@ -322,5 +327,6 @@ def _inclusion_log_prob(catalog: CatalogScores, items: Tensor, num_candidates: i
     """:func:`inclusion_log_prob` on validated inputs."""
     runs = expert_runs(num_candidates, catalog.num_experts)
     if method.is_probability and num_candidates == catalog.num_items:  # every item is drawn: log 1
-        return catalog.gather(items)[:, 0] * 0.0
+        scores = catalog.gather(items)[:, 0]
+        return torch.where(scores > -math.inf, scores * 0.0, scores)  # zero gradient; -inf stays (masked)
     return method.log_inclusion(catalog, items, runs)
