@@ -355,21 +355,29 @@ _CUMSUM_SPREAD = 700.0  # float64 exps of arguments above -700 neither underflow
 
 
 def reverse_logcumsumexp(x: Tensor, dim: int) -> Tensor:
-    """``log Σ_{j ≥ k} exp(x_j)`` along ``dim`` (e.g. ``[B, M, K]``, small K).
+    """``log Σ_{j ≥ k} exp(x_j)`` along ``dim`` (e.g. ``[B, M, K]``, small K); ``-inf`` entries (masked)
+    add nothing, a suffix of them alone gives ``-inf``, and no gradient is NaN.
 
     On the CPU, ``torch.logcumsumexp`` is a serial log-add per element (1.9 ms fwd+bwd at
-    ``[128, 1, 200]``); when every entry lies within 700 of its row's maximum, a float64 suffix sum
-    of ``exp(x - max)`` is exact to float32 and ~10x faster. Otherwise (extreme spreads, ``-inf``),
-    on other devices, under ``torch.compile`` and under ``torch.func`` transforms, it is
-    ``torch.logcumsumexp`` itself."""
+    ``[128, 1, 200]``); when every finite entry lies within 700 of its row's maximum, a float64 suffix
+    sum of ``exp(x - max)`` is exact to float32 and ~10x faster. Otherwise (extreme spreads), on other
+    devices, under ``torch.compile`` and under ``torch.func`` transforms, it is ``torch.logcumsumexp``
+    with ``-inf`` entries held at the lowest finite value (its gradients are NaN at ``-inf``)."""
+    present = x > -math.inf
     if x.device.type == "cpu" and x.numel() and not torch.compiler.is_compiling() \
             and not torch._C._functorch.is_functorch_wrapped_tensor(x):  # no host read under vmap/grad
         top = x.detach().amax(dim=dim, keepdim=True)
-        shifted = x.double() - top
-        if float(shifted.detach().amin()) > -_CUMSUM_SPREAD:  # a host read of a CPU tensor: no device sync
+        top = torch.where(top > -math.inf, top, torch.zeros_like(top))
+        shifted = torch.where(present, x, -math.inf).double() - top
+        spread = torch.where(present, shifted.detach(), 0.0).amin()
+        if float(spread) > -_CUMSUM_SPREAD:  # a host read of a CPU tensor: no device sync
             suffix = shifted.exp().flip(dim).cumsum(dim).flip(dim)
-            return (suffix.log() + top).to(x.dtype)
-    return torch.logcumsumexp(x.flip(dim), dim).flip(dim)
+            some = suffix > 0
+            out = torch.where(some, torch.where(some, suffix, 1.0).log() + top, -math.inf)
+            return out.to(x.dtype)
+    lowest = torch.finfo(x.dtype).min
+    out = torch.logcumsumexp(torch.where(present, x, lowest).flip(dim), dim).flip(dim)
+    return torch.where(out > lowest / 2, out, -math.inf)
 
 
 def safe_logaddexp(a: Tensor, b: Tensor) -> Tensor:

@@ -413,3 +413,19 @@ def test_reverse_logcumsumexp_matches_torch(spread):
     torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-5 * spread)
     v = torch.randn(4, 2, 30, generator=g)
     torch.testing.assert_close(*(torch.autograd.grad(y, x, v)[0] for y in (got, want)), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("spread", [1.0, 1e4])
+def test_reverse_logcumsumexp_with_masked_suffixes(spread):
+    """-inf entries add nothing, an all -inf suffix is -inf, and gradients are never NaN (torch's own
+    logcumsumexp gives NaN gradients at -inf)."""
+    from capg_rec._numerics import reverse_logcumsumexp
+
+    x = torch.tensor([[0.0, spread, -math.inf, 1.0, -math.inf, -math.inf]], dtype=torch.float64, requires_grad=True)
+    out = reverse_logcumsumexp(x, 1)
+    finite = x.detach().clone()
+    want = [torch.logsumexp(finite[0, k:][torch.isfinite(finite[0, k:])], 0) if torch.isfinite(finite[0, k:]).any()
+            else torch.tensor(-math.inf, dtype=torch.float64) for k in range(6)]
+    torch.testing.assert_close(out[0], torch.stack(want))
+    (grad,) = torch.autograd.grad(out.masked_fill(~torch.isfinite(out), 0).sum(), x)
+    assert torch.isfinite(grad).all() and (grad[0, [2, 4, 5]] == 0).all()
