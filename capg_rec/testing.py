@@ -16,6 +16,8 @@ failing example replays exactly.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -24,7 +26,7 @@ from torch import Tensor
 from capg_rec._checks import check_count, check_positive
 from capg_rec.validate import ESR, ValidationReport, validate_esr
 
-__all__ = ["EXTREME_LOGIT", "logits", "num_candidates", "num_experts", "temperatures", "seeds",
+__all__ = ["count_host_syncs", "EXTREME_LOGIT", "logits", "num_candidates", "num_experts", "temperatures", "seeds",
            "contexts", "esr_cases", "assert_esr_valid"]
 
 EXTREME_LOGIT = 1e4
@@ -150,3 +152,31 @@ def assert_esr_valid(esr: ESR, contexts: Any = None, *, num_samples: int = 20_00
     if not report.passed:
         raise AssertionError(f"ESR claims disagree with its samples:\n{report}")
     return report
+
+
+@contextlib.contextmanager
+def count_host_syncs() -> Iterator[list[str]]:
+    """Within the block, record every Tensor method that reads a value back to the host (``bool(t)``,
+    ``int(t)``, ``.item()``, ``.tolist()``, ...): e.g. assert that a step with checks off makes none.
+
+        with count_host_syncs() as calls:
+            loss_fn(logits, candidates, chosen, rewards)
+        assert calls == []
+    """
+    calls: list[str] = []
+    names = ["item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy"]
+    saved = {name: getattr(torch.Tensor, name) for name in names}
+
+    def counted(name: str):
+        def call(self, *args, **kwargs):
+            calls.append(name)
+            return saved[name](self, *args, **kwargs)
+        return call
+
+    for name in names:
+        setattr(torch.Tensor, name, counted(name))
+    try:
+        yield calls
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)

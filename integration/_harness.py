@@ -7,10 +7,8 @@ single-process reference, fed the whole global batch). Both start from the same 
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -168,23 +166,3 @@ def env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
 
 
-@contextlib.contextmanager
-def count_host_syncs() -> Iterator[list[str]]:
-    """Counts the Tensor methods that read a value back to the host (``bool(t)``, ``int(t)``, ``.item()``, ...)."""
-    calls: list[str] = []
-    names = ["item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy"]
-    saved = {name: getattr(torch.Tensor, name) for name in names}
-
-    def counted(name: str):
-        def call(self, *args, **kwargs):
-            calls.append(name)
-            return saved[name](self, *args, **kwargs)
-        return call
-
-    for name in names:
-        setattr(torch.Tensor, name, counted(name))
-    try:
-        yield calls
-    finally:
-        for name, method in saved.items():
-            setattr(torch.Tensor, name, method)

@@ -33,6 +33,7 @@ from torch import Tensor
 import _harness as h
 from capg_rec import CAPGLoss, EmbeddingCatalog, VPGLoss, candidate_log_prob, sample_candidates
 from capg_rec.functional import vpg_loss
+from capg_rec.testing import count_host_syncs
 from capg_rec.torchrec import ShardedEmbeddingCatalog
 
 SETUPS = {
@@ -267,7 +268,7 @@ def check_one_rank_errors(record, messages: dict[str, str]) -> None:
     record("one_rank/after_errors/log_normalizer", rel(good.log_normalizer(), reference.log_normalizer()[mine]))
     record("one_rank/after_errors/gather", rel(good.gather(ids), reference.gather(ids.repeat(world, 1))[mine]))
     quiet = catalog(validate_args=False)
-    with h.count_host_syncs() as calls:
+    with count_host_syncs() as calls:
         scores = quiet.gather(ids)
         quiet.log_softmax(ids)
         quiet.log_power_sums(ids, 2)

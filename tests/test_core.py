@@ -429,3 +429,18 @@ def test_reverse_logcumsumexp_with_masked_suffixes(spread):
     torch.testing.assert_close(out[0], torch.stack(want))
     (grad,) = torch.autograd.grad(out.masked_fill(~torch.isfinite(out), 0).sum(), x)
     assert torch.isfinite(grad).all() and (grad[0, [2, 4, 5]] == 0).all()
+
+
+@pytest.mark.parametrize("name", ["vpg_swr", "with_replacement"])
+def test_unchecked_swr_losses_make_no_host_sync(name):
+    from capg_rec.testing import count_host_syncs
+
+    logits = torch.randn(4, 2, 30, requires_grad=True)
+    cand = sample_candidates(logits.detach(), 5, generator=torch.Generator().manual_seed(0))
+    fn = _loss(name, 5, validate_args=False)
+    with count_host_syncs() as calls:
+        fn(logits, cand, cand[:, :2], torch.rand(4, 2)).backward()
+    assert calls == []
+    with count_host_syncs() as calls:
+        _loss(name, 5)(logits, cand, cand[:, :2], torch.rand(4, 2))
+    assert calls == ["tolist"]  # the checks: one read-back

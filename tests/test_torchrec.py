@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import math
 import sys
@@ -23,6 +22,7 @@ from capg_rec import (CAPGLoss, DenseCatalog, EmbeddingCatalog, VPGLoss, candida
 from capg_rec._enumerate import all_draws, draw_log_probs  # noqa: E402
 from capg_rec.plackett_luce import expert_of_position  # noqa: E402
 from capg_rec.torchrec import ShardedEmbeddingCatalog, TwoTowerRetriever  # noqa: E402
+from capg_rec.testing import count_host_syncs  # noqa: E402
 from capg_rec.torchrec._hash_noise import _mul32, hashed_gumbel, row_keys  # noqa: E402
 from tests.stats import assert_counts_match  # noqa: E402
 
@@ -46,26 +46,6 @@ def restore_validation():
     capg_rec.set_default_validate_args(True)
 
 
-@contextlib.contextmanager
-def count_host_syncs():
-    """Counts the Tensor methods that read a value back to the host (``bool(t)``, ``int(t)``, ``.item()``, ...)."""
-    calls = []
-    names = ["item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy"]
-    saved = {name: getattr(torch.Tensor, name) for name in names}
-
-    def counted(name):
-        def call(self, *args, **kwargs):
-            calls.append(name)
-            return saved[name](self, *args, **kwargs)
-        return call
-
-    for name in names:
-        setattr(torch.Tensor, name, counted(name))
-    try:
-        yield calls
-    finally:
-        for name, method in saved.items():
-            setattr(torch.Tensor, name, method)
 
 
 def make_retriever(num_items=40, num_experts=2, dim=3, num_users=10, tower=None, **kw) -> TwoTowerRetriever:
