@@ -121,7 +121,7 @@ def _format_cost(row: dict) -> str:
 def accuracy_table(num_samples: int, seed: int = 0) -> list[dict]:
     """Mean relative error of each method at N = 1000, standard-normal logits: against a
     Monte-Carlo estimate (items seen ≥ 100 times) and against the exact method (all items)."""
-    from capg_rec import inclusion_log_prob, inclusion_method, inclusion_methods, sample_candidates
+    from capg_rec import Exact, MeanField, PlugIn, WithReplacement, inclusion_log_prob, sample_candidates
 
     rows = []
     gen = torch.Generator().manual_seed(seed)
@@ -139,15 +139,17 @@ def accuracy_table(num_samples: int, seed: int = 0) -> list[dict]:
             row = {"tau": tau, "K": k, "mc_items": int(seen.sum()),
                    "mc_se": float(np.mean(np.sqrt((1 - p_mc[seen]) / (p_mc[seen] * num_samples))))}
             probs = {}
-            for method in inclusion_methods():
+            methods = {"exact": Exact(), "mean_field": MeanField(), "plugin": PlugIn(),
+                       "with_replacement": WithReplacement()}  # enumeration is for N <= 8 only
+            for name, method in methods.items():
                 p = inclusion_log_prob(logits, items, k, temperature=tau, method=method).exp()[0]
-                if not inclusion_method(method).is_probability:  # E[count] → P(drawn at least once)
+                if not method.is_probability:  # E[count] → P(drawn at least once)
                     p = 1 - (1 - p / k) ** k
-                probs[method] = p.numpy()
-            for method, p in probs.items():
-                row[f"{method}_vs_mc"] = float(np.mean(np.abs(p[seen] - p_mc[seen]) / p_mc[seen]))
-                if method != "exact":
-                    row[f"{method}_vs_exact"] = float(np.mean(np.abs(p - probs["exact"]) / probs["exact"]))
+                probs[name] = p.numpy()
+            for name, p in probs.items():
+                row[f"{name}_vs_mc"] = float(np.mean(np.abs(p[seen] - p_mc[seen]) / p_mc[seen]))
+                if name != "exact":
+                    row[f"{name}_vs_exact"] = float(np.mean(np.abs(p - probs["exact"]) / probs["exact"]))
             rows.append(row)
             print("  ".join(f"{key}={val:.2g}" if isinstance(val, float) else f"{key}={val}"
                             for key, val in row.items()), flush=True)
