@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from capg_rec._head_tail import summarize
+from capg_rec._numerics import safe_logsumexp
 from capg_rec.catalog import CatalogScores, DenseCatalog
 
 __all__ = ["mean_field_log_inclusion"]
@@ -102,7 +103,7 @@ def mean_field_log_inclusion(catalog: CatalogScores, items: Tensor, runs: Runs, 
         if not dense:
             hazard = (targets[:, expert] - ref.unsqueeze(1)) - kappa.unsqueeze(1)
         hazards.append(hazard)  # [B, L]: log of the target's rate e^{s - κ}
-    return _LogHit.apply(hazards[0] if len(hazards) == 1 else _log_sum_exp(torch.stack(hazards, dim=2)))
+    return _LogHit.apply(hazards[0] if len(hazards) == 1 else safe_logsumexp(torch.stack(hazards, dim=2), dim=2))
 
 
 def _head_size(num_items: int, runs: Runs) -> int:
@@ -130,16 +131,6 @@ def _summary(catalog: CatalogScores, runs: Runs, head: int) -> tuple[Tensor, Ten
     share = block / max(head - drawn, block)
     lower = ht.head_floor - math.log(-math.log1p(-share)) if share < 1 else ht.head_floor - _SATURATION
     return ht.head_scores, ht.tail_log_power_sums, lower
-
-
-def _log_sum_exp(x: Tensor) -> Tensor:
-    """``logsumexp`` over the last dim, ``-inf`` with zero gradient where every entry is ``-inf``."""
-    top = x.detach().amax(dim=-1, keepdim=True)
-    dead = top == -math.inf
-    top = top.clamp(min=torch.finfo(x.dtype).min)
-    safe = torch.where(dead, torch.zeros_like(x), x - top)
-    out = torch.log(torch.exp(safe).sum(dim=-1)) + top.squeeze(-1)
-    return torch.where(dead.squeeze(-1), torch.full_like(out, -math.inf), out)
 
 
 class _LogHit(torch.autograd.Function):
