@@ -444,3 +444,15 @@ def test_unchecked_swr_losses_make_no_host_sync(name):
     with count_host_syncs() as calls:
         _loss(name, 5)(logits, cand, cand[:, :2], torch.rand(4, 2))
     assert calls == ["tolist"]  # the checks: one read-back
+
+
+def test_method_settings_are_checked():
+    with pytest.raises(ValueError, match="tol"):
+        capg_rec.MeanField(tol=1.0)
+    with pytest.raises(ValueError, match="max_iter"):
+        capg_rec.MeanField(max_iter=0)
+    with pytest.raises(TypeError, match="max_iter"):
+        capg_rec.MeanField(max_iter=2.5)
+    with pytest.raises(ValueError, match="memory_budget"):
+        capg_rec.Exact(memory_budget=0)
+    assert capg_rec.MeanField(max_iter=8) == capg_rec.MeanField(max_iter=8) != capg_rec.MeanField()
