@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -14,3 +15,11 @@ settings.register_profile("dev", max_examples=25, deadline=None,
 settings.register_profile("nightly", max_examples=500, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> torch.device:
+    """Every device this machine has: CPU always, CUDA when present."""
+    return torch.device(request.param)
