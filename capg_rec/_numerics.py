@@ -44,10 +44,26 @@ def exp_floored(x: Tensor) -> Tensor:
 
 
 def bound_once(cls: type[torch.autograd.Function]) -> type[torch.autograd.Function]:
-    """Class decorator: ``Function.apply`` binds its arguments to ``inspect.signature(forward)`` on every
-    call, which rebuilds the signature (~8 µs, as much as a small kernel) unless it is stored."""
-    cls.forward.__signature__ = inspect.signature(cls.forward)
+    """Class decorator: a ``cls.apply`` that skips ``Function.apply``'s per-call binding of its arguments
+    to ``inspect.signature(forward)`` (~20 µs, as much as a small kernel) when every argument is given
+    positionally, outside ``torch.func`` transforms and ``torch.compile`` (which get ``Function.apply``)."""
+    generic = cls.apply
+    arity = len(inspect.signature(cls.forward).parameters)
+    base = super(torch.autograd.Function, cls).apply  # the C apply, bound to cls
+
+    def apply(*args: object) -> object:
+        if len(args) != arity or torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
+            return generic(*args)
+        return base(*_unwrap_dead_wrappers(args))
+
+    cls.apply = staticmethod(apply)
     return cls
+
+
+def _unwrap_dead_wrappers(args: tuple) -> tuple:
+    """What ``Function.apply`` does to its arguments outside transforms (tensors left over from a
+    finished ``torch.func`` transform are unwrapped)."""
+    return torch._functorch.utils.unwrap_dead_wrappers(args)
 
 
 def _softmax_terms(x: Tensor, dim: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -343,12 +359,14 @@ def log1mexp_exp(y: Tensor) -> Tensor:
 def safe_logsumexp(x: Tensor, dim: int) -> Tensor:
     """``torch.logsumexp`` whose value and gradients (all orders) stay NaN-free when every entry
     along ``dim`` is ``-inf`` (a masked item's terms): then ``-inf`` with zero gradient."""
-    top = x.detach().amax(dim=dim, keepdim=True)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    total = torch.exp(x - top).sum(dim=dim, keepdim=True)
-    some = total > 0
-    out = torch.where(some, torch.log(torch.where(some, total, torch.ones_like(total))) + top, -math.inf)
-    return out.squeeze(dim)
+    top = x.detach().amax(dim=dim, keepdim=True).nan_to_num_(neginf=0.0)
+    return _log_total(torch.exp(x - top).sum(dim=dim, keepdim=True), top).squeeze(dim)
+
+
+def _log_total(total: Tensor, top: Tensor) -> Tensor:
+    """``log(total) + top`` for a sum of exps relative to its largest term (``total >= 1``), or of none
+    (``total = 0``: ``-inf``, with zero gradient where the plain log would give NaN)."""
+    return torch.where(total > 0, total.clamp_min(torch.finfo(total.dtype).tiny).log() + top, -math.inf)
 
 
 _CUMSUM_SPREAD = 700.0  # float64 exps of arguments above -700 neither underflow nor lose the sum
@@ -363,28 +381,20 @@ def reverse_logcumsumexp(x: Tensor, dim: int) -> Tensor:
     sum of ``exp(x - max)`` is exact to float32 and ~10x faster. Otherwise (extreme spreads), on other
     devices, under ``torch.compile`` and under ``torch.func`` transforms, it is ``torch.logcumsumexp``
     with ``-inf`` entries held at the lowest finite value (its gradients are NaN at ``-inf``)."""
-    present = x > -math.inf
     if x.device.type == "cpu" and x.numel() and not torch.compiler.is_compiling() \
             and not torch._C._functorch.is_functorch_wrapped_tensor(x):  # no host read under vmap/grad
-        top = x.detach().amax(dim=dim, keepdim=True)
-        top = torch.where(top > -math.inf, top, torch.zeros_like(top))
-        shifted = torch.where(present, x, -math.inf).double() - top
-        spread = torch.where(present, shifted.detach(), 0.0).amin()
+        top = x.detach().amax(dim=dim, keepdim=True).nan_to_num_(neginf=0.0)
+        shifted = x.double() - top  # -inf (masked) stays -inf: a term 0 with zero gradient
+        spread = shifted.detach().nan_to_num(neginf=0.0).amin()  # over the finite entries
         if float(spread) > -_CUMSUM_SPREAD:  # a host read of a CPU tensor: no device sync
-            suffix = shifted.exp().flip(dim).cumsum(dim).flip(dim)
-            some = suffix > 0
-            out = torch.where(some, torch.where(some, suffix, 1.0).log() + top, -math.inf)
-            return out.to(x.dtype)
+            return _log_total(shifted.exp().flip(dim).cumsum(dim).flip(dim), top).to(x.dtype)
     lowest = torch.finfo(x.dtype).min
-    out = torch.logcumsumexp(torch.where(present, x, lowest).flip(dim), dim).flip(dim)
+    out = torch.logcumsumexp(torch.where(x > -math.inf, x, lowest).flip(dim), dim).flip(dim)
     return torch.where(out > lowest / 2, out, -math.inf)
 
 
 def safe_logaddexp(a: Tensor, b: Tensor) -> Tensor:
     """``torch.logaddexp`` whose second derivatives are right when an argument is ``-inf``
     (torch's are not) and whose gradients stay NaN-free when both are."""
-    top = torch.maximum(a, b).detach()
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    total = torch.exp(a - top) + torch.exp(b - top)
-    some = total > 0
-    return torch.where(some, torch.log(torch.where(some, total, torch.ones_like(total))) + top, -math.inf)
+    top = torch.maximum(a, b).detach().nan_to_num(neginf=0.0)
+    return _log_total(torch.exp(a - top) + torch.exp(b - top), top)

@@ -91,14 +91,13 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
         checks = DeferredChecks()
         if isinstance(catalog, DenseCatalog):
             checks.no_nan_or_inf("logits", catalog.scores, allow_masked=True)
-        checks.ids_in_range("candidates", candidates, num_items)  # chosen ⊆ candidates covers chosen's range
+        inside = checks.ids_in_range("candidates", candidates, num_items)  # chosen ⊆ candidates covers chosen
         if distinct:
             checks.distinct("candidates", candidates)
         checks.distinct("chosen", chosen)
         checks.require((chosen.unsqueeze(2) == candidates.unsqueeze(1)).any(2).all(),
                        "chosen must be a subset of candidates in every row (the LSR picks among them)")
         with torch.no_grad():  # a catalog call on every process, empty batches included (it may be collective)
-            inside = candidates.clamp(0, num_items - 1)
             checks.require((catalog.gather(inside) > -math.inf).all(),
                            "candidates must not hold masked items (scored -inf): the ESR cannot draw them")
         for name, x in (("rewards", rewards), ("baseline", baseline), ("position_weights", position_weights)):

@@ -25,6 +25,7 @@ expert's best items and the targets item by item, the rest through a few streame
 from __future__ import annotations
 
 import abc
+import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -55,9 +56,15 @@ def _swr(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
     if len(runs) == 1:  # one expert draws all K
         (expert, count), = runs
         return log_softmax[:, expert] + math.log(count)
-    experts = torch.tensor([m for m, _ in runs], device=catalog.device)
-    log_counts = torch.tensor([math.log(n) for _, n in runs], dtype=catalog.dtype, device=catalog.device)
-    return safe_logsumexp(log_softmax[:, experts] + log_counts.view(1, -1, 1), dim=1)
+    experts, log_counts = _run_tensors(tuple(runs), catalog.dtype, catalog.device)
+    return safe_logsumexp(log_softmax[:, experts] + log_counts, dim=1)
+
+
+@functools.lru_cache(maxsize=64)
+def _run_tensors(runs: tuple[tuple[int, int], ...], dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The runs' experts ``[R]`` and ``log n_m`` as ``[1, R, 1]`` (made once per runs, dtype and device)."""
+    experts = torch.tensor([m for m, _ in runs], device=device)
+    return experts, torch.tensor([math.log(n) for _, n in runs], dtype=dtype, device=device).view(1, -1, 1)
 
 
 def _plugin(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:

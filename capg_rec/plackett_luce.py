@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from capg_rec._checks import check_count, check_flag, check_items, resolve_validate_args
-from capg_rec._numerics import reverse_logcumsumexp, safe_logaddexp
+from capg_rec._numerics import reverse_logcumsumexp
 from capg_rec.catalog import CatalogScores, as_catalog
 
 __all__ = ["expert_of_position", "sample_candidates", "greedy_candidates", "candidate_log_prob"]
@@ -121,6 +121,6 @@ def _candidate_log_prob(catalog: CatalogScores, candidates: Tensor, with_replace
         return catalog.log_softmax(candidates).gather(1, idx)[:, 0].sum(dim=1)
     scores, outside = catalog.gather_with_rest(candidates)  # [B, M, K], [B, M]: items never drawn
     picked = scores.gather(1, idx)[:, 0]  # [B, K]: s_{m(k)}(a_k)
-    later = reverse_logcumsumexp(scores, dim=2)  # [B, M, K]: Σ_{j ≥ k}
-    remaining = safe_logaddexp(outside.unsqueeze(2), later).gather(1, idx)[:, 0]  # [B, K]
-    return (picked - remaining).sum(dim=1)
+    # Σ_{j ≥ k} exp(s_j) + exp(outside): a suffix sum whose last term is the never-drawn mass
+    remaining = reverse_logcumsumexp(torch.cat([scores, outside.unsqueeze(2)], dim=2), dim=2)[..., :-1]
+    return (picked - remaining.gather(1, idx)[:, 0]).sum(dim=1)
