@@ -32,6 +32,8 @@ LOG_TOLERANCE = 1e-6
 """How far above its bound (0, or log K for the expected count) a logged log-propensity may be: the
 rounding of a probability of 1 computed in float32."""
 
+_READ_ROWS = 16_384  # rows decoded and checked at once (then cut into batches): fewer, larger Arrow calls
+
 _LIST_WIDTH = {"candidates": "num_candidates", "shown": "num_shown", "rewards": "num_shown",
                "log_inclusion": "num_shown", "log_expected_count": "num_shown", "features": "num_features"}
 _DTYPES = {"request_id": torch.long, "context": torch.long, "features": torch.float32, "candidates": torch.long,
@@ -371,7 +373,8 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
                         current[1].close()
                     current = (file_index, pq.ParquetFile(self.files[file_index]))
                 row0 = 0
-                for record_batch in current[1].iter_batches(batch_size=self.batch_size, row_groups=[group],
+                for record_batch in current[1].iter_batches(batch_size=max(self.batch_size, _READ_ROWS),
+                                                            row_groups=[group],
                                                             columns=self.columns, use_threads=False):
                     where = f"log file {self.files[file_index]}, row group {group}"
                     cols = self._tensors(record_batch, where, row0, first_row)
@@ -440,4 +443,15 @@ def _split(pending: list[dict[str, Tensor]], size: int) -> tuple[dict[str, Tenso
 
 
 def _batch(cols: dict[str, Tensor]) -> LoggedBatch:
-    return LoggedBatch(**{name: cols.get(name) for name in LoggedBatch._fields})
+    """The columns copied into ONE byte buffer, each a contiguous typed view of it: a DataLoader worker then
+    hands the whole batch over through one shared-memory block instead of one per column (~2x the rows/s),
+    and a batch never keeps the larger decoded chunk it was cut from alive."""
+    sizes = {name: -(-x.numel() * x.element_size() // 8) * 8 for name, x in cols.items()}  # 8-byte aligned
+    buffer = torch.empty(sum(sizes.values()), dtype=torch.uint8)
+    out, offset = {}, 0
+    for name, x in cols.items():
+        nbytes = x.numel() * x.element_size()
+        view = buffer[offset:offset + nbytes].view(x.dtype).view(x.shape)
+        view.copy_(x)
+        out[name], offset = view, offset + sizes[name]
+    return LoggedBatch(**{name: out.get(name) for name in LoggedBatch._fields})
