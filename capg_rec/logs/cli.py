@@ -135,7 +135,8 @@ def generate_logs(env, model: torch.nn.Module, out: str | Path, *, num_interacti
             picks, _ = ranker(env.ranking_scores(users, candidates), num_outputs, g)
             shown = candidates.gather(1, picks)
             rewards = env.sample_reward(users, shown, g)
-            logged = log_propensities(logits, candidates, shown, method=method, temperature=temperature,
+            # float64: log π0(A^K) sums K terms and reaches hundreds of nats, where float32 is off by ~1e-2
+            logged = log_propensities(logits.double(), candidates, shown, method=method, temperature=temperature,
                                       epsilon=epsilon)
             writer.write(LoggedBatch(users, candidates, shown, rewards, *logged))
             reward_sum += float(rewards.double().sum())
@@ -145,7 +146,7 @@ def generate_logs(env, model: torch.nn.Module, out: str | Path, *, num_interacti
             bar.update(len(users))
     seconds = time.perf_counter() - started
     rows = writer.rows_written
-    return {"out": str(out), "rows": rows, "row_groups": writer._batches, "env": env.name,
+    return {"out": str(out), "rows": rows, "row_groups": writer.batches_written, "env": env.name,
             "num_items": env.num_items, "num_candidates": num_candidates, "num_outputs": num_outputs,
             "temperature": temperature, "epsilon": epsilon, "method": writer.meta.method, "lsr": lsr,
             "policy_version": policy_version, "mean_reward": reward_sum / (rows * num_outputs),

@@ -145,7 +145,7 @@ class LogWriter:
         self.validate = resolve_validate_args(validate_args)
         self.schema = file_schema(self.meta)
         self.rows_written = 0
-        self._batches = 0
+        self.batches_written = 0
         self._writer = pq.ParquetWriter(self.path, self.schema, compression=compression)
 
     def __enter__(self) -> LogWriter:
@@ -169,7 +169,8 @@ class LogWriter:
         cols = self._columns(batch)
         n = len(cols["context"])
         if self.validate:
-            _raise_first(cols, self.meta, self.meta.num_items, f"batch {self._batches} written to {self.path}", 0)
+            where = f"batch {self.batches_written} written to {self.path}"
+            _raise_first(cols, self.meta, self.meta.num_items, where, 0)
         if "request_id" not in cols:
             cols["request_id"] = torch.arange(self.rows_written, self.rows_written + n)
         arrays = []
@@ -186,7 +187,7 @@ class LogWriter:
                 arrays.append(pa.ListArray.from_arrays(offsets, pa.array(values.ravel(), type=f.type.value_type)))
         self._writer.write_table(pa.Table.from_arrays(arrays, schema=self.schema), row_group_size=self.row_group_size)
         self.rows_written += n
-        self._batches += 1
+        self.batches_written += 1
 
     def _columns(self, batch: LoggedBatch) -> dict[str, Tensor]:
         """The batch's tensors by column, checked for type and shape, cast to the file's dtypes."""

@@ -188,7 +188,9 @@ def log_propensities(logits: Tensor | CatalogScores, candidates: Tensor, shown: 
             candidates``) and that the logging policy can draw ``candidates`` at all.
 
     Shape:
-        Returns :class:`LoggedPropensities` of ``[B, L]``, ``[B, L]`` and ``[B]`` tensors.
+        Returns :class:`LoggedPropensities` of ``[B, L]``, ``[B, L]`` and ``[B]`` tensors, in the logits'
+        compute dtype: pass float64 logits to store ``log π0(A^K)`` (a sum of K terms that reaches
+        hundreds of nats) to float64 accuracy.
 
     Example:
         >>> candidates = explore_candidates(logits, K, temperature=2.0, epsilon=0.05, generator=g)
