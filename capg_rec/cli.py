@@ -1,10 +1,11 @@
-"""The ``capg-rec`` command line: ``demo``, ``train``, ``reproduce``, ``bench``, ``validate``."""
+"""The ``capg-rec`` command line: ``demo``, ``train``, ``reproduce``, ``bench``, ``validate``, ``log``."""
 
 from __future__ import annotations
 
 import argparse
 
 from capg_rec import bench
+from capg_rec.logs import cli as logs_cli
 from capg_rec.train import cli as train_cli
 from capg_rec.validate import cli as validate_cli
 
@@ -15,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     train_cli.register(subparsers)
     bench.register(subparsers)
     validate_cli.register(subparsers)
+    logs_cli.register(subparsers)
     return parser
 
 

@@ -1,0 +1,172 @@
+"""``capg-rec log``: generate off-policy logs from a logging ESR in a simulated environment (registered by
+``capg_rec.cli``).
+
+The logging ESR is a :class:`~capg_rec.train.model.TwoTowerMoE`, fresh (seeded) or loaded from a
+``capg-rec train`` checkpoint, served as a PL at ``--temperature`` with an ``--epsilon`` uniform
+mixture. Each batch: B users, K candidates from the exploration mixture, the LSR shows L of them,
+rewards from the environment, and the logging propensities of :func:`~capg_rec.logs.log_propensities`;
+the rows go to a Parquet file (:mod:`capg_rec.logs.schema`), one row group per batch, and a JSON summary
+next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import NoReturn
+
+import torch
+
+from capg_rec.marginals import DEFAULT_METHOD, inclusion_methods
+from capg_rec.sim.lsr import LSR_NAMES
+
+__all__ = ["register", "generate_logs"]
+
+_ENVS = ("synthetic", "movielens", "kuairec")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``log`` to a ``capg-rec`` argparse parser."""
+    p = subparsers.add_parser(
+        "log", help="generate off-policy logs (Parquet) from a logging ESR on a simulated problem",
+        description=__doc__.split("\n\n", 1)[1] if __doc__ else None)
+    p.add_argument("--env", choices=_ENVS, default=None, help="default synthetic, or the checkpoint's")
+    p.add_argument("--data", help="KuaiRec small_matrix.csv (for --env kuairec)")
+    p.add_argument("--checkpoint", help="a `capg-rec train` checkpoint.pt: its ESR logs (default: a fresh one)")
+    p.add_argument("-K", "--num-candidates", type=int, default=None, help="default 10, or the checkpoint's")
+    p.add_argument("-L", "--num-outputs", type=int, default=None, help="default 1, or the checkpoint's")
+    p.add_argument("-M", "--num-experts", type=int, default=1, help="experts of a fresh ESR (default 1)")
+    p.add_argument("--embedding-dim", type=int, default=10, help="of a fresh ESR (default 10)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="τ of the logging PL over the model's logits (default 1, or the checkpoint's)")
+    p.add_argument("--epsilon", type=float, default=0.0, help="uniform exploration share in [0, 1] (default 0)")
+    p.add_argument("--method", default=DEFAULT_METHOD,
+                   help=f"inclusion method of log_inclusion, one of {inclusion_methods()} (default {DEFAULT_METHOD})")
+    p.add_argument("--lsr", choices=LSR_NAMES, default="optimal", help="the later stage (default optimal)")
+    p.add_argument("-n", "--num-interactions", type=int, default=10_000, help="rows to write (default 10000)")
+    p.add_argument("--batch-size", type=int, default=2048, help="requests per batch and row group (default 2048)")
+    p.add_argument("--policy-version", default=None, help="stored in every row (default: fresh-seed<S> or "
+                                                          "the checkpoint's file and step)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/logs/logs.parquet", help="the Parquet file to write")
+    p.add_argument("--summary", default=None, help="the JSON summary (default: OUT with suffix .json)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_log)
+
+
+def _fail(message: str) -> NoReturn:
+    print(f"capg-rec log: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _logging_esr(args: argparse.Namespace, env_name: str | None):
+    """``(env, model, K, L, τ, facts)`` from the options and the checkpoint, if any."""
+    from capg_rec.train.cli import _make_env
+    from capg_rec.train.model import TwoTowerMoE
+
+    facts: dict = {}
+    if args.checkpoint is not None:
+        from capg_rec.train.checkpoint import read_checkpoint
+        from capg_rec.train.config import TrainConfig
+
+        state = read_checkpoint(args.checkpoint)
+        config = TrainConfig(**state["config"])
+        saved_env = state["env"].partition("(")[0]
+        if env_name is not None and env_name != saved_env:
+            raise ValueError(f"--env {env_name}: the checkpoint's ESR was trained on {saved_env!r}")
+        env = _make_env(saved_env, args.data)
+        if env.name != state["env"]:
+            raise ValueError(f"the checkpoint's env {state['env']!r} is not the one built here ({env.name!r})")
+        model = TwoTowerMoE(env.num_users, env.num_items, num_experts=config.num_experts, dim=config.embedding_dim)
+        model.load_state_dict(state["model"])
+        k, length, tau = config.num_candidates, config.num_outputs, config.temperature
+        facts = {"checkpoint": str(args.checkpoint), "checkpoint_step": state["step"]}
+        version = f"{Path(args.checkpoint).name}@step{state['step']}"
+    else:
+        env = _make_env(env_name or "synthetic", args.data)
+        g = torch.Generator().manual_seed(args.seed)
+        model = TwoTowerMoE(env.num_users, env.num_items, num_experts=args.num_experts, dim=args.embedding_dim,
+                            generator=g)
+        k, length, tau = 10, 1, 1.0
+        version = f"fresh-seed{args.seed}"
+    k = args.num_candidates if args.num_candidates is not None else k
+    length = args.num_outputs if args.num_outputs is not None else length
+    tau = args.temperature if args.temperature is not None else tau
+    facts["policy_version"] = args.policy_version if args.policy_version is not None else version
+    return env, model, k, length, tau, facts
+
+
+def generate_logs(env, model: torch.nn.Module, out: str | Path, *, num_interactions: int, num_candidates: int,
+                  num_outputs: int, temperature: float = 1.0, epsilon: float = 0.0, method: str = DEFAULT_METHOD,
+                  lsr: str = "optimal", batch_size: int = 2048, seed: int = 0, policy_version: str = "",
+                  extra: dict | None = None, progress: bool = True) -> dict:
+    """Serve ``model`` (logits ``[B, M, N]`` per user batch) on ``env`` for ``num_interactions`` requests
+    and write them to ``out`` (Parquet); returns the summary (rows, rewards, propensities, speed)."""
+    from tqdm.auto import tqdm
+
+    from capg_rec._checks import check_count
+    from capg_rec.logs.parquet import LogWriter
+    from capg_rec.logs.propensity import explore_candidates, log_propensities
+    from capg_rec.logs.schema import LoggedBatch
+    from capg_rec.sim.lsr import make_lsr
+
+    check_count("num_interactions", num_interactions)
+    check_count("batch_size", batch_size)
+    check_count("num_candidates", num_candidates, high=env.num_items)
+    check_count("num_outputs", num_outputs, high=num_candidates)
+    ranker = make_lsr(lsr)
+    g = torch.Generator().manual_seed(seed)
+    extra = dict(extra or {}, env=env.name, lsr=lsr, temperature=temperature, epsilon=epsilon, seed=seed,
+                 num_users=env.num_users)
+    started = time.perf_counter()
+    reward_sum, inclusion_sum, min_log_inclusion, set_sum = 0.0, 0.0, 0.0, 0.0
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    with LogWriter(out, num_candidates=num_candidates, num_shown=num_outputs, num_items=env.num_items,
+                   method=method, policy_version=policy_version, extra=extra) as writer, \
+            tqdm(total=num_interactions, desc="logging", unit="rows", disable=not progress) as bar, torch.no_grad():
+        while writer.rows_written < num_interactions:
+            users = env.sample_users(min(batch_size, num_interactions - writer.rows_written), g)
+            logits = model(users)
+            candidates = explore_candidates(logits, num_candidates, temperature=temperature, epsilon=epsilon,
+                                            generator=g)
+            picks, _ = ranker(env.ranking_scores(users, candidates), num_outputs, g)
+            shown = candidates.gather(1, picks)
+            rewards = env.sample_reward(users, shown, g)
+            # float64: log π0(A^K) sums K terms and reaches hundreds of nats, where float32 is off by ~1e-2
+            logged = log_propensities(logits.double(), candidates, shown, method=method, temperature=temperature,
+                                      epsilon=epsilon)
+            writer.write(LoggedBatch(users, candidates, shown, rewards, *logged))
+            reward_sum += float(rewards.double().sum())
+            inclusion_sum += float(logged.log_inclusion.double().exp().sum())
+            min_log_inclusion = min(min_log_inclusion, float(logged.log_inclusion.min()))
+            set_sum += float(logged.log_candidate_prob.double().sum())
+            bar.update(len(users))
+    seconds = time.perf_counter() - started
+    rows = writer.rows_written
+    return {"out": str(out), "rows": rows, "row_groups": writer.batches_written, "env": env.name,
+            "num_items": env.num_items, "num_candidates": num_candidates, "num_outputs": num_outputs,
+            "temperature": temperature, "epsilon": epsilon, "method": writer.meta.method, "lsr": lsr,
+            "policy_version": policy_version, "mean_reward": reward_sum / (rows * num_outputs),
+            "mean_inclusion": inclusion_sum / (rows * num_outputs), "min_log_inclusion": min_log_inclusion,
+            "mean_log_candidate_prob": set_sum / rows, "seconds": seconds, "rows_per_second": rows / seconds,
+            **{k: v for k, v in extra.items() if k.startswith("checkpoint")}}
+
+
+def _log(args: argparse.Namespace) -> int:
+    try:
+        env, model, k, length, tau, facts = _logging_esr(args, args.env)
+        version = facts.pop("policy_version")
+        summary = generate_logs(env, model, args.out, num_interactions=args.num_interactions, num_candidates=k,
+                                num_outputs=length, temperature=tau, epsilon=args.epsilon, method=args.method,
+                                lsr=args.lsr, batch_size=args.batch_size, seed=args.seed, policy_version=version,
+                                extra=facts, progress=not args.no_progress)
+    except (ValueError, TypeError, FileNotFoundError) as err:
+        _fail(str(err))
+    path = Path(args.summary) if args.summary is not None else Path(args.out).with_suffix(".json")
+    path.write_text(json.dumps(summary, indent=1), encoding="utf-8")
+    print(json.dumps(summary, indent=1))
+    print(f"logs: {args.out}; summary: {path}", file=sys.stderr)
+    return 0

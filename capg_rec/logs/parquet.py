@@ -1,0 +1,458 @@
+"""Parquet logs: a writer that appends batches of tensors as row groups, and a streaming reader.
+
+The reader never loads a file: it reads one row group at a time (``ParquetFile.iter_batches``),
+turns each Arrow list column into a tensor through its flat values buffer (no Python loop over
+rows), and splits the row groups of all files over DataLoader workers and distributed ranks, each
+row group going to exactly one (worker, rank). Every value check names the file, the row group, the
+row and the column it failed on; none is a silent skip.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import torch
+from torch import Tensor
+
+from capg_rec._checks import check_count, check_flag, resolve_validate_args
+from capg_rec.logs.schema import LOG_SCHEMA, REQUIRED_COLUMNS, TENSOR_COLUMNS, LogMetadata, LoggedBatch, file_schema
+from capg_rec.marginals import DEFAULT_METHOD, InclusionMethod
+
+__all__ = ["LogWriter", "write_logs", "LoggedImpressions"]
+
+LOG_TOLERANCE = 1e-6
+"""How far above its bound (0, or log K for the expected count) a logged log-propensity may be: the
+rounding of a probability of 1 computed in float32."""
+
+_READ_ROWS = 16_384  # rows decoded and checked at once (then cut into batches): fewer, larger Arrow calls
+
+_LIST_WIDTH = {"candidates": "num_candidates", "shown": "num_shown", "rewards": "num_shown",
+               "log_inclusion": "num_shown", "log_expected_count": "num_shown", "features": "num_features"}
+_DTYPES = {"request_id": torch.long, "context": torch.long, "features": torch.float32, "candidates": torch.long,
+           "shown": torch.long, "rewards": torch.float32, "log_inclusion": torch.float64,
+           "log_expected_count": torch.float64, "log_candidate_prob": torch.float64}
+
+
+def _first(bad: Tensor | np.ndarray) -> int | None:
+    """Index of the first True of a 1-d mask, or None."""
+    bad = torch.as_tensor(bad)
+    return int(bad.int().argmax()) if bool(bad.any()) else None
+
+
+def _value_problems(cols: dict[str, Tensor], meta: LogMetadata, num_items: int | None
+                    ) -> Iterator[tuple[str, Tensor, str]]:
+    """``(column, bad rows [n] bool, what is wrong)`` for every value check whose columns are present."""
+    if "candidates" in cols:
+        c = cols["candidates"]
+        if c.shape[1] > 1:
+            s = c.sort(dim=1).values
+            yield "candidates", (s[:, 1:] == s[:, :-1]).any(1), "repeats an item"
+        if num_items is not None:
+            yield "candidates", ((c < 0) | (c >= num_items)).any(1), f"holds an id outside [0, {num_items}) " \
+                "(an item the catalog does not have)"
+    if "shown" in cols:
+        s = cols["shown"]
+        if s.shape[1] > 1:
+            t = s.sort(dim=1).values
+            yield "shown", (t[:, 1:] == t[:, :-1]).any(1), "repeats an item"
+        if "candidates" in cols:
+            yield "shown", ~(s.unsqueeze(2) == cols["candidates"].unsqueeze(1)).any(2).all(1), \
+                "holds an item that is not among the row's candidates (shown ⊄ candidates)"
+        elif num_items is not None:
+            yield "shown", ((s < 0) | (s >= num_items)).any(1), f"holds an id outside [0, {num_items})"
+    for name in ("rewards", "features"):
+        if name in cols:
+            yield name, ~torch.isfinite(cols[name]).all(1), "is not finite (NaN or inf)"
+    bounds = {"log_inclusion": 0.0, "log_expected_count": math.log(meta.num_candidates), "log_candidate_prob": 0.0}
+    for name, bound in bounds.items():
+        if name in cols:
+            x = cols[name] if cols[name].dim() == 2 else cols[name].unsqueeze(1)
+            yield name, ~torch.isfinite(x).all(1), "is not finite (a zero, NaN or infinite propensity)"
+            what = "a propensity > 1" if bound == 0.0 else f"an expected count > K = {meta.num_candidates}"
+            yield name, (x > bound + LOG_TOLERANCE).any(1), f"is {what} (log above {bound:g})"
+
+
+def _row(row: int, file_row: int | None) -> str:
+    return f"row {row}" if file_row is None else f"row {row} (file row {file_row + row})"
+
+
+def _raise_first(cols: dict[str, Tensor], meta: LogMetadata, num_items: int | None, where: str,
+                 row0: int, file_row0: int | None = None) -> None:
+    """``ValueError`` naming ``where``, the row (``row0`` + index; and the file's row if ``file_row0``
+    is given) and the column of the first failing check."""
+    for column, bad, what in _value_problems(cols, meta, num_items):
+        row = _first(bad)
+        if row is not None:
+            raise ValueError(f"{where}, {_row(row0 + row, file_row0)}: column {column!r} {what}")
+
+
+class LogWriter:
+    """Write logged requests to a Parquet file, one row group per :meth:`write` (or per
+    ``row_group_size`` rows).
+
+    Args:
+        path: the ``.parquet`` file to create (its directory must exist; an existing file is replaced).
+        num_candidates: K, the width of ``candidates``.
+        num_shown: L, the width of ``shown``, ``rewards`` and the per-item log-propensities.
+        num_items: N, the catalog size the ids index (checked: ids in ``[0, N)``), or None.
+        method: the inclusion method behind ``log_inclusion`` (its name is stored).
+        num_features: F, the width of ``features``, or None for a file without features.
+        policy_version: the logging policy's version, stored in every row.
+        extra: JSON-serialisable facts stored in the file metadata (environment, temperature, ε...).
+        row_group_size: rows per row group at most (default: one row group per :meth:`write`).
+        compression: Parquet compression codec.
+        validate_args: check every batch before it is written (as the reader does).
+
+    Shape:
+        :meth:`write` takes a :class:`LoggedBatch` of B rows (``request_id`` None numbers rows on from
+        the rows written so far).
+
+    Example:
+        >>> with LogWriter("logs.parquet", num_candidates=K, num_shown=L, num_items=N) as writer:
+        ...     logged = log_propensities(logits, candidates, shown, epsilon=0.05)
+        ...     writer.write(LoggedBatch(users, candidates, shown, rewards, *logged))
+    """
+
+    def __init__(self, path: str | os.PathLike, *, num_candidates: int, num_shown: int, num_items: int | None = None,
+                 method: str | InclusionMethod = DEFAULT_METHOD, num_features: int | None = None,
+                 policy_version: str = "", extra: dict[str, Any] | None = None, row_group_size: int | None = None,
+                 compression: str = "snappy", validate_args: bool | None = None) -> None:
+        check_count("num_candidates", num_candidates)
+        check_count("num_shown", num_shown, high=num_candidates)
+        if num_items is not None:
+            check_count("num_items", num_items, low=num_candidates)
+        if num_features is not None:
+            check_count("num_features", num_features)
+        if row_group_size is not None:
+            check_count("row_group_size", row_group_size)
+        if not isinstance(policy_version, str):
+            raise TypeError(f"policy_version must be a str, got {type(policy_version).__name__}")
+        if not isinstance(method, (str, InclusionMethod)):
+            raise TypeError(f"method must be an InclusionMethod or a name, got {type(method).__name__}")
+        self.meta = LogMetadata(num_candidates, num_shown, method if isinstance(method, str) else repr(method),
+                                num_items, num_features, extra=dict(extra or {}))
+        self.path = Path(path)
+        self.policy_version = policy_version
+        self.row_group_size = row_group_size
+        self.validate = resolve_validate_args(validate_args)
+        self.schema = file_schema(self.meta)
+        self.rows_written = 0
+        self.batches_written = 0
+        self._writer = pq.ParquetWriter(self.path, self.schema, compression=compression)
+
+    def __enter__(self) -> LogWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Finish the file (idempotent)."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def write(self, batch: LoggedBatch) -> None:
+        """Append ``batch`` (B rows) as one row group (or several of ``row_group_size`` rows)."""
+        if self._writer is None:
+            raise ValueError(f"LogWriter for {self.path} is closed")
+        if not isinstance(batch, LoggedBatch):
+            raise TypeError(f"batch must be a LoggedBatch, got {type(batch).__name__}")
+        cols = self._columns(batch)
+        n = len(cols["context"])
+        if self.validate:
+            where = f"batch {self.batches_written} written to {self.path}"
+            _raise_first(cols, self.meta, self.meta.num_items, where, 0)
+        if "request_id" not in cols:
+            cols["request_id"] = torch.arange(self.rows_written, self.rows_written + n)
+        arrays = []
+        for f in self.schema:
+            if f.name == "policy_version":
+                arrays.append(pa.repeat(pa.scalar(self.policy_version, pa.string()), n))
+                continue
+            values = cols[f.name].detach().cpu().numpy()
+            if values.ndim == 1:
+                arrays.append(pa.array(values, type=f.type))
+            else:
+                width = values.shape[1]
+                offsets = pa.array(np.arange(0, (n + 1) * width, width, dtype=np.int32) if n else [0], pa.int32())
+                arrays.append(pa.ListArray.from_arrays(offsets, pa.array(values.ravel(), type=f.type.value_type)))
+        self._writer.write_table(pa.Table.from_arrays(arrays, schema=self.schema), row_group_size=self.row_group_size)
+        self.rows_written += n
+        self.batches_written += 1
+
+    def _columns(self, batch: LoggedBatch) -> dict[str, Tensor]:
+        """The batch's tensors by column, checked for type and shape, cast to the file's dtypes."""
+        cols: dict[str, Tensor] = {}
+        for name in TENSOR_COLUMNS:
+            x = getattr(batch, name)
+            if x is None:
+                if name == "request_id" or (name == "features" and self.meta.num_features is None):
+                    continue
+                raise ValueError(f"batch.{name} must be a tensor, got None")
+            if name == "features" and self.meta.num_features is None:
+                raise ValueError("batch.features must be None: the file was opened without num_features")
+            if not isinstance(x, Tensor):
+                raise TypeError(f"batch.{name} must be a torch.Tensor, got {type(x).__name__}")
+            integer = _DTYPES[name] == torch.long
+            if integer == (x.is_floating_point() or x.dtype == torch.bool):
+                raise TypeError(f"batch.{name} must have {'an integer' if integer else 'a floating'} dtype, "
+                                f"got {x.dtype}")
+            width = getattr(self.meta, _LIST_WIDTH[name]) if name in _LIST_WIDTH else None
+            shape = (len(batch.context),) if width is None else (len(batch.context), width)
+            if tuple(x.shape) != shape:
+                raise ValueError(f"batch.{name} must have shape {list(shape)}, got {list(x.shape)}")
+            cols[name] = x.to(_DTYPES[name])
+        return cols
+
+
+def write_logs(path: str | os.PathLike, batch: LoggedBatch, **kwargs: Any) -> None:
+    """Write one :class:`LoggedBatch` to a new file; K, L and F are read off its shapes and
+    ``kwargs`` go to :class:`LogWriter` (``num_items``, ``method``, ``policy_version``, ...)."""
+    if not isinstance(batch, LoggedBatch):
+        raise TypeError(f"batch must be a LoggedBatch, got {type(batch).__name__}")
+    widths = dict(num_candidates=batch.candidates.shape[1], num_shown=batch.shown.shape[1],
+                  num_features=None if batch.features is None else batch.features.shape[1])
+    with LogWriter(path, **widths, **kwargs) as writer:
+        writer.write(batch)
+
+
+def _log_files(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    elif not isinstance(paths, Sequence) or not paths:
+        raise TypeError(f"path_or_paths must be a path, a directory or a non-empty list of paths, got {paths!r}")
+    files: list[Path] = []
+    for p in map(Path, paths):
+        files.extend(sorted(p.glob("*.parquet")) if p.is_dir() else [p])
+    if not files:
+        raise ValueError(f"path_or_paths: no .parquet file in {[str(p) for p in paths]}")
+    return files
+
+
+class LoggedImpressions(torch.utils.data.IterableDataset):
+    """Stream :class:`LoggedBatch` es of ``batch_size`` rows from Parquet logs, row group by row group.
+
+    The row groups of all files are split over DataLoader workers and ranks (``rank * num_workers +
+    worker`` takes every ``world_size * num_workers``-th one): each row is read by exactly one of
+    them. Use ``DataLoader(dataset, batch_size=None, num_workers=...)``: batching happens here.
+    Different ranks may get different numbers of rows (whole row groups).
+
+    Args:
+        path_or_paths: a file, a directory of ``.parquet`` files, or a list of files.
+        batch_size: rows per batch (the last one of each worker may be smaller).
+        columns: the :class:`LoggedBatch` fields to read (default: all there are); the others are None.
+        shuffle_row_groups: visit the row groups in a random order (seeded by ``seed`` and the epoch,
+            see :meth:`set_epoch`); rows within a row group keep their order.
+        seed: the shuffling seed, the same on every rank.
+        drop_last: drop each worker's last batch when it is smaller than ``batch_size``.
+        rank, world_size: this process's shard; default: ``torch.distributed``'s when it is
+            initialised, else one process.
+        num_items: the catalog size N that ids must index (default: the file's, if it recorded one);
+            pass the new catalog's size to catch logged items it no longer has.
+        validate_args: check every value (lengths, nulls, ids, ``shown ⊆ candidates``, propensities in
+            ``(0, 1]`` and finite); ``False`` skips the checks for speed.
+
+    Shape:
+        Yields :class:`LoggedBatch` with ``context [B]``, ``features [B, F]`` or None, ``candidates
+        [B, K]`` and ``shown [B, L]`` (int64), ``rewards [B, L]`` (float32), ``log_inclusion`` and
+        ``log_expected_count [B, L]`` and ``log_candidate_prob [B]`` (float64), ``request_id [B]``.
+
+    Example:
+        >>> data = LoggedImpressions("logs/", batch_size=512, shuffle_row_groups=True)
+        >>> for batch in torch.utils.data.DataLoader(data, batch_size=None, num_workers=2):
+        ...     loss = off_policy_loss(model(batch.context), batch.candidates, batch.shown, batch.rewards, ...)
+    """
+
+    def __init__(self, path_or_paths: str | os.PathLike | Sequence[str | os.PathLike], batch_size: int, *,
+                 columns: Sequence[str] | None = None, shuffle_row_groups: bool = False, seed: int = 0,
+                 drop_last: bool = False, rank: int | None = None, world_size: int | None = None,
+                 num_items: int | None = None, validate_args: bool | None = None) -> None:
+        super().__init__()
+        self.files = _log_files(path_or_paths)
+        self.batch_size = check_count("batch_size", batch_size)
+        self.shuffle_row_groups = check_flag("shuffle_row_groups", shuffle_row_groups)
+        self.drop_last = check_flag("drop_last", drop_last)
+        self.seed = check_count("seed", seed, low=0)
+        self.validate = resolve_validate_args(validate_args)
+        if (rank is None) != (world_size is None):
+            raise ValueError("rank and world_size must be given together (or neither)")
+        if world_size is not None:
+            check_count("world_size", world_size)
+            check_count("rank", rank, low=0, high=world_size - 1)
+        self.rank, self.world_size = rank, world_size
+        if num_items is not None:
+            check_count("num_items", num_items)
+        self.epoch = 0
+        self.meta, self.row_groups = self._inspect(num_items)
+        self.num_items = num_items if num_items is not None else self.meta.num_items
+        present = set(TENSOR_COLUMNS) - ({"features"} if self.meta.num_features is None else set())
+        if columns is None:
+            columns = [c for c in TENSOR_COLUMNS if c in present]
+        elif isinstance(columns, str) or not all(isinstance(c, str) for c in columns):
+            raise TypeError(f"columns must be a list of column names, got {columns!r}")
+        unknown = [c for c in columns if c not in present]
+        if unknown:
+            raise ValueError(f"columns must be among {sorted(present)}, got {unknown}")
+        self.columns = list(dict.fromkeys(columns))
+
+    @property
+    def num_rows(self) -> int:
+        """Rows in all files (all ranks and workers together)."""
+        return sum(group[2] for group in self.row_groups)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Reshuffle the row groups for this epoch (with ``shuffle_row_groups``), the same on every rank."""
+        self.epoch = check_count("epoch", epoch, low=0)
+
+    def _inspect(self, num_items: int | None) -> tuple[LogMetadata, list[tuple[int, int, int, int]]]:
+        """Every file's schema and metadata checked; ``[(file, row group, rows, the group's first row)]``."""
+        meta, groups = None, []
+        for index, path in enumerate(self.files):
+            try:
+                pf = pq.ParquetFile(path)
+            except (OSError, pa.ArrowException) as err:
+                raise ValueError(f"log file {path}: not a readable Parquet file ({err})") from err
+            with pf:
+                schema = pf.schema_arrow
+                here = LogMetadata.from_arrow(schema.metadata, str(path))
+                for name in (*REQUIRED_COLUMNS, *(["features"] if here.num_features is not None else [])):
+                    if name not in schema.names:
+                        raise ValueError(f"log file {path}: missing column {name!r}")
+                    if schema.field(name).type != LOG_SCHEMA.field(name).type:
+                        raise ValueError(f"log file {path}: column {name!r} must have type "
+                                         f"{LOG_SCHEMA.field(name).type}, got {schema.field(name).type}")
+                if meta is None:
+                    meta = here
+                else:
+                    for name in ("num_candidates", "num_shown", "num_features"):
+                        if getattr(here, name) != getattr(meta, name):
+                            raise ValueError(f"log file {path}: {name} = {getattr(here, name)} differs from "
+                                             f"{self.files[0]}'s {getattr(meta, name)}")
+                first = 0
+                for g in range(pf.num_row_groups):
+                    rows = pf.metadata.row_group(g).num_rows
+                    groups.append((index, g, rows, first))
+                    first += rows
+        return meta, groups
+
+    def _shard(self) -> tuple[int, int]:
+        """``(shard, num_shards)`` of this process and DataLoader worker."""
+        rank, world = self.rank, self.world_size
+        if rank is None:
+            dist = torch.distributed
+            rank, world = (dist.get_rank(), dist.get_world_size()) \
+                if dist.is_available() and dist.is_initialized() else (0, 1)
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        return rank * workers + worker, world * workers
+
+    def _my_row_groups(self) -> list[tuple[int, int, int, int]]:
+        order = list(range(len(self.row_groups)))
+        if self.shuffle_row_groups:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            order = torch.randperm(len(order), generator=g).tolist()
+        shard, num_shards = self._shard()
+        return [self.row_groups[i] for i in order[shard::num_shards]]
+
+    def __iter__(self) -> Iterator[LoggedBatch]:
+        pending: list[dict[str, Tensor]] = []
+        count = 0
+        current: tuple[int, pq.ParquetFile | None] = (-1, None)
+        try:
+            for file_index, group, _, first_row in self._my_row_groups():
+                if current[0] != file_index:
+                    if current[1] is not None:
+                        current[1].close()
+                    current = (file_index, pq.ParquetFile(self.files[file_index]))
+                row0 = 0
+                for record_batch in current[1].iter_batches(batch_size=max(self.batch_size, _READ_ROWS),
+                                                            row_groups=[group],
+                                                            columns=self.columns, use_threads=False):
+                    where = f"log file {self.files[file_index]}, row group {group}"
+                    cols = self._tensors(record_batch, where, row0, first_row)
+                    row0 += record_batch.num_rows
+                    pending.append(cols)
+                    count += record_batch.num_rows
+                    while count >= self.batch_size:
+                        batch, pending = _split(pending, self.batch_size)
+                        count -= self.batch_size
+                        yield _batch(batch)
+            if count and not self.drop_last:
+                yield _batch(_split(pending, count)[0])
+        finally:
+            if current[1] is not None:
+                current[1].close()
+
+    def _tensors(self, record_batch: pa.RecordBatch, where: str, row0: int, file_row0: int) -> dict[str, Tensor]:
+        """The batch's columns as tensors; with validation, every check (naming ``where`` and the row:
+        ``row0`` is the batch's first row in its row group, ``file_row0`` the group's first in the file)."""
+        cols = {}
+        for name in self.columns:
+            arr = record_batch.column(name)
+            if self.validate and arr.null_count:
+                row = _first(arr.is_null().to_numpy(zero_copy_only=False))
+                raise ValueError(f"{where}, {_row(row0 + row, file_row0)}: column {name!r} is missing (null)")
+            n = len(arr)
+            if name in _LIST_WIDTH:
+                width = getattr(self.meta, _LIST_WIDTH[name])
+                if self.validate:
+                    lengths = pc.list_value_length(arr).to_numpy(zero_copy_only=False)
+                    row = _first(lengths != width)
+                    if row is not None:
+                        raise ValueError(f"{where}, {_row(row0 + row, file_row0)}: column {name!r} must hold "
+                                         f"{width} values, "
+                                         f"got {lengths[row]}")
+                values = arr.flatten()
+                if self.validate and values.null_count:
+                    row = _first(values.is_null().to_numpy(zero_copy_only=False)) // width
+                    raise ValueError(f"{where}, {_row(row0 + row, file_row0)}: column {name!r} holds a missing "
+                                     "(null) value")
+                x = torch.from_numpy(values.to_numpy(zero_copy_only=False).copy()).view(n, width)
+            else:
+                x = torch.from_numpy(arr.to_numpy(zero_copy_only=False).copy())
+            cols[name] = x
+        if self.validate:
+            _raise_first(cols, self.meta, self.num_items, where, row0, file_row0)
+        return cols
+
+
+def _split(pending: list[dict[str, Tensor]], size: int) -> tuple[dict[str, Tensor], list[dict[str, Tensor]]]:
+    """The first ``size`` rows of the pending pieces, and the pieces left."""
+    taken, left, need = [], [], size
+    for piece in pending:
+        n = len(next(iter(piece.values())))
+        if need >= n:
+            taken.append(piece)
+            need -= n
+        elif need > 0:
+            taken.append({k: v[:need] for k, v in piece.items()})
+            left.append({k: v[need:] for k, v in piece.items()})
+            need = 0
+        else:
+            left.append(piece)
+    joined = taken[0] if len(taken) == 1 else {k: torch.cat([p[k] for p in taken]) for k in taken[0]}
+    return joined, left
+
+
+def _batch(cols: dict[str, Tensor]) -> LoggedBatch:
+    """The columns copied into ONE byte buffer, each a contiguous typed view of it: a DataLoader worker then
+    hands the whole batch over through one shared-memory block instead of one per column (~2x the rows/s),
+    and a batch never keeps the larger decoded chunk it was cut from alive."""
+    sizes = {name: -(-x.numel() * x.element_size() // 8) * 8 for name, x in cols.items()}  # 8-byte aligned
+    buffer = torch.empty(sum(sizes.values()), dtype=torch.uint8)
+    out, offset = {}, 0
+    for name, x in cols.items():
+        nbytes = x.numel() * x.element_size()
+        view = buffer[offset:offset + nbytes].view(x.dtype).view(x.shape)
+        view.copy_(x)
+        out[name], offset = view, offset + sizes[name]
+    return LoggedBatch(**{name: out.get(name) for name in LoggedBatch._fields})

@@ -1,0 +1,133 @@
+"""The off-policy log format: one Parquet row per request, and the tensors a batch of rows becomes.
+
+Columns (:data:`LOG_SCHEMA`; every column but ``features`` is required, none may hold nulls):
+
+=======================  ===================  ===========================================================
+column                   Arrow type           content
+=======================  ===================  ===========================================================
+``request_id``           int64                a unique id of the request
+``context``              int64                the context key (e.g. the user id)
+``features``             list<float32> [F]    optional: the context's features, F per row
+``candidates``           list<int64> [K]      the K items the logging ESR drew, in draw order, distinct
+``shown``                list<int64> [L]      the L items the later stage showed, in its order, ⊆ candidates
+``rewards``              list<float32> [L]    the reward of each shown item
+``log_inclusion``        list<float64> [L]    ``log π0(shown_l ∈ A^K | x)`` (≤ 0, finite)
+``log_expected_count``   list<float64> [L]    ``log Σ_k π0_{m(k)}(shown_l)`` (≤ log K, finite)
+``log_candidate_prob``   float64              ``log π0(A^K | x)`` of the ordered draw (≤ 0, finite)
+``policy_version``       string               the logging policy's version
+=======================  ===================  ===========================================================
+
+File-level metadata (:class:`LogMetadata`, stored as JSON under the schema metadata key ``capg_rec``):
+the schema version, K, L, F (or null), the catalog size N the ids index (or null), the name of the
+inclusion method behind ``log_inclusion`` and free-form ``extra`` fields (the generating environment,
+temperature, ε, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import pyarrow as pa
+from torch import Tensor
+
+__all__ = ["LOG_SCHEMA", "SCHEMA_VERSION", "REQUIRED_COLUMNS", "TENSOR_COLUMNS", "LogMetadata", "LoggedBatch",
+           "file_schema"]
+
+SCHEMA_VERSION = 1
+"""The version of :data:`LOG_SCHEMA` this capg_rec writes and reads."""
+
+LOG_SCHEMA = pa.schema([
+    pa.field("request_id", pa.int64(), nullable=False),
+    pa.field("context", pa.int64(), nullable=False),
+    pa.field("features", pa.list_(pa.float32())),
+    pa.field("candidates", pa.list_(pa.int64()), nullable=False),
+    pa.field("shown", pa.list_(pa.int64()), nullable=False),
+    pa.field("rewards", pa.list_(pa.float32()), nullable=False),
+    pa.field("log_inclusion", pa.list_(pa.float64()), nullable=False),
+    pa.field("log_expected_count", pa.list_(pa.float64()), nullable=False),
+    pa.field("log_candidate_prob", pa.float64(), nullable=False),
+    pa.field("policy_version", pa.string(), nullable=False),
+])
+"""The full log schema (``features`` is optional: a file without features leaves the column out)."""
+
+REQUIRED_COLUMNS = tuple(name for name in LOG_SCHEMA.names if name != "features")
+
+TENSOR_COLUMNS = tuple(name for name in LOG_SCHEMA.names if name != "policy_version")
+"""The columns that become tensors of a :class:`LoggedBatch`."""
+
+_METADATA_KEY = b"capg_rec"
+
+
+@dataclass(frozen=True)
+class LogMetadata:
+    """File-level facts of a log: K, L, F, the catalog size N, the inclusion method's name, ``extra``."""
+
+    num_candidates: int
+    num_shown: int
+    method: str
+    num_items: int | None = None
+    num_features: int | None = None
+    schema_version: int = SCHEMA_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_arrow(self) -> dict[bytes, bytes]:
+        return {_METADATA_KEY: json.dumps(dataclasses.asdict(self)).encode()}
+
+    @classmethod
+    def from_arrow(cls, metadata: dict[bytes, bytes] | None, path: str) -> LogMetadata:
+        """Read it back; ``ValueError`` naming ``path`` when it is missing, malformed or of another version."""
+        if not metadata or _METADATA_KEY not in metadata:
+            raise ValueError(f"log file {path}: no capg_rec metadata (K, L, method): not written by LogWriter")
+        try:
+            fields = json.loads(metadata[_METADATA_KEY])
+            meta = cls(**fields)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"log file {path}: malformed capg_rec metadata ({err})") from err
+        if meta.schema_version != SCHEMA_VERSION:
+            raise ValueError(f"log file {path}: schema version {meta.schema_version}, this capg_rec reads "
+                             f"version {SCHEMA_VERSION}")
+        for name in ("num_candidates", "num_shown"):
+            value = getattr(meta, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"log file {path}: metadata {name} must be an int >= 1, got {value!r}")
+        return meta
+
+
+def file_schema(meta: LogMetadata) -> pa.Schema:
+    """The schema of a file: :data:`LOG_SCHEMA` (without ``features`` when F is None) with ``meta``."""
+    schema = LOG_SCHEMA if meta.num_features is not None else LOG_SCHEMA.remove(LOG_SCHEMA.get_field_index("features"))
+    return schema.with_metadata(meta.to_arrow())
+
+
+class LoggedBatch(NamedTuple):
+    """A batch of B logged requests as tensors (what :class:`~capg_rec.logs.LoggedImpressions` yields
+    and :class:`~capg_rec.logs.LogWriter` takes).
+
+    Attributes:
+        context: ``LongTensor[B]`` the context keys.
+        candidates: ``LongTensor[B, K]``.
+        shown: ``LongTensor[B, L]``.
+        rewards: ``[B, L]`` float32.
+        log_inclusion: ``[B, L]`` float64.
+        log_expected_count: ``[B, L]`` float64.
+        log_candidate_prob: ``[B]`` float64.
+        features: ``[B, F]`` float32, or None.
+        request_id: ``LongTensor[B]``, or None (the writer then numbers rows from 0 on).
+
+    The log-propensities stay float64: ``log π0(A^K)`` reaches thousands of nats at K = 200, where
+    float32 keeps only ~1e-4 of absolute accuracy, and an importance weight is the exponential of a
+    difference of such numbers. A field the reader was told not to read is None.
+    """
+
+    context: Tensor | None
+    candidates: Tensor | None
+    shown: Tensor | None
+    rewards: Tensor | None
+    log_inclusion: Tensor | None
+    log_expected_count: Tensor | None
+    log_candidate_prob: Tensor | None
+    features: Tensor | None = None
+    request_id: Tensor | None = None

@@ -1,0 +1,266 @@
+"""Parquet logs: writer/reader round trip, batching, sharding over ranks and DataLoader workers, and a
+ValueError naming file, row group, row and column for each kind of malformed file."""
+
+import math
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from capg_rec.logs import LOG_SCHEMA, LoggedBatch, LoggedImpressions, LogWriter, explore_candidates, \
+    log_propensities, write_logs
+from capg_rec.logs.schema import LogMetadata
+
+N, K, L, F = 30, 5, 2, 3
+
+
+def _batch(rows, seed, features=True, start=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, N, generator=g)
+    cands = explore_candidates(logits, K, epsilon=0.2, generator=g)
+    shown = cands[:, [3, 0]]
+    logged = log_propensities(logits, cands, shown, epsilon=0.2)
+    return LoggedBatch(torch.randint(100, (rows,), generator=g), cands, shown, torch.randn(rows, L, generator=g),
+                       *logged, features=torch.randn(rows, F, generator=g) if features else None,
+                       request_id=torch.arange(start, start + rows))
+
+
+def _write(path, sizes, features=True, start=0, **kwargs):
+    batches = []
+    with LogWriter(path, num_candidates=K, num_shown=L, num_items=N, num_features=F if features else None,
+                   policy_version="v1", extra={"env": "test"}, **kwargs) as writer:
+        for i, rows in enumerate(sizes):
+            batches.append(_batch(rows, i, features, start))
+            writer.write(batches[-1])
+            start += rows
+    return batches
+
+
+def _cat(batches):
+    return LoggedBatch(*(None if x[0] is None else torch.cat(x) for x in zip(*batches)))
+
+
+def _assert_same(a, b):
+    for name, x, y in zip(LoggedBatch._fields, a, b):
+        if x is None or y is None:
+            assert x is None and y is None, name
+            continue
+        assert x.dtype == y.dtype, name
+        torch.testing.assert_close(x, y, rtol=0, atol=0, msg=name)
+
+
+def _as_written(batch):
+    return batch._replace(rewards=batch.rewards.float(), log_inclusion=batch.log_inclusion.double(),
+                          log_expected_count=batch.log_expected_count.double(),
+                          log_candidate_prob=batch.log_candidate_prob.double())
+
+
+@pytest.mark.parametrize("features", [True, False])
+@pytest.mark.parametrize("batch_size", [1, 7, 64, 1000])
+def test_round_trip(tmp_path, features, batch_size):
+    path = tmp_path / "logs.parquet"
+    written = _cat([_as_written(b) for b in _write(path, [10, 25, 1, 40], features)])
+    data = LoggedImpressions(path, batch_size)
+    assert data.num_rows == 76 and data.meta.num_candidates == K and data.meta.extra == {"env": "test"}
+    got = list(data)
+    assert [len(b.context) for b in got][:-1] == [batch_size] * (len(got) - 1)
+    assert 0 < len(got[-1].context) <= batch_size
+    _assert_same(_cat(got), written)
+    assert pq.ParquetFile(path).num_row_groups == 4
+    assert pq.read_table(path, columns=["policy_version"]).column(0).unique().to_pylist() == ["v1"]
+
+
+def test_drop_last_columns_and_row_group_size(tmp_path):
+    path = tmp_path / "logs.parquet"
+    _write(path, [50], row_group_size=8)
+    assert pq.ParquetFile(path).num_row_groups == 7
+    got = list(LoggedImpressions(path, 16, drop_last=True, columns=["shown", "log_inclusion"]))
+    assert [len(b.shown) for b in got] == [16, 16, 16]
+    assert got[0].candidates is None and got[0].features is None and got[0].log_inclusion.dtype == torch.float64
+
+
+def test_shuffled_row_groups_cover_the_file_once(tmp_path):
+    path = tmp_path / "logs.parquet"
+    _write(path, [5] * 12)
+    plain = torch.cat([b.request_id for b in LoggedImpressions(path, 5)])
+    a = torch.cat([b.request_id for b in LoggedImpressions(path, 5, shuffle_row_groups=True, seed=1)])
+    b = torch.cat([b.request_id for b in LoggedImpressions(path, 5, shuffle_row_groups=True, seed=1)])
+    data = LoggedImpressions(path, 5, shuffle_row_groups=True, seed=1)
+    data.set_epoch(1)
+    c = torch.cat([b.request_id for b in data])
+    assert torch.equal(a, b) and not torch.equal(a, plain) and not torch.equal(a, c)
+    assert torch.equal(a.sort().values, plain) and torch.equal(c.sort().values, plain)
+
+
+def test_two_ranks_two_workers_partition_the_files(tmp_path):
+    """The union over 2 ranks × 2 DataLoader workers is exactly the files' rows, none twice."""
+    _write(tmp_path / "a.parquet", [6, 7, 8, 9, 10])
+    batches = _write(tmp_path / "b.parquet", [3, 4], start=1000)
+    seen = []
+    for rank in range(2):
+        data = LoggedImpressions(tmp_path, 4, rank=rank, world_size=2, shuffle_row_groups=True)
+        loader = torch.utils.data.DataLoader(data, batch_size=None, num_workers=2)
+        ids = [int(r) for b in loader for r in b.request_id]
+        assert ids
+        seen += ids
+    assert len(seen) == len(set(seen)) == 40 + 7
+    assert sorted(seen) == [*range(40), *range(1000, 1007)]
+    assert set(range(1000, 1007)) == {int(r) for b in batches for r in b.request_id}
+
+
+def test_write_logs_and_empty_batch(tmp_path):
+    batch = _as_written(_batch(9, 0, features=False))
+    write_logs(tmp_path / "one.parquet", batch, num_items=N, method="exact")
+    data = LoggedImpressions(tmp_path / "one.parquet", 4)
+    assert data.meta.method == "exact" and data.meta.num_features is None
+    _assert_same(_cat(list(data)), batch)
+    with LogWriter(tmp_path / "empty.parquet", num_candidates=K, num_shown=L) as writer:
+        writer.write(_batch(0, 0, features=False))
+    assert list(LoggedImpressions(tmp_path / "empty.parquet", 4)) == []
+
+
+# ------------------------------------------------------------------------------------------ malformed files
+
+def _table(rows=6, nullable=False):
+    """A valid table of ``rows`` rows as Python lists (to corrupt), and its schema."""
+    b = _as_written(_batch(rows, 3))
+    cols = {"request_id": b.request_id.tolist(), "context": b.context.tolist(), "features": b.features.tolist(),
+            "candidates": b.candidates.tolist(), "shown": b.shown.tolist(), "rewards": b.rewards.tolist(),
+            "log_inclusion": b.log_inclusion.tolist(), "log_expected_count": b.log_expected_count.tolist(),
+            "log_candidate_prob": b.log_candidate_prob.tolist(), "policy_version": ["v"] * rows}
+    return cols
+
+
+def _write_raw(path, cols, drop=None, meta=None, row_group_size=3):
+    meta = meta or LogMetadata(K, L, "mean_field", N, F)
+    fields = [pa.field(f.name, f.type) for f in LOG_SCHEMA if f.name != drop]
+    schema = pa.schema(fields).with_metadata(meta.to_arrow())
+    table = pa.Table.from_pydict({f.name: cols[f.name] for f in fields}, schema=schema)
+    pq.write_table(table, path, row_group_size=row_group_size)
+
+
+def _set(cols, name, row, value):
+    cols[name][row] = value
+    return cols
+
+
+CORRUPTIONS = {
+    "candidates too short": (lambda c: _set(c, "candidates", 4, c["candidates"][4][:-1]), "candidates",
+                             "must hold 5 values"),
+    "shown too long": (lambda c: _set(c, "shown", 4, c["shown"][4] + [c["candidates"][4][1]]), "shown",
+                       "must hold 2 values"),
+    "rewards too short": (lambda c: _set(c, "rewards", 4, [1.0]), "rewards", "must hold 2 values"),
+    "features too long": (lambda c: _set(c, "features", 4, [0.0] * 4), "features", "must hold 3 values"),
+    "shown not a candidate": (lambda c: _set(c, "shown", 4, [next(i for i in range(N) if i not in c["candidates"][4]),
+                                                             c["shown"][4][1]]), "shown", "shown ⊄ candidates"),
+    "repeated candidate": (lambda c: _set(c, "candidates", 4, [c["candidates"][4][0]] * 2 + c["candidates"][4][2:]),
+                           "candidates", "repeats"),
+    "repeated shown": (lambda c: _set(c, "shown", 4, [c["shown"][4][0]] * 2), "shown", "repeats"),
+    "propensity above 1": (lambda c: _set(c, "log_inclusion", 4, [0.01, c["log_inclusion"][4][1]]), "log_inclusion",
+                           "> 1"),
+    "set propensity above 1": (lambda c: _set(c, "log_candidate_prob", 4, 1e-3), "log_candidate_prob", "> 1"),
+    "count above K": (lambda c: _set(c, "log_expected_count", 4, [math.log(K) + 0.1, 0.0]), "log_expected_count",
+                      "expected count > K"),
+    "zero propensity": (lambda c: _set(c, "log_inclusion", 4, [-math.inf, -1.0]), "log_inclusion", "zero"),
+    "NaN propensity": (lambda c: _set(c, "log_expected_count", 4, [math.nan, -1.0]), "log_expected_count",
+                       "NaN"),
+    "NaN set propensity": (lambda c: _set(c, "log_candidate_prob", 4, math.nan), "log_candidate_prob", "NaN"),
+    "null propensity": (lambda c: _set(c, "log_candidate_prob", 4, None), "log_candidate_prob", "null"),
+    "null inside a list": (lambda c: _set(c, "log_inclusion", 4, [None, -1.0]), "log_inclusion", "null"),
+    "null list": (lambda c: _set(c, "shown", 4, None), "shown", "null"),
+    "null context": (lambda c: _set(c, "context", 4, None), "context", "null"),
+    "infinite reward": (lambda c: _set(c, "rewards", 4, [math.inf, 0.0]), "rewards", "not finite"),
+    "item not in the catalog": (lambda c: _set(c, "candidates", 4, c["candidates"][4][:-1] + [N]), "candidates",
+                                f"outside \\[0, {N}\\)"),
+    "negative item": (lambda c: _set(c, "candidates", 4, c["candidates"][4][:-1] + [-1]), "candidates",
+                      "outside"),
+}
+
+
+@pytest.mark.parametrize("case", list(CORRUPTIONS))
+def test_malformed_file_names_file_row_group_row_and_column(tmp_path, case):
+    corrupt, column, what = CORRUPTIONS[case]
+    path = tmp_path / "bad.parquet"
+    _write_raw(path, corrupt(_table()))
+    with pytest.raises(ValueError, match=f"{path}, row group 1, row 1 \\(file row 4\\): column '{column}'.*{what}"):
+        list(LoggedImpressions(path, 2))
+
+
+def test_checks_off_reads_bad_values(tmp_path):
+    path = tmp_path / "bad.parquet"
+    _write_raw(path, CORRUPTIONS["propensity above 1"][0](_table()))
+    got = _cat(list(LoggedImpressions(path, 4, validate_args=False)))
+    assert got.log_inclusion[4, 0] == 0.01
+
+
+def test_items_the_new_catalog_lacks(tmp_path):
+    path = tmp_path / "logs.parquet"
+    _write(path, [10, 10])
+    top = int(_cat(list(LoggedImpressions(path, 20))).candidates.max())
+    with pytest.raises(ValueError, match=f"column 'candidates' holds an id outside \\[0, {top}\\)"):
+        list(LoggedImpressions(path, 20, num_items=top))
+
+
+def test_bad_file_level_input(tmp_path):
+    cols = _table()
+    _write_raw(tmp_path / "nocol.parquet", cols, drop="log_inclusion")
+    with pytest.raises(ValueError, match="nocol.parquet: missing column 'log_inclusion'"):
+        LoggedImpressions(tmp_path / "nocol.parquet", 2)
+    _write_raw(tmp_path / "nofeat.parquet", cols, drop="features")
+    with pytest.raises(ValueError, match="nofeat.parquet: missing column 'features'"):
+        LoggedImpressions(tmp_path / "nofeat.parquet", 2)
+    pq.write_table(pa.table({"x": [1]}), tmp_path / "plain.parquet")
+    with pytest.raises(ValueError, match="plain.parquet: no capg_rec metadata"):
+        LoggedImpressions(tmp_path / "plain.parquet", 2)
+    (tmp_path / "junk.parquet").write_bytes(b"not parquet")
+    with pytest.raises(ValueError, match="junk.parquet: not a readable Parquet file"):
+        LoggedImpressions(tmp_path / "junk.parquet", 2)
+    _write_raw(tmp_path / "k4.parquet", cols, meta=LogMetadata(4, L, "mean_field", N, F))
+    _write_raw(tmp_path / "k5.parquet", cols)
+    with pytest.raises(ValueError, match="num_candidates = 5 differs"):
+        LoggedImpressions([tmp_path / "k4.parquet", tmp_path / "k5.parquet"], 2)
+    with pytest.raises(ValueError, match="columns"):
+        LoggedImpressions(tmp_path / "k5.parquet", 2, columns=["nope"])
+    with pytest.raises(ValueError, match="batch_size"):
+        LoggedImpressions(tmp_path / "k5.parquet", 0)
+    with pytest.raises(ValueError, match="rank"):
+        LoggedImpressions(tmp_path / "k5.parquet", 2, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="nothing-here: not a readable Parquet file"):
+        LoggedImpressions(tmp_path / "nothing-here", 2)
+    (tmp_path / "empty-dir").mkdir()
+    with pytest.raises(ValueError, match="no .parquet file"):
+        LoggedImpressions(tmp_path / "empty-dir", 2)
+
+
+def test_writer_rejects_bad_batches(tmp_path):
+    good = _batch(6, 0)
+    with LogWriter(tmp_path / "w.parquet", num_candidates=K, num_shown=L, num_items=N, num_features=F) as writer:
+        with pytest.raises(ValueError, match="batch 0 written to .*row 2: column 'log_inclusion' is a propensity > 1"):
+            writer.write(good._replace(log_inclusion=good.log_inclusion.index_fill(0, torch.tensor([2]), 0.5)))
+        shown = good.shown.clone()
+        shown[3, 0] = next(i for i in range(N) if i not in good.candidates[3])
+        with pytest.raises(ValueError, match="row 3: column 'shown'.*⊄"):
+            writer.write(good._replace(shown=shown))
+        with pytest.raises(ValueError, match=r"batch.shown must have shape \[6, 2\]"):
+            writer.write(good._replace(shown=good.candidates))
+        with pytest.raises(TypeError, match="batch.candidates must have an integer dtype"):
+            writer.write(good._replace(candidates=good.candidates.float()))
+        with pytest.raises(ValueError, match="batch.features must be a tensor"):
+            writer.write(good._replace(features=None))
+        with pytest.raises(TypeError, match="LoggedBatch"):
+            writer.write(tuple(good))
+        writer.write(good)
+    assert LoggedImpressions(tmp_path / "w.parquet", 2).num_rows == 6
+    with pytest.raises(ValueError, match="num_shown"):
+        LogWriter(tmp_path / "x.parquet", num_candidates=2, num_shown=3)
+
+
+def test_reader_converts_without_row_loops(tmp_path):
+    """The list columns come out of the flat values buffers: a sliced (offset) batch converts right."""
+    path = tmp_path / "logs.parquet"
+    written = _cat([_as_written(b) for b in _write(path, [33], row_group_size=33)])
+    got = _cat(list(LoggedImpressions(path, 10)))  # batches of 10 out of one row group of 33
+    _assert_same(got, written)
+    assert np.array_equal(got.candidates.numpy(), written.candidates.numpy())
