@@ -269,6 +269,15 @@ def _summarize(study: OffPolicyStudy, env: MatrixEnv, runs: Sequence[dict], out:
         snips = sum(r["ope_snips"] for r in group) / len(group)
         table.append([k, n, LEARNERS[learner], f"{mean:.3f} ± {se:.3f}", ratio, f"{ips:.3f}", f"{snips:.3f}",
                       len(group)])
+    ranking = []
+    for k in study.ks:
+        for n in study.sizes:
+            per_seed = [[r for r in runs if (r["K"], r["n"], r["seed"]) == (k, n, seed)] for seed in study.seeds]
+            per_seed = [group for group in per_seed if len(group) > 2]
+            if per_seed:
+                ips = sum(_rank_correlation(g, "ope_ips") for g in per_seed) / len(per_seed)
+                snips = sum(_rank_correlation(g, "ope_snips") for g in per_seed) / len(per_seed)
+                ranking.append([k, n, f"{ips:.2f}", f"{snips:.2f}", len(per_seed)])
     starts = {(r["K"], r["seed"]): (r["logging_greedy_value"], r["logged_mean_reward"]) for r in runs}
     lines = [f"- K={k}, seed {s}: greedy value of the logging ESR's model {g:.3f}; mean expected reward of the "
              f"logged (τ₀ = {study.logging_temperature}) impressions {m:.3f}" for (k, s), (g, m) in starts.items()]
@@ -277,10 +286,27 @@ def _summarize(study: OffPolicyStudy, env: MatrixEnv, runs: Sequence[dict], out:
             f"{env.optimal_value(study.num_outputs):.3f}. OPE: IPS / SNIPS estimates of the same greedy ESR from "
             f"{study.eval_rows} held-out logged rows (target: the value if the LSR showed items at the logging "
             f"rate). Weights capped at {study.max_weight}.\n\n" + markdown_table(header, table)
+            + "\nDo the OPE estimates rank the learned ESRs as their true values do? Spearman correlation across "
+              "learners, mean over seeds:\n\n"
+            + markdown_table(["K", "n", "IPS vs true", "SNIPS vs true", "seeds"], ranking)
             + "\nStarting points:\n\n" + "\n".join(lines) + "\n")
     (out / "results.md").write_text(text, encoding="utf-8")
     _plot(cells, study, out)
     return text
+
+
+def _rank_correlation(group: Sequence[dict], key: str) -> float:
+    """Spearman correlation of ``key`` with the true value across ``group`` (ties broken by order)."""
+    def ranks(values: list[float]) -> list[int]:
+        order = sorted(range(len(values)), key=values.__getitem__)
+        out = [0] * len(values)
+        for rank, i in enumerate(order):
+            out[i] = rank
+        return out
+
+    a, b = ranks([r[key] for r in group]), ranks([r["true_value"] for r in group])
+    n = len(group)
+    return 1 - 6 * sum((x - y) ** 2 for x, y in zip(a, b)) / (n * (n * n - 1))
 
 
 def _plot(cells: dict, study: OffPolicyStudy, out: Path) -> None:
@@ -307,7 +333,12 @@ def _plot(cells: dict, study: OffPolicyStudy, out: Path) -> None:
         ax.set_xlabel("logged interactions n")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("true policy value (greedy ESR)")
-    axes[0][-1].legend(fontsize=7, loc="best")
+    labels: dict[str, object] = {}
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            labels.setdefault(label, handle)
+    if labels:
+        axes[0][-1].legend(list(labels.values()), list(labels), fontsize=7, loc="best")
     fig.tight_layout()
     fig.savefig(out / "values.png", dpi=120)
     plt.close(fig)
