@@ -36,7 +36,6 @@ from torch import Tensor
 
 from capg_rec._checks import DeferredChecks, check_choice, check_count, check_flag, check_id_tensor, \
     check_positive, resolve_validate_args
-from capg_rec._numerics import log1mexp
 from capg_rec.catalog import CatalogScores, DenseCatalog, as_catalog
 from capg_rec.marginals import DEFAULT_METHOD, InclusionMethod, WithReplacement, _inclusion_log_prob, \
     inclusion_method
@@ -169,7 +168,8 @@ def topk_reinforce_loss(logits: Tensor | CatalogScores, candidates: Tensor, chos
                                self_normalize=self_normalize)
     multiplier = ratio
     if num_candidates > 1:  # λ_1 = 1 (0 · log 0 would be NaN at π_θ(a) = 1)
-        multiplier = ratio * torch.exp(math.log(num_candidates) + (num_candidates - 1) * log1mexp(score.detach()))
+        single = score.detach().exp().clamp(max=1.0)  # λ_K → 0 as π → 1, so 1 - π's rounding there is harmless
+        multiplier = ratio * (num_candidates * (1.0 - single) ** (num_candidates - 1))
     return _reduce(-(multiplier * advantage * score).sum(1), reduction)
 
 
