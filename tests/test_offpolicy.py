@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from capg_rec import (CAPGLoss, OffPolicyCAPGLoss, OffPolicyVPGLoss, TopKReinforceLoss, candidate_log_prob,
-                      expert_of_position, inclusion_log_prob)
+from capg_rec import (CAPGLoss, EmbeddingCatalog, OffPolicyCAPGLoss, OffPolicyVPGLoss, TopKReinforceLoss,
+                      candidate_log_prob, expert_of_position, inclusion_log_prob)
 from capg_rec import functional as F
 from capg_rec._enumerate import all_draws, draw_log_probs, inclusion_probs
 
@@ -250,3 +250,23 @@ def test_input_checks_name_the_argument():
     with pytest.raises(TypeError, match="self_normalize"):
         OffPolicyVPGLoss(k, self_normalize=1)
     OffPolicyCAPGLoss(k, validate_args=False)(logits, candidates, chosen, rewards, logged + 1.0)  # unchecked
+
+
+def test_catalog_objects_give_the_dense_losses():
+    """An EmbeddingCatalog (streamed in chunks) gives the same off-policy losses and gradients as its logits."""
+    g = torch.Generator().manual_seed(6)
+    b, n, m, d, k = 3, 40, 2, 4, 5
+    user = torch.randn(b, m, d, generator=g, dtype=torch.float64, requires_grad=True)
+    item = torch.randn(n, m, d, generator=g, dtype=torch.float64)
+    logits = torch.einsum("bmd,nmd->bmn", user, item)
+    candidates = torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(b)])
+    chosen, rewards = candidates[:, 1:3], torch.rand(b, 2, generator=g, dtype=torch.float64)
+    logged = torch.rand(b, 2, generator=g, dtype=torch.float64).log() - 1.0
+    catalog = EmbeddingCatalog(user, item, chunk_size=16)
+    for loss_fn, extra in ((OffPolicyCAPGLoss(k, max_weight=5.0), logged), (OffPolicyVPGLoss(k), logged.sum(1) * 3),
+                           (TopKReinforceLoss(k, self_normalize=True), logged)):
+        dense, streamed = loss_fn(logits, candidates, chosen, rewards, extra), loss_fn(catalog, candidates, chosen,
+                                                                                      rewards, extra)
+        torch.testing.assert_close(streamed, dense)
+        torch.testing.assert_close(torch.autograd.grad(streamed, user)[0],
+                                   torch.autograd.grad(dense, user, retain_graph=True)[0])
