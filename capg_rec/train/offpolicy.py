@@ -328,6 +328,9 @@ def _plot(cells: dict, study: OffPolicyStudy, out: Path) -> None:
                     es.append(se)
             if xs:
                 ax.errorbar(xs, ys, yerr=es, marker="o", ms=3, lw=1, capsize=2, label=LEARNERS[learner])
+        starts = [r["logging_greedy_value"] for group in cells.values() for r in group if r["K"] == k]
+        if starts:
+            ax.axhline(sum(starts) / len(starts), color="gray", ls="--", lw=0.8, label="logging ESR (greedy)")
         ax.set_xscale("log")
         ax.set_title(f"K = {k}")
         ax.set_xlabel("logged interactions n")
