@@ -1,6 +1,7 @@
 """Off-policy losses: expected-gradient identities under a logging ESR by exact enumeration,
 weight capping and self-normalisation, numerics, input checks."""
 
+import functools
 import math
 
 import pytest
@@ -208,11 +209,12 @@ def test_empty_batch_and_compile_without_checks(device):
                                                            torch.empty(0, 1, device=device))):
         assert loss.item() == 0.0
     logits, candidates, chosen, rewards, logged = (t.to(device) for t in _logged_rows(3, dtype=torch.float32))
-    for fn, extra in ((F.offpolicy_capg_loss, logged), (F.offpolicy_vpg_loss, logged.sum(1)),
-                      (F.topk_reinforce_loss, logged)):
-        eager = fn(logits, candidates, chosen, rewards, extra, self_normalize=True, validate_args=False)
-        compiled = torch.compile(lambda *a: fn(*a, self_normalize=True, validate_args=False), fullgraph=True,
-                                 backend="eager")(logits, candidates, chosen, rewards, extra)
+    capg_swr = functools.partial(F.offpolicy_capg_loss, method="with_replacement")  # the weights are what is new
+    for fn, extra in ((capg_swr, logged), (F.offpolicy_vpg_loss, logged.sum(1)), (F.topk_reinforce_loss, logged)):
+        compiled = torch.compile(lambda *a: fn(*a, self_normalize=True, max_weight=2.0, validate_args=False),
+                                 fullgraph=True, backend="eager")(logits, candidates, chosen, rewards, extra)
+        eager = fn(logits, candidates, chosen, rewards, extra, self_normalize=True, max_weight=2.0,
+                   validate_args=False)
         torch.testing.assert_close(compiled, eager)
 
 
