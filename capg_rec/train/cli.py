@@ -85,6 +85,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--logging-steps", type=int, default=None, help="online steps of the logging ESR (default 1000)")
     g.add_argument("--logging-temperature", type=float, default=None, help="τ₀ of the logging ESR (default 2)")
     g.add_argument("--max-weight", type=float, default=None, help="importance-weight cap (default 100)")
+    g.add_argument("--first-seed", type=int, default=0, help="seeds FIRST_SEED .. FIRST_SEED + SEEDS - 1")
     g.add_argument("--quick", action="store_true", help="a small setting: K=10, n=10^4, 1 seed, 200 logging steps")
     p.set_defaults(func=_reproduce)
 
@@ -195,7 +196,7 @@ def _offpolicy(args: argparse.Namespace, out: Path) -> int:
     if args.quick:
         options.update(ks=(10,), sizes=(10_000,), seeds=(0,), logging_steps=200, eval_rows=10_000)
     else:
-        options["seeds"] = tuple(range(args.seeds))
+        options["seeds"] = tuple(range(args.first_seed, args.first_seed + args.seeds))
     for name in ("ks", "sizes", "learners"):
         if getattr(args, name) is not None:
             options[name] = tuple(getattr(args, name))
