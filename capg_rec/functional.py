@@ -91,10 +91,10 @@ def offpolicy_capg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chos
     row was served. The weight ``w_l = π_θ(a_l ∈ A^K) / π₀(a_l ∈ A^K)`` is computed in log space
     from the detached score (a constant: the gradient is ``w_l ∇ log π_θ``), then capped at
     ``max_weight`` (``None``: only at ``sqrt`` of the dtype's largest value, so that the weight and
-    its products stay finite). Its expectation under π₀ is ``Σ_a r̄(a) ρ₀(a) ∇π_θ(a ∈ A^K)`` per
-    context, ``ρ₀(a) = P_{A~π₀}(LSR shows a | a ∈ A)``: the paper's Lemma with the LSR's
-    propensity taken under the logging ESR (unbiased for that target without a cap; with
-    π₀ = π_θ it is on-policy CA-PG).
+    its products stay finite). Without cap, baseline or position weights, the expected negative
+    gradient under π₀ is ``Σ_a r̄(a) ρ₀(a) ∇π_θ(a ∈ A^K)`` per context, ``r̄(a) = E[r | a]`` and
+    ``ρ₀(a) = P_{A~π₀}(LSR shows a | a ∈ A)``: the paper's Lemma with the LSR's propensity taken
+    under the logging ESR (with π₀ = π_θ it is on-policy CA-PG).
 
     ``self_normalize=True`` (SNIPS) divides every (capped) weight by the mean weight over the
     batch's ``B × L`` shown items, so that the weights of a batch average 1: the ``"mean"`` loss
