@@ -3,14 +3,14 @@
 from capg_rec import functional
 from capg_rec._checks import set_default_validate_args
 from capg_rec.catalog import CatalogScores, DenseCatalog, EmbeddingCatalog, as_catalog
-from capg_rec.losses import CAPGLoss, VPGLoss
+from capg_rec.losses import CAPGLoss, OffPolicyCAPGLoss, OffPolicyVPGLoss, TopKReinforceLoss, VPGLoss
 from capg_rec.marginals import (DEFAULT_METHOD, Exact, InclusionMethod, MeanField, PlugIn, WithReplacement,
                                 inclusion_log_prob, inclusion_method, inclusion_methods, register_inclusion_method)
 from capg_rec.plackett_luce import candidate_log_prob, expert_of_position, greedy_candidates, sample_candidates
 from capg_rec.rewards import dcg_weights, group_normalize
 
 __all__ = [
-    "CAPGLoss", "VPGLoss", "functional",
+    "CAPGLoss", "VPGLoss", "OffPolicyCAPGLoss", "OffPolicyVPGLoss", "TopKReinforceLoss", "functional",
     "CatalogScores", "DenseCatalog", "EmbeddingCatalog", "as_catalog",
     "InclusionMethod", "Exact", "MeanField", "PlugIn", "WithReplacement", "DEFAULT_METHOD",
     "inclusion_log_prob", "inclusion_method", "inclusion_methods", "register_inclusion_method",

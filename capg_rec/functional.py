@@ -9,6 +9,12 @@ Both take one forward signature::
 position weights are constants. Sampling with replacement is ``vpg_loss(..., with_replacement=True)``
 (V-PG-SwR) and ``capg_loss(..., method="with_replacement")`` (CA-PG-SwR, TOP1-PG).
 
+The off-policy losses take the same arguments plus what the logging ESR π₀ stored for the row
+(its log-propensities) and learn from logs that π₀ produced: ``offpolicy_capg_loss`` (marginal
+importance weights), ``offpolicy_vpg_loss`` (whole-set weights) and ``topk_reinforce_loss``
+(Chen et al. 2019). Their weights are computed in log space, detached (constants, like the
+rewards) and capped, so that they are never ``inf`` or NaN.
+
 Shapes: ``logits [B, N] | [B, M, N] | CatalogScores`` (``-inf`` masks an item), ``candidates
 [B, K]`` (the ESR's draw, in draw order), ``chosen [B, L]`` (what the later stage showed, a subset
 of the candidates), ``rewards [B, L]``, ``position_weights [L]``, ``baseline [B] | [B, L]``.
@@ -29,14 +35,19 @@ import torch
 from torch import Tensor
 
 from capg_rec._checks import DeferredChecks, check_choice, check_count, check_flag, check_id_tensor, \
-    resolve_validate_args
+    check_positive, resolve_validate_args
 from capg_rec.catalog import CatalogScores, DenseCatalog, as_catalog
-from capg_rec.marginals import DEFAULT_METHOD, InclusionMethod, _inclusion_log_prob, inclusion_method
+from capg_rec.marginals import DEFAULT_METHOD, InclusionMethod, WithReplacement, _inclusion_log_prob, \
+    inclusion_method
 from capg_rec.plackett_luce import _candidate_log_prob
 
-__all__ = ["vpg_loss", "capg_loss"]
+__all__ = ["vpg_loss", "capg_loss", "offpolicy_capg_loss", "offpolicy_vpg_loss", "topk_reinforce_loss",
+           "importance_weights"]
 
 REDUCTIONS = ("mean", "sum", "none")
+
+LOG_PROB_TOLERANCE = 1e-4
+"""How far above its bound (0 for a log-probability) a logged log-propensity may lie: rounding."""
 
 
 def vpg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor, *,
@@ -68,10 +79,131 @@ def capg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor
     return _reduce(-(advantage * score).sum(1), reduction)
 
 
+def offpolicy_capg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor,
+                        logged_log_inclusion: Tensor, *, method: str | InclusionMethod = DEFAULT_METHOD,
+                        max_weight: float | None = None, self_normalize: bool = False,
+                        position_weights: Tensor | None = None, baseline: Tensor | None = None,
+                        temperature: float = 1.0, reduction: str = "mean", validate_args: bool | None = None
+                        ) -> Tensor:
+    """Off-policy CA-PG from logs of a logging ESR π₀: ``-Σ_l w_l α_l (r_l - b) log π_θ(a_l ∈ A^K | x)``.
+
+    ``logged_log_inclusion [B, L]`` is ``log π₀(a_l ∈ A^K | x)`` of each shown item, stored when the
+    row was served. The weight ``w_l = π_θ(a_l ∈ A^K) / π₀(a_l ∈ A^K)`` is computed in log space
+    from the detached score (a constant: the gradient is ``w_l ∇ log π_θ``), then capped at
+    ``max_weight`` (``None``: only at ``sqrt`` of the dtype's largest value, so that the weight and
+    its products stay finite). Without cap, baseline or position weights, the expected negative
+    gradient under π₀ is ``Σ_a r̄(a) ρ₀(a) ∇π_θ(a ∈ A^K)`` per context, ``r̄(a) = E[r | a]`` and
+    ``ρ₀(a) = P_{A~π₀}(LSR shows a | a ∈ A)``: the paper's Lemma with the LSR's propensity taken
+    under the logging ESR (with π₀ = π_θ it is on-policy CA-PG).
+
+    ``self_normalize=True`` (SNIPS) divides every (capped) weight by the mean weight over the
+    batch's ``B × L`` shown items, so that the weights of a batch average 1: the ``"mean"`` loss
+    is then ``-L · Σ_{b,l} w α (r - b) score / Σ_{b,l} w``. Consistent, not unbiased.
+
+    ``method="with_replacement"`` (off-policy CA-PG-SwR): the score is then the expected count
+    ``Σ_k π_{m(k)}(a)``, and ``logged_log_inclusion`` must be the logging ESR's log expected count
+    (at most ``log K``) on the same footing; the weight is the ratio of expected counts.
+    """
+    method = inclusion_method(method)
+    num_candidates = candidates.shape[1] if isinstance(candidates, Tensor) and candidates.dim() == 2 else 1
+    bound = 0.0 if method.is_probability else math.log(max(num_candidates, 1))
+    max_weight, self_normalize = _weight_options(max_weight, self_normalize)
+    catalog, candidates, chosen, advantage = _prepare(
+        logits, candidates, chosen, rewards, position_weights, baseline, temperature, reduction, validate_args,
+        distinct=True, logged=("logged_log_inclusion", logged_log_inclusion, True, bound))
+    score = _inclusion_log_prob(catalog, chosen, candidates.shape[1], method)  # [B, L]
+    weight = importance_weights(score - logged_log_inclusion.to(score.dtype), max_weight=max_weight,
+                                self_normalize=self_normalize)
+    return _reduce(-(weight * advantage * score).sum(1), reduction)
+
+
+def offpolicy_vpg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor,
+                       logged_log_prob: Tensor, *, max_weight: float | None = None, self_normalize: bool = False,
+                       position_weights: Tensor | None = None, baseline: Tensor | None = None,
+                       temperature: float = 1.0, reduction: str = "mean", validate_args: bool | None = None
+                       ) -> Tensor:
+    """Off-policy V-PG with the whole-set weight ``w = π_θ(A^K) / π₀(A^K)`` of the ordered draw:
+    ``-w Σ_l α_l (r_l - b) log π_θ(A^K | x)``.
+
+    ``logged_log_prob [B]`` is ``log π₀(A^K | x)`` of the logged ordered draw. Without a cap its
+    expectation under π₀ is the true policy gradient; its variance grows with K (the naive
+    baseline). ``max_weight`` and ``self_normalize`` (over the batch's B rows) as in
+    :func:`offpolicy_capg_loss`.
+    """
+    max_weight, self_normalize = _weight_options(max_weight, self_normalize)
+    catalog, candidates, chosen, advantage = _prepare(
+        logits, candidates, chosen, rewards, position_weights, baseline, temperature, reduction, validate_args,
+        distinct=True, logged=("logged_log_prob", logged_log_prob, False, 0.0))
+    score = _candidate_log_prob(catalog, candidates, False)  # [B]
+    weight = importance_weights(score - logged_log_prob.to(score.dtype), max_weight=max_weight,
+                                self_normalize=self_normalize)
+    return _reduce(-(weight * advantage.sum(1) * score), reduction)
+
+
+def topk_reinforce_loss(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor,
+                        logged_log_item_prob: Tensor, *, max_weight: float | None = None,
+                        self_normalize: bool = False, position_weights: Tensor | None = None,
+                        baseline: Tensor | None = None, temperature: float = 1.0, reduction: str = "mean",
+                        validate_args: bool | None = None) -> Tensor:
+    """Top-K off-policy corrected REINFORCE (Chen et al., WSDM 2019):
+    ``-Σ_l (π_θ(a_l) / β(a_l)) λ_K(a_l) α_l (r_l - b) log π_θ(a_l | x)``.
+
+    Chen et al. model the policy as one softmax ``π_θ(a | x)`` from which the K items are drawn
+    independently (with replacement); the probability that ``a`` is among them is
+    ``α_θ(a) = 1 - (1 - π_θ(a))^K`` and ``∇α_θ(a) = λ_K(a) π_θ(a) ∇log π_θ(a)`` with the multiplier
+    ``λ_K(a) = K (1 - π_θ(a))^{K-1}``; the off-policy correction is the single-draw ratio
+    ``π_θ(a) / β(a)``, β the logging (behaviour) policy. Here ``π_θ(a)`` is the single-draw
+    probability ``softmax(s)(a)``; for a mixture of M experts, the average over the K positions of
+    ``softmax_{m(k)}(a)`` (the expected count over K). ``logged_log_item_prob [B, L]`` is
+    ``log β(a_l | x)`` on the same definition. The ratio (only) is capped at ``max_weight`` and
+    self-normalised as in :func:`offpolicy_capg_loss`; ``λ_K ≤ K`` is not. Both are constants.
+    """
+    max_weight, self_normalize = _weight_options(max_weight, self_normalize)
+    catalog, candidates, chosen, advantage = _prepare(
+        logits, candidates, chosen, rewards, position_weights, baseline, temperature, reduction, validate_args,
+        distinct=True, logged=("logged_log_item_prob", logged_log_item_prob, True, 0.0))
+    num_candidates = candidates.shape[1]
+    score = _inclusion_log_prob(catalog, chosen, num_candidates, WithReplacement()) - math.log(num_candidates)
+    ratio = importance_weights(score - logged_log_item_prob.to(score.dtype), max_weight=max_weight,
+                               self_normalize=self_normalize)
+    multiplier = ratio
+    if num_candidates > 1:  # λ_1 = 1 (0 · log 0 would be NaN at π_θ(a) = 1)
+        single = score.detach().exp().clamp(max=1.0)  # λ_K → 0 as π → 1, so 1 - π's rounding there is harmless
+        multiplier = ratio * (num_candidates * (1.0 - single) ** (num_candidates - 1))
+    return _reduce(-(multiplier * advantage * score).sum(1), reduction)
+
+
+def importance_weights(log_ratio: Tensor, *, max_weight: float | None = None,
+                       self_normalize: bool = False) -> Tensor:
+    """``exp(log_ratio)``, detached and capped at ``max_weight`` (``None``: ``sqrt`` of the dtype's
+    largest value) → the shape of ``log_ratio``; ``-inf`` gives 0. With ``self_normalize`` the
+    capped weights are divided by their mean over all entries (a batch of zeros stays zero)."""
+    max_weight, self_normalize = _weight_options(max_weight, self_normalize)
+    log_ratio = log_ratio.detach()
+    cap = math.log(torch.finfo(log_ratio.dtype).max) / 2
+    if max_weight is not None:
+        cap = min(cap, math.log(max_weight))
+    weight = torch.exp(log_ratio.clamp(max=cap))
+    if self_normalize:
+        mean = weight.mean() if weight.numel() else weight.new_ones(())
+        weight = weight / torch.where(mean > 0, mean, 1.0)
+    return weight
+
+
+def _weight_options(max_weight: float | None, self_normalize: bool) -> tuple[float | None, bool]:
+    check_flag("self_normalize", self_normalize)
+    return (None if max_weight is None else check_positive("max_weight", max_weight)), self_normalize
+
+
 def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor,
              position_weights: Tensor | None, baseline: Tensor | None, temperature: float, reduction: str,
-             validate_args: bool | None, *, distinct: bool) -> tuple[CatalogScores, Tensor, Tensor, Tensor]:
-    """Checks (structure always, values when validating, in one sync) → catalog, ids, advantage ``[B, L]``."""
+             validate_args: bool | None, *, distinct: bool,
+             logged: tuple[str, Tensor, bool, float] | None = None
+             ) -> tuple[CatalogScores, Tensor, Tensor, Tensor]:
+    """Checks (structure always, values when validating, in one sync) → catalog, ids, advantage ``[B, L]``.
+
+    ``logged = (name, tensor, per_item, bound)``: a logged log-propensity ``[B, L]`` (``per_item``)
+    or ``[B]``, checked finite and ``<= bound + LOG_PROB_TOLERANCE``."""
     check_choice("reduction", reduction, REDUCTIONS)
     validate = resolve_validate_args(validate_args)
     catalog = as_catalog(logits, temperature, validate_args=False)
@@ -87,6 +219,9 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
         advantage = advantage - (baseline.unsqueeze(1) if baseline.dim() == 1 else baseline)
     if position_weights is not None:
         advantage = advantage * _float("position_weights", position_weights, ((length,),)).detach()
+    if logged is not None:
+        logged_name, log_propensity, per_item, bound = logged
+        _float(logged_name, log_propensity, ((batch, length),) if per_item else ((batch,),))
     if validate:
         checks = DeferredChecks()
         if isinstance(catalog, DenseCatalog):
@@ -103,6 +238,11 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
         for name, x in (("rewards", rewards), ("baseline", baseline), ("position_weights", position_weights)):
             if x is not None:
                 checks.no_nan_or_inf(name, x)
+        if logged is not None and log_propensity.numel():
+            checks.no_nan_or_inf(logged_name, log_propensity)
+            checks.require(log_propensity.detach().amax() <= bound + LOG_PROB_TOLERANCE,
+                           f"{logged_name} must be <= {bound:.6g} (a logged log-propensity: a probability is at "
+                           f"most 1, an expected count at most K)")
         checks.run(catalog.agree)
     return catalog, candidates, chosen, advantage.to(catalog.dtype)
 

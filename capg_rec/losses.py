@@ -7,6 +7,12 @@ estimator is a one-line change::
     loss_fn = CAPGLoss(num_candidates=K)          # or VPGLoss(K), CAPGLoss(K, method="plugin"), ...
     loss = loss_fn(logits, candidates, chosen, rewards)
     loss.backward()
+
+The off-policy losses (training from logs of another ESR) take the logged propensities as one
+more argument::
+
+    loss_fn = OffPolicyCAPGLoss(num_candidates=K, max_weight=100.0)
+    loss = loss_fn(logits, candidates, chosen, rewards, logged_log_inclusion)
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from capg_rec._checks import check_choice, check_count, check_flag, check_positi
 from capg_rec.catalog import CatalogScores
 from capg_rec.marginals import DEFAULT_METHOD, InclusionMethod, inclusion_method
 
-__all__ = ["VPGLoss", "CAPGLoss"]
+__all__ = ["VPGLoss", "CAPGLoss", "OffPolicyCAPGLoss", "OffPolicyVPGLoss", "TopKReinforceLoss"]
 
 
 class _PolicyGradientLoss(nn.Module):
@@ -120,3 +126,109 @@ class CAPGLoss(_PolicyGradientLoss):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", method={self.method!r}"
+
+
+class _OffPolicyLoss(_PolicyGradientLoss):
+    """Options shared by the off-policy losses: the weight cap and self-normalisation."""
+
+    def __init__(self, num_candidates: int, *, max_weight: float | None, self_normalize: bool, temperature: float,
+                 reduction: str, validate_args: bool | None) -> None:
+        super().__init__(num_candidates, temperature=temperature, reduction=reduction, validate_args=validate_args)
+        self.max_weight = None if max_weight is None else check_positive("max_weight", max_weight)
+        self.self_normalize = check_flag("self_normalize", self_normalize)
+
+    def _options(self) -> dict:
+        return dict(max_weight=self.max_weight, self_normalize=self.self_normalize, temperature=self.temperature,
+                    reduction=self.reduction, validate_args=self.validate_args)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", max_weight={self.max_weight}, self_normalize={self.self_normalize}"
+
+
+class OffPolicyCAPGLoss(_OffPolicyLoss):
+    """Off-policy CA-PG: CA-PG on rows logged by another ESR π₀, each shown item weighted by
+    ``π_θ(a_l ∈ A^K) / π₀(a_l ∈ A^K)`` (see :func:`capg_rec.functional.offpolicy_capg_loss`).
+
+    Args:
+        num_candidates: K, the logging ESR's draw size.
+        method: the inclusion method of π_θ's score and weight, as in :class:`CAPGLoss`. With
+            ``"with_replacement"`` the logged value must be π₀'s log expected count.
+        max_weight: cap of the weights (``None``: only the overflow cap).
+        self_normalize: divide the weights by their mean over the batch's shown items (SNIPS).
+        temperature, reduction, validate_args: as in :class:`VPGLoss`.
+
+    Shape:
+        As :class:`VPGLoss`, plus ``logged_log_propensity [B, L]``: ``log π₀(a_l ∈ A^K | x)``.
+
+    Example:
+        >>> loss_fn = OffPolicyCAPGLoss(num_candidates=10, max_weight=100.0)
+        >>> logits = torch.randn(4, 100, requires_grad=True)
+        >>> logged = torch.randn(4, 100)                       # the logging ESR's logits
+        >>> candidates = capg_rec.sample_candidates(logged, 10)
+        >>> chosen = candidates[:, :2]
+        >>> logged_incl = capg_rec.inclusion_log_prob(logged, chosen, 10)
+        >>> loss = loss_fn(logits, candidates, chosen, torch.rand(4, 2), logged_incl)
+        >>> loss.backward()
+    """
+
+    def __init__(self, num_candidates: int, *, method: str | InclusionMethod = DEFAULT_METHOD,
+                 max_weight: float | None = None, self_normalize: bool = False, temperature: float = 1.0,
+                 reduction: str = "mean", validate_args: bool | None = None) -> None:
+        super().__init__(num_candidates, max_weight=max_weight, self_normalize=self_normalize,
+                         temperature=temperature, reduction=reduction, validate_args=validate_args)
+        self.method = inclusion_method(method)
+
+    def forward(self, logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor,
+                logged_log_propensity: Tensor, *, position_weights: Tensor | None = None,
+                baseline: Tensor | None = None) -> Tensor:
+        self._check_width(candidates)
+        return F.offpolicy_capg_loss(logits, candidates, chosen, rewards, logged_log_propensity, method=self.method,
+                                     position_weights=position_weights, baseline=baseline, **self._options())
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", method={self.method!r}"
+
+
+class OffPolicyVPGLoss(_OffPolicyLoss):
+    """Off-policy V-PG with the whole-set weight ``π_θ(A^K) / π₀(A^K)`` of the ordered draw
+    (see :func:`capg_rec.functional.offpolicy_vpg_loss`); unbiased, with a variance that grows
+    with K. Args as :class:`OffPolicyCAPGLoss` (no method; self-normalisation is over the B rows).
+
+    Shape:
+        As :class:`VPGLoss`, plus ``logged_log_prob [B]``: ``log π₀(A^K | x)``.
+    """
+
+    def __init__(self, num_candidates: int, *, max_weight: float | None = None, self_normalize: bool = False,
+                 temperature: float = 1.0, reduction: str = "mean", validate_args: bool | None = None) -> None:
+        super().__init__(num_candidates, max_weight=max_weight, self_normalize=self_normalize,
+                         temperature=temperature, reduction=reduction, validate_args=validate_args)
+
+    def forward(self, logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor,
+                logged_log_prob: Tensor, *, position_weights: Tensor | None = None,
+                baseline: Tensor | None = None) -> Tensor:
+        self._check_width(candidates)
+        return F.offpolicy_vpg_loss(logits, candidates, chosen, rewards, logged_log_prob,
+                                    position_weights=position_weights, baseline=baseline, **self._options())
+
+
+class TopKReinforceLoss(_OffPolicyLoss):
+    """Chen et al. (2019)'s top-K off-policy corrected REINFORCE: each shown item weighted by
+    ``(π_θ(a) / β(a)) · K (1 - π_θ(a))^{K-1}`` with single-draw probabilities, score
+    ``log π_θ(a)`` (see :func:`capg_rec.functional.topk_reinforce_loss`). Args as
+    :class:`OffPolicyCAPGLoss` (no method; the cap applies to ``π_θ / β``).
+
+    Shape:
+        As :class:`VPGLoss`, plus ``logged_log_item_prob [B, L]``: ``log β(a_l | x)``.
+    """
+
+    def __init__(self, num_candidates: int, *, max_weight: float | None = None, self_normalize: bool = False,
+                 temperature: float = 1.0, reduction: str = "mean", validate_args: bool | None = None) -> None:
+        super().__init__(num_candidates, max_weight=max_weight, self_normalize=self_normalize,
+                         temperature=temperature, reduction=reduction, validate_args=validate_args)
+
+    def forward(self, logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor,
+                logged_log_item_prob: Tensor, *, position_weights: Tensor | None = None,
+                baseline: Tensor | None = None) -> Tensor:
+        self._check_width(candidates)
+        return F.topk_reinforce_loss(logits, candidates, chosen, rewards, logged_log_item_prob,
+                                     position_weights=position_weights, baseline=baseline, **self._options())

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 __all__ = ["register"]
 
-_REPRODUCE_TARGETS = ("table2", "table3", "movielens", "kuairec", "grpo", "variance")
+_REPRODUCE_TARGETS = ("table2", "table3", "movielens", "kuairec", "grpo", "variance", "offpolicy")
 _ENVS = ("synthetic", "movielens", "kuairec")
 _CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig))
 
@@ -77,6 +77,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="table2: also the LSR-alignment columns")
     p.add_argument("--eval-every", type=int, default=1000)
     p.add_argument("--capg-method", default=None, help="inclusion method of the CA-PG cells (default: the library's)")
+    g = p.add_argument_group("offpolicy", "options of the off-policy study (target offpolicy; --ks and --seeds too)")
+    g.add_argument("--env", choices=("synthetic", "movielens"), default="synthetic")
+    g.add_argument("--sizes", nargs="+", type=int, default=None,
+                   help="numbers of logged interactions n (default 10^4 10^5 10^6)")
+    g.add_argument("--learners", nargs="+", default=None, help="default all")
+    g.add_argument("--logging-steps", type=int, default=None, help="online steps of the logging ESR (default 1000)")
+    g.add_argument("--logging-temperature", type=float, default=None, help="τ₀ of the logging ESR (default 2)")
+    g.add_argument("--max-weight", type=float, default=None, help="importance-weight cap (default 100)")
+    g.add_argument("--first-seed", type=int, default=0, help="seeds FIRST_SEED .. FIRST_SEED + SEEDS - 1")
+    g.add_argument("--quick", action="store_true", help="a small setting: K=10, n=10^4, 1 seed, 200 logging steps")
     p.set_defaults(func=_reproduce)
 
     p = subparsers.add_parser("demo", help="a short V-PG-SwR vs CA-PG-SwR run (a few minutes on a laptop)")
@@ -157,6 +167,8 @@ def _train(args: argparse.Namespace) -> int:
 
 def _reproduce(args: argparse.Namespace) -> int:
     out = Path(args.out or f"runs/{args.target}")
+    if args.target == "offpolicy":
+        return _offpolicy(args, out)
     if args.target == "variance":
         from capg_rec.train.variance import gradient_variance_report
 
@@ -174,6 +186,26 @@ def _reproduce(args: argparse.Namespace) -> int:
     results = run_cells(env, cells, range(args.seeds), out)
     print(summarize(args.target, env, cells, results, out, steps=args.steps))
     print(f"written: {out / 'results.md'}, {out / 'results.csv'}, {out / 'results.json'}, {out / 'curves.png'}")
+    return 0
+
+
+def _offpolicy(args: argparse.Namespace, out: Path) -> int:
+    from capg_rec.train.offpolicy import OffPolicyStudy, run_offpolicy_study
+
+    options: dict[str, Any] = {"env": args.env}
+    if args.quick:
+        options.update(ks=(10,), sizes=(10_000,), seeds=(0,), logging_steps=200, eval_rows=10_000)
+    else:
+        options["seeds"] = tuple(range(args.first_seed, args.first_seed + args.seeds))
+    for name in ("ks", "sizes", "learners"):
+        if getattr(args, name) is not None:
+            options[name] = tuple(getattr(args, name))
+    for name in ("logging_steps", "logging_temperature", "max_weight"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
+    print(run_offpolicy_study(OffPolicyStudy(**options), out))
+    print(f"written: {out / 'results.md'}, {out / 'results.csv'}, {out / 'results.json'}, {out / 'values.png'}, "
+          f"{out / 'ope.png'}")
     return 0
 
 

@@ -1,0 +1,362 @@
+"""The off-policy study: learn an ESR from logs of another ESR, next to on-policy CA-PG.
+
+For each (K, seed): a logging ESR is partly trained online (CA-PG-SwR, ``logging_steps`` steps)
+and served at a softened temperature τ₀; it writes ``max(sizes)`` logged rows (user, ordered
+candidates, the LSR's picks, rewards, and its log-propensities: ``log π₀(a ∈ A^K)`` by the
+default inclusion method, the log expected count, ``log π₀(A^K)`` of the ordered draw and the
+single-draw ``log β(a)``), in memory. Every learner starts from the logging ESR's parameters
+(scored at τ = 1) and makes one pass over the first n rows in batches; on-policy CA-PG gets the
+same number of interactions (n / B online steps). Reported per learner: the true value of its
+greedy ESR (exact, from the environment, as the trainer evaluates) and the off-policy estimates
+(IPS, SNIPS) of that value from ``eval_rows`` held-out logged rows.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from capg_rec.catalog import DenseCatalog
+from capg_rec.losses import OffPolicyCAPGLoss, OffPolicyVPGLoss, TopKReinforceLoss
+from capg_rec.marginals import DEFAULT_METHOD, _inclusion_log_prob, inclusion_method
+from capg_rec.offpolicy_evaluation import off_policy_value
+from capg_rec.plackett_luce import _candidate_log_prob, sample_candidates
+from capg_rec.sim.env import MatrixEnv
+from capg_rec.sim.lsr import OptimalLSR
+from capg_rec.train.config import TrainConfig
+from capg_rec.train.report import markdown_table, mean_se, write_csv, write_json
+from capg_rec.train.trainer import Trainer, policy_value
+
+__all__ = ["OffPolicyStudy", "LEARNERS", "run_offpolicy_study"]
+
+LEARNERS = {
+    "capg_clip": "off-policy CA-PG (capped IPS)",
+    "capg_snips": "off-policy CA-PG (SNIPS)",
+    "capg_swr": "off-policy CA-PG-SwR",
+    "vpg_ips": "IPS V-PG",
+    "topk_reinforce": "top-K REINFORCE (Chen et al.)",
+    "supervised": "supervised (softmax CE, r > 0)",
+    "capg_onpolicy": "on-policy CA-PG (same interactions)",
+}
+_LR = {"vpg_ips": 1e-1}  # the paper's V-PG learning rate; every other learner uses CA-PG's 1e-2
+_CHUNK = 4096
+
+
+@dataclass(frozen=True)
+class OffPolicyStudy:
+    """The study's grid and knobs (defaults: the full grid)."""
+
+    env: str = "synthetic"
+    ks: tuple[int, ...] = (10, 50, 200)
+    sizes: tuple[int, ...] = (10_000, 100_000, 1_000_000)
+    seeds: tuple[int, ...] = (0, 1, 2)
+    learners: tuple[str, ...] = tuple(LEARNERS)
+    num_outputs: int = 1
+    logging_steps: int = 1000
+    logging_temperature: float = 2.0
+    batch_size: int = 128
+    max_weight: float = 100.0
+    eval_rows: int = 20_000
+    lr: float = 1e-2
+
+    def __post_init__(self) -> None:
+        for name in ("ks", "sizes", "seeds"):
+            if not getattr(self, name):
+                raise ValueError(f"{name} must not be empty")
+        unknown = set(self.learners) - set(LEARNERS)
+        if unknown:
+            raise ValueError(f"learners must be among {tuple(LEARNERS)}, got {sorted(unknown)}")
+        if min(self.sizes) < self.batch_size:
+            raise ValueError(f"sizes must be >= batch_size={self.batch_size}, got {min(self.sizes)}")
+
+
+@dataclass
+class _Logs:
+    """Logged rows in memory (ids as int32)."""
+
+    users: Tensor
+    candidates: Tensor
+    chosen: Tensor
+    rewards: Tensor
+    log_inclusion: Tensor
+    log_count: Tensor
+    log_set: Tensor
+    log_item: Tensor
+
+    def rows(self, start: int, stop: int) -> _Logs:
+        return _Logs(*(getattr(self, f)[start:stop] for f in
+                       ("users", "candidates", "chosen", "rewards", "log_inclusion", "log_count", "log_set",
+                        "log_item")))
+
+    def batch(self, index: Tensor) -> dict[str, Tensor]:
+        return {f: getattr(self, f)[index] for f in ("users", "candidates", "chosen", "rewards", "log_inclusion",
+                                                     "log_count", "log_set", "log_item")}
+
+
+@torch.no_grad()
+def _log(model: torch.nn.Module, env: MatrixEnv, num_rows: int, num_candidates: int, num_outputs: int,
+         temperature: float, generator: torch.Generator, progress: Callable[[int], None]) -> _Logs:
+    """``num_rows`` rows served by ``model`` at ``temperature`` with the optimal LSR."""
+    parts: dict[str, list[Tensor]] = {}
+    lsr = OptimalLSR()
+    method = inclusion_method(DEFAULT_METHOD)
+    swr = inclusion_method("with_replacement")
+    for start in range(0, num_rows, _CHUNK):
+        users = env.sample_users(min(_CHUNK, num_rows - start), generator)
+        catalog = DenseCatalog(model(users), temperature, validate_args=False)
+        candidates = sample_candidates(catalog, num_candidates, generator=generator, validate_args=False)
+        picks, _ = lsr(env.ranking_scores(users, candidates), num_outputs)
+        chosen = candidates.gather(1, picks)
+        log_count = _inclusion_log_prob(catalog, chosen, num_candidates, swr)
+        row = {"users": users.int(), "candidates": candidates.int(), "chosen": chosen.int(),
+               "rewards": env.sample_reward(users, chosen, generator),
+               "log_inclusion": _inclusion_log_prob(catalog, chosen, num_candidates, method).clamp(max=0.0),
+               "log_count": log_count, "log_set": _candidate_log_prob(catalog, candidates, False),
+               "log_item": (log_count - math.log(num_candidates)).clamp(max=0.0)}
+        for name, value in row.items():
+            parts.setdefault(name, []).append(value)
+        progress(len(users))
+    return _Logs(**{name: torch.cat(values) for name, values in parts.items()})
+
+
+def _offpolicy_loss(learner: str, num_candidates: int, num_outputs: int, max_weight: float
+                    ) -> Callable[[Tensor, dict[str, Tensor]], Tensor]:
+    """``loss(logits, batch)`` of an off-policy learner (positions weighted 1/L, as the trainer)."""
+    common = dict(max_weight=max_weight, validate_args=False)
+    if learner == "supervised":
+        def supervised(logits: Tensor, b: dict[str, Tensor]) -> Tensor:
+            log_p = torch.log_softmax(logits[:, 0], dim=1).gather(1, b["chosen"])
+            return -(log_p * (b["rewards"] > 0)).sum(1).mean()
+        return supervised
+    loss_fn, key = {
+        "capg_clip": (OffPolicyCAPGLoss(num_candidates, **common), "log_inclusion"),
+        "capg_snips": (OffPolicyCAPGLoss(num_candidates, self_normalize=True, **common), "log_inclusion"),
+        "capg_swr": (OffPolicyCAPGLoss(num_candidates, method="with_replacement", **common), "log_count"),
+        "vpg_ips": (OffPolicyVPGLoss(num_candidates, **common), "log_set"),
+        "topk_reinforce": (TopKReinforceLoss(num_candidates, **common), "log_item"),
+    }[learner]
+    weights = torch.full((num_outputs,), 1.0 / num_outputs)
+
+    def loss(logits: Tensor, b: dict[str, Tensor]) -> Tensor:
+        return loss_fn(logits, b["candidates"], b["chosen"], b["rewards"], b[key], position_weights=weights)
+    return loss
+
+
+def _train_offline(model: torch.nn.Module, logs: _Logs, learner: str, study: OffPolicyStudy, num_candidates: int,
+                   generator: torch.Generator) -> int:
+    """One pass over ``logs`` in shuffled batches → the number of skipped (non-finite) steps."""
+    loss_fn = _offpolicy_loss(learner, num_candidates, study.num_outputs, study.max_weight)
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=_LR.get(learner, study.lr))
+    order = torch.randperm(len(logs.users), generator=generator)
+    skipped = 0
+    for start in range(0, len(order) - study.batch_size + 1, study.batch_size):
+        b = logs.batch(order[start:start + study.batch_size])
+        b["candidates"], b["chosen"] = b["candidates"].long(), b["chosen"].long()
+        loss = loss_fn(model(b["users"].long()), b)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if not (torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters())):
+            skipped += 1
+            continue
+        optimizer.step()
+    return skipped
+
+
+@torch.no_grad()
+def _ope(model: torch.nn.Module, env: MatrixEnv, logs: _Logs, num_candidates: int) -> dict[str, float]:
+    """IPS/SNIPS estimates of the greedy ESR's value: its inclusion is 1 on its top-K, 0 elsewhere."""
+    top = torch.cat([model(torch.arange(s, min(s + 256, env.num_users))).amax(1).topk(num_candidates, dim=1).indices
+                     for s in range(0, env.num_users, 256)])
+    member = torch.zeros(env.num_users, env.num_items, dtype=torch.bool)
+    member.scatter_(1, top, True)
+    inside = member[logs.users.long().unsqueeze(1), logs.chosen.long()]
+    target = torch.where(inside, 0.0, -math.inf)
+    est = off_policy_value(target, logs.log_inclusion.double(), logs.rewards.double(), validate_args=False)
+    return {"ope_ips": est.ips, "ope_ips_low": est.ips_ci_low, "ope_ips_high": est.ips_ci_high,
+            "ope_snips": est.snips, "ope_ess": est.effective_sample_size}
+
+
+def _make_env(name: str) -> MatrixEnv:
+    if name == "synthetic":
+        from capg_rec.sim.synthetic import synthetic_env
+        return synthetic_env()
+    if name == "movielens":
+        from capg_rec.sim.movielens import movielens_env
+        return movielens_env()
+    raise ValueError(f"env must be 'synthetic' or 'movielens', got {name!r}")
+
+
+def run_offpolicy_study(study: OffPolicyStudy, out: str | Path, *, progress: bool = True) -> str:
+    """Run the grid, write ``results.{md,csv,json}`` and ``values.png`` / ``ope.png`` to ``out``;
+    return the Markdown text."""
+    from tqdm.auto import tqdm
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = _make_env(study.env)
+    runs: list[dict] = []
+    rows_per_k = max(study.sizes) + study.eval_rows
+    work = len(study.ks) * len(study.seeds) * (rows_per_k + sum(study.sizes) * len(study.learners))
+    bar = tqdm(total=work, unit="row", disable=not progress, desc="offpolicy")
+    for k in study.ks:
+        for seed in study.seeds:
+            generator = torch.Generator().manual_seed(seed)
+            config = TrainConfig(estimator="capg_swr", num_candidates=k, num_outputs=study.num_outputs,
+                                 steps=study.logging_steps, eval_every=study.logging_steps,
+                                 batch_size=study.batch_size, seed=seed)
+            bar.set_postfix_str(f"K={k} seed={seed}: logging ESR")
+            logging_trainer = Trainer(env, config)
+            logging_trainer.run(progress=False)
+            logging_model = logging_trainer.model
+            bar.set_postfix_str(f"K={k} seed={seed}: logs")
+            logs = _log(logging_model, env, rows_per_k, k, study.num_outputs, study.logging_temperature, generator,
+                        bar.update)
+            held_out = logs.rows(max(study.sizes), rows_per_k)
+            start_value = policy_value(logging_model, env, OptimalLSR(), k, study.num_outputs)
+            logged_mean = float(env.expected_reward(logs.users.long(), logs.chosen.long()).mean())
+            for n in study.sizes:
+                train_logs = logs.rows(0, n)
+                for learner in study.learners:
+                    bar.set_postfix_str(f"K={k} seed={seed} n={n}: {learner}")
+                    model = copy.deepcopy(logging_model)
+                    started = time.perf_counter()
+                    skipped = 0
+                    if learner == "capg_onpolicy":
+                        trainer = Trainer(env, config.replace(estimator="capg", steps=n // study.batch_size,
+                                                              eval_every=n // study.batch_size,
+                                                              seed=seed + 1000))
+                        trainer.model.load_state_dict(model.state_dict())
+                        trainer.run(progress=False)
+                        model = trainer.model
+                    else:
+                        skipped = _train_offline(model, train_logs, learner, study, k,
+                                                 torch.Generator().manual_seed(seed + n))
+                    value = policy_value(model, env, OptimalLSR(), k, study.num_outputs)
+                    runs.append({"env": env.name, "K": k, "n": n, "seed": seed, "learner": learner,
+                                 "true_value": value, "logging_greedy_value": start_value,
+                                 "logged_mean_reward": logged_mean, **_ope(model, env, held_out, k),
+                                 "skipped_steps": skipped, "seconds": round(time.perf_counter() - started, 2)})
+                    bar.update(n)
+            write_json(out / "results.json", {"study": asdict(study), "env": env.name, "runs": runs})
+    bar.close()
+    return _summarize(study, env, runs, out)
+
+
+def _summarize(study: OffPolicyStudy, env: MatrixEnv, runs: Sequence[dict], out: Path) -> str:
+    write_csv(out / "results.csv", runs)
+    write_json(out / "results.json", {"study": asdict(study), "env": env.name, "runs": list(runs)})
+    header = ["K", "n", "learner", "true value (mean ± se)", "gain / on-policy gain", "OPE IPS", "OPE SNIPS",
+              "seeds"]
+    table, cells = [], {}
+    for r in runs:
+        cells.setdefault((r["K"], r["n"], r["learner"]), []).append(r)
+    for (k, n, learner), group in cells.items():
+        mean, se = mean_se([r["true_value"] for r in group])
+        start = sum(r["logging_greedy_value"] for r in group) / len(group)
+        on = cells.get((k, n, "capg_onpolicy"))
+        ratio = "–"
+        if on:
+            on_mean = sum(r["true_value"] for r in on) / len(on)
+            ratio = f"{(mean - start) / (on_mean - start):.2f}" if on_mean != start else "–"
+        ips = sum(r["ope_ips"] for r in group) / len(group)
+        snips = sum(r["ope_snips"] for r in group) / len(group)
+        table.append([k, n, LEARNERS[learner], f"{mean:.3f} ± {se:.3f}", ratio, f"{ips:.3f}", f"{snips:.3f}",
+                      len(group)])
+    ranking = []
+    for k in study.ks:
+        for n in study.sizes:
+            per_seed = [[r for r in runs if (r["K"], r["n"], r["seed"]) == (k, n, seed)] for seed in study.seeds]
+            per_seed = [group for group in per_seed if len(group) > 2]
+            if per_seed:
+                ips = sum(_rank_correlation(g, "ope_ips") for g in per_seed) / len(per_seed)
+                snips = sum(_rank_correlation(g, "ope_snips") for g in per_seed) / len(per_seed)
+                ranking.append([k, n, f"{ips:.2f}", f"{snips:.2f}", len(per_seed)])
+    starts = {(r["K"], r["seed"]): (r["logging_greedy_value"], r["logged_mean_reward"]) for r in runs}
+    lines = [f"- K={k}, seed {s}: greedy value of the logging ESR's model {g:.3f}; mean expected reward of the "
+             f"logged (τ₀ = {study.logging_temperature}) impressions {m:.3f}" for (k, s), (g, m) in starts.items()]
+    text = (f"# offpolicy: {env.name}\n\nTrue value: the greedy ESR's exact policy value (all {env.num_users} "
+            f"users, optimal LSR, L = {study.num_outputs}); best achievable "
+            f"{env.optimal_value(study.num_outputs):.3f}. OPE: IPS / SNIPS estimates of the same greedy ESR from "
+            f"{study.eval_rows} held-out logged rows (target: the value if the LSR showed items at the logging "
+            f"rate). Weights capped at {study.max_weight}.\n\n" + markdown_table(header, table)
+            + "\nDo the OPE estimates rank the learned ESRs as their true values do? Spearman correlation across "
+              "learners, mean over seeds:\n\n"
+            + markdown_table(["K", "n", "IPS vs true", "SNIPS vs true", "seeds"], ranking)
+            + "\nStarting points:\n\n" + "\n".join(lines) + "\n")
+    (out / "results.md").write_text(text, encoding="utf-8")
+    _plot(cells, study, out)
+    return text
+
+
+def _rank_correlation(group: Sequence[dict], key: str) -> float:
+    """Spearman correlation of ``key`` with the true value across ``group`` (ties broken by order)."""
+    def ranks(values: list[float]) -> list[int]:
+        order = sorted(range(len(values)), key=values.__getitem__)
+        out = [0] * len(values)
+        for rank, i in enumerate(order):
+            out[i] = rank
+        return out
+
+    a, b = ranks([r[key] for r in group]), ranks([r["true_value"] for r in group])
+    n = len(group)
+    return 1 - 6 * sum((x - y) ** 2 for x, y in zip(a, b)) / (n * (n * n - 1))
+
+
+def _plot(cells: dict, study: OffPolicyStudy, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(study.ks), figsize=(4.6 * len(study.ks), 3.6), squeeze=False)
+    for ax, k in zip(axes[0], study.ks):
+        for learner in study.learners:
+            xs, ys, es = [], [], []
+            for n in study.sizes:
+                group = cells.get((k, n, learner))
+                if group:
+                    mean, se = mean_se([r["true_value"] for r in group])
+                    xs.append(n)
+                    ys.append(mean)
+                    es.append(se)
+            if xs:
+                ax.errorbar(xs, ys, yerr=es, marker="o", ms=3, lw=1, capsize=2, label=LEARNERS[learner])
+        starts = [r["logging_greedy_value"] for group in cells.values() for r in group if r["K"] == k]
+        if starts:
+            ax.axhline(sum(starts) / len(starts), color="gray", ls="--", lw=0.8, label="logging ESR (greedy)")
+        ax.set_xscale("log")
+        ax.set_title(f"K = {k}")
+        ax.set_xlabel("logged interactions n")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("true policy value (greedy ESR)")
+    labels: dict[str, object] = {}
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            labels.setdefault(label, handle)
+    if labels:
+        axes[0][-1].legend(list(labels.values()), list(labels), fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(out / "values.png", dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(4.6, 4.2))
+    for learner in study.learners:
+        pts = [(r["true_value"], r["ope_ips"], r["ope_snips"]) for group in cells.values() for r in group
+               if r["learner"] == learner]
+        if pts:
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=12, label=f"{LEARNERS[learner]} (IPS)")
+    lims = ax.get_xlim()
+    ax.plot(lims, lims, color="gray", ls="--", lw=0.8)
+    ax.set_xlabel("true value")
+    ax.set_ylabel("OPE estimate (IPS)")
+    ax.legend(fontsize=6)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "ope.png", dpi=120)
+    plt.close(fig)

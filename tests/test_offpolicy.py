@@ -1,0 +1,274 @@
+"""Off-policy losses: expected-gradient identities under a logging ESR by exact enumeration,
+weight capping and self-normalisation, numerics, input checks."""
+
+import functools
+import math
+
+import pytest
+import torch
+
+from capg_rec import (CAPGLoss, EmbeddingCatalog, OffPolicyCAPGLoss, OffPolicyVPGLoss, TopKReinforceLoss,
+                      candidate_log_prob, expert_of_position, inclusion_log_prob)
+from capg_rec import functional as F
+from capg_rec._enumerate import all_draws, draw_log_probs, inclusion_probs
+
+
+def _problem(n, k, m, length, seed):
+    """Every ordered draw of a tiny problem, with the target ESR's logits (leaf), the logging ESR's
+    logits, fixed item qualities (the LSR shows the ``length`` candidates of largest quality, so
+    what is shown depends on the whole set) and per-item mean rewards."""
+    g = torch.Generator().manual_seed(seed)
+    theta = torch.randn(1, m, n, generator=g, dtype=torch.float64).requires_grad_()
+    logging = torch.randn(1, m, n, generator=g, dtype=torch.float64)
+    quality = torch.randn(n, generator=g, dtype=torch.float64)
+    mean_reward = 1.0 + torch.rand(n, generator=g, dtype=torch.float64)
+    draws = all_draws(n, k)
+    picks = quality[draws].topk(length, dim=1).indices
+    chosen = draws.gather(1, picks)  # [S, L]
+    return theta, logging, mean_reward, draws, chosen
+
+
+def _shown_given_included(logging, draws, chosen, experts):
+    """ρ₀(a) = P_{A~π₀}(LSR shows a | a ∈ A) → [N], and the draw probabilities p₀ [S]."""
+    n = logging.shape[2]
+    p0 = draw_log_probs(logging, draws, experts)[0].exp()
+    shown = torch.zeros(n, dtype=torch.float64).index_add_(0, chosen.reshape(-1),
+                                                           p0.repeat_interleave(chosen.shape[1]))
+    incl0 = inclusion_probs(logging, experts)[0]
+    return shown / incl0, p0, incl0
+
+
+CASES = [(5, 2, 1, 1), (5, 3, 1, 2), (6, 3, 2, 2), (7, 2, 2, 1), (4, 3, 2, 2), (6, 3, 1, 1)]
+
+
+@pytest.mark.parametrize(("n", "k", "m", "length"), CASES)
+def test_offpolicy_capg_expected_gradient_is_the_lemma_under_the_logging_esr(n, k, m, length):
+    """E_{π₀}[∇ off-policy CA-PG] = -Σ_a r̄(a) ρ₀(a) ∇π_θ(a ∈ A^K), exactly (enumerated inclusion)."""
+    theta, logging, rbar, draws, chosen = _problem(n, k, m, length, seed=10 * n + k + m + length)
+    experts = expert_of_position(k, m)
+    rho0, p0, incl0 = _shown_given_included(logging, draws, chosen, experts)
+    incl = inclusion_probs(theta, experts)[0]  # differentiable in θ
+    (expected,) = torch.autograd.grad((rbar * rho0 * incl).sum(), theta)
+    logged = incl0.log()[chosen]
+    loss = F.offpolicy_capg_loss(theta.expand(len(draws), -1, -1), draws, chosen, rbar[chosen], logged,
+                                 method="enumerate", reduction="none")
+    (grad,) = torch.autograd.grad((p0 * loss).sum(), theta)
+    torch.testing.assert_close(grad, -expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize(("n", "k", "m", "length"), CASES)
+def test_offpolicy_capg_with_the_target_as_logger_is_on_policy_capg(n, k, m, length):
+    """π₀ = π_θ: the weights are 1 and the loss is on-policy CA-PG's, row by row."""
+    theta, _, rbar, draws, chosen = _problem(n, k, m, length, seed=n + k)
+    experts = expert_of_position(k, m)
+    logits = theta.expand(len(draws), -1, -1)
+    logged = inclusion_probs(theta.detach(), experts)[0].log()[chosen]
+    off = F.offpolicy_capg_loss(logits, draws, chosen, rbar[chosen], logged, method="enumerate", reduction="none")
+    on = CAPGLoss(k, method="enumerate", reduction="none")(logits, draws, chosen, rbar[chosen])
+    torch.testing.assert_close(off, on, rtol=1e-12, atol=1e-12)
+    p = draw_log_probs(theta.detach(), draws, experts)[0].exp()
+    g_off, = torch.autograd.grad((p * off).sum(), theta)
+    g_on, = torch.autograd.grad((p * on).sum(), theta)
+    torch.testing.assert_close(g_off, g_on, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(("n", "k", "m", "length"), CASES)
+def test_offpolicy_capg_swr_expected_gradient_uses_expected_counts(n, k, m, length):
+    """method="with_replacement": E_{π₀}[∇] = -Σ_a r̄(a) (P₀(a shown) / c₀(a)) ∇c_θ(a), with the
+    expected counts c(a) = Σ_k softmax_{m(k)}(a) logged on both sides."""
+    theta, logging, rbar, draws, chosen = _problem(n, k, m, length, seed=3 * n + k)
+    experts = expert_of_position(k, m)
+    _, p0, _ = _shown_given_included(logging, draws, chosen, experts)
+    shown = torch.zeros(n, dtype=torch.float64).index_add_(0, chosen.reshape(-1), p0.repeat_interleave(length))
+    everything = torch.arange(n).unsqueeze(0)
+    count0 = inclusion_log_prob(logging, everything, k, method="with_replacement")[0].exp()
+    count = inclusion_log_prob(theta, everything, k, method="with_replacement")[0].exp()
+    (expected,) = torch.autograd.grad((rbar * shown / count0 * count).sum(), theta)
+    loss = OffPolicyCAPGLoss(k, method="with_replacement", reduction="none")(
+        theta.expand(len(draws), -1, -1), draws, chosen, rbar[chosen], count0.log()[chosen])
+    (grad,) = torch.autograd.grad((p0 * loss).sum(), theta)
+    torch.testing.assert_close(grad, -expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize(("n", "k", "m", "length"), CASES)
+def test_offpolicy_vpg_expected_gradient_is_the_policy_gradient(n, k, m, length):
+    """E_{π₀}[∇ whole-set IPS V-PG] = -∇ E_{π_θ}[Σ_l r_l], exactly."""
+    theta, logging, rbar, draws, chosen = _problem(n, k, m, length, seed=7 * n + k + m)
+    experts = expert_of_position(k, m)
+    log_p0 = draw_log_probs(logging, draws, experts)[0]
+    value = (draw_log_probs(theta, draws, experts)[0].exp() * rbar[chosen].sum(1)).sum()
+    (expected,) = torch.autograd.grad(value, theta)
+    loss = OffPolicyVPGLoss(k, reduction="none")(theta.expand(len(draws), -1, -1), draws, chosen, rbar[chosen],
+                                                 log_p0)
+    (grad,) = torch.autograd.grad((log_p0.exp() * loss).sum(), theta)
+    torch.testing.assert_close(grad, -expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_topk_reinforce_is_chens_corrected_reinforce(m):
+    """Per shown item: -(π/β)·K(1-π)^{K-1}·r·log π, π the single-draw probability (for M > 1 the
+    mean over positions of softmax_{m(k)}), β the logged one; weights constant."""
+    g = torch.Generator().manual_seed(m)
+    n, k, b = 7, 3, 4
+    logits = torch.randn(b, m, n, generator=g, dtype=torch.float64).requires_grad_()
+    candidates = torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(b)])
+    chosen = candidates[:, :2]
+    rewards = torch.rand(b, 2, generator=g, dtype=torch.float64)
+    beta = torch.rand(b, 2, generator=g, dtype=torch.float64) * 0.5 + 0.05
+    experts = expert_of_position(k, m)
+    pi = torch.softmax(logits, dim=2)[:, experts].mean(1).gather(1, chosen)  # [B, L]
+    lam = k * (1 - pi.detach()) ** (k - 1)
+    reference = -((pi.detach() / beta) * lam * rewards * pi.log()).sum(1)
+    loss = TopKReinforceLoss(k, reduction="none")(logits, candidates, chosen, rewards, beta.log())
+    torch.testing.assert_close(loss, reference, rtol=1e-12, atol=1e-12)
+    g_loss, = torch.autograd.grad(loss.sum(), logits)
+    g_ref, = torch.autograd.grad(reference.sum(), logits)
+    torch.testing.assert_close(g_loss, g_ref, rtol=1e-12, atol=1e-12)
+    capped = TopKReinforceLoss(k, reduction="none", max_weight=1.5)(logits, candidates, chosen, rewards, beta.log())
+    torch.testing.assert_close(capped, -((pi / beta).detach().clamp(max=1.5) * lam * rewards * pi.log()).sum(1))
+
+
+def _logged_rows(seed, b=6, n=8, k=3, length=2, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(b, n, generator=g, dtype=dtype).requires_grad_()
+    logging = torch.randn(b, n, generator=g, dtype=dtype)
+    candidates = torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(b)])
+    chosen = candidates[:, :length]
+    rewards = torch.rand(b, length, generator=g, dtype=dtype)
+    logged = inclusion_log_prob(logging, chosen, k, method="exact")
+    return logits, candidates, chosen, rewards, logged
+
+
+def test_capping_and_self_normalisation_are_as_documented():
+    logits, candidates, chosen, rewards, logged = _logged_rows(0)
+    k, length = candidates.shape[1], chosen.shape[1]
+    score = inclusion_log_prob(logits, chosen, k, method="mean_field")
+    ratio = (score - logged).exp().detach()
+    plain = OffPolicyCAPGLoss(k, reduction="none")(logits, candidates, chosen, rewards, logged)
+    torch.testing.assert_close(plain, -(ratio * rewards * score).sum(1))
+    cap = float(ratio.median())
+    capped = OffPolicyCAPGLoss(k, max_weight=cap, reduction="none")(logits, candidates, chosen, rewards, logged)
+    torch.testing.assert_close(capped, -(ratio.clamp(max=cap) * rewards * score).sum(1))
+    snips = OffPolicyCAPGLoss(k, max_weight=cap, self_normalize=True)(logits, candidates, chosen, rewards, logged)
+    w = ratio.clamp(max=cap)
+    torch.testing.assert_close(snips, -length * (w * rewards * score).sum() / w.sum())
+    normalised = F.importance_weights(score - logged, max_weight=cap, self_normalize=True)
+    torch.testing.assert_close(normalised.mean(), torch.tensor(1.0, dtype=torch.float64))
+    assert F.importance_weights(torch.full((3,), -math.inf), self_normalize=True).eq(0).all()  # zeros stay zero
+    vpg = OffPolicyVPGLoss(k, self_normalize=True, reduction="sum")(logits, candidates, chosen, rewards,
+                                                                    logged.sum(1))
+    set_score = candidate_log_prob(logits, candidates)
+    w_set = (set_score - logged.sum(1)).exp().detach()
+    torch.testing.assert_close(vpg, -(w_set / w_set.mean() * rewards.sum(1) * set_score).sum())
+
+
+@pytest.mark.parametrize("loss_cls", [OffPolicyCAPGLoss, OffPolicyVPGLoss, TopKReinforceLoss])
+def test_weights_never_overflow_at_huge_logit_gaps(loss_cls, device):
+    """float32, logit gaps of 1e4 between target and logging ESR: finite loss and gradient, the
+    weights capped at sqrt(float32 max) or at 0."""
+    k = 2
+    logits = torch.tensor([[0.0, -1e4, -2e4, 0.0, -1e4, -3e4]] * 2, device=device).requires_grad_()
+    candidates = torch.tensor([[0, 1], [4, 5]], device=device)
+    chosen = candidates[:, :1]
+    rewards = torch.ones(2, 1, device=device)
+    per_item = torch.tensor([[-1e4], [-0.01]], device=device)  # item 0: θ sure, π₀ not; item 4: reverse
+    logged = per_item.sum(1) if loss_cls is OffPolicyVPGLoss else per_item
+    loss = loss_cls(k)(logits, candidates, chosen, rewards, logged)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logits.grad).all()
+    w = F.importance_weights(torch.tensor([1e4, -1e4, 80.0]))
+    torch.testing.assert_close(w[0], torch.tensor(math.sqrt(torch.finfo(torch.float32).max)))
+    assert w[1] == 0 and torch.isfinite(w).all()
+
+
+def test_offpolicy_loss_is_twice_differentiable_with_constant_weights():
+    """Hessian-vector product of the off-policy loss = w times that of on-policy CA-PG (B = L = 1)."""
+    logits, candidates, chosen, rewards, logged = _logged_rows(1, b=1, length=1)
+    k = candidates.shape[1]
+    w = F.importance_weights(inclusion_log_prob(logits, chosen, k) - logged)
+    v = torch.randn(logits.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+
+    def hvp(loss):
+        (g,) = torch.autograd.grad(loss, logits, create_graph=True)
+        return torch.autograd.grad((g * v).sum(), logits)[0]
+
+    off = hvp(OffPolicyCAPGLoss(k)(logits, candidates, chosen, rewards, logged))
+    on = hvp(CAPGLoss(k)(logits, candidates, chosen, rewards))
+    torch.testing.assert_close(off, w.squeeze() * on)
+
+
+def test_empty_batch_and_compile_without_checks(device):
+    n, k = 8, 3
+    empty = torch.empty(0, n, device=device, requires_grad=True)
+    ids = torch.empty(0, k, dtype=torch.long, device=device)
+    for loss in (OffPolicyCAPGLoss(k)(empty, ids, ids[:, :1], torch.empty(0, 1, device=device),
+                                      torch.empty(0, 1, device=device)),
+                 OffPolicyVPGLoss(k)(empty, ids, ids[:, :1], torch.empty(0, 1, device=device),
+                                     torch.empty(0, device=device)),
+                 TopKReinforceLoss(k, self_normalize=True)(empty, ids, ids[:, :1], torch.empty(0, 1, device=device),
+                                                           torch.empty(0, 1, device=device))):
+        assert loss.item() == 0.0
+    logits, candidates, chosen, rewards, logged = (t.to(device) for t in _logged_rows(3, dtype=torch.float32))
+    capg_swr = functools.partial(F.offpolicy_capg_loss, method="with_replacement")  # the weights are what is new
+    for fn, extra in ((capg_swr, logged), (F.offpolicy_vpg_loss, logged.sum(1)), (F.topk_reinforce_loss, logged)):
+        compiled = torch.compile(lambda *a: fn(*a, self_normalize=True, max_weight=2.0, validate_args=False),
+                                 fullgraph=True, backend="eager")(logits, candidates, chosen, rewards, extra)
+        eager = fn(logits, candidates, chosen, rewards, extra, self_normalize=True, max_weight=2.0,
+                   validate_args=False)
+        torch.testing.assert_close(compiled, eager)
+
+
+def test_input_checks_name_the_argument():
+    logits, candidates, chosen, rewards, logged = _logged_rows(4)
+    k = candidates.shape[1]
+    loss = OffPolicyCAPGLoss(k)
+    with pytest.raises(TypeError, match="logged_log_inclusion"):
+        loss(logits, candidates, chosen, rewards, logged.tolist())
+    with pytest.raises(TypeError, match="logged_log_inclusion"):
+        loss(logits, candidates, chosen, rewards, logged.long())
+    with pytest.raises(ValueError, match="logged_log_inclusion"):
+        loss(logits, candidates, chosen, rewards, logged[:, :1])
+    with pytest.raises(ValueError, match="logged_log_inclusion"):
+        loss(logits, candidates, chosen, rewards, logged.clone().fill_(math.nan))
+    with pytest.raises(ValueError, match="logged_log_inclusion"):
+        loss(logits, candidates, chosen, rewards, logged.clone().fill_(-math.inf))
+    with pytest.raises(ValueError, match="logged_log_inclusion must be <= 0"):
+        loss(logits, candidates, chosen, rewards, logged + 0.01 - logged.max())
+    loss(logits, candidates, chosen, rewards, logged.clamp(max=0) * 0 + 5e-5)  # rounding above 0 is accepted
+    swr = OffPolicyCAPGLoss(k, method="with_replacement")
+    swr(logits, candidates, chosen, rewards, torch.full_like(logged, math.log(k)))  # an expected count up to K
+    with pytest.raises(ValueError, match="logged_log_inclusion must be <= 1.09861"):
+        swr(logits, candidates, chosen, rewards, torch.full_like(logged, math.log(k) + 0.01))
+    with pytest.raises(ValueError, match="logged_log_prob"):
+        OffPolicyVPGLoss(k)(logits, candidates, chosen, rewards, logged)
+    with pytest.raises(ValueError, match="logged_log_prob must be <= 0"):
+        OffPolicyVPGLoss(k)(logits, candidates, chosen, rewards, torch.ones(len(logits), dtype=torch.float64))
+    with pytest.raises(ValueError, match="logged_log_item_prob"):
+        TopKReinforceLoss(k)(logits, candidates, chosen, rewards, logged.clone().fill_(math.inf))
+    with pytest.raises(ValueError, match="max_weight"):
+        OffPolicyCAPGLoss(k, max_weight=0.0)
+    with pytest.raises(TypeError, match="max_weight"):
+        F.offpolicy_capg_loss(logits, candidates, chosen, rewards, logged, max_weight="10")
+    with pytest.raises(TypeError, match="self_normalize"):
+        OffPolicyVPGLoss(k, self_normalize=1)
+    OffPolicyCAPGLoss(k, validate_args=False)(logits, candidates, chosen, rewards, logged + 1.0)  # unchecked
+
+
+def test_catalog_objects_give_the_dense_losses():
+    """An EmbeddingCatalog (streamed in chunks) gives the same off-policy losses and gradients as its logits."""
+    g = torch.Generator().manual_seed(6)
+    b, n, m, d, k = 3, 40, 2, 4, 5
+    user = torch.randn(b, m, d, generator=g, dtype=torch.float64, requires_grad=True)
+    item = torch.randn(n, m, d, generator=g, dtype=torch.float64)
+    logits = torch.einsum("bmd,nmd->bmn", user, item)
+    candidates = torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(b)])
+    chosen, rewards = candidates[:, 1:3], torch.rand(b, 2, generator=g, dtype=torch.float64)
+    logged = torch.rand(b, 2, generator=g, dtype=torch.float64).log() - 1.0
+    catalog = EmbeddingCatalog(user, item, chunk_size=16)
+    for loss_fn, extra in ((OffPolicyCAPGLoss(k, max_weight=5.0), logged), (OffPolicyVPGLoss(k), logged.sum(1) * 3),
+                           (TopKReinforceLoss(k, self_normalize=True), logged)):
+        dense, streamed = loss_fn(logits, candidates, chosen, rewards, extra), loss_fn(catalog, candidates, chosen,
+                                                                                      rewards, extra)
+        torch.testing.assert_close(streamed, dense)
+        torch.testing.assert_close(torch.autograd.grad(streamed, user)[0],
+                                   torch.autograd.grad(dense, user, retain_graph=True)[0])
