@@ -301,21 +301,34 @@ class SampledCatalog(CatalogScores):
                 parts.append(index.search(queries, self.head_size)[1].reshape(self.batch_size, -1))
             head = torch.cat(parts, 1) if parts else torch.zeros(self.batch_size, 0, dtype=torch.long,
                                                                  device=self.device)
-            self.head_ids, _, head_sorted = _first_copies(head.to(self.device))  # [B, T]; -1: duplicate/unused
+            self.head_ids = _first_copies(head.to(self.device))[0]  # [B, T]; -1: duplicate or unused
             sample = sampler.draw(self.num_items, batch_items, generator=generator, device=self.device)
-            self.sample_ids, copies, _ = _first_copies(sample.to(self.device).long())  # [S]; -1: duplicate/unused
+            self.sample_ids, copies, self._sample_sorted = _first_copies(sample.to(self.device).long())  # [S]
             log_count = sampler.log_expected_count(self.sample_ids, self.num_items, batch_items)
             usable = (self.sample_ids >= 0) & (log_count > -math.inf)
             log_weight = torch.where(usable, copies.to(torch.float64).log() - log_count, -math.inf)
             self.sample_log_weight = log_weight.to(self.dtype)  # [S]
-            sample_rows = self.sample_ids.expand(self.batch_size, -1).contiguous()
-            # Left out of every sum: unused slots, ids in the head (scored exactly) and masked ids.
-            self.sample_drop = ~usable | _member(sample_rows, head_sorted)  # [B, S]
+            # Left out of every sum: unused slots (-1: unused or a later copy), ids in the head (scored
+            # exactly) and masked ids.
+            self.sample_drop = ~usable | self._sample_hits(self.head_ids)  # [B, S]
             if self.masked_items is not None:
-                self.sample_drop |= _member(sample_rows, self.masked_items.sort(dim=1).values)
+                self.sample_drop |= self._sample_hits(self.masked_items)
         self.head_scores = self.gather(self.head_ids.clamp(min=0)).masked_fill(
             (self.head_ids < 0).unsqueeze(1), -math.inf)  # [B, M, T]
-        self.sample_scores = self._score(sample_rows.clamp(min=0))  # [B, M, S]
+        # The sample is shared by the rows: S lookups, one [B, M, D] × [S, M, D] product.
+        self.sample_scores = torch.einsum("bmd,smd->bms", self.user, self._vectors(self.sample_ids.clamp(min=0)))
+
+    def _sample_hits(self, ids: Tensor) -> Tensor:
+        """Sample slots holding one of each row's ``ids [B, E]`` (``-1``: none) → bool ``[B, S]``.
+
+        A binary search of each id in the sorted sample finds its first copy, the slot that is kept."""
+        size = self._sample_sorted.shape[0]
+        if size == 0 or ids.shape[1] == 0:
+            return torch.zeros(self.batch_size, size, dtype=torch.bool, device=self.device)
+        pos = torch.searchsorted(self._sample_sorted, ids).clamp(max=size - 1)
+        hit = (self._sample_sorted[pos] == ids) & (ids >= 0)
+        spare = torch.zeros(self.batch_size, size + 1, dtype=torch.bool, device=self.device)
+        return spare.scatter(1, torch.where(hit, pos, size), True)[:, :size]
 
     def _ids(self, name: str, ids: Tensor | None, any_batch: bool = False) -> Tensor | None:
         if ids is None:
@@ -360,7 +373,7 @@ class SampledCatalog(CatalogScores):
         if exclude is not None and exclude.numel():
             gone = exclude.sort(dim=1).values
             head_drop = head_drop | _member(self.head_ids, gone)
-            sample_drop = sample_drop | _member(self.sample_ids.expand(self.batch_size, -1).contiguous(), gone)
+            sample_drop = sample_drop | self._sample_hits(exclude)
         return head_drop, sample_drop
 
     def log_power_sums(self, exclude: Tensor | None = None, num_powers: int = 1) -> Tensor:
