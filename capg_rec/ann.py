@@ -1,0 +1,176 @@
+"""Maximum-inner-product item indexes: the nearest-neighbour head of :class:`~capg_rec.sampled.SampledCatalog`.
+
+An :class:`ItemIndex` is built from item vectors ``[N, D]`` (one expert) or ``[N, M, D]`` (one index
+per expert, the library's item layout) and answers ``search(queries, k) -> (scores, ids)``, the k
+items of largest inner product, best first. ``refresh(item_vectors)`` rebuilds it after the item
+tower moved (every n training steps). Two implementations:
+
+* :class:`ExactIndex`: a chunked matmul and top-k in torch (any device; the reference),
+* :class:`FaissIndex`: faiss-cpu, inner product; ``"flat"`` (exact), ``"hnsw"`` or ``"ivf"``
+  (approximate: measure their recall with :func:`recall_at_k`).
+
+Another index plugs in by subclassing :class:`ItemIndex` (``_build`` and ``_search_one``).
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+from torch import Tensor
+
+from capg_rec._checks import check_choice, check_count, check_float_tensor
+
+__all__ = ["ItemIndex", "ExactIndex", "FaissIndex", "recall_at_k"]
+
+
+class ItemIndex(abc.ABC):
+    """Top-k inner-product search over a fixed set of item vectors (abstract).
+
+    ``item_vectors [N, D]`` or ``[N, M, D]``; queries ``[B, D]`` or ``[B, M, D]`` to match. Results
+    are ``(scores, ids)`` of shape ``[B, k]`` or ``[B, M, k]``, best first, ids int64 in ``[0, N)``.
+    No gradient flows through an index.
+    """
+
+    num_items: int
+    num_experts: int | None  # None: built from [N, D]
+    dim: int
+
+    def __init__(self, item_vectors: Tensor) -> None:
+        self.refresh(item_vectors)
+
+    def refresh(self, item_vectors: Tensor) -> None:
+        """(Re)build the index from ``item_vectors [N, D] | [N, M, D]``."""
+        item_vectors = check_float_tensor("item_vectors", item_vectors, ndims=(2, 3), validate=False)
+        self.num_items = item_vectors.shape[0]
+        self.num_experts = item_vectors.shape[1] if item_vectors.dim() == 3 else None
+        self.dim = item_vectors.shape[-1]
+        check_count("item_vectors.shape[0] (N)", self.num_items)
+        vectors = item_vectors.detach()
+        per_expert = [vectors] if self.num_experts is None else list(vectors.unbind(1))
+        self._build(per_expert)
+
+    def search(self, queries: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """The k best items of each query: ``queries [B, D] | [B, M, D]`` → ``(scores, ids)`` ``[B, (M,) k]``."""
+        queries = check_float_tensor("queries", queries, ndims=(2, 3), validate=False)
+        expected = 2 if self.num_experts is None else 3
+        if queries.dim() != expected or queries.shape[-1] != self.dim or (
+                expected == 3 and queries.shape[1] != self.num_experts):
+            want = "[B, D]" if self.num_experts is None else f"[B, M={self.num_experts}, D]"
+            raise ValueError(f"queries must have shape {want} with D={self.dim}, got {tuple(queries.shape)}")
+        k = check_count("k", k, high=self.num_items)
+        queries = queries.detach()
+        if self.num_experts is None:
+            return self._search_one(0, queries, k)
+        found = [self._search_one(m, queries[:, m], k) for m in range(self.num_experts)]
+        return torch.stack([s for s, _ in found], 1), torch.stack([i for _, i in found], 1)
+
+    @abc.abstractmethod
+    def _build(self, per_expert: list[Tensor]) -> None:
+        """Build one sub-index per ``[N, D]`` tensor of ``per_expert``."""
+
+    @abc.abstractmethod
+    def _search_one(self, expert: int, queries: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """Expert ``expert``'s index: ``queries [B, D]`` → ``(scores, ids)`` ``[B, k]``, on the queries' device."""
+
+
+class ExactIndex(ItemIndex):
+    """Exact top-k by a matmul over ``chunk_size`` items at a time (memory ``O(B·chunk)``), any device.
+
+    Example:
+        >>> index = ExactIndex(torch.randn(1000, 16))
+        >>> scores, ids = index.search(torch.randn(4, 16), k=10)
+    """
+
+    def __init__(self, item_vectors: Tensor, *, chunk_size: int = 65536) -> None:
+        self.chunk_size = check_count("chunk_size", chunk_size)
+        super().__init__(item_vectors)
+
+    def _build(self, per_expert: list[Tensor]) -> None:
+        self._vectors = per_expert
+
+    def _search_one(self, expert: int, queries: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        items = self._vectors[expert].to(device=queries.device, dtype=queries.dtype)
+        best_val = queries.new_full((queries.shape[0], 0), -torch.inf)
+        best_idx = torch.zeros((queries.shape[0], 0), dtype=torch.long, device=queries.device)
+        for start in range(0, items.shape[0], self.chunk_size):
+            block = items[start:start + self.chunk_size]
+            s = queries @ block.T
+            ids = torch.arange(start, start + block.shape[0], device=queries.device).expand(queries.shape[0], -1)
+            best_val, pos = torch.cat([best_val, s], 1).topk(min(k, best_val.shape[1] + block.shape[0]), dim=1)
+            best_idx = torch.cat([best_idx, ids], 1).gather(1, pos)
+        return best_val, best_idx
+
+
+FAISS_KINDS = ("flat", "hnsw", "ivf")
+
+
+class FaissIndex(ItemIndex):
+    """A faiss-cpu inner-product index (float32 on the CPU; results come back on the queries' device).
+
+    Args:
+        item_vectors: ``[N, D]`` or ``[N, M, D]``.
+        kind: ``"flat"`` (exact: ``IndexFlatIP``), ``"hnsw"`` (``IndexHNSWFlat``, ``hnsw_m`` links,
+            search depth ``ef_search``) or ``"ivf"`` (``IndexIVFFlat``, ``nlist`` lists, ``nprobe``
+            probed; trained on the items).
+        ef_search, hnsw_m, nlist, nprobe: the approximate kinds' settings (their recall trades
+            against time: measure it with :func:`recall_at_k`).
+        num_threads: faiss's OpenMP threads (``None``: leave faiss's setting).
+    """
+
+    def __init__(self, item_vectors: Tensor, *, kind: str = "flat", hnsw_m: int = 32, ef_search: int = 64,
+                 nlist: int | None = None, nprobe: int = 16, num_threads: int | None = None) -> None:
+        self.kind = check_choice("kind", kind, FAISS_KINDS)
+        self.hnsw_m = check_count("hnsw_m", hnsw_m)
+        self.ef_search = check_count("ef_search", ef_search)
+        self.nlist = None if nlist is None else check_count("nlist", nlist)
+        self.nprobe = check_count("nprobe", nprobe)
+        self.num_threads = None if num_threads is None else check_count("num_threads", num_threads)
+        self._faiss = _import_faiss()
+        if self.num_threads is not None:
+            self._faiss.omp_set_num_threads(self.num_threads)
+        super().__init__(item_vectors)
+
+    def _build(self, per_expert: list[Tensor]) -> None:
+        self._indexes = [self._build_one(v.to("cpu", torch.float32).contiguous().numpy()) for v in per_expert]
+
+    def _build_one(self, vectors):  # numpy [N, D] float32
+        faiss = self._faiss
+        num, dim = vectors.shape
+        metric = faiss.METRIC_INNER_PRODUCT
+        if self.kind == "flat":
+            index = faiss.IndexFlatIP(dim)
+        elif self.kind == "hnsw":
+            index = faiss.IndexHNSWFlat(dim, self.hnsw_m, metric)
+            index.hnsw.efSearch = self.ef_search
+        else:
+            nlist = self.nlist if self.nlist is not None else max(1, int(4 * num ** 0.5))
+            nlist = min(nlist, num)
+            index = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, nlist, metric)
+            index.train(vectors)
+            index.nprobe = min(self.nprobe, nlist)
+        index.add(vectors)
+        return index
+
+    def _search_one(self, expert: int, queries: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        q = queries.to("cpu", torch.float32).contiguous().numpy()
+        scores, ids = self._indexes[expert].search(q, k)
+        scores = torch.from_numpy(scores).to(device=queries.device, dtype=queries.dtype)
+        ids = torch.from_numpy(ids).to(device=queries.device, dtype=torch.long)
+        return scores, ids  # an approximate index may return -1 ids (fewer than k found), scored -inf by faiss
+
+
+def recall_at_k(found: Tensor, exact: Tensor) -> float:
+    """Mean fraction of the exact top-k ids ``exact [..., k]`` that ``found [..., k]`` also holds."""
+    if found.shape != exact.shape:
+        raise ValueError(f"found and exact must have one shape, got {tuple(found.shape)} and {tuple(exact.shape)}")
+    hits = (found.unsqueeze(-1) == exact.unsqueeze(-2)).any(-2)
+    return float(hits.float().mean()) if hits.numel() else 1.0
+
+
+def _import_faiss():
+    try:
+        import faiss
+    except ImportError as err:  # pragma: no cover - the dependency is pinned for development
+        raise ImportError("FaissIndex needs faiss: pip install faiss-cpu") from err
+    return faiss

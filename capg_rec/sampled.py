@@ -1,0 +1,415 @@
+"""A sampled catalog: catalog-wide sums estimated from a negative sample plus an exact head.
+
+:class:`SampledCatalog` is a :class:`~capg_rec.catalog.CatalogScores` whose step cost does not grow
+with the catalog. Scores are ``s[b, m, n] = <user[b, m], item[n, m]> / τ``. Per row it keeps
+
+* a **head** H_b scored exactly: each expert's ``head_size`` best items from an
+  :class:`~capg_rec.ann.ItemIndex` (refreshed by the caller every few steps) and/or named
+  ``head_items`` (the candidates or logged items),
+* a **negative sample** S (shared by the rows) from a :class:`NegativeSampler`, each distinct id j
+  carrying ``log w_j = log(times drawn) - log E[times drawn]`` (the logQ correction of Yi et al. 2019;
+  for a mixture of samplers, the balance heuristic: expected counts add up),
+
+and estimates ``Σ_{n ∉ E} exp(p · s_n) ≈ Σ_{n ∈ H \\ E} exp(p · s_n) + Σ_{j ∈ S \\ (H ∪ E)} w_j exp(p · s_j)``,
+which is unbiased for any fixed head and exclusion set E, since ``E[Σ_{slots} 1(j) / E[count_j]] = 1``
+for every item the sampler can draw. Everything is a logsumexp over these terms, so it is shift
+invariant by construction; excluded and masked items lose their head term and their sample terms
+exactly. Named items (:meth:`~SampledCatalog.gather`) are always exact.
+
+What each inclusion method gets:
+
+* ``"with_replacement"`` (CA-PG-SwR) and V-PG: only the normaliser, estimated.
+* ``"mean_field"``: for catalogs over 2048 items it reads the catalog's best items and the tail's
+  power sums ``p = 1..3``, both served here (the best items are those of H ∪ S; the tail sums are
+  estimated). Make ``head_size`` at least mean-field's head (``8·n + K - n`` for the largest
+  expert block n) so that its tail series stays accurate.
+* ``"plugin"``: the top-(K-1) prefix is taken from H ∪ S (exact when the head holds the true top).
+* ``"exact"``: refused (it reads power sums up to ``p = 4`` whose importance estimates have a
+  heavy tail): :meth:`~SampledCatalog.log_power_sums` raises a ``ValueError`` for ``p > 3``.
+
+Candidate sampling (``top_items(perturb=True)``, hence :func:`~capg_rec.sample_candidates`) is a
+Gumbel top-K over H ∪ S with the sample's keys ``s_j + log w_j``: each drawn slot stands for the
+tail mass it estimates. The draw is exact when the head holds the whole catalog; otherwise only
+items of H ∪ S can be drawn, and a tail item's chance is right in expectation over the sample for
+the first position only (later positions condition on an estimated remaining mass).
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from capg_rec._checks import check_count, check_float_tensor, check_items, check_positive, resolve_validate_args
+from capg_rec._numerics import gumbel_top_k, safe_logsumexp
+from capg_rec.ann import ItemIndex
+from capg_rec.catalog import CatalogScores, compute_dtype
+
+__all__ = ["SampledCatalog", "NegativeSampler", "UniformSampler", "InBatchSampler", "MixedSampler",
+           "MAX_SAMPLED_POWERS"]
+
+MAX_SAMPLED_POWERS = 3
+"""The highest power sum ``Σ exp(p·s)`` a :class:`SampledCatalog` estimates (mean-field's tail needs 3)."""
+
+
+class NegativeSampler(abc.ABC):
+    """Draws a negative sample of item ids shared by a batch, and knows each id's expected count.
+
+    ``draw`` returns ids ``[S]`` (``-1`` marks an unused slot); ``log_expected_count(ids)`` gives
+    ``log E[number of slots holding id]`` for any ids (``-inf`` for an id it can never draw). The
+    sampled catalog divides each drawn id's term by that expectation, which makes its sums unbiased.
+    """
+
+    @abc.abstractmethod
+    def draw(self, num_items: int, batch_items: Tensor | None, *, generator: torch.Generator | None,
+             device: torch.device) -> Tensor:
+        """Ids ``[S]`` (int64, ``-1``: unused) for a catalog of ``num_items``; ``batch_items [B, H]`` are the
+        batch's named items (``-1`` padded; ``None``: none)."""
+
+    @abc.abstractmethod
+    def log_expected_count(self, ids: Tensor, num_items: int, batch_items: Tensor | None) -> Tensor:
+        """``log E[count of id]`` in a draw, for ``ids [S]`` → ``[S]`` (dtype float64)."""
+
+
+class UniformSampler(NegativeSampler):
+    """``num_samples`` ids uniform over the catalog, with replacement (``E[count] = S / N``)."""
+
+    def __init__(self, num_samples: int) -> None:
+        self.num_samples = check_count("num_samples", num_samples)
+
+    def draw(self, num_items: int, batch_items: Tensor | None, *, generator: torch.Generator | None,
+             device: torch.device) -> Tensor:
+        return torch.randint(num_items, (self.num_samples,), generator=generator, device=device)
+
+    def log_expected_count(self, ids: Tensor, num_items: int, batch_items: Tensor | None) -> Tensor:
+        return torch.full(ids.shape, math.log(self.num_samples / num_items), dtype=torch.float64, device=ids.device)
+
+    def __repr__(self) -> str:
+        return f"UniformSampler(num_samples={self.num_samples})"
+
+
+_PRIME = 2_147_483_647  # 2^31 - 1: ids below 2^32 times a multiplier below it stay inside int64
+
+
+class InBatchSampler(NegativeSampler):
+    """The batch's own named items as negatives (``batch_items`` flattened), logQ-corrected.
+
+    ``E[count of j]`` per batch is either given (``frequency [N]``: the chance that one batch slot
+    holds item j; then ``E[count] = slots · q_j``) or estimated online as in Yi et al. (2019): per
+    hash bucket, the last step an item was seen and a moving average ``δ`` (rate ``alpha``) of the
+    steps between sightings; ``E[count] ≈ 1 / δ``, with ``δ`` the largest over ``num_hashes`` hash
+    functions (collisions only shorten it, as in a count-min sketch). An item's first sighting
+    sets ``δ`` to the steps so far. Each :meth:`draw` is one step: it records the batch first.
+
+    In-batch negatives never reach items that are never named: the estimate is biased towards
+    popular items unless the batch covers the catalog. :class:`MixedSampler` adds uniform negatives.
+    """
+
+    def __init__(self, *, frequency: Tensor | None = None, num_buckets: int = 1 << 18, num_hashes: int = 2,
+                 alpha: float = 0.01, seed: int = 0) -> None:
+        if frequency is not None:
+            frequency = check_float_tensor("frequency", frequency, ndims=(1,))
+            if bool((frequency < 0).any()) or not bool(torch.isfinite(frequency).all()):
+                raise ValueError("frequency must hold finite probabilities >= 0")
+        self.frequency = frequency
+        self.num_buckets = check_count("num_buckets", num_buckets)
+        self.num_hashes = check_count("num_hashes", num_hashes)
+        self.alpha = check_positive("alpha", alpha)
+        if self.alpha > 1:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        g = torch.Generator().manual_seed(seed)
+        self._mult = torch.randint(1, _PRIME, (num_hashes, 1), generator=g)
+        self._add = torch.randint(0, _PRIME, (num_hashes, 1), generator=g)
+        self.step = 0
+        self._last: Tensor | None = None  # [h, buckets] float64: step of the last sighting (0: never)
+        self._interval: Tensor | None = None  # [h, buckets] float64: moving average of the gaps
+
+    def _buckets(self, ids: Tensor) -> Tensor:
+        mult, add = self._mult.to(ids.device), self._add.to(ids.device)
+        return ((ids.clamp(min=0).unsqueeze(0) * mult + add) % _PRIME) % self.num_buckets  # [h, S]
+
+    def observe(self, batch_items: Tensor) -> None:
+        """Record one step's named items ``[B, H]`` (``-1`` padded) in the frequency estimate."""
+        ids = batch_items.reshape(-1)
+        if self._last is None or self._last.device != ids.device:
+            self._last = torch.zeros(self.num_hashes, self.num_buckets, dtype=torch.float64, device=ids.device)
+            self._interval = torch.zeros_like(self._last)
+        self.step += 1
+        buckets = torch.where(ids >= 0, self._buckets(ids), self.num_buckets)  # padding: a spare bucket
+        last = torch.nn.functional.pad(self._last, (0, 1))
+        interval = torch.nn.functional.pad(self._interval, (0, 1))
+        seen_last, seen_gap = last.gather(1, buckets), interval.gather(1, buckets)
+        gap = self.step - seen_last
+        new_gap = torch.where(seen_last > 0, (1 - self.alpha) * seen_gap + self.alpha * gap, gap)
+        self._interval = interval.scatter(1, buckets, new_gap)[:, :-1].contiguous()
+        self._last = last.scatter(1, buckets, torch.full_like(new_gap, float(self.step)))[:, :-1].contiguous()
+
+    def draw(self, num_items: int, batch_items: Tensor | None, *, generator: torch.Generator | None,
+             device: torch.device) -> Tensor:
+        if batch_items is None:
+            raise ValueError("InBatchSampler needs the batch's named items: pass head_items (or batch_items) "
+                             "to the SampledCatalog")
+        if self.frequency is None:
+            self.observe(batch_items)
+        return batch_items.reshape(-1).to(device)
+
+    def log_expected_count(self, ids: Tensor, num_items: int, batch_items: Tensor | None) -> Tensor:
+        if self.frequency is not None:
+            if self.frequency.shape[0] != num_items:
+                raise ValueError(f"frequency must have num_items={num_items} entries, got {self.frequency.shape[0]}")
+            slots = (batch_items >= 0).sum().to(torch.float64) if batch_items is not None else 0.0
+            q = self.frequency.to(device=ids.device, dtype=torch.float64)[ids.clamp(min=0)]
+            return torch.log(q * slots)
+        if self._last is None:
+            return torch.full(ids.shape, -math.inf, dtype=torch.float64, device=ids.device)
+        buckets = self._buckets(ids)
+        interval = self._interval.to(ids.device).gather(1, buckets).amax(0)
+        seen = self._last.to(ids.device).gather(1, buckets).amin(0) > 0
+        return torch.where(seen, -torch.log(interval.clamp(min=1e-300)), -math.inf)
+
+    def __repr__(self) -> str:
+        source = "given" if self.frequency is not None else f"streaming(alpha={self.alpha})"
+        return f"InBatchSampler(frequency={source})"
+
+
+class MixedSampler(NegativeSampler):
+    """Several samplers' draws together (Yang et al. 2020: in-batch plus uniform); an id's expected
+    count is the sum of theirs, so every item any of them can draw is covered without bias."""
+
+    def __init__(self, *samplers: NegativeSampler) -> None:
+        if not samplers:
+            raise ValueError("MixedSampler needs at least one sampler")
+        for s in samplers:
+            if not isinstance(s, NegativeSampler):
+                raise TypeError(f"samplers must be NegativeSampler objects, got {type(s).__name__}")
+        self.samplers = samplers
+
+    def draw(self, num_items: int, batch_items: Tensor | None, *, generator: torch.Generator | None,
+             device: torch.device) -> Tensor:
+        return torch.cat([s.draw(num_items, batch_items, generator=generator, device=device) for s in self.samplers])
+
+    def log_expected_count(self, ids: Tensor, num_items: int, batch_items: Tensor | None) -> Tensor:
+        parts = torch.stack([s.log_expected_count(ids, num_items, batch_items) for s in self.samplers])
+        return torch.logsumexp(parts, dim=0)
+
+    def __repr__(self) -> str:
+        return f"MixedSampler({', '.join(map(repr, self.samplers))})"
+
+
+def _member(values: Tensor, sorted_set: Tensor) -> Tensor:
+    """``values [B, S]`` in each row of ``sorted_set [B, T]`` (sorted rows) → bool ``[B, S]``."""
+    if sorted_set.shape[1] == 0 or values.shape[1] == 0:
+        return torch.zeros(values.shape, dtype=torch.bool, device=values.device)
+    pos = torch.searchsorted(sorted_set, values).clamp(max=sorted_set.shape[1] - 1)
+    return sorted_set.gather(1, pos) == values
+
+
+def _first_copies(ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """For ``ids [..., T]``: the sorted ids with later copies (and ``-1``) set to ``-1``, the number
+    of copies of each kept id (0 elsewhere) and the sorted ids themselves → three ``[..., T]``."""
+    sorted_ids = ids.sort(dim=-1).values
+    first = torch.ones_like(sorted_ids, dtype=torch.bool)
+    first[..., 1:] = sorted_ids[..., 1:] != sorted_ids[..., :-1]
+    first &= sorted_ids >= 0
+    # copies of the run starting at i: the next run's start minus i
+    slot = torch.arange(ids.shape[-1], device=ids.device).expand_as(sorted_ids)
+    end = torch.where(first, slot, ids.shape[-1])
+    end = torch.cat([end[..., 1:], torch.full_like(end[..., :1], ids.shape[-1])], -1)
+    end = end.flip(-1).cummin(-1).values.flip(-1)
+    copies = torch.where(first, end - slot, 0)
+    return torch.where(first, sorted_ids, -1), copies, sorted_ids
+
+
+ItemSource = Tensor | Callable[[Tensor], Tensor]
+
+
+class SampledCatalog(CatalogScores):
+    """Scores ``<user[b, m], item[n, m]> / τ`` with catalog-wide sums estimated (see the module doc).
+
+    Args:
+        user: ``[B, D]`` or ``[B, M, D]``.
+        item: the item table ``[N, D] | [N, M, D]``, or an item tower: a callable mapping ids ``[...]``
+            to ``[..., D] | [..., M, D]`` (then ``num_items`` is required).
+        sampler: the :class:`NegativeSampler`; it draws once, at construction, through ``generator``.
+        temperature: τ > 0.
+        index: an :class:`~capg_rec.ann.ItemIndex` over the items (queried with the user vectors):
+            each expert's ``head_size`` best items join the head.
+        head_size: items per expert from ``index`` (0: no index head).
+        head_items: ``[B, H]`` ids scored exactly in every sum (the candidates, logged items), ``-1``
+            padded. They are also the in-batch sampler's batch unless ``batch_items`` is given.
+        batch_items: ``[B', H']`` ids for in-batch samplers (``-1`` padded).
+        masked_items: ``[B, E]`` ids outside each row's catalog (``-1`` padded): scored ``-inf``.
+        num_items: N, required for a callable ``item``.
+        generator: the sampler's randomness.
+        validate_args: check embeddings are finite and ids in range (host syncs); ``None``: the default.
+
+    Example:
+        >>> catalog = SampledCatalog(user, item_table, sampler=UniformSampler(4096), head_items=candidates,
+        ...                          index=index, head_size=100)
+        >>> loss = CAPGLoss(K, method="with_replacement")(catalog, candidates, chosen, rewards)
+    """
+
+    def __init__(self, user: Tensor, item: ItemSource, *, sampler: NegativeSampler, temperature: float = 1.0,
+                 index: ItemIndex | None = None, head_size: int = 0, head_items: Tensor | None = None,
+                 batch_items: Tensor | None = None, masked_items: Tensor | None = None,
+                 num_items: int | None = None, generator: torch.Generator | None = None,
+                 validate_args: bool | None = None) -> None:
+        self.validate = resolve_validate_args(validate_args)
+        user = check_float_tensor("user", user, ndims=(2, 3), validate=self.validate)
+        if not isinstance(sampler, NegativeSampler):
+            raise TypeError(f"sampler must be a NegativeSampler, got {type(sampler).__name__}")
+        tau = check_positive("temperature", temperature)
+        user = user.unsqueeze(1) if user.dim() == 2 else user
+        self.dtype = compute_dtype(user.dtype)
+        self.user = user.to(self.dtype) / tau if tau != 1.0 else user.to(self.dtype)  # [B, M, D]
+        self.batch_size, self.num_experts = self.user.shape[:2]
+        self.device = user.device
+        if isinstance(item, Tensor):
+            item = check_float_tensor("item", item, ndims=(2, 3), validate=self.validate)
+            table = item.unsqueeze(1) if item.dim() == 2 else item
+            if table.shape[1:] != self.user.shape[1:]:
+                raise ValueError(f"user [B, M, D] and item [N, M, D] must agree on (M, D), got "
+                                 f"{tuple(self.user.shape[1:])} and {tuple(table.shape[1:])}")
+            self.num_items = table.shape[0]
+            self._tower: Callable[[Tensor], Tensor] = table.__getitem__
+        elif callable(item):
+            if num_items is None:
+                raise ValueError("num_items is required when item is a callable item tower")
+            self.num_items = check_count("num_items", num_items)
+            self._tower = item
+        else:
+            raise TypeError(f"item must be a torch.Tensor or a callable item tower, got {type(item).__name__}")
+        self.sampler = sampler
+        self.masked_items = self._ids("masked_items", masked_items)
+        head_items = self._ids("head_items", head_items)
+        batch_items = head_items if batch_items is None else self._ids("batch_items", batch_items, any_batch=True)
+        if index is not None and not isinstance(index, ItemIndex):
+            raise TypeError(f"index must be an ItemIndex, got {type(index).__name__}")
+        self.head_size = check_count("head_size", head_size, low=0, high=self.num_items)
+        if self.head_size and index is None:
+            raise ValueError("head_size > 0 needs an index (an ItemIndex over the items)")
+        with torch.no_grad():
+            parts = [] if head_items is None else [head_items]
+            if self.head_size:
+                if (index.num_experts or 1) != self.num_experts or index.dim != self.user.shape[2]:
+                    raise ValueError(f"index must be built on M={self.num_experts} experts of dim "
+                                     f"D={self.user.shape[2]}, got M={index.num_experts or 1}, D={index.dim}")
+                queries = self.user if index.num_experts is not None else self.user[:, 0]
+                parts.append(index.search(queries, self.head_size)[1].reshape(self.batch_size, -1))
+            head = torch.cat(parts, 1) if parts else torch.zeros(self.batch_size, 0, dtype=torch.long,
+                                                                 device=self.device)
+            self.head_ids = _first_copies(head.to(self.device))[0]  # [B, T]; -1: duplicate or unused
+            sample = sampler.draw(self.num_items, batch_items, generator=generator, device=self.device)
+            self.sample_ids, copies, self._sample_sorted = _first_copies(sample.to(self.device).long())  # [S]
+            log_count = sampler.log_expected_count(self.sample_ids, self.num_items, batch_items)
+            usable = (self.sample_ids >= 0) & (log_count > -math.inf)
+            log_weight = torch.where(usable, copies.to(torch.float64).log() - log_count, -math.inf)
+            self.sample_log_weight = log_weight.to(self.dtype)  # [S]
+            # Left out of every sum: unused slots (-1: unused or a later copy), ids in the head (scored
+            # exactly) and masked ids.
+            self.sample_drop = ~usable | self._sample_hits(self.head_ids)  # [B, S]
+            if self.masked_items is not None:
+                self.sample_drop |= self._sample_hits(self.masked_items)
+        self.head_scores = self.gather(self.head_ids.clamp(min=0)).masked_fill(
+            (self.head_ids < 0).unsqueeze(1), -math.inf)  # [B, M, T]
+        # The sample is shared by the rows: S lookups, one [B, M, D] × [S, M, D] product.
+        self.sample_scores = torch.einsum("bmd,smd->bms", self.user, self._vectors(self.sample_ids.clamp(min=0)))
+
+    def _sample_hits(self, ids: Tensor) -> Tensor:
+        """Sample slots holding one of each row's ``ids [B, E]`` (``-1``: none) → bool ``[B, S]``.
+
+        A binary search of each id in the sorted sample finds its first copy, the slot that is kept."""
+        size = self._sample_sorted.shape[0]
+        if size == 0 or ids.shape[1] == 0:
+            return torch.zeros(self.batch_size, size, dtype=torch.bool, device=self.device)
+        pos = torch.searchsorted(self._sample_sorted, ids).clamp(max=size - 1)
+        hit = (self._sample_sorted[pos] == ids) & (ids >= 0)
+        spare = torch.zeros(self.batch_size, size + 1, dtype=torch.bool, device=self.device)
+        return spare.scatter(1, torch.where(hit, pos, size), True)[:, :size]
+
+    def _ids(self, name: str, ids: Tensor | None, any_batch: bool = False) -> Tensor | None:
+        if ids is None:
+            return None
+        batch = ids.shape[0] if any_batch and isinstance(ids, Tensor) and ids.dim() == 2 else self.batch_size
+        return check_items(name, ids, batch_size=batch, num_items=self.num_items, unique=False,
+                           validate=self.validate, low=-1).to(self.device)
+
+    def _vectors(self, ids: Tensor) -> Tensor:
+        """Item vectors of ``ids [...]`` → ``[..., M, D]`` in the compute dtype."""
+        v = self._tower(ids)
+        if v.dim() == ids.dim() + 1:
+            v = v.unsqueeze(-2)
+        if v.shape[-2:] != self.user.shape[1:]:
+            raise ValueError(f"the item tower must give [..., D] or [..., M, D] with (M, D) = "
+                             f"{tuple(self.user.shape[1:])}, got {tuple(v.shape)}")
+        return v.to(self.dtype)
+
+    def _score(self, items: Tensor) -> Tensor:
+        """``items [B, L]`` → ``[B, M, L]`` (no mask applied)."""
+        return torch.einsum("bmd,blmd->bml", self.user, self._vectors(items))
+
+    def num_available(self) -> Tensor:
+        if self.masked_items is None:
+            return super().num_available()
+        s = self.masked_items.sort(dim=1).values
+        distinct = s >= 0
+        distinct[:, 1:] &= s[:, 1:] != s[:, :-1]
+        return (self.num_items - distinct.sum(1)).unsqueeze(1).expand(-1, self.num_experts)
+
+    def gather(self, items: Tensor) -> Tensor:
+        scores = self._score(items)
+        if self.masked_items is None:
+            return scores
+        masked = (items.unsqueeze(2) == self.masked_items.unsqueeze(1)).any(2)  # [B, L]
+        return scores.masked_fill(masked.unsqueeze(1), -math.inf)
+
+    def _dropped(self, exclude: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Head slots ``[B, T]`` and sample slots ``[B, S]`` left out of the sums: unused, in the head
+        (sample), masked (already ``-inf``) or in ``exclude [B, E]``."""
+        head_drop, sample_drop = self.head_ids < 0, self.sample_drop
+        if exclude is not None and exclude.numel():
+            gone = exclude.sort(dim=1).values
+            head_drop = head_drop | _member(self.head_ids, gone)
+            sample_drop = sample_drop | self._sample_hits(exclude)
+        return head_drop, sample_drop
+
+    def log_power_sums(self, exclude: Tensor | None = None, num_powers: int = 1) -> Tensor:
+        """Estimated ``log Σ_{n ∉ exclude[b]} exp(p · s[b, m, n])``, ``p = 1..P ≤ 3`` → ``[B, M, P]``:
+        exact over the head, importance-weighted over the sample (an unbiased estimate of the sum)."""
+        check_count("num_powers", num_powers)
+        if num_powers > MAX_SAMPLED_POWERS:
+            raise ValueError(f"num_powers must be <= {MAX_SAMPLED_POWERS} for a SampledCatalog, got {num_powers}: "
+                             "it estimates power sums only up to p = 3, so the 'exact' method is not supported; "
+                             "use 'with_replacement', 'mean_field' or 'plugin'")
+        head_drop, sample_drop = self._dropped(exclude)
+        head = self.head_scores.masked_fill(head_drop.unsqueeze(1), -math.inf)
+        sample = self.sample_scores.masked_fill(sample_drop.unsqueeze(1), -math.inf)
+        out = [safe_logsumexp(torch.cat([p * head, p * sample + self.sample_log_weight], 2), dim=2)
+               for p in range(1, num_powers + 1)]
+        return torch.stack(out, -1)
+
+    def top_items(self, k: int, *, experts: Sequence[int] | None = None, exclude: Tensor | None = None,
+                  generator: torch.Generator | None = None, perturb: bool = False) -> Tensor:
+        """The k best of head ∪ sample (the catalog's best when the head holds them); with
+        ``perturb=True`` a Gumbel top-k over head ∪ sample whose sample keys carry their logQ
+        weights (exact when the head is the whole catalog; see the module doc)."""
+        pool = self.head_ids.shape[1] + self.sample_ids.shape[0]
+        if k > pool:
+            raise ValueError(f"k={k} exceeds the head and sample of this SampledCatalog ({pool} slots): "
+                             "raise head_size or the number of negatives")
+        with torch.no_grad():
+            head_drop, sample_drop = self._dropped(exclude)
+            head, sample = self.head_scores, self.sample_scores
+            if experts is not None:
+                idx = torch.tensor(list(experts), device=self.device)
+                head, sample = head.index_select(1, idx), sample.index_select(1, idx)
+            if perturb:
+                sample = sample + self.sample_log_weight
+            keys = torch.cat([head.masked_fill(head_drop.unsqueeze(1), -math.inf),
+                              sample.masked_fill(sample_drop.unsqueeze(1), -math.inf)], 2)
+            pos = gumbel_top_k(keys, k, generator=generator) if perturb else keys.topk(k, dim=2).indices
+            ids = torch.cat([self.head_ids, self.sample_ids.expand(self.batch_size, -1)], 1)
+            return ids.unsqueeze(1).expand(-1, keys.shape[1], -1).gather(2, pos)

@@ -1,0 +1,261 @@
+"""SampledCatalog and negative samplers: unbiased sums, exact limits, masks, dtypes, losses, errors."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+import capg_rec
+from capg_rec import CAPGLoss, VPGLoss
+from capg_rec.ann import ExactIndex
+from capg_rec.catalog import EmbeddingCatalog
+from capg_rec.sampled import InBatchSampler, MixedSampler, SampledCatalog, UniformSampler
+from tests.stats import assert_counts_match
+
+
+def _towers(b=3, n=60, d=4, m=None, dtype=torch.float64, seed=0, scale=1.0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    user = scale * torch.randn((b, d) if m is None else (b, m, d), generator=g, dtype=dtype)
+    item = torch.randn((n, d) if m is None else (n, m, d), generator=g, dtype=dtype)
+    return user.to(device), item.to(device)
+
+
+EXCLUDE = torch.tensor([[1, 2, -1], [3, 3, 4], [-1, -1, -1]])
+
+
+def _clt_check(ratios: torch.Tensor, alpha: float = 1e-6) -> None:
+    """``ratios [R, ...]`` estimates of 1: each mean within the CLT bound from its empirical std,
+    Bonferroni over entries (two-sided)."""
+    r = ratios.shape[0]
+    z = stats.norm.isf(alpha / (2 * ratios[0].numel()))
+    mean, std = ratios.mean(0), ratios.std(0)
+    bound = z * std / math.sqrt(r)
+    assert bool(((mean - 1).abs() <= bound).all()), f"means {mean.flatten()} vs bounds {bound.flatten()}"
+    assert bool((std > 0).all())  # the check is not vacuous: the estimates do vary
+
+
+@pytest.mark.parametrize("m", [None, 2])
+def test_uniform_estimate_is_unbiased(m):
+    """E[exp(estimated log Σ_{n ∉ E} e^{p s})] equals the exact sum (p = 1..3, with an ANN head)."""
+    user, item = _towers(m=m)
+    exact = EmbeddingCatalog(user, item).log_power_sums(EXCLUDE, 3)
+    index = ExactIndex(item)
+    ratios = torch.stack([
+        (SampledCatalog(user, item, sampler=UniformSampler(12), index=index, head_size=3,
+                        generator=torch.Generator().manual_seed(r)).log_power_sums(EXCLUDE, 3) - exact).exp()
+        for r in range(400)])
+    _clt_check(ratios)
+
+
+def test_mixed_in_batch_estimate_is_unbiased():
+    """In-batch items drawn from a known popularity q plus uniform negatives: the balance-heuristic
+    weights (expected counts add up) make the sums unbiased."""
+    user, item = _towers()
+    n = item.shape[0]
+    q = torch.softmax(torch.linspace(0, 3, n, dtype=torch.float64), 0)
+    exact = EmbeddingCatalog(user, item).log_power_sums(EXCLUDE, 2)
+    sampler = MixedSampler(InBatchSampler(frequency=q), UniformSampler(5))
+    ratios = []
+    for r in range(400):
+        g = torch.Generator().manual_seed(r)
+        batch = torch.multinomial(q, 8, replacement=True, generator=g).view(2, 4)
+        cat = SampledCatalog(user, item, sampler=sampler, head_items=EXCLUDE[:, :2].clamp(min=0),
+                             batch_items=batch, generator=g)
+        ratios.append((cat.log_power_sums(EXCLUDE, 2) - exact).exp())
+    _clt_check(torch.stack(ratios))
+
+
+def test_exact_when_head_holds_everything(device):
+    user, item = _towers(device=device)
+    everything = torch.arange(item.shape[0], device=device).expand(user.shape[0], -1)
+    cat = SampledCatalog(user, item, sampler=UniformSampler(9), head_items=everything,
+                         generator=torch.Generator(device).manual_seed(0))
+    ref = EmbeddingCatalog(user, item)
+    exclude = EXCLUDE.to(device)
+    torch.testing.assert_close(cat.log_power_sums(exclude, 3), ref.log_power_sums(exclude, 3))
+    assert torch.equal(cat.top_items(5, exclude=exclude), ref.top_items(5, exclude=exclude))
+
+
+def test_exact_when_the_sample_covers_the_catalog():
+    """Every item drawn exactly once per batch (known frequency 1/N per slot): the estimate is exact."""
+    user, item = _towers()
+    n = item.shape[0]
+    sampler = InBatchSampler(frequency=torch.full((n,), 1.0 / n, dtype=torch.float64))
+    cat = SampledCatalog(user, item, sampler=sampler, head_items=EXCLUDE[:, :1].clamp(min=0),
+                         batch_items=torch.arange(n).view(4, -1))
+    torch.testing.assert_close(cat.log_power_sums(EXCLUDE, 3), EmbeddingCatalog(user, item).log_power_sums(EXCLUDE, 3))
+
+
+def _reference(cat: SampledCatalog, user, item, exclude, p):
+    """The estimator written out row by row from the full score matrix."""
+    full = torch.einsum("bmd,nmd->bmn", cat.user, item.unsqueeze(1) if item.dim() == 2 else item)
+    out = torch.empty(cat.batch_size, cat.num_experts, dtype=full.dtype)
+    masked = cat.masked_items
+    for b in range(cat.batch_size):
+        gone = {int(i) for i in exclude[b] if i >= 0} | ({int(i) for i in masked[b] if i >= 0} if masked is not None
+                                                          else set())
+        head = {int(i) for i in cat.head_ids[b] if i >= 0}
+        for m in range(cat.num_experts):
+            terms = [p * full[b, m, i] for i in head - gone]
+            for j, w in zip(cat.sample_ids.tolist(), cat.sample_log_weight.tolist()):
+                if j >= 0 and j not in head and j not in gone:
+                    terms.append(p * full[b, m, j] + w)
+            out[b, m] = torch.logsumexp(torch.stack(terms), 0) if terms else -math.inf
+    return out
+
+
+def test_masks_and_exclusion_remove_their_terms_exactly():
+    user, item = _towers(m=2)
+    masked = torch.tensor([[5, -1], [6, 7], [-1, -1]])
+    cat = SampledCatalog(user, item, sampler=UniformSampler(40), index=ExactIndex(item), head_size=4,
+                         head_items=torch.tensor([[5, 1], [6, 3], [0, 9]]), masked_items=masked,
+                         generator=torch.Generator().manual_seed(3))
+    for p in (1, 2, 3):
+        torch.testing.assert_close(cat.log_power_sums(EXCLUDE, p)[..., p - 1], _reference(cat, user, item, EXCLUDE, p))
+    assert torch.equal(cat.num_available(), torch.tensor([[59, 59], [58, 58], [60, 60]]))
+    gathered = cat.gather(torch.tensor([[5, 0], [7, 0], [5, 0]]))
+    assert bool((gathered[:2, :, 0] == -math.inf).all()) and bool(torch.isfinite(gathered[2]).all())
+    for perturb in (False, True):
+        top = cat.top_items(20, exclude=EXCLUDE, perturb=perturb, generator=torch.Generator().manual_seed(1))
+        for b in range(3):
+            bad = {int(i) for i in EXCLUDE[b] if i >= 0} | {int(i) for i in masked[b] if i >= 0}
+            assert not bad & set(top[b].flatten().tolist())
+            for m in range(2):
+                assert len(set(top[b, m].tolist())) == 20 and int(top[b, m].min()) >= 0
+
+
+def test_shift_invariance():
+    """A constant c added to every score of a row (an extra coordinate) changes no probability."""
+    user, item = _towers(d=3)
+    shifts = torch.tensor([0.0, 1e4, -3e5], dtype=torch.float64)
+    ones = torch.ones(item.shape[0], 1, dtype=torch.float64)
+
+    def make(c):
+        return SampledCatalog(torch.cat([user, c.unsqueeze(1)], 1), torch.cat([item, ones], 1),
+                              sampler=UniformSampler(15), index=ExactIndex(torch.cat([item, ones], 1)), head_size=3,
+                              generator=torch.Generator().manual_seed(4))
+    base, shifted = make(torch.zeros(3, dtype=torch.float64)), make(shifts)
+    items = torch.tensor([[0, 1], [2, 3], [4, 5]])
+    torch.testing.assert_close(shifted.log_softmax(items), base.log_softmax(items), rtol=0, atol=1e-9)
+    torch.testing.assert_close(shifted.log_power_sums(EXCLUDE, 3) - shifts.view(3, 1, 1) * torch.arange(1, 4),
+                               base.log_power_sums(EXCLUDE, 3), rtol=1e-12, atol=1e-9)
+    for perturb in (False, True):
+        a = base.top_items(6, perturb=perturb, generator=torch.Generator().manual_seed(2))
+        b = shifted.top_items(6, perturb=perturb, generator=torch.Generator().manual_seed(2))
+        assert torch.equal(a, b)
+
+
+def test_float32_matches_float64():
+    user, item = _towers()
+    out = {}
+    for dtype in (torch.float32, torch.float64):
+        cat = SampledCatalog(user.to(dtype), item.to(dtype), sampler=UniformSampler(20),
+                             head_items=EXCLUDE.clamp(min=0), generator=torch.Generator().manual_seed(5))
+        assert cat.log_power_sums(EXCLUDE, 3).dtype == dtype
+        out[dtype] = cat.log_power_sums(EXCLUDE, 3)
+    torch.testing.assert_close(out[torch.float32].double(), out[torch.float64], rtol=1e-5, atol=1e-5)
+    half = SampledCatalog(user.half(), item.half(), sampler=UniformSampler(20))
+    assert half.dtype == torch.float32
+
+
+def test_streaming_frequency_estimate():
+    """Yi et al.'s estimator is exact for periodic items: every step → 1, every 4th step → 1/4."""
+    sampler = InBatchSampler(alpha=0.1)
+    for step in range(1, 41):
+        batch = torch.tensor([[7, 5 if step % 4 == 0 else -1]])
+        sampler.draw(100, batch, generator=None, device=torch.device("cpu"))
+    log_count = sampler.log_expected_count(torch.tensor([7, 5, 11]), 100, None)
+    torch.testing.assert_close(log_count[:2], torch.tensor([0.0, -math.log(4)], dtype=torch.float64))
+    assert log_count[2] == -math.inf  # never seen (no collision at these ids)
+
+
+@pytest.mark.parametrize("method", ["with_replacement", "mean_field", "plugin"])
+def test_estimators_run_with_finite_gradients(method, device):
+    """CA-PG (supported methods) and V-PG on the sampled catalog, with a catalog over 2048 items
+    so that mean-field and the plug-in take their head/tail paths; gradients reach both towers."""
+    k = 6
+    user, item = _towers(b=4, n=3000, d=8, m=2, dtype=torch.float32, device=device)
+    user.requires_grad_(True)
+    table = torch.nn.Embedding.from_pretrained(item.flatten(1), freeze=False).to(device)
+
+    def tower(ids):
+        return table(ids).unflatten(-1, (2, 8))
+    g = torch.Generator(device).manual_seed(0)
+    base = SampledCatalog(user.detach(), item, sampler=UniformSampler(256), index=ExactIndex(item), head_size=60,
+                          generator=g)
+    candidates = capg_rec.sample_candidates(base, k, generator=g)
+    chosen, rewards = candidates[:, :2], torch.rand(4, 2, generator=g.manual_seed(1), device=device)
+    cat = SampledCatalog(user, tower, num_items=3000, sampler=MixedSampler(InBatchSampler(), UniformSampler(256)),
+                         index=ExactIndex(item), head_size=60, head_items=candidates, generator=g)
+    loss = CAPGLoss(k, method=method)(cat, candidates, chosen, rewards) + VPGLoss(k)(cat, candidates, chosen, rewards)
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert bool(torch.isfinite(user.grad).all()) and bool(user.grad.abs().sum() > 0)
+    assert bool(torch.isfinite(table.weight.grad).all()) and bool(table.weight.grad.abs().sum() > 0)
+
+
+def test_mean_field_matches_full_catalog_when_head_holds_everything():
+    user, item = _towers(b=2, n=3000, d=6, dtype=torch.float64)
+    items = torch.tensor([[0, 1, 2], [3, 4, 5]])
+    everything = torch.arange(3000).expand(2, -1)
+    cat = SampledCatalog(user, item, sampler=UniformSampler(8), head_items=everything)
+    exact = capg_rec.inclusion_log_prob(EmbeddingCatalog(user, item), items, 10, method="mean_field")
+    torch.testing.assert_close(capg_rec.inclusion_log_prob(cat, items, 10, method="mean_field"), exact)
+
+
+def test_exact_method_is_refused():
+    user, item = _towers(b=2, n=3000, d=6)
+    cat = SampledCatalog(user, item, sampler=UniformSampler(2000), index=ExactIndex(item), head_size=50)
+    with pytest.raises(ValueError, match="'exact' method is not supported"):
+        capg_rec.inclusion_log_prob(cat, torch.tensor([[0], [1]]), 10, method="exact")
+
+
+def test_draw_is_exact_pl_when_head_holds_everything():
+    """First-position frequencies of sample_candidates against the softmax (binomial bounds)."""
+    user, item = _towers(b=1, n=6, d=3, scale=0.7)
+    cat = SampledCatalog(user, item, sampler=UniformSampler(3), head_items=torch.arange(6).view(1, -1))
+    g = torch.Generator().manual_seed(0)
+    draws = 4000
+    firsts = torch.stack([capg_rec.sample_candidates(cat, 2, generator=g)[0, 0] for _ in range(draws)])
+    probs = torch.softmax(torch.einsum("bd,nd->bn", user, item)[0], 0).numpy()
+    assert_counts_match(np.bincount(firsts.numpy(), minlength=6), probs, draws)
+
+
+def test_empty_batch_and_compile():
+    user, item = _towers(b=0)
+    cat = SampledCatalog(user, item, sampler=UniformSampler(10))
+    assert cat.log_power_sums(None, 2).shape == (0, 1, 2)
+    assert cat.top_items(3).shape == (0, 1, 3)
+    user, item = _towers()
+    cat = SampledCatalog(user, item, sampler=UniformSampler(10), head_items=EXCLUDE.clamp(min=0), validate_args=False)
+    compiled = torch.compile(lambda e: cat.log_power_sums(e, 3), fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(EXCLUDE), cat.log_power_sums(EXCLUDE, 3))
+
+
+def test_errors():
+    user, item = _towers()
+    with pytest.raises(TypeError, match="sampler"):
+        SampledCatalog(user, item, sampler="uniform")
+    with pytest.raises(TypeError, match="item"):
+        SampledCatalog(user, 3, sampler=UniformSampler(4))
+    with pytest.raises(ValueError, match="num_items"):
+        SampledCatalog(user, lambda ids: item[ids], sampler=UniformSampler(4))
+    with pytest.raises(ValueError, match="index"):
+        SampledCatalog(user, item, sampler=UniformSampler(4), head_size=3)
+    with pytest.raises(ValueError, match="head_items"):
+        SampledCatalog(user, item, sampler=InBatchSampler())
+    with pytest.raises(ValueError, match="head_items"):
+        SampledCatalog(user, item, sampler=UniformSampler(4), head_items=torch.tensor([[60], [0], [0]]))
+    with pytest.raises(ValueError, match="index"):
+        SampledCatalog(user, item, sampler=UniformSampler(4), index=ExactIndex(item[:, :3]), head_size=2)
+    cat = SampledCatalog(user, item, sampler=UniformSampler(4))
+    with pytest.raises(ValueError, match="num_powers"):
+        cat.log_power_sums(None, 4)
+    with pytest.raises(ValueError, match="k=5"):
+        cat.top_items(5)
+    with pytest.raises(ValueError, match="alpha"):
+        InBatchSampler(alpha=2.0)
+    with pytest.raises(TypeError, match="NegativeSampler"):
+        MixedSampler(UniformSampler(3), 4)

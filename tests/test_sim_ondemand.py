@@ -1,0 +1,55 @@
+"""The on-demand synthetic environment: determinism, hash uniformity, agreement with its dense form."""
+
+import math
+
+import pytest
+import torch
+from scipy import stats
+
+from capg_rec.sim.ondemand import OnDemandSyntheticEnv, _hashed_uniform
+
+
+def test_vectors_depend_only_on_the_id():
+    env = OnDemandSyntheticEnv(3, num_users=50, num_items=10**9)
+    ids = torch.tensor([5, 10**9 - 1, 123456789])
+    alone = env.item_vectors(ids[1:2])
+    together = env.item_vectors(ids)
+    torch.testing.assert_close(together[1:2], alone, rtol=0, atol=0)
+    torch.testing.assert_close(together.norm(dim=1), torch.ones(3, dtype=torch.float64))
+    assert not torch.equal(env.user_vectors(ids[:1]), env.item_vectors(ids[:1]))  # separate streams
+    assert not torch.equal(OnDemandSyntheticEnv(4, num_items=10).item_vectors(ids[:1]), env.item_vectors(ids[:1]))
+
+
+def test_hashed_uniforms_are_uniform():
+    """Mean and variance of 200k hashed uniforms within CLT bounds (1e-6, Bonferroni over 2)."""
+    u = _hashed_uniform(7, 1, torch.arange(20000), 10).flatten()
+    z = stats.norm.isf(1e-6 / 4)
+    n = u.numel()
+    assert 0 < float(u.min()) and float(u.max()) < 1
+    assert abs(float(u.mean()) - 0.5) <= z * math.sqrt(1 / 12 / n)
+    assert abs(float(u.var()) - 1 / 12) <= z * math.sqrt((1 / 80 - 1 / 144) / n)
+    corr = torch.corrcoef(u.view(-1, 10).T)  # coordinates uncorrelated
+    assert float((corr - torch.eye(10, dtype=corr.dtype)).abs().max()) <= z / math.sqrt(20000)
+
+
+def test_matches_its_dense_table():
+    env = OnDemandSyntheticEnv(1, num_users=30, num_items=200)
+    dense = env.to_matrix_env()
+    g = torch.Generator().manual_seed(0)
+    users = env.sample_users(8, g)
+    items = torch.randint(200, (8, 5), generator=g)
+    torch.testing.assert_close(env.expected_reward(users, items), dense.expected_reward(users, items))
+    torch.testing.assert_close(env.ranking_scores(users, items), dense.ranking_scores(users, items))
+    assert env.optimal_value(3) == pytest.approx(dense.optimal_value(3), rel=1e-6)
+    a = env.sample_reward(users, items, torch.Generator().manual_seed(1))
+    b = dense.sample_reward(users, items, torch.Generator().manual_seed(1))
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    q, ids = env.top_items(users, 4, chunk_size=37)
+    assert torch.equal(ids, dense.q[users].topk(4, dim=1).indices)
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="seed"):
+        OnDemandSyntheticEnv(-1)
+    with pytest.raises(ValueError, match="num_items"):
+        OnDemandSyntheticEnv(0, num_items=0)
