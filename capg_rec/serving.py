@@ -1,0 +1,148 @@
+"""Serve a trained two-tower ESR: the item side as a nearest-neighbour index, the user side as a module.
+
+:class:`ServingRetriever` answers ``retrieve(inputs, K)`` with the K candidates of each request,
+either the greedy top-K (through the index: no full-catalog pass) or a draw from the serving policy
+(the PL ESR at a serving temperature, mixed with ε uniform exploration), together with what
+off-policy learning needs to be logged for that draw (:func:`capg_rec.logs.log_propensities`):
+``log π0(a_k ∈ A^K)`` and ``log Σ_k π0_{m(k)}(a_k)`` of every candidate and ``log π0(A^K)``. The
+later stage then picks the L shown items among the candidates; their logged values are the
+candidates' columns at the picks (:meth:`Retrieved.at`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from capg_rec._checks import check_count, check_flag, check_float_tensor, check_id_tensor, check_positive
+from capg_rec.ann import FaissIndex, ItemIndex
+from capg_rec.catalog import EmbeddingCatalog
+from capg_rec.logs.propensity import explore_candidates, log_propensities
+from capg_rec.marginals import DEFAULT_METHOD, InclusionMethod, inclusion_method
+from capg_rec.plackett_luce import expert_runs
+
+__all__ = ["ServingRetriever", "Retrieved"]
+
+
+class Retrieved(NamedTuple):
+    """What :meth:`ServingRetriever.retrieve` returns: ``candidates [B, K]`` in draw order and, for a
+    sampled draw, the serving policy's ``log_inclusion [B, K]``, ``log_expected_count [B, K]`` (of
+    each candidate) and ``log_candidate_prob [B]`` (of the ordered draw); ``None`` for the greedy top-K,
+    a deterministic choice that off-policy learning cannot reweight."""
+
+    candidates: Tensor
+    log_inclusion: Tensor | None = None
+    log_expected_count: Tensor | None = None
+    log_candidate_prob: Tensor | None = None
+
+    def at(self, picks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The shown items and their logged values: ``picks [B, L]`` (positions among the K candidates)
+        → ``shown [B, L]``, ``log_inclusion [B, L]``, ``log_expected_count [B, L]``."""
+        if self.log_inclusion is None or self.log_expected_count is None:
+            raise ValueError("a greedy retrieval has no propensities to log: retrieve with sample=True")
+        picks = check_id_tensor("picks", picks, batch_size=self.candidates.shape[0])
+        if picks.numel() and (int(picks.min()) < 0 or int(picks.max()) >= self.candidates.shape[1]):
+            raise ValueError(f"picks must be positions in [0, K={self.candidates.shape[1]})")
+        return (self.candidates.gather(1, picks), self.log_inclusion.gather(1, picks),
+                self.log_expected_count.gather(1, picks))
+
+
+class ServingRetriever:
+    """A trained two-tower ESR for serving: ``user_tower`` scores requests, ``item_vectors`` (the item
+    side, after the item tower) are indexed for the greedy top-K.
+
+    Args:
+        user_tower: maps a request's inputs to user vectors ``[B, D]`` (one logit model) or ``[B, M, D]``
+            (a mixture of M experts; position k uses expert m(k) as in training).
+        item_vectors: ``[N, D]`` or ``[N, M, D]``: every item through the item side.
+        index: an :class:`~capg_rec.ann.ItemIndex` over ``item_vectors`` for the greedy top-K (default: an
+            exact :class:`~capg_rec.ann.FaissIndex`; an approximate one trades recall for time).
+        temperature: the serving policy's τ > 0 (a softened ESR explores).
+        epsilon: the share ε in ``[0, 1]`` of requests answered by K uniform items.
+        method: the inclusion method of the logged ``log_inclusion`` (``"exact"`` where affordable).
+
+    Shape:
+        ``retrieve(*inputs, num_candidates=K)`` → :class:`Retrieved` of ``[B, K]`` (and ``[B]``) tensors.
+
+    Example:
+        >>> server = ServingRetriever(model.user_tower, item_vectors, temperature=2.0, epsilon=0.05)
+        >>> got = server.retrieve(user_features, num_candidates=50, sample=True, generator=g)
+        >>> shown, log_inclusion, log_count = got.at(lsr_picks)        # store with the rewards
+    """
+
+    def __init__(self, user_tower: Callable[..., Tensor], item_vectors: Tensor, *, index: ItemIndex | None = None,
+                 temperature: float = 1.0, epsilon: float = 0.0,
+                 method: str | InclusionMethod = DEFAULT_METHOD) -> None:
+        if not callable(user_tower):
+            raise TypeError(f"user_tower must be callable, got {type(user_tower).__name__}")
+        item_vectors = check_float_tensor("item_vectors", item_vectors, ndims=(2, 3), validate=True)
+        self.user_tower = user_tower
+        self.item_vectors = item_vectors.detach()
+        self.index = FaissIndex(self.item_vectors) if index is None else index
+        if not isinstance(self.index, ItemIndex):
+            raise TypeError(f"index must be a capg_rec.ann.ItemIndex, got {type(self.index).__name__}")
+        experts = item_vectors.shape[1] if item_vectors.dim() == 3 else None
+        if (self.index.num_items, self.index.num_experts) != (item_vectors.shape[0], experts):
+            raise ValueError(f"index must be built on item_vectors: it holds {self.index.num_items} items for "
+                             f"{self.index.num_experts} experts, item_vectors {item_vectors.shape[0]} for {experts}")
+        self.temperature = check_positive("temperature", temperature)
+        if not isinstance(epsilon, (int, float)) or isinstance(epsilon, bool):
+            raise TypeError(f"epsilon must be a float, got {type(epsilon).__name__}")
+        if not 0.0 <= epsilon <= 1.0:
+            raise ValueError(f"epsilon must lie in [0, 1], got {epsilon}")
+        self.epsilon = float(epsilon)
+        self.method = inclusion_method(method)
+
+    @property
+    def num_items(self) -> int:
+        return self.item_vectors.shape[0]
+
+    @torch.no_grad()
+    def user_vectors(self, *inputs: object) -> Tensor:
+        """The user side of a batch of requests → ``[B, M, D]``."""
+        user = self.user_tower(*inputs)
+        user = check_float_tensor("user_tower(...)", user, ndims=(2, 3), validate=True)
+        user = user.unsqueeze(1) if user.dim() == 2 else user
+        num_experts = 1 if self.item_vectors.dim() == 2 else self.item_vectors.shape[1]
+        if user.shape[1:] != (num_experts, self.item_vectors.shape[-1]):
+            raise ValueError(f"user_tower(...) must give [B, M={num_experts}, D={self.item_vectors.shape[-1]}] "
+                             f"(or [B, D] for M = 1), got {tuple(user.shape)}")
+        return user
+
+    @torch.no_grad()
+    def retrieve(self, *inputs: object, num_candidates: int, sample: bool = False,
+                 generator: torch.Generator | None = None) -> Retrieved:
+        """K candidates per request: the greedy top-K through the index (``sample=False``), or a draw from
+        the serving policy with its log-propensities (``sample=True``: the full catalog is scored, in
+        chunks, so that the logged propensities are those of the policy that drew)."""
+        num_candidates = check_count("num_candidates", num_candidates, high=self.num_items)
+        user = self.user_vectors(*inputs)
+        if not check_flag("sample", sample):
+            return Retrieved(self._greedy(user, num_candidates))
+        catalog = EmbeddingCatalog(user, self.item_vectors.to(user.dtype), self.temperature)
+        candidates = explore_candidates(catalog, num_candidates, epsilon=self.epsilon, generator=generator)
+        logged = log_propensities(catalog, candidates, candidates, method=self.method, epsilon=self.epsilon)
+        return Retrieved(candidates, *logged)
+
+    def _greedy(self, user: Tensor, num_candidates: int) -> Tensor:
+        """Each expert's block takes its best items not taken by earlier blocks (as
+        :func:`capg_rec.greedy_candidates`), from one index search of the top K per expert → ``[B, K]``."""
+        found = self.index.search(user if self.index.num_experts is not None else user[:, 0], num_candidates)[1]
+        found = found if found.dim() == 3 else found.unsqueeze(1)  # [B, M, K], best first
+        if found.numel() and int(found.min()) < 0:
+            raise ValueError(f"the index found fewer than K={num_candidates} items for a request (an approximate "
+                             "index: search deeper)")
+        picks: list[Tensor] = []
+        taken = 0
+        for expert, count in expert_runs(num_candidates, user.shape[1]):
+            best = found[:, expert, :taken + count]  # enough: at most `taken` of them are gone
+            if picks:  # drop what earlier blocks took and keep the first `count` others, in order
+                fresh = ~(best.unsqueeze(2) == torch.cat(picks, dim=1).unsqueeze(1)).any(2)
+                order = torch.where(fresh, 0, best.shape[1]) + torch.arange(best.shape[1], device=best.device)
+                best = best.gather(1, order.argsort(dim=1))
+            picks.append(best[:, :count])
+            taken += count
+        return torch.cat(picks, dim=1)

@@ -1,0 +1,128 @@
+"""ServingRetriever: the greedy top-K through an index equals the full-catalog greedy draw; a sampled
+retrieval logs the propensities of the policy that drew it."""
+
+import math
+
+import pytest
+import torch
+
+from capg_rec import EmbeddingCatalog, greedy_candidates
+from capg_rec.ann import ExactIndex, FaissIndex, ItemIndex
+from capg_rec.logs import log_propensities
+from capg_rec.serving import Retrieved, ServingRetriever
+
+
+def _towers(num_items: int, num_experts: int, dim: int, seed: int, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    shape = (num_items, dim) if num_experts == 1 else (num_items, num_experts, dim)
+    items = torch.randn(shape, generator=g, dtype=torch.float64).to(device)
+    proj = torch.randn(dim, num_experts * dim, generator=g, dtype=torch.float64).to(device)
+
+    def user_tower(x):
+        out = x @ proj
+        return out if num_experts == 1 else out.view(x.shape[0], num_experts, dim)
+    return user_tower, items
+
+
+@pytest.mark.parametrize("num_experts, k", [(1, 5), (3, 7), (2, 12)])
+def test_greedy_through_an_exact_index_is_the_catalog_greedy_draw(device, num_experts, k):
+    tower, items = _towers(60, num_experts, 4, seed=num_experts, device=device)
+    users = torch.randn(9, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).to(device)
+    expected = greedy_candidates(EmbeddingCatalog(tower(users), items), k)
+    for index in (ExactIndex(items), *([FaissIndex(items.float())] if device.type == "cpu" else [])):
+        got = ServingRetriever(tower, items, index=index).retrieve(users, num_candidates=k)
+        assert got.log_inclusion is None and got.log_candidate_prob is None
+        torch.testing.assert_close(got.candidates, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("num_experts, epsilon, tau", [(1, 0.0, 1.0), (2, 0.2, 2.0), (1, 1.0, 0.5)])
+def test_sampled_retrieval_logs_the_drawing_policys_propensities(num_experts, epsilon, tau):
+    tower, items = _towers(40, num_experts, 3, seed=7)
+    users = torch.randn(6, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    server = ServingRetriever(tower, items, index=ExactIndex(items), temperature=tau, epsilon=epsilon,
+                              method="exact")
+    got = server.retrieve(users, num_candidates=4, sample=True, generator=torch.Generator().manual_seed(3))
+    cand = got.candidates
+    assert cand.shape == (6, 4) and (cand.sort(1).values.diff(dim=1) > 0).all()
+    u = tower(users)
+    logits = torch.einsum("bmd,nmd->bmn", u.view(6, num_experts, 3), items.view(40, num_experts, 3))
+    ref = log_propensities(logits, cand, cand, method="exact", temperature=tau, epsilon=epsilon)
+    torch.testing.assert_close(got.log_inclusion, ref.log_inclusion)
+    torch.testing.assert_close(got.log_expected_count, ref.log_expected_count)
+    torch.testing.assert_close(got.log_candidate_prob, ref.log_candidate_prob)
+    picks = torch.tensor([[2, 0]] * 6)
+    shown, inclusion, count = got.at(picks)
+    torch.testing.assert_close(shown, cand.gather(1, picks))
+    torch.testing.assert_close(inclusion, ref.log_inclusion.gather(1, picks))
+    assert (inclusion <= 0).all() and torch.isfinite(count).all()
+
+
+def test_sampled_retrieval_frequencies_match_the_logged_inclusion():
+    """Monte-Carlo: each item's retrieval frequency over R draws against exp(log_inclusion), within a
+    binomial bound (z for a two-sided 1e-6 level, Bonferroni over the items)."""
+    tower, items = _towers(12, 1, 3, seed=11)
+    users = torch.randn(1, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(4)).expand(4000, 3)
+    server = ServingRetriever(tower, items, index=ExactIndex(items), temperature=1.5, epsilon=0.1, method="exact")
+    got = server.retrieve(users, num_candidates=3, sample=True, generator=torch.Generator().manual_seed(5))
+    freq = torch.zeros(12, dtype=torch.float64).index_add_(0, got.candidates.flatten(),
+                                                           torch.ones(got.candidates.numel(), dtype=torch.float64))
+    freq /= users.shape[0]
+    p = torch.full((12,), -math.inf, dtype=torch.float64)
+    p[got.candidates.flatten()] = got.log_inclusion.flatten()  # the same for every row: one context
+    p = p.exp()
+    z = 5.45  # Φ^{-1}(1 - 1e-6 / (2·12)) ≈ 5.45
+    bound = z * (p * (1 - p) / users.shape[0]).sqrt() + 1e-12
+    assert ((freq - p).abs() <= bound).all(), (freq - p).abs() / bound
+
+
+class _ShortIndex(ExactIndex):
+    """An index that finds only 2 items per query, as an approximate one can (ids -1 beyond)."""
+
+    def _search_one(self, expert, queries, k):
+        scores, ids = super()._search_one(expert, queries, k)
+        return scores, torch.where(torch.arange(k) < 2, ids, -1)
+
+
+def test_bad_input_is_a_clear_error():
+    tower, items = _towers(20, 2, 3, seed=0)
+    users = torch.randn(3, 3, dtype=torch.float64)
+    with pytest.raises(TypeError, match="user_tower"):
+        ServingRetriever("tower", items)
+    with pytest.raises(ValueError, match="index must be built on item_vectors"):
+        ServingRetriever(tower, items, index=ExactIndex(items[:10]))
+    with pytest.raises(ValueError, match="index must be built on item_vectors"):
+        ServingRetriever(tower, items, index=ExactIndex(items[:, 0]))
+    with pytest.raises(ValueError, match="epsilon"):
+        ServingRetriever(tower, items, epsilon=1.5)
+    with pytest.raises(TypeError, match="index"):
+        ServingRetriever(tower, items, index="flat")
+    server = ServingRetriever(tower, items)
+    with pytest.raises(ValueError, match="num_candidates"):
+        server.retrieve(users, num_candidates=21)
+    with pytest.raises(ValueError, match="user_tower"):
+        ServingRetriever(lambda x: x, items).retrieve(users, num_candidates=2)
+    with pytest.raises(ValueError, match="greedy retrieval has no propensities"):
+        server.retrieve(users, num_candidates=2).at(torch.zeros(3, 1, dtype=torch.long))
+    got = server.retrieve(users, num_candidates=2, sample=True)
+    with pytest.raises(ValueError, match="picks"):
+        got.at(torch.full((3, 1), 2))
+    with pytest.raises(ValueError, match="fewer than K"):
+        ServingRetriever(tower, items, index=_ShortIndex(items)).retrieve(users, num_candidates=3)
+    assert isinstance(got, Retrieved) and issubclass(_ShortIndex, ItemIndex)
+
+
+def test_recall_benchmark_writes_its_files(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "serving_recall.py"), "--num-items", "500",
+                          "--batch", "8", "--candidates", "5", "--dim", "4", "--experts", "2", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads((tmp_path / "serving_recall.json").read_text())["results"]
+    assert [r["index"] for r in rows] == ["full-catalog scan", "faiss flat", "faiss hnsw", "faiss ivf"]
+    assert rows[1]["recall_at_k"] == 1.0 and all(0 <= r["recall_at_k"] <= 1 for r in rows)
+    assert (tmp_path / "serving_recall.csv").exists()
