@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -76,10 +77,13 @@ def build(setup: Setup, device: str = "cpu") -> TwoTowerRetriever:
                              catalog_feature=CATALOG, chunk_size=setup.chunk_size)
 
 
-def shard(setup: Setup, lr: float, user_sharding: str | None = None) -> DistributedModelParallel:
-    """The retriever on meta, fused SGD(lr) in backward, sharded with the item table ``setup.sharding``."""
-    model = build(setup, device="meta")
-    _apply_optimizer_in_backward(torch.optim.SGD, model.embeddings.parameters(), {"lr": lr})
+def shard(setup: Setup, lr: float, user_sharding: str | None = None,
+          wrap: Callable[[TwoTowerRetriever], nn.Module] | None = None) -> DistributedModelParallel:
+    """The retriever on meta (inside ``wrap(retriever)`` if given), fused SGD(lr) in backward, sharded
+    with the item table ``setup.sharding``."""
+    retriever = build(setup, device="meta")
+    _apply_optimizer_in_backward(torch.optim.SGD, retriever.embeddings.parameters(), {"lr": lr})
+    model = retriever if wrap is None else wrap(retriever)
     kernel = "dense" if setup.sharding == "data_parallel" else "fused"
     constraints = {ITEM_TABLE: ParameterConstraints(sharding_types=[setup.sharding], compute_kernels=[kernel]),
                    USER_TABLE: ParameterConstraints(sharding_types=[user_sharding or "row_wise"],

@@ -200,6 +200,37 @@ def test_with_catalog_appends_the_rows():
     assert retriever.catalog_ids().tolist() == list(range(6))
 
 
+def test_forward_traces_for_torchrec_pipelines():
+    """TorchRec's pipeline tracer sees the lookup fed straight from the batch, then one leaf call."""
+    from torchrec.distributed.train_pipeline.tracing import Tracer
+
+    class Task(nn.Module):
+        def __init__(self, retriever):
+            super().__init__()
+            self.retriever = retriever
+
+        def forward(self, batch):
+            return self.retriever(batch.features)
+
+    torch.manual_seed(1)
+    task = Task(make_retriever(tower=nn.Linear(6, 6)))
+    # as after sharding: the lookup is a leaf, and so is every submodule without one
+    leaves = ["retriever.embeddings", "retriever._scorer", "retriever.user_tower"]
+    graph = Tracer(leaf_modules=leaves).trace(task)
+    calls = {n.target: n for n in graph.nodes if n.op == "call_module"}
+    assert set(calls) == {"retriever.embeddings", "retriever._scorer"}
+    source = calls["retriever.embeddings"].args[0]
+    assert source.op == "call_function" and source.args[1] == "features" and source.args[0].op == "placeholder"
+    # the traced forward still checks and scores in eager calls
+    users = user_batch([1, 2])
+    torch.manual_seed(1)
+    plain = make_retriever(tower=nn.Linear(6, 6))
+    torch.testing.assert_close(task.retriever(task.retriever.with_catalog(users)).log_normalizer(),
+                               plain(plain.with_catalog(users)).log_normalizer())
+    with pytest.raises(ValueError, match="with_catalog"):
+        task.retriever(users)
+
+
 def test_bad_setups_raise_clear_errors():
     width_ec = EmbeddingCollection(tables=[
         EmbeddingConfig(name="item_table", embedding_dim=6, num_embeddings=10, feature_names=["catalog"])])

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 from torchrec.distributed.embedding import ShardedEmbeddingCollection
 from torchrec.distributed.types import ShardingType
 from torchrec.modules.embedding_modules import EmbeddingCollection
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from capg_rec._checks import check_count, check_flag, check_positive, resolve_validate_args
 from capg_rec.torchrec._collective import exchange
@@ -96,6 +97,7 @@ class TwoTowerRetriever(nn.Module):
         self.process_group = process_group
         self.validate_args = None if validate_args is None else check_flag("validate_args", validate_args)
         self._catalog_group: dist.ProcessGroup | None = None
+        self._scorer = _Scorer(self._scores)
 
     def _layout(self) -> tuple[int, int, dist.ProcessGroup | None]:
         """(first global row, number of rows, process group) of this rank's item rows."""
@@ -150,8 +152,19 @@ class TwoTowerRetriever(nn.Module):
         [B, E]`` (global ids, ``-1`` pads) are the items outside each user's catalog: see
         :class:`ShardedEmbeddingCatalog`. With several ranks, a mistake in the inputs of one rank is
         raised on every rank when validating.
+
+        ``TrainPipelineSparseDist`` traces this forward with torch.fx: what it sees is the lookup of
+        ``features`` and one call of a leaf module that builds the catalog (the checks run in the
+        eager calls only, before the lookup).
         """
         offset, rows, group = self._layout()
+        if not is_fx_symbolic_tracing():
+            self._check_collectively(features, dense, offset, rows, group)
+        return self._scorer(features, self.embeddings(features), dense, masked_items)
+
+    def _check_collectively(self, features: KeyedJaggedTensor, dense: Tensor | None, offset: int, rows: int,
+                            group: dist.ProcessGroup | None) -> None:
+        """:meth:`_check_inputs` on every rank; one rank's error is raised on all (when validating)."""
         validate = resolve_validate_args(self.validate_args)
 
         def check() -> list[int]:
@@ -163,8 +176,12 @@ class TwoTowerRetriever(nn.Module):
             exchange(check, 0, group, device)
         else:
             check()
+
+    def _scores(self, features: KeyedJaggedTensor, out: dict[str, JaggedTensor], dense: Tensor | None,
+                masked_items: Tensor | None) -> ShardedEmbeddingCatalog:
+        """The lookup's output ``out`` → the catalog (see :class:`_Scorer`)."""
+        offset, rows, group = self._layout()
         batch = features.stride() - 1
-        out = self.embeddings(features)
         pooled = [_mean_pool(out[f].values(), out[f].lengths(), batch) for f in self.user_features]
         if self.user_tower is None:
             user = torch.stack(pooled).sum(0)
@@ -199,6 +216,19 @@ class TwoTowerRetriever(nn.Module):
                              f"build it with retriever.with_catalog(features)")
         if dense is not None and self.user_tower is None:
             raise ValueError("dense features need a user_tower")
+
+
+class _Scorer(nn.Module):
+    """Holds no parameters; calls the retriever's :meth:`TwoTowerRetriever._scores`. A module without
+    sharded submodules is a leaf of TorchRec's pipeline trace, so the catalog is built outside it."""
+
+    def __init__(self, scores: Callable[..., ShardedEmbeddingCatalog]) -> None:
+        super().__init__()
+        self.scores = scores
+
+    def forward(self, features: KeyedJaggedTensor, out: dict[str, JaggedTensor], dense: Tensor | None,
+                masked_items: Tensor | None) -> ShardedEmbeddingCatalog:
+        return self.scores(features, out, dense, masked_items)
 
 
 def _mean_pool(values: Tensor, lengths: Tensor, batch_size: int) -> Tensor:
