@@ -198,6 +198,8 @@ def test_with_catalog_appends_the_rows():
     assert kjt["catalog"].lengths().tolist() == [0, 0, 6]
     assert kjt["user_id"].values().tolist() == [1, 2] and kjt["user_id"].lengths().tolist() == [1, 1, 0]
     assert retriever.catalog_ids().tolist() == list(range(6))
+    with pytest.raises(ValueError, match="already has the catalog feature 'catalog'"):
+        retriever.with_catalog(kjt)
 
 
 def test_forward_traces_for_torchrec_pipelines():

@@ -130,7 +130,10 @@ class TwoTowerRetriever(nn.Module):
     def with_catalog(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """``features`` of B users plus one sample appended after them whose only feature is the
         catalog feature, listing this rank's rows: a KJT of stride ``B + 1`` (also for B = 0, which
-        TorchRec's sharded lookup cannot take as stride 0)."""
+        TorchRec's sharded lookup cannot take as stride 0). ``features`` must not have the catalog feature."""
+        if self.catalog_feature in features.keys():
+            raise ValueError(f"features already has the catalog feature {self.catalog_feature!r}: call "
+                             f"with_catalog once per batch, on features without it")
         if features.variable_stride_per_key():
             raise ValueError("features must have one stride for every key (variable batch sizes are not supported)")
         ids = self.catalog_ids().to(features.values().device)
