@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 import capg_rec
 from capg_rec.sim import OptimalLSR, synthetic_env
-from capg_rec.torchrec import TwoTowerRetriever
+from capg_rec.torchrec import TwoTowerRetriever, global_mean_baseline
 
 
 class TrainTask(nn.Module):
@@ -56,7 +56,8 @@ class TrainTask(nn.Module):
         chosen = candidates.gather(1, picks)  # what the LSR shows
         rewards = self.env.sample_reward(users, chosen, generator=self.generator)
         if self.use_capg:
-            loss = self.loss_fn(catalog, candidates, chosen, rewards, baseline=rewards.mean().expand(len(users)))
+            baseline = global_mean_baseline(rewards, dist.group.WORLD)  # the same at any world size
+            loss = self.loss_fn(catalog, candidates, chosen, rewards, baseline=baseline)
         else:
             logits = catalog.gather(chosen)[:, 0]  # [B, L] scores of the shown items
             loss = self.loss_fn(logits, (rewards > rewards.median()).float())

@@ -21,7 +21,8 @@ from capg_rec import (CAPGLoss, DenseCatalog, EmbeddingCatalog, VPGLoss, candida
                       greedy_candidates, inclusion_log_prob, sample_candidates)
 from capg_rec._enumerate import all_draws, draw_log_probs  # noqa: E402
 from capg_rec.plackett_luce import expert_of_position  # noqa: E402
-from capg_rec.torchrec import ShardedEmbeddingCatalog, TwoTowerRetriever  # noqa: E402
+from capg_rec.torchrec import (ContextBaseline, ShardedEmbeddingCatalog, TwoTowerRetriever,  # noqa: E402
+                               global_mean_baseline)
 from capg_rec.testing import count_host_syncs  # noqa: E402
 from capg_rec.torchrec._hash_noise import _mul32, hashed_gumbel, row_keys  # noqa: E402
 from tests.stats import assert_counts_match  # noqa: E402
@@ -456,3 +457,46 @@ def test_half_precision_is_computed_in_float32(group):
     torch.testing.assert_close(cat.log_normalizer(), ref.log_normalizer())
     (grad,) = torch.autograd.grad(cat.log_normalizer().sum(), item)
     assert grad.dtype == torch.float16
+
+
+# ---------------------------------------------------------------- baselines
+
+@pytest.mark.parametrize("with_group", [False, True])
+def test_global_mean_baseline_is_the_batch_mean(with_group, request):
+    group = request.getfixturevalue("one_rank") if with_group else None
+    rewards = torch.tensor([[1.0, 2.0], [0.5, -3.5]], requires_grad=True)
+    base = global_mean_baseline(rewards, group)
+    assert base.shape == (2,) and not base.requires_grad
+    torch.testing.assert_close(base, rewards.detach().mean().expand(2))
+    assert global_mean_baseline(torch.zeros(0, 3), group).shape == (0,)
+    with count_host_syncs() as calls:
+        global_mean_baseline(rewards, group, validate_args=False)
+    assert calls == []
+    with pytest.raises(ValueError, match="rewards must be finite"):
+        global_mean_baseline(torch.tensor([[1.0, math.nan]]), group)
+    with pytest.raises(ValueError, match="rewards must have 2 dims"):
+        global_mean_baseline(torch.ones(3), group)
+
+
+def test_context_baseline_is_a_per_context_moving_average(one_rank):
+    """The trainer's rule: seen contexts get their moving average, new ones this batch's mean."""
+    rounds = [(torch.tensor([0, 2, 2]), torch.tensor([[1.0, 3.0], [4.0, 0.0], [2.0, 2.0]])),
+              (torch.tensor([2, 1, 0]), torch.tensor([[6.0, 0.0], [1.0, 1.0], [5.0, 5.0]]))]
+    expected = [torch.full((3,), (2.0 + 2.0 + 2.0) / 3),
+                torch.tensor([2.0, (3.0 + 1.0 + 5.0) / 3, 2.0])]
+    for group in (None, one_rank):
+        baseline = ContextBaseline(4, decay=0.5, process_group=group)
+        for (contexts, rewards), want in zip(rounds, expected):
+            torch.testing.assert_close(baseline(contexts, rewards), want)
+        # after round 2: context 0 = 0.5·2 + 0.5·5, context 1 = 1, context 2 = 0.5·2 + 0.5·3
+        torch.testing.assert_close(baseline.average, torch.tensor([3.5, 1.0, 2.5, 0.0]))
+        assert baseline.seen.tolist() == [True, True, True, False]
+        assert set(baseline.state_dict()) == {"average", "seen"}
+        with pytest.raises(ValueError, match=r"contexts must hold ids in \[0, 4\)"):
+            baseline(torch.tensor([4]), torch.ones(1, 2))
+        with pytest.raises(ValueError, match="contexts must be a 1-dim tensor"):
+            baseline(torch.tensor([[0]]), torch.ones(1, 2))
+        with pytest.raises(ValueError, match="decay must be in"):
+            ContextBaseline(3, decay=1.0)
+        assert baseline(torch.zeros(0, dtype=torch.long), torch.zeros(0, 2)).shape == (0,)
+
