@@ -500,3 +500,100 @@ def test_context_baseline_is_a_per_context_moving_average(one_rank):
             ContextBaseline(3, decay=1.0)
         assert baseline(torch.zeros(0, dtype=torch.long), torch.zeros(0, 2)).shape == (0,)
 
+
+# ---------------------------------------------------------------- bag collections and item towers
+
+def _bag_retriever(user_tower=None, item_tower=None, width=4, chunk_size=7):
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+
+    torch.manual_seed(0)
+    ec = EmbeddingCollection(tables=[EmbeddingConfig(name="item_table", embedding_dim=width, num_embeddings=40,
+                                                     feature_names=["catalog"])])
+    ebc = EmbeddingBagCollection(tables=[
+        EmbeddingBagConfig(name="history", embedding_dim=4, num_embeddings=40, feature_names=["history"]),
+        EmbeddingBagConfig(name="user_table", embedding_dim=4, num_embeddings=10, feature_names=["user_id"])])
+    return TwoTowerRetriever(ec, item_table="item_table", num_experts=2, user_features=["user_id", "history"],
+                             user_embeddings=ebc, user_tower=user_tower, item_tower=item_tower,
+                             chunk_size=chunk_size, temperature=0.5)
+
+
+def _bags() -> KeyedJaggedTensor:
+    # 3 users: ids 1, 4, 4; histories [3, 5], [], [7, 7, 39]
+    return KeyedJaggedTensor.from_lengths_sync(["user_id", "history"], torch.tensor([1, 4, 4, 3, 5, 7, 7, 39]),
+                                               torch.tensor([1, 1, 1, 2, 0, 3]))
+
+
+def test_bag_collection_user_side():
+    """Pooled (sum) user features from an EmbeddingBagCollection, summed or through a tower."""
+    for tower in (None, nn.Linear(8, 4)):
+        retriever = _bag_retriever(user_tower=tower)
+        cat = retriever(retriever.with_catalog(KeyedJaggedTensor.from_lengths_sync([], torch.zeros(0, dtype=torch.long),
+                                                                                    torch.zeros(0, dtype=torch.long),
+                                                                                    stride=3)),
+                        bag_features=_bags())
+        tables = retriever.user_embeddings.embedding_bags
+        user_id = tables["user_table"].weight[[1, 4, 4]]
+        history = torch.stack([tables["history"].weight[[3, 5]].sum(0), torch.zeros(4),
+                               tables["history"].weight[[7, 7, 39]].sum(0)])
+        user = user_id + history if tower is None else tower(torch.cat([user_id, history], 1))
+        ref = EmbeddingCatalog(user.view(3, 2, 2), retriever.embeddings.embeddings["item_table"].weight.view(40, 2, 2),
+                               0.5)
+        torch.testing.assert_close(cat.log_normalizer(), ref.log_normalizer())
+        (got,) = torch.autograd.grad(cat.log_normalizer().sum(), tables["history"].weight)
+        (want,) = torch.autograd.grad(ref.log_normalizer().sum(), tables["history"].weight)
+        torch.testing.assert_close(got, want)
+
+
+def test_item_tower_in_chunks_matches_the_whole_catalog_and_recomputes_in_backward():
+    """Scores and every parameter's gradient (item table, item tower, user tables) equal plain autograd over
+    the tower applied to all rows at once; the tower runs once per chunk forward and again in backward."""
+    calls = []
+
+    class CountingTanh(nn.Tanh):
+        def forward(self, x):
+            calls.append(x.shape[0])
+            return super().forward(x)
+
+    item_tower = nn.Sequential(nn.Linear(3, 8), CountingTanh(), nn.Linear(8, 4))
+    retriever = _bag_retriever(item_tower=item_tower, width=3, chunk_size=7)
+    empty = KeyedJaggedTensor.from_lengths_sync([], torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long),
+                                                stride=3)
+    cat = retriever(retriever.with_catalog(empty), bag_features=_bags())
+    assert calls == [7, 7, 7, 7, 7, 5]  # 40 rows in chunks of 7
+    cand = sample_candidates(cat, 4, generator=torch.Generator().manual_seed(0))
+    rewards = torch.tensor([[1.0, 0.5], [0.2, 2.0], [1.5, 0.1]])
+    loss = CAPGLoss(4)(cat, cand, cand[:, :2], rewards)
+    params = dict(retriever.named_parameters())
+    got = torch.autograd.grad(loss, list(params.values()))
+    assert sorted(calls[6:]) == [5, 7, 7, 7, 7, 7]  # recomputed in backward, chunk by chunk
+    tables = retriever.user_embeddings.embedding_bags
+    history = torch.stack([tables["history"].weight[[3, 5]].sum(0), torch.zeros(4),
+                           tables["history"].weight[[7, 7, 39]].sum(0)])
+    user = tables["user_table"].weight[[1, 4, 4]] + history
+    items = item_tower(retriever.embeddings.embeddings["item_table"].weight)
+    ref = EmbeddingCatalog(user.view(3, 2, 2), items.view(40, 2, 2), 0.5)
+    want = torch.autograd.grad(CAPGLoss(4)(ref, cand, cand[:, :2], rewards), list(params.values()))
+    for name, a, b in zip(params, got, want):
+        torch.testing.assert_close(a, b, msg=name)
+    assert set(n.split(".")[0] for n in params) == {"embeddings", "user_embeddings", "item_tower"}
+
+
+def test_bag_and_tower_set_up_errors():
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+
+    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=5,
+                                                            feature_names=["catalog"])])
+    with pytest.raises(TypeError, match="pass an EmbeddingBagCollection of user features as user_embeddings"):
+        TwoTowerRetriever(ebc, item_table="t", user_tower=nn.Identity())
+    with pytest.raises(ValueError, match="must not share feature names"):
+        make_retriever(user_embeddings=ebc)
+    retriever = _bag_retriever()
+    with pytest.raises(ValueError, match="bag_features must be given exactly when"):
+        retriever(retriever.with_catalog(user_batch([])))
+    with pytest.raises(ValueError, match=r"bag_features must have stride B = 1"):
+        retriever(retriever.with_catalog(KeyedJaggedTensor.from_lengths_sync(
+            [], torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), stride=1)), bag_features=_bags())
+    odd = _bag_retriever(item_tower=nn.Linear(4, 5))
+    with pytest.raises(ValueError, match=r"the item side must give \[R, num_experts·D\]"):
+        odd(odd.with_catalog(KeyedJaggedTensor.from_lengths_sync(
+            [], torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), stride=3)), bag_features=_bags())

@@ -65,3 +65,17 @@ def test_train_pipeline_sparse_dist_equals_the_plain_loop(tmp_path):
         assert report["pipelined_modules"] == ["ShardedEmbeddingCollection"]  # the lookup really is pipelined
         assert max(report["errors"].values()) <= 1e-6, report["errors"]
         assert sum(k.startswith("final/") for k in report["errors"]) == 6
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_towers_and_bag_collections_match_one_process(world, tmp_path):
+    """Item tower (chunked, recomputed) + bag-collection user side + user tower: after one step of CA-PG
+    and of V-PG-SwR, every parameter (item/user tables, both towers) equals the 1-process step to 1e-5
+    relative, with the item table row-wise and table-wise (ranks without item rows)."""
+    run = launch("towers.py", world, tmp_path)
+    assert run.returncode == 0, run.stderr[-4000:]
+    for r in range(world):
+        errors = json.loads((tmp_path / f"towers_rank{r}.json").read_text())["errors"]
+        assert max(errors.values()) <= 1e-5
+        for part in ("item_tower.0.weight", "user_tower.0.weight", "item_table", "user_table", "history_table"):
+            assert any(part in k and "/update/" in k for k in errors), part
