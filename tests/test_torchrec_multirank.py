@@ -19,13 +19,14 @@ pytest.importorskip("torchrec")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def launch(script: str, world: int, out: Path, *args: str) -> subprocess.CompletedProcess:
+def launch(script: str, world: int, out: Path, *args: str, timeout: float = 900,
+           env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     # the ranks run a script from integration/: put this checkout first on their path, before any installed capg_rec
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": path}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": path, **(env or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
            str(ROOT / "integration" / script), "--out", str(out), *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
@@ -79,3 +80,20 @@ def test_towers_and_bag_collections_match_one_process(world, tmp_path):
         assert max(errors.values()) <= 1e-5
         for part in ("item_tower.0.weight", "user_tower.0.weight", "item_table", "user_table", "history_table"):
             assert any(part in k and "/update/" in k for k in errors), part
+
+
+def test_faults_on_one_rank_raise_on_every_rank_in_bounded_time(tmp_path):
+    """A rank whose input check fails makes every rank raise the same ValueError (each skips the batch
+    and the next step runs in step); a frozen rank makes the others fail after the world group's
+    timeout (4 s here: the catalog's own process group inherits it) and fails itself when it wakes."""
+    timeout = 4
+    run = launch("faults.py", 2, tmp_path, timeout=120, env={"CAPG_COLLECTIVE_TIMEOUT_S": str(timeout)})
+    assert run.returncode == 0, run.stderr[-4000:]
+    reports = [json.loads((tmp_path / f"faults_rank{r}.json").read_text()) for r in range(2)]
+    for report in reports:
+        assert report["warm_up"]["raised"] is None and report["after_skip"]["raised"] is None
+        assert report["skipping_rank"]["raised"] == "ValueError"
+        assert "rewards must be finite" in report["skipping_rank"]["message"]
+        assert report["frozen_rank"]["raised"] is not None
+    # the rank left waiting fails after about the timeout, not when the sleeper (3 timeouts) wakes
+    assert timeout - 0.5 <= reports[0]["frozen_rank"]["seconds"] <= 2 * timeout

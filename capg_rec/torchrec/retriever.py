@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -142,7 +143,10 @@ class TwoTowerRetriever(nn.Module):
             # The catalog's collectives get their own group: in backward they then cannot interleave
             # differently across ranks with TorchRec's all-to-alls (table-wise shards give the ranks
             # different graphs, hence different orders).
-            self._catalog_group = dist.new_group(ranks=dist.get_process_group_ranks(group))
+            # ... with the parent group's timeout (new_group's default is the backend's, 30 minutes for
+            # gloo): a rank that stops answering then fails the others' collectives as it would the world's
+            self._catalog_group = dist.new_group(ranks=dist.get_process_group_ranks(group),
+                                                 timeout=_group_timeout(group))
         rank = dist.get_rank(group)
         for shard in sharding.sharding_spec.shards:
             if shard.placement.rank() == rank:
@@ -269,6 +273,15 @@ class TwoTowerRetriever(nn.Module):
             batch = features.stride() - 1
             if bag_features.stride() not in (batch, batch + 1):
                 raise ValueError(f"bag_features must have stride B = {batch} (or B + 1), got {bag_features.stride()}")
+
+
+def _group_timeout(group: dist.ProcessGroup) -> timedelta | None:
+    """The timeout ``group`` was created with (None if its backend does not say)."""
+    for device in group._device_types:
+        options = getattr(group._get_backend(device), "options", None)
+        if options is not None and hasattr(options, "_timeout"):
+            return options._timeout
+    return None
 
 
 def _chunked_tower(tower: nn.Module, rows: Tensor, chunk_size: int) -> Tensor:
