@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import json
 import math
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,7 +27,7 @@ from capg_rec.plackett_luce import expert_of_position  # noqa: E402
 from capg_rec.torchrec import (ContextBaseline, ShardedEmbeddingCatalog, TwoTowerRetriever,  # noqa: E402
                                global_mean_baseline)
 from capg_rec.testing import count_host_syncs  # noqa: E402
-from capg_rec.torchrec._hash_noise import _mul32, hashed_gumbel, row_keys  # noqa: E402
+from capg_rec.torchrec._noise import BLOCK, BlockNoise, block_seed, draw_seed  # noqa: E402
 from tests.stats import assert_counts_match  # noqa: E402
 
 
@@ -166,29 +169,33 @@ def test_sampling_is_exact_plackett_luce_moe():
 
 
 def test_sampling_does_not_depend_on_chunking_or_rank_layout():
-    """Noise is keyed on (seed, user, expert, item): chunking and row offsets leave the draw unchanged."""
+    """Noise is keyed on (seed, user, expert, item): chunking, row offsets and the experts asked for
+    leave it unchanged, also across noise blocks."""
     g = torch.Generator().manual_seed(5)
     user, item = torch.randn(4, 2, 3, generator=g), torch.randn(50, 2, 3, generator=g)
     draws = [sample_candidates(ShardedEmbeddingCatalog(user, item, num_items=50, chunk_size=c), 6,
                                generator=torch.Generator().manual_seed(9)) for c in (1, 7, 50)]
     assert torch.equal(draws[0], draws[1]) and torch.equal(draws[0], draws[2])
-    keys = row_keys(torch.tensor([3, 4]), torch.arange(4), torch.tensor([1]))
-    whole = hashed_gumbel(keys, torch.arange(50), torch.float32)
-    torch.testing.assert_close(hashed_gumbel(keys, torch.arange(20, 50), torch.float32), whole[..., 20:])
+    seed, n = [3, 4], BLOCK + 300
+    whole = BlockNoise(seed, 3, [0, 1], 0, torch.float32, torch.device("cpu"))(0, n)
+    assert whole.shape == (3, 2, n)
+    shard = BlockNoise(seed, 3, [0, 1], BLOCK - 200, torch.float32, torch.device("cpu"))  # rows across a block end
+    torch.testing.assert_close(torch.cat([shard(0, 150), shard(150, 500)], 2), whole[..., BLOCK - 200:])
+    one_expert = BlockNoise(seed, 3, [1], 0, torch.float32, torch.device("cpu"))(0, n)
+    torch.testing.assert_close(one_expert, whole[:, 1:])
+    assert len({block_seed(seed, j, m) for j in range(100) for m in range(8)}) == 800
+    assert not torch.equal(whole[..., :300], whole[..., BLOCK:])  # blocks differ
+    small = BlockNoise(seed, 3, [0], 5, torch.float32, torch.device("cpu"), block_size=7)
+    torch.testing.assert_close(small(0, 10), BlockNoise(seed, 3, [0], 0, torch.float32, torch.device("cpu"),
+                                                        block_size=7)(0, 15)[..., 5:])
 
 
-def test_hash_multiplication_has_no_int64_overflow():
-    x = torch.tensor([0, 1, 2**16 - 1, 2**16, 2**31, 2**32 - 1, 123456789, 3735928559])
-    for c in (0x7FEB352D, 0x846CA68B, 2**32 - 1):
-        expected = torch.tensor([(int(v) * c) % 2**32 for v in x])
-        assert torch.equal(_mul32(x, c), expected)
-
-
-def test_noise_is_finite_for_extreme_ids_and_dtypes():
-    keys = row_keys(torch.tensor([2**31 - 2, 0]), torch.tensor([0, 2**32 - 1]), torch.tensor([0, 7]))
+def test_noise_is_finite_in_every_dtype_and_the_seed_is_shared():
     for dtype in (torch.float32, torch.float64):
-        noise = hashed_gumbel(keys, torch.tensor([0, 1, 2**31, 2**32 - 1]), dtype)
+        noise = BlockNoise([2**31 - 2, 0], 2, [0, 7], 2**40, dtype, torch.device("cpu"))(0, 10)
         assert noise.dtype == dtype and bool(torch.isfinite(noise).all())
+    a, b = draw_seed(torch.Generator().manual_seed(1)), draw_seed(torch.Generator().manual_seed(1))
+    assert torch.equal(a, b) and a.shape == (2,)
 
 
 def test_with_catalog_appends_the_rows():
@@ -597,3 +604,16 @@ def test_bag_and_tower_set_up_errors():
     with pytest.raises(ValueError, match=r"the item side must give \[R, num_experts·D\]"):
         odd(odd.with_catalog(KeyedJaggedTensor.from_lengths_sync(
             [], torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), stride=3)), bag_features=_bags())
+
+
+def test_sampling_benchmark_runs(tmp_path, monkeypatch):
+    """The sampling benchmark runs (in this process, at a tiny size) and writes its results."""
+    path = Path(__file__).resolve().parents[1] / "integration" / "bench_sampling.py"
+    spec = importlib.util.spec_from_file_location("bench_sampling", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(sys, "argv", ["bench_sampling.py", "--out", str(tmp_path), "--num-items", "300",
+                                      "--batch", "4", "--candidates", "3", "--dim", "4", "--reps", "1"])
+    bench.main()
+    results = json.loads((tmp_path / "bench_sampling.json").read_text())["results"]
+    assert results["sharded_catalog_sample_ms"] > 0 and results["ratio"] > 0
