@@ -35,7 +35,7 @@ K, SHOWN, BATCH = 5, 2, 3
 def step(model, users: torch.Tensor, rewards_fill: float = 1.0) -> None:
     catalog = model(model.module.with_catalog(h.user_batch(users)))
     candidates = sample_candidates(catalog, K, generator=torch.Generator().manual_seed(0))
-    rewards = torch.full((users.shape[0], SHOWN), rewards_fill)
+    rewards = torch.full((users.shape[0], SHOWN), rewards_fill, device=users.device)
     CAPGLoss(K)(catalog, candidates, candidates[:, :SHOWN], rewards).backward()
 
 
@@ -57,7 +57,7 @@ def main() -> int:
     timeout = h.env_int("CAPG_COLLECTIVE_TIMEOUT_S", 300)
     last = rank == world - 1
     model = h.shard(SETUP, lr=0.1)
-    users = torch.arange(BATCH) + rank * BATCH
+    users = torch.arange(BATCH, device=h.device()) + rank * BATCH
     report = {"timeout_s": timeout, "warm_up": attempt(lambda: step(model, users))}
     report["skipping_rank"] = attempt(lambda: step(model, users, float("nan") if last else 1.0))
     report["after_skip"] = attempt(lambda: step(model, users))

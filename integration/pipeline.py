@@ -42,7 +42,7 @@ class Objective(nn.Module):
 
     def forward(self, catalog: ShardedEmbeddingCatalog, users: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         candidates = sample_candidates(catalog, CANDIDATES, generator=self.generator)
-        utility = torch.sin(users.unsqueeze(1) * 12.9898 + candidates * 78.233) * 0.5 + 0.5
+        utility = torch.sin(users.unsqueeze(1) * 12.9898 + candidates * 78.233) * 0.5 + 0.5  # on their device
         top = utility.topk(SHOWN, dim=1)
         chosen, rewards = candidates.gather(1, top.indices), top.values
         return self.loss_fn(catalog, candidates, chosen, rewards), (rewards, candidates)
@@ -60,7 +60,7 @@ class Task(nn.Module):
 
 
 def rel(a: Tensor, b: Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
     if a.shape != b.shape:
         return float("inf")
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) if a.numel() else 0.0
@@ -71,7 +71,7 @@ def local_pieces(model: nn.Module) -> dict[str, Tensor]:
     pieces = {}
     for key, value in model.state_dict().items():
         shards = value.local_shards() if hasattr(value, "local_shards") else None
-        pieces[key] = torch.cat([s.tensor.flatten() for s in shards]) if shards is not None else value.flatten()
+        pieces[key] = (torch.cat([s.tensor.flatten() for s in shards]) if shards is not None else value.flatten()).cpu()
     return pieces
 
 
@@ -102,12 +102,12 @@ def main() -> int:
     model, optimizer = runs["loop"]
     for batch in batches:
         optimizer.zero_grad()
-        loss, (rewards, candidates) = model(batch)
+        loss, (rewards, candidates) = model(batch.to(h.device(), non_blocking=False))
         loss.backward()
         optimizer.step()
         outputs["loop"].append((loss.detach(), rewards, candidates))
     model, optimizer = runs["pipeline"]
-    pipeline = TrainPipelineSparseDist(model, optimizer, torch.device("cpu"))
+    pipeline = TrainPipelineSparseDist(model, optimizer, h.device())
     it = iter(batches)
     for _ in batches:
         rewards, candidates = pipeline.progress(it)
@@ -116,7 +116,7 @@ def main() -> int:
     errors: dict[str, float] = {}
     for t, (ref, got) in enumerate(zip(outputs["loop"], outputs["pipeline"])):
         errors[f"step{t}/rewards"] = rel(got[1], ref[1])
-        errors[f"step{t}/candidates"] = 0.0 if torch.equal(got[2], ref[2]) else float("inf")
+        errors[f"step{t}/candidates"] = 0.0 if torch.equal(got[2].cpu(), ref[2].cpu()) else float("inf")
     loop_state, pipe_state = local_pieces(runs["loop"][0]), local_pieces(runs["pipeline"][0])
     for key, value in loop_state.items():
         errors[f"final/{key}"] = rel(pipe_state[key], value)

@@ -57,27 +57,28 @@ def shard(sharding: str) -> DistributedModelParallel:
     model = build("meta")
     _apply_optimizer_in_backward(torch.optim.SGD, [*model.embeddings.parameters(),
                                                    *model.user_embeddings.parameters()], {"lr": LR})
-    # TorchRec on CPU shards bag collections table-wise (row-wise needs a GPU)
+    # TorchRec on CPU shards bag collections table-wise only
     constraints = {t: ParameterConstraints(sharding_types=[sharding if t == h.ITEM_TABLE else "table_wise"],
                                            compute_kernels=["fused"])
                    for t in (h.ITEM_TABLE, h.USER_TABLE, "history_table")}
     sharders = [EmbeddingCollectionSharder(), EmbeddingBagCollectionSharder()]
-    planner = EmbeddingShardingPlanner(topology=Topology(world_size=dist.get_world_size(), compute_device="cpu"),
-                                       constraints=constraints)
+    planner = EmbeddingShardingPlanner(topology=Topology(world_size=dist.get_world_size(),
+                                                         compute_device=h.device().type), constraints=constraints)
     plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
-    return DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders,
+    return DistributedModelParallel(model, device=h.device(), plan=plan, sharders=sharders,
                                     data_parallel_wrapper=DefaultDataParallelWrapper(static_graph=False))
 
 
 def batch(users: Tensor, histories: list[list[int]]) -> KeyedJaggedTensor:
     ids = torch.tensor([i for hist in histories for i in hist], dtype=torch.long)
     lengths = torch.cat([torch.ones_like(users), torch.tensor([len(hist) for hist in histories])])
-    return KeyedJaggedTensor.from_lengths_sync([h.USER_ID, "history"], torch.cat([users, ids]), lengths)
+    return KeyedJaggedTensor.from_lengths_sync([h.USER_ID, "history"], torch.cat([users, ids]),
+                                               lengths).to(h.device())
 
 
 def empty(batch_size: int) -> KeyedJaggedTensor:
     none = torch.zeros(0, dtype=torch.long)
-    return KeyedJaggedTensor.from_lengths_sync([], none, none, stride=batch_size)
+    return KeyedJaggedTensor.from_lengths_sync([], none, none, stride=batch_size).to(h.device())
 
 
 def main() -> int:
@@ -94,7 +95,7 @@ def main() -> int:
     for sharding in ("row_wise", "table_wise"):
         model = shard(sharding)
         for est, make in ESTIMATORS.items():
-            reference = build("cpu")
+            reference = build(str(h.device()))
             h.load(model, state)
             h.load(reference, state)
             dense = [p for n, p in model.named_parameters() if "tower" in n]
@@ -105,7 +106,7 @@ def main() -> int:
             cand = sample_candidates(cat, CANDIDATES, generator=torch.Generator().manual_seed(3))
             ref_cand = sample_candidates(ref, CANDIDATES, generator=torch.Generator().manual_seed(3))
             errors[f"{sharding}/{est}/candidates"] = 0.0 if torch.equal(cand, ref_cand[mine]) else float("inf")
-            rewards = torch.sin(users.unsqueeze(1) * 3.1 + ref_cand[:, :SHOWN] * 0.7) + 1.0
+            rewards = torch.sin(users.to(ref_cand.device).unsqueeze(1) * 3.1 + ref_cand[:, :SHOWN] * 0.7) + 1.0
             make()(cat, cand, cand[:, :SHOWN], rewards[mine]).backward()
             make()(ref, ref_cand, ref_cand[:, :SHOWN], rewards).backward()
             opt.step()

@@ -130,13 +130,13 @@ def test_dense_features_through_a_tower():
     torch.testing.assert_close(cat.log_normalizer(), ref.log_normalizer())
 
 
-def test_catalog_gradcheck_float64(group):
+def test_catalog_gradcheck_float64(group, device):
     g = torch.Generator().manual_seed(1)
-    user = torch.randn(3, 2, 2, dtype=torch.float64, generator=g, requires_grad=True)
-    item = torch.randn(9, 2, 2, dtype=torch.float64, generator=g, requires_grad=True)
-    exclude = torch.tensor([[0, 3], [8, -1], [-1, -1]])
-    items = torch.tensor([[1, 2], [0, 8], [4, 4]])
-    masked = torch.tensor([[2, -1], [5, 6], [-1, -1]])
+    user = torch.randn(3, 2, 2, dtype=torch.float64, generator=g).to(device).requires_grad_()
+    item = torch.randn(9, 2, 2, dtype=torch.float64, generator=g).to(device).requires_grad_()
+    exclude = torch.tensor([[0, 3], [8, -1], [-1, -1]], device=device)
+    items = torch.tensor([[1, 2], [0, 8], [4, 4]], device=device)
+    masked = torch.tensor([[2, -1], [5, 6], [-1, -1]], device=device)
 
     def f(u, v):
         cat = ShardedEmbeddingCatalog(u, v, num_items=9, temperature=0.8, chunk_size=4, process_group=group,
@@ -190,10 +190,10 @@ def test_sampling_does_not_depend_on_chunking_or_rank_layout():
                                                         block_size=7)(0, 15)[..., 5:])
 
 
-def test_noise_is_finite_in_every_dtype_and_the_seed_is_shared():
+def test_noise_is_finite_in_every_dtype_and_the_seed_is_shared(device):
     for dtype in (torch.float32, torch.float64):
-        noise = BlockNoise([2**31 - 2, 0], 2, [0, 7], 2**40, dtype, torch.device("cpu"))(0, 10)
-        assert noise.dtype == dtype and bool(torch.isfinite(noise).all())
+        noise = BlockNoise([2**31 - 2, 0], 2, [0, 7], 2**40, dtype, device)(0, 10)
+        assert noise.dtype == dtype and noise.device.type == device.type and bool(torch.isfinite(noise).all())
     a, b = draw_seed(torch.Generator().manual_seed(1)), draw_seed(torch.Generator().manual_seed(1))
     assert torch.equal(a, b) and a.shape == (2,)
 
@@ -295,28 +295,28 @@ def test_catalog_argument_errors():
 
 # ---------------------------------------------------------------- masked items
 
-def _masked_setup(dtype=torch.float64):
+def _masked_setup(dtype=torch.float64, device="cpu"):
     g = torch.Generator().manual_seed(2)
-    user = torch.randn(3, 2, 4, generator=g, dtype=dtype, requires_grad=True)
-    item = torch.randn(30, 2, 4, generator=g, dtype=dtype, requires_grad=True)
-    masked = torch.tensor([[3, 7, -1, 3], [29, -1, -1, -1], [-1, -1, -1, -1]])  # a repeat, padding, a full row
+    user = torch.randn(3, 2, 4, generator=g, dtype=dtype).to(device).requires_grad_()
+    item = torch.randn(30, 2, 4, generator=g, dtype=dtype).to(device).requires_grad_()
+    masked = torch.tensor([[3, 7, -1, 3], [29, -1, -1, -1], [-1, -1, -1, -1]], device=device)  # a repeat, pads, none
     drop = torch.zeros(3, 30, dtype=torch.bool)
     drop[0, [3, 7]] = drop[1, 29] = True
-    return user, item, masked, drop
+    return user, item, masked, drop.to(device)
 
 
-def test_masked_items_equal_minus_inf_logits(group):
+def test_masked_items_equal_minus_inf_logits(group, device):
     """``masked_items`` ≡ ``-inf`` logits (DenseCatalog) ≡ EmbeddingCatalog(masked_items): every reduction,
     inclusion and draw probabilities with their gradients, and masked items are never drawn."""
-    user, item, masked, drop = _masked_setup()
+    user, item, masked, drop = _masked_setup(device=device)
     sharded = ShardedEmbeddingCatalog(user, item, num_items=30, temperature=0.7, masked_items=masked, chunk_size=7,
                                       process_group=group)
     logits = torch.einsum("bmd,nmd->bmn", user, item).masked_fill(drop.unsqueeze(1), -math.inf)
     dense = DenseCatalog(logits, 0.7)
     emb = EmbeddingCatalog(user, item, 0.7, masked_items=masked, chunk_size=5)
     assert torch.equal(sharded.num_available(), dense.num_available())
-    items = torch.tensor([[0, 3, 5], [29, 1, 2], [4, 5, 6]])
-    exclude = torch.tensor([[1, -1], [2, 29], [-1, -1]])
+    items = torch.tensor([[0, 3, 5], [29, 1, 2], [4, 5, 6]], device=device)
+    exclude = torch.tensor([[1, -1], [2, 29], [-1, -1]], device=device)
     torch.testing.assert_close(sharded.gather(items), dense.gather(items))
     assert sharded.gather(items)[0, :, 1].eq(-math.inf).all() and sharded.gather(items)[1, :, 0].eq(-math.inf).all()
     torch.testing.assert_close(sharded.log_power_sums(exclude, 3), emb.log_power_sums(exclude, 3))
@@ -329,7 +329,7 @@ def test_masked_items_equal_minus_inf_logits(group):
                  for x in (got, ref)]
         for a, b in zip(*grads):  # finite wherever the dense reference is (the core's tests hold that to finite)
             torch.testing.assert_close(a, b, equal_nan=True)
-    cand = torch.tensor([[0, 1, 2, 4], [3, 4, 5, 6], [7, 8, 9, 10]])
+    cand = torch.tensor([[0, 1, 2, 4], [3, 4, 5, 6], [7, 8, 9, 10]], device=device)
     got, ref = (candidate_log_prob(c, cand) for c in (sharded, dense))
     torch.testing.assert_close(got, ref)
     for a, b in zip(*(torch.autograd.grad(x.sum(), (user, item), retain_graph=True) for x in (got, ref))):
@@ -380,12 +380,12 @@ def test_retriever_passes_masks_to_its_catalog():
 
 # ---------------------------------------------------------------- validate_args
 
-def test_gather_without_validation_makes_no_host_sync(group):
+def test_gather_without_validation_makes_no_host_sync(group, device):
     """Validation off: gather and log_power_sums never read a value back (it used to sync on every
     gather); validation on: one exchange (one sync) per call."""
-    user, item = torch.randn(4, 2, 3), torch.randn(20, 2, 3)
-    items = torch.tensor([[0, 5], [19, 3], [7, 7], [1, 2]])
-    masked = torch.tensor([[1, -1], [2, 3], [-1, -1], [0, 19]])
+    user, item = torch.randn(4, 2, 3, device=device), torch.randn(20, 2, 3, device=device)
+    items = torch.tensor([[0, 5], [19, 3], [7, 7], [1, 2]], device=device)
+    masked = torch.tensor([[1, -1], [2, 3], [-1, -1], [0, 19]], device=device)
     quiet = ShardedEmbeddingCatalog(user, item, num_items=20, masked_items=masked, chunk_size=6, process_group=group,
                                     validate_args=False)
     with count_host_syncs() as calls:
@@ -439,16 +439,17 @@ def test_validation_follows_the_argument_and_the_module_default(group, restore_v
 
 # ---------------------------------------------------------------- empty batches and half precision
 
-def test_empty_batches_give_empty_results(group):
-    user, item = torch.randn(0, 2, 3, requires_grad=True), torch.randn(12, 2, 3, requires_grad=True)
+def test_empty_batches_give_empty_results(group, device):
+    user = torch.randn(0, 2, 3, device=device, requires_grad=True)
+    item = torch.randn(12, 2, 3, device=device, requires_grad=True)
     cat = ShardedEmbeddingCatalog(user, item, num_items=12, process_group=group,
-                                  masked_items=torch.zeros(0, 2, dtype=torch.long))
-    none = torch.zeros(0, 3, dtype=torch.long)
+                                  masked_items=torch.zeros(0, 2, dtype=torch.long, device=device))
+    none = torch.zeros(0, 3, dtype=torch.long, device=device)
     assert cat.gather(none).shape == (0, 2, 3) and cat.log_power_sums(none, 2).shape == (0, 2, 2)
     assert cat.top_items(4, exclude=none, perturb=True).shape == (0, 2, 4) and cat.num_available().shape == (0, 2)
     assert sample_candidates(cat, 4).shape == (0, 4) and inclusion_log_prob(cat, none, 4).shape == (0, 3)
     for loss_fn in (VPGLoss(3), CAPGLoss(3)):
-        loss = loss_fn(cat, none, none[:, :1], torch.zeros(0, 1))
+        loss = loss_fn(cat, none, none[:, :1], torch.zeros(0, 1, device=device))
         loss.backward()
         assert loss.item() == 0.0 and item.grad.abs().sum() == 0
     retriever = make_retriever(num_experts=2, dim=3)
@@ -456,8 +457,9 @@ def test_empty_batches_give_empty_results(group):
     assert (empty.batch_size, empty.num_items) == (0, 40) and sample_candidates(empty, 5).shape == (0, 5)
 
 
-def test_half_precision_is_computed_in_float32(group):
-    user, item = torch.randn(3, 4, dtype=torch.float16), torch.randn(9, 4, dtype=torch.float16, requires_grad=True)
+def test_half_precision_is_computed_in_float32(group, device):
+    user = torch.randn(3, 4, dtype=torch.float16, device=device)
+    item = torch.randn(9, 4, dtype=torch.float16, device=device, requires_grad=True)
     cat = ShardedEmbeddingCatalog(user, item, num_items=9, process_group=group)
     ref = EmbeddingCatalog(user, item)
     assert cat.dtype == torch.float32 and cat.log_normalizer().dtype == torch.float32
@@ -469,13 +471,13 @@ def test_half_precision_is_computed_in_float32(group):
 # ---------------------------------------------------------------- baselines
 
 @pytest.mark.parametrize("with_group", [False, True])
-def test_global_mean_baseline_is_the_batch_mean(with_group, request):
+def test_global_mean_baseline_is_the_batch_mean(with_group, request, device):
     group = request.getfixturevalue("one_rank") if with_group else None
-    rewards = torch.tensor([[1.0, 2.0], [0.5, -3.5]], requires_grad=True)
+    rewards = torch.tensor([[1.0, 2.0], [0.5, -3.5]], device=device, requires_grad=True)
     base = global_mean_baseline(rewards, group)
     assert base.shape == (2,) and not base.requires_grad
     torch.testing.assert_close(base, rewards.detach().mean().expand(2))
-    assert global_mean_baseline(torch.zeros(0, 3), group).shape == (0,)
+    assert global_mean_baseline(torch.zeros(0, 3, device=device), group).shape == (0,)
     with count_host_syncs() as calls:
         global_mean_baseline(rewards, group, validate_args=False)
     assert calls == []
