@@ -108,3 +108,16 @@ def test_faults_on_one_rank_raise_on_every_rank_in_bounded_time(tmp_path):
         assert report["frozen_rank"]["raised"] is not None
     # the rank left waiting fails after about the timeout, not when the sleeper (3 timeouts) wakes
     assert timeout - 0.5 <= reports[0]["frozen_rank"]["seconds"] <= 2 * timeout
+
+
+def test_two_tower_example_runs_through_the_pipeline(tmp_path):
+    """The TorchRec-shaped example (bag-collection user tower, item tower, TrainPipelineSparseDist) trains a
+    few steps on 2 ranks and writes its learning curve."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "examples" / "torchrec_two_tower.py"), "--steps", "3", "--num-items", "300",
+           "--batch-size", "8", "--loss", "capg_swr", "--out", str(tmp_path)]
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    curve = json.loads((tmp_path / "curve.json").read_text())
+    assert curve["world_size"] == 2 and len(curve["reward"]) == 3 and (tmp_path / "curve.png").exists()
