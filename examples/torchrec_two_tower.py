@@ -1,71 +1,113 @@
-"""Train a TorchRec two-tower retriever as the early stage of a two-stage recommender.
+"""Train a TorchRec two-tower retriever with CA-PG, as the early stage of a two-stage recommender.
 
-In the style of TorchRec's ``examples/retrieval/two_tower_train.py``: embedding tables built on
-the meta device, sharded by ``DistributedModelParallel``, a fused row-wise Adagrad applied in
-backward to the tables, Adam on the dense tower, and a train task whose forward returns
-``(loss, outputs)``. Each step the retriever proposes K candidates per user from the whole
-catalog, a later-stage ranker (LSR) shows the best L of them, and the user's rewards for what
-was shown are the feedback (simulated here by ``capg_rec.sim``'s synthetic environment).
+The model has the shape of TorchRec's ``examples/retrieval`` two-tower: user features pooled by an
+``EmbeddingBagCollection`` and projected by an MLP, item embeddings projected by another MLP (the
+item tower, kept), tables built on the meta device and sharded by ``DistributedModelParallel``, a
+fused optimizer applied in backward to the tables, Adam on the towers, a train task whose forward
+returns ``(loss, outputs)``, and ``TrainPipelineSparseDist`` driving the steps. The item table is
+an ``EmbeddingCollection`` (its rows are looked up one by one) sharded row-wise. Each step the
+retriever draws K candidates from the whole catalog, a later-stage ranker (LSR) shows the best L,
+and the user's rewards for what was shown are the feedback (simulated by ``capg_rec.sim``).
 
-``--loss bce`` is the usual pointwise objective (binary cross-entropy of the shown items'
-scores against "reward above median"); ``--loss capg`` is CA-PG. The two differ by a few lines
-in ``TrainTask`` (see the README section "Add CA-PG to your TorchRec retrieval training").
+    torchrun --nproc_per_node=2 examples/torchrec_two_tower.py --loss capg --out runs/two_tower
+    python examples/torchrec_two_tower.py --loss vpg_swr          # one process
 
-    torchrun --nproc_per_node=2 examples/torchrec_two_tower.py --loss capg
-    python examples/torchrec_two_tower.py --loss bce          # one process
+``--loss``: ``capg`` (CA-PG, mean-field), ``capg_swr`` (CA-PG-SwR / TOP1-PG), ``vpg_swr`` (V-PG-SwR)
+or ``bce`` (the usual pointwise loss on the shown items). With ``--out``, rank 0 writes the
+learning curve (``curve.json``, ``curve.png``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.optim import _apply_optimizer_in_backward
-from torchrec import EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
+from torchrec import KeyedJaggedTensor
 from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DefaultDataParallelWrapper
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+from torchrec.modules.mlp import MLP
 from torchrec.optim.keyed import KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+from torchrec.streamable import Pipelineable
 from tqdm import tqdm
 
 import capg_rec
 from capg_rec.sim import OptimalLSR, synthetic_env
-from capg_rec.torchrec import TwoTowerRetriever
+from capg_rec.torchrec import TwoTowerRetriever, global_mean_baseline
+
+LOSSES = {"capg": lambda k: capg_rec.CAPGLoss(k), "capg_swr": lambda k: capg_rec.CAPGLoss(k, method="with_replacement"),
+          "vpg_swr": lambda k: capg_rec.VPGLoss(k, with_replacement=True), "bce": lambda k: nn.BCEWithLogitsLoss()}
 
 
-class TrainTask(nn.Module):
-    """Retriever + LSR feedback + loss; ``forward(features, users) -> (loss, (rewards, candidates))``."""
+@dataclass
+class UserBatch(Pipelineable):
+    """What the data loader gives: user ids, the retriever's KJT (this rank's catalog rows) and the
+    user features' KJT. Each sharded module's KJT is an attribute, as the pipeline needs."""
+    users: Tensor
+    catalog: KeyedJaggedTensor
+    user_features: KeyedJaggedTensor
 
-    def __init__(self, retriever: TwoTowerRetriever, env, num_candidates: int, num_shown: int,
-                 loss: str) -> None:
+    def to(self, device: torch.device, non_blocking: bool = False) -> UserBatch:
+        return UserBatch(*(x.to(device=device, non_blocking=non_blocking)
+                           for x in (self.users, self.catalog, self.user_features)))
+
+    def record_stream(self, stream: torch.Stream) -> None:
+        for x in (self.users, self.catalog, self.user_features):
+            x.record_stream(stream)
+
+    def pin_memory(self) -> UserBatch:
+        return UserBatch(self.users.pin_memory(), self.catalog.pin_memory(), self.user_features.pin_memory())
+
+
+class Feedback(nn.Module):
+    """Sampling, the LSR, the rewards and the loss: ``(catalog, users) -> (loss, mean reward)``. A
+    submodule, so that the pipeline's trace of the task stops at it."""
+
+    def __init__(self, env, loss: str, num_candidates: int, num_shown: int) -> None:
         super().__init__()
-        self.retriever, self.env = retriever, env
-        self.num_candidates, self.num_shown = num_candidates, num_shown
-        self.generator = torch.Generator().manual_seed(0)  # same seed on every rank
-        self.use_capg = loss == "capg"
-        self.loss_fn = capg_rec.CAPGLoss(num_candidates) if self.use_capg else nn.BCEWithLogitsLoss()
+        self.env, self.loss, self.num_candidates, self.num_shown = env, loss, num_candidates, num_shown
+        self.loss_fn = LOSSES[loss](num_candidates)
+        self.generator = torch.Generator().manual_seed(0)  # the same seed on every rank
 
-    def forward(self, features: KeyedJaggedTensor, users: torch.Tensor):
-        catalog = self.retriever(features)  # scores of every item of the (sharded) catalog
+    def forward(self, catalog, users: Tensor) -> tuple[Tensor, Tensor]:
         candidates = capg_rec.sample_candidates(catalog, self.num_candidates, generator=self.generator)
         picks, _ = OptimalLSR()(self.env.ranking_scores(users, candidates), self.num_shown)
         chosen = candidates.gather(1, picks)  # what the LSR shows
         rewards = self.env.sample_reward(users, chosen, generator=self.generator)
-        if self.use_capg:
-            loss = self.loss_fn(catalog, candidates, chosen, rewards, baseline=rewards.mean().expand(len(users)))
+        if self.loss == "bce":
+            loss = self.loss_fn(catalog.gather(chosen)[:, 0], (rewards > rewards.median()).float())
         else:
-            logits = catalog.gather(chosen)[:, 0]  # [B, L] scores of the shown items
-            loss = self.loss_fn(logits, (rewards > rewards.median()).float())
-        return loss, (rewards.detach(), candidates)
+            baseline = global_mean_baseline(rewards, dist.group.WORLD)  # the same at any world size
+            loss = self.loss_fn(catalog, candidates, chosen, rewards, baseline=baseline)
+        return loss, rewards.detach().mean()
+
+
+class TrainTask(nn.Module):
+    def __init__(self, retriever: TwoTowerRetriever, feedback: Feedback) -> None:
+        super().__init__()
+        self.retriever, self.feedback = retriever, feedback
+
+    def forward(self, batch: UserBatch) -> tuple[Tensor, Tensor]:
+        catalog = self.retriever(batch.catalog, bag_features=batch.user_features)  # scores of every item
+        return self.feedback(catalog, batch.users)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--loss", choices=["bce", "capg"], default="capg")
+    parser.add_argument("--loss", choices=sorted(LOSSES), default="capg")
     parser.add_argument("--num-items", type=int, default=1000)
     parser.add_argument("--num-experts", type=int, default=2)
     parser.add_argument("--embedding-dim", type=int, default=16, help="D per expert")
@@ -73,47 +115,86 @@ def main() -> None:
     parser.add_argument("--candidates", type=int, default=10)
     parser.add_argument("--shown", type=int, default=1)
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--table-optimizer", choices=["sgd", "rowwise_adagrad"], default="sgd")
+    parser.add_argument("--table-lr", type=float, default=1.0)
+    parser.add_argument("--tower-lr", type=float, default=0.003)
+    parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if "RANK" not in os.environ:  # plain `python`: a world of one
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="localhost", MASTER_PORT="29511")
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="localhost", MASTER_PORT="29511")
     dist.init_process_group("gloo")
-    rank, device = dist.get_rank(), torch.device("cpu")
+    rank, world, device = dist.get_rank(), dist.get_world_size(), torch.device("cpu")
 
     env = synthetic_env(num_items=args.num_items)
-    width = args.num_experts * args.embedding_dim  # one item row holds every expert's vector
-    tables = [EmbeddingConfig(name="item_table", embedding_dim=width, num_embeddings=args.num_items,
-                              feature_names=["catalog"]),
-              EmbeddingConfig(name="user_table", embedding_dim=width, num_embeddings=env.num_users,
-                              feature_names=["user_id"])]
-    embeddings = EmbeddingCollection(tables=tables, device=torch.device("meta"))
-    tower = nn.Sequential(nn.Linear(width, 64), nn.ReLU(), nn.Linear(64, width))
-    retriever = TwoTowerRetriever(embeddings, item_table="item_table", num_experts=args.num_experts,
-                                  user_features=["user_id"], user_tower=tower)
-    task = TrainTask(retriever, env, args.candidates, args.shown, args.loss)
-    _apply_optimizer_in_backward(RowWiseAdagrad, task.retriever.embeddings.parameters(), {"lr": args.lr})
+    width, meta = args.num_experts * args.embedding_dim, torch.device("meta")  # M experts side by side
+    items = EmbeddingCollection(device=meta, tables=[EmbeddingConfig(
+        name="item_table", embedding_dim=16, num_embeddings=args.num_items, feature_names=["catalog"])])
+    users = EmbeddingBagCollection(device=meta, tables=[EmbeddingBagConfig(
+        name="user_table", embedding_dim=16, num_embeddings=env.num_users, feature_names=["user_id"])])
+    retriever = TwoTowerRetriever(items, item_table="item_table", num_experts=args.num_experts,
+                                  user_features=["user_id"], user_embeddings=users,
+                                  user_tower=MLP(16, [64, width], device=meta),
+                                  item_tower=MLP(16, [64, width], device=meta))
+    task = TrainTask(retriever, Feedback(env, args.loss, args.candidates, args.shown))
+    table_optimizer = torch.optim.SGD if args.table_optimizer == "sgd" else RowWiseAdagrad
+    _apply_optimizer_in_backward(table_optimizer, [*items.parameters(), *users.parameters()], {"lr": args.table_lr})
+    constraints = {"item_table": ParameterConstraints(sharding_types=["row_wise"], compute_kernels=["fused"]),
+                   "user_table": ParameterConstraints(sharding_types=["table_wise"], compute_kernels=["fused"])}
+    sharders = [EmbeddingCollectionSharder(), EmbeddingBagCollectionSharder()]
+    planner = EmbeddingShardingPlanner(topology=Topology(world_size=world, compute_device=device.type),
+                                       constraints=constraints)
     # static_graph=False: the catalog's own collectives run inside the loss's backward.
-    model = DistributedModelParallel(module=task, device=device,
+    plan = planner.collective_plan(task, sharders, dist.group.WORLD)
+    model = DistributedModelParallel(task, device=device, plan=plan, sharders=sharders,
                                      data_parallel_wrapper=DefaultDataParallelWrapper(static_graph=False))
     optimizer = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())),
-                                      lambda params: torch.optim.Adam(params, lr=args.lr))
+                                      lambda params: torch.optim.Adam(params, lr=args.tower_lr))
+    sharded = model.module.retriever
     user_generator = torch.Generator().manual_seed(1000 + rank)  # each rank draws its own users
-    rewards = []
+
+    def batches():
+        none = torch.zeros(0, dtype=torch.long)
+        for _ in range(args.steps):
+            ids = env.sample_users(args.batch_size, generator=user_generator)
+            catalog = sharded.with_catalog(KeyedJaggedTensor.from_lengths_sync([], none, none, stride=len(ids)))
+            yield UserBatch(ids, catalog, KeyedJaggedTensor.from_lengths_sync(["user_id"], ids, torch.ones_like(ids)))
+
+    pipeline, it, curve = TrainPipelineSparseDist(model, optimizer, device), batches(), []
     for step in tqdm(range(args.steps), disable=rank != 0):
-        users = env.sample_users(args.batch_size, generator=user_generator)
-        features = KeyedJaggedTensor.from_lengths_sync(["user_id"], users, torch.ones_like(users))
-        features = model.module.retriever.with_catalog(features)  # this rank's item rows
-        loss, (reward, _) = model(features, users)
-        optimizer.zero_grad()
-        loss.backward()  # also steps the fused table optimizer
-        optimizer.step()
-        rewards.append(float(reward.mean()))
+        reward = pipeline.progress(it).clone()
+        dist.all_reduce(reward)
+        curve.append(float(reward) / world)
         if rank == 0 and (step + 1) % 50 == 0:
-            tqdm.write(f"step {step + 1}: mean reward of shown items {sum(rewards[-50:]) / 50:.3f} "
+            tqdm.write(f"step {step + 1}: mean reward of shown items {sum(curve[-50:]) / 50:.3f} "
                        f"(best possible {env.optimal_value(args.shown):.3f})")
+    if rank == 0 and args.out is not None:
+        _save(args, curve, env.optimal_value(args.shown), world)
     dist.barrier()
-    del model
+    del model, pipeline
     dist.destroy_process_group()
+
+
+def _save(args: argparse.Namespace, curve: list[float], best: float, world: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    (args.out / "curve.json").write_text(json.dumps({"config": config, "world_size": world, "best": best,
+                                                     "reward": curve}, indent=1))
+    smooth = [sum(curve[max(0, i - 19): i + 1]) / len(curve[max(0, i - 19): i + 1]) for i in range(len(curve))]
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.plot(curve, alpha=0.3)
+    ax.plot(smooth, label=f"{args.loss}, {world} rank(s)")
+    ax.axhline(best, ls=":", c="k", label="best possible")
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean reward of shown items")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.out / "curve.png", dpi=100)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Shared set-up for the multi-rank scenarios (run under torchrun, gloo, CPU).
+"""Shared set-up for the multi-rank scenarios (run under torchrun: gloo on CPU, or NCCL on GPUs).
 
 A scenario builds the same two-tower retriever twice: sharded over the ranks with
 ``DistributedModelParallel`` (fused SGD applied in backward) and unsharded in this process (the
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -46,11 +47,23 @@ class Setup:
         return self.num_experts * self.dim
 
 
+def backend() -> str:
+    """``CAPG_BACKEND`` if set, else NCCL when CUDA is present and gloo otherwise."""
+    return os.environ.get("CAPG_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def device() -> torch.device:
+    """This rank's device: its GPU under NCCL, the CPU under gloo."""
+    return torch.device("cuda", env_int("LOCAL_RANK", 0)) if backend() == "nccl" else torch.device("cpu")
+
+
 def init() -> tuple[int, int]:
-    """Start the gloo process group; (rank, world size). A collective that waits longer than
-    ``CAPG_COLLECTIVE_TIMEOUT_S`` seconds (default 300) fails instead of hanging."""
+    """Start the process group (:func:`backend`); (rank, world size). A collective that waits longer
+    than ``CAPG_COLLECTIVE_TIMEOUT_S`` seconds (default 300) fails instead of hanging."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=env_int("CAPG_COLLECTIVE_TIMEOUT_S", 300)))
+    if backend() == "nccl":
+        torch.cuda.set_device(device())
+    dist.init_process_group(backend(), timeout=timedelta(seconds=env_int("CAPG_COLLECTIVE_TIMEOUT_S", 300)))
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -76,21 +89,24 @@ def build(setup: Setup, device: str = "cpu") -> TwoTowerRetriever:
                              catalog_feature=CATALOG, chunk_size=setup.chunk_size)
 
 
-def shard(setup: Setup, lr: float, user_sharding: str | None = None) -> DistributedModelParallel:
-    """The retriever on meta, fused SGD(lr) in backward, sharded with the item table ``setup.sharding``."""
-    model = build(setup, device="meta")
-    _apply_optimizer_in_backward(torch.optim.SGD, model.embeddings.parameters(), {"lr": lr})
+def shard(setup: Setup, lr: float, user_sharding: str | None = None,
+          wrap: Callable[[TwoTowerRetriever], nn.Module] | None = None) -> DistributedModelParallel:
+    """The retriever on meta (inside ``wrap(retriever)`` if given), fused SGD(lr) in backward, sharded
+    with the item table ``setup.sharding``, on :func:`device`."""
+    retriever = build(setup, device="meta")
+    _apply_optimizer_in_backward(torch.optim.SGD, retriever.embeddings.parameters(), {"lr": lr})
+    model = retriever if wrap is None else wrap(retriever)
     kernel = "dense" if setup.sharding == "data_parallel" else "fused"
     constraints = {ITEM_TABLE: ParameterConstraints(sharding_types=[setup.sharding], compute_kernels=[kernel]),
                    USER_TABLE: ParameterConstraints(sharding_types=[user_sharding or "row_wise"],
                                                     compute_kernels=["fused"])}
-    planner = EmbeddingShardingPlanner(topology=Topology(world_size=dist.get_world_size(), compute_device="cpu"),
-                                       constraints=constraints)
+    planner = EmbeddingShardingPlanner(topology=Topology(world_size=dist.get_world_size(),
+                                                         compute_device=device().type), constraints=constraints)
     sharders = [EmbeddingCollectionSharder()]
     plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
     # The retriever returns a catalog object, not tensors: DDP's static-graph mode (TorchRec's
     # default) would then miss its first-iteration gradient sync, so use the dynamic mode.
-    return DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders,
+    return DistributedModelParallel(model, device=device(), plan=plan, sharders=sharders,
                                     data_parallel_wrapper=DefaultDataParallelWrapper(static_graph=False))
 
 
@@ -128,9 +144,10 @@ def max_shard_error(model: nn.Module, reference: nn.Module,
                     base: dict[str, Tensor] | None = None) -> dict[str, float]:
     """Largest |sharded - reference| / max|reference| of each tensor, over this rank's shards.
 
-    With ``base`` (full tensors) the updates ``model - base`` and ``reference - base`` are compared.
+    With ``base`` (full tensors on the CPU) the updates ``model - base`` and ``reference - base`` are
+    compared. Everything is compared on the CPU.
     """
-    ref = reference.state_dict()
+    ref = {k: v.cpu() for k, v in reference.state_dict().items()}
     errors = {}
     for key, value in model.state_dict().items():
         full_ref = ref[key] - base[key] if base is not None else ref[key]
@@ -138,9 +155,11 @@ def max_shard_error(model: nn.Module, reference: nn.Module,
         if isinstance(value, ShardedTensor):
             for shard in value.local_shards():
                 (r, c), (nr, nc) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
-                mine = shard.tensor - base[key][r: r + nr, c: c + nc] if base is not None else shard.tensor
+                local = shard.tensor.cpu()
+                mine = local - base[key][r: r + nr, c: c + nc] if base is not None else local
                 pieces.append((mine, full_ref[r: r + nr, c: c + nc]))
         else:
+            value = value.cpu()
             pieces.append((value - base[key] if base is not None else value, full_ref))
         scale = float(full_ref.abs().max())
         if scale == 0.0 and base is not None:  # an update that never happened proves nothing
@@ -151,6 +170,7 @@ def max_shard_error(model: nn.Module, reference: nn.Module,
 
 
 def user_batch(users: Tensor) -> KeyedJaggedTensor:
+    """A KJT of one ``user_id`` per user, on the users' device."""
     return KeyedJaggedTensor.from_lengths_sync([USER_ID], users, torch.ones_like(users))
 
 

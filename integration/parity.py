@@ -9,7 +9,8 @@ For each set-up (uneven row-wise split, a mixture of experts, table-wise tables)
 * for each estimator, the candidates sampled from a seed, the loss (mean over ranks vs the
   global-batch loss), and every embedding row after one fused-SGD step;
 * all of the above again with masked items (``masked_items``: each row's best items and random
-  ones), which must also never be drawn;
+  ones), which must also never be drawn, and with the global batch's mean reward as the baseline
+  (:func:`capg_rec.torchrec.global_mean_baseline`);
 * a batch split with ranks that hold no users (B_r = 0), and an empty global batch;
 * that gather and the power sums make no host sync with validation off;
 * that bad set-ups and bad values on one rank only raise the same error on every rank instead
@@ -34,7 +35,7 @@ import _harness as h
 from capg_rec import CAPGLoss, EmbeddingCatalog, VPGLoss, candidate_log_prob, sample_candidates
 from capg_rec.functional import vpg_loss
 from capg_rec.testing import count_host_syncs
-from capg_rec.torchrec import ShardedEmbeddingCatalog
+from capg_rec.torchrec import ShardedEmbeddingCatalog, global_mean_baseline
 
 SETUPS = {
     "rw_uneven": h.Setup(num_items=10_001, num_experts=1, dim=8, temperature=0.5),
@@ -164,11 +165,20 @@ def check_estimator(name, est, setup, model, reference, state, local_kjt, global
         record(f"{name}/{est}/candidates_never_masked", never_masked(cand, masked[mine]))
     users = global_kjt[h.USER_ID].values()
     chosen, rewards = lsr(users, ref_cand, setup.num_items)
-    loss = ESTIMATORS[est]()(cat, cand, chosen[mine], rewards[mine])
-    ref_loss = ESTIMATORS[est]()(ref, ref_cand, chosen, rewards)
+    # with masks, also a baseline: the mean reward of the global batch, on every rank
+    baseline = None if masked is None else global_mean_baseline(rewards[mine], dist.group.WORLD)
+    ref_baseline = None if masked is None else rewards.mean().expand(GLOBAL_BATCH)
+    if baseline is not None:
+        record(f"{name}/{est}/global_mean_baseline", rel(baseline, ref_baseline[mine]))
+    loss = ESTIMATORS[est]()(cat, cand, chosen[mine], rewards[mine], baseline=baseline)
+    ref_loss = ESTIMATORS[est]()(ref, ref_cand, chosen, rewards, baseline=ref_baseline)
     mean_loss = loss.detach().clone()
     dist.all_reduce(mean_loss)
-    record(f"{name}/{est}/loss", rel(mean_loss / dist.get_world_size(), ref_loss))
+    # a baseline of the batch mean makes the loss a sum of terms that cancel: measure its error
+    # against the size of the loss without it
+    scale = ref_loss if baseline is None else ESTIMATORS[est]()(ref, ref_cand, chosen, rewards).detach()
+    record(f"{name}/{est}/loss", rel(mean_loss / dist.get_world_size(), ref_loss)
+           * float(ref_loss.abs()) / max(float(ref_loss.abs()), float(scale.abs()), 1e-30))
     loss.backward()
     ref_loss.backward()
     ref_opt.step()

@@ -5,7 +5,8 @@ sharded retriever (row-wise item table, fused SGD in backward, user tower under 
 slice of every global batch of the paper's synthetic environment (``capg_rec.sim``); alongside,
 it trains the unsharded retriever on the whole global batch from the same initial weights and
 seeds: the single-process run. The oracle LSR shows the ``SHOWN`` best of the K candidates and
-the reward is the environment's expected reward of what it shows.
+the reward is the environment's expected reward of what it shows; the baseline is a per-user
+moving average (:class:`capg_rec.torchrec.ContextBaseline`, kept over the global batch).
 
 Rank 0 writes ``DIR/train.json`` (both learning curves, whether the reward rose) and
 ``DIR/train.png``; the run exits non-zero if the curves differ by more than ``--tolerance``
@@ -25,11 +26,13 @@ import torch.distributed as dist
 import _harness as h
 from capg_rec import CAPGLoss, sample_candidates
 from capg_rec.sim import OptimalLSR, synthetic_env
+from capg_rec.torchrec import ContextBaseline
 
 CANDIDATES, SHOWN = 10, 2
 
 
-def step(net, optimizer, env, users, seed: int, baseline: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def step(net, optimizer, env, users, seed: int,
+         baseline: ContextBaseline) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One training step on ``users``; (loss, mean reward, candidates)."""
     catalog = net(net_module(net).with_catalog(h.user_batch(users)))
     candidates = sample_candidates(catalog, CANDIDATES, generator=torch.Generator().manual_seed(seed))
@@ -37,7 +40,7 @@ def step(net, optimizer, env, users, seed: int, baseline: float) -> tuple[torch.
     chosen = candidates.gather(1, picks)
     rewards = env.expected_reward(users, chosen)
     loss = CAPGLoss(CANDIDATES)(catalog, candidates, chosen, rewards,
-                                baseline=torch.full((users.shape[0],), baseline))
+                                baseline=baseline(users, rewards))
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
@@ -59,7 +62,6 @@ def main() -> int:
     args = parser.parse_args()
     rank, world = h.init()
     env = synthetic_env(num_users=500, num_items=args.num_items)
-    baseline = float(env.q.mean())
     setup = h.Setup(num_items=args.num_items, num_experts=2, dim=8, num_users=env.num_users, tower=True)
     state = h.full_state(setup, seed=3, grid=False)
     model, reference = h.shard(setup, lr=args.lr), h.build(setup)
@@ -69,16 +71,20 @@ def main() -> int:
     runs = {"sharded": (model, torch.optim.SGD(tower, lr=args.lr)),
             "single_process": (reference, torch.optim.SGD(reference.parameters(), lr=args.lr))}
     mine = h.my_slice(args.global_batch, rank, world)
+    # per-user moving averages of the reward: kept over the global batch on every rank
+    baselines = {"sharded": ContextBaseline(env.num_users, process_group=dist.group.WORLD),
+                 "single_process": ContextBaseline(env.num_users)}
     curves = {name: {"loss": [], "reward": []} for name in runs}
     same_candidates = []
     for t in range(args.steps):
         users = env.sample_users(args.global_batch, generator=torch.Generator().manual_seed(10_000 + t))
-        loss, reward, cand = step(model, runs["sharded"][1], env, users[mine], t, baseline)
+        loss, reward, cand = step(model, runs["sharded"][1], env, users[mine], t, baselines["sharded"])
         stats = torch.stack([loss, reward])
         dist.all_reduce(stats)
         curves["sharded"]["loss"].append(float(stats[0]) / world)
         curves["sharded"]["reward"].append(float(stats[1]) / world)
-        ref_loss, ref_reward, ref_cand = step(reference, runs["single_process"][1], env, users, t, baseline)
+        ref_loss, ref_reward, ref_cand = step(reference, runs["single_process"][1], env, users, t,
+                                              baselines["single_process"])
         curves["single_process"]["loss"].append(float(ref_loss))
         curves["single_process"]["reward"].append(float(ref_reward))
         agree = torch.tensor([float(torch.equal(cand, ref_cand[mine]))])

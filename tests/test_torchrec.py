@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import json
 import math
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,9 +24,10 @@ from capg_rec import (CAPGLoss, DenseCatalog, EmbeddingCatalog, VPGLoss, candida
                       greedy_candidates, inclusion_log_prob, sample_candidates)
 from capg_rec._enumerate import all_draws, draw_log_probs  # noqa: E402
 from capg_rec.plackett_luce import expert_of_position  # noqa: E402
-from capg_rec.torchrec import ShardedEmbeddingCatalog, TwoTowerRetriever  # noqa: E402
+from capg_rec.torchrec import (ContextBaseline, ShardedEmbeddingCatalog, TwoTowerRetriever,  # noqa: E402
+                               global_mean_baseline)
 from capg_rec.testing import count_host_syncs  # noqa: E402
-from capg_rec.torchrec._hash_noise import _mul32, hashed_gumbel, row_keys  # noqa: E402
+from capg_rec.torchrec._noise import BLOCK, BlockNoise, block_seed, draw_seed  # noqa: E402
 from tests.stats import assert_counts_match  # noqa: E402
 
 
@@ -126,13 +130,13 @@ def test_dense_features_through_a_tower():
     torch.testing.assert_close(cat.log_normalizer(), ref.log_normalizer())
 
 
-def test_catalog_gradcheck_float64(group):
+def test_catalog_gradcheck_float64(group, device):
     g = torch.Generator().manual_seed(1)
-    user = torch.randn(3, 2, 2, dtype=torch.float64, generator=g, requires_grad=True)
-    item = torch.randn(9, 2, 2, dtype=torch.float64, generator=g, requires_grad=True)
-    exclude = torch.tensor([[0, 3], [8, -1], [-1, -1]])
-    items = torch.tensor([[1, 2], [0, 8], [4, 4]])
-    masked = torch.tensor([[2, -1], [5, 6], [-1, -1]])
+    user = torch.randn(3, 2, 2, dtype=torch.float64, generator=g).to(device).requires_grad_()
+    item = torch.randn(9, 2, 2, dtype=torch.float64, generator=g).to(device).requires_grad_()
+    exclude = torch.tensor([[0, 3], [8, -1], [-1, -1]], device=device)
+    items = torch.tensor([[1, 2], [0, 8], [4, 4]], device=device)
+    masked = torch.tensor([[2, -1], [5, 6], [-1, -1]], device=device)
 
     def f(u, v):
         cat = ShardedEmbeddingCatalog(u, v, num_items=9, temperature=0.8, chunk_size=4, process_group=group,
@@ -165,29 +169,33 @@ def test_sampling_is_exact_plackett_luce_moe():
 
 
 def test_sampling_does_not_depend_on_chunking_or_rank_layout():
-    """Noise is keyed on (seed, user, expert, item): chunking and row offsets leave the draw unchanged."""
+    """Noise is keyed on (seed, user, expert, item): chunking, row offsets and the experts asked for
+    leave it unchanged, also across noise blocks."""
     g = torch.Generator().manual_seed(5)
     user, item = torch.randn(4, 2, 3, generator=g), torch.randn(50, 2, 3, generator=g)
     draws = [sample_candidates(ShardedEmbeddingCatalog(user, item, num_items=50, chunk_size=c), 6,
                                generator=torch.Generator().manual_seed(9)) for c in (1, 7, 50)]
     assert torch.equal(draws[0], draws[1]) and torch.equal(draws[0], draws[2])
-    keys = row_keys(torch.tensor([3, 4]), torch.arange(4), torch.tensor([1]))
-    whole = hashed_gumbel(keys, torch.arange(50), torch.float32)
-    torch.testing.assert_close(hashed_gumbel(keys, torch.arange(20, 50), torch.float32), whole[..., 20:])
+    seed, n = [3, 4], BLOCK + 300
+    whole = BlockNoise(seed, 3, [0, 1], 0, torch.float32, torch.device("cpu"))(0, n)
+    assert whole.shape == (3, 2, n)
+    shard = BlockNoise(seed, 3, [0, 1], BLOCK - 200, torch.float32, torch.device("cpu"))  # rows across a block end
+    torch.testing.assert_close(torch.cat([shard(0, 150), shard(150, 500)], 2), whole[..., BLOCK - 200:])
+    one_expert = BlockNoise(seed, 3, [1], 0, torch.float32, torch.device("cpu"))(0, n)
+    torch.testing.assert_close(one_expert, whole[:, 1:])
+    assert len({block_seed(seed, j, m) for j in range(100) for m in range(8)}) == 800
+    assert not torch.equal(whole[..., :300], whole[..., BLOCK:])  # blocks differ
+    small = BlockNoise(seed, 3, [0], 5, torch.float32, torch.device("cpu"), block_size=7)
+    torch.testing.assert_close(small(0, 10), BlockNoise(seed, 3, [0], 0, torch.float32, torch.device("cpu"),
+                                                        block_size=7)(0, 15)[..., 5:])
 
 
-def test_hash_multiplication_has_no_int64_overflow():
-    x = torch.tensor([0, 1, 2**16 - 1, 2**16, 2**31, 2**32 - 1, 123456789, 3735928559])
-    for c in (0x7FEB352D, 0x846CA68B, 2**32 - 1):
-        expected = torch.tensor([(int(v) * c) % 2**32 for v in x])
-        assert torch.equal(_mul32(x, c), expected)
-
-
-def test_noise_is_finite_for_extreme_ids_and_dtypes():
-    keys = row_keys(torch.tensor([2**31 - 2, 0]), torch.tensor([0, 2**32 - 1]), torch.tensor([0, 7]))
+def test_noise_is_finite_in_every_dtype_and_the_seed_is_shared(device):
     for dtype in (torch.float32, torch.float64):
-        noise = hashed_gumbel(keys, torch.tensor([0, 1, 2**31, 2**32 - 1]), dtype)
-        assert noise.dtype == dtype and bool(torch.isfinite(noise).all())
+        noise = BlockNoise([2**31 - 2, 0], 2, [0, 7], 2**40, dtype, device)(0, 10)
+        assert noise.dtype == dtype and noise.device.type == device.type and bool(torch.isfinite(noise).all())
+    a, b = draw_seed(torch.Generator().manual_seed(1)), draw_seed(torch.Generator().manual_seed(1))
+    assert torch.equal(a, b) and a.shape == (2,)
 
 
 def test_with_catalog_appends_the_rows():
@@ -198,6 +206,39 @@ def test_with_catalog_appends_the_rows():
     assert kjt["catalog"].lengths().tolist() == [0, 0, 6]
     assert kjt["user_id"].values().tolist() == [1, 2] and kjt["user_id"].lengths().tolist() == [1, 1, 0]
     assert retriever.catalog_ids().tolist() == list(range(6))
+    with pytest.raises(ValueError, match="already has the catalog feature 'catalog'"):
+        retriever.with_catalog(kjt)
+
+
+def test_forward_traces_for_torchrec_pipelines():
+    """TorchRec's pipeline tracer sees the lookup fed straight from the batch, then one leaf call."""
+    from torchrec.distributed.train_pipeline.tracing import Tracer
+
+    class Task(nn.Module):
+        def __init__(self, retriever):
+            super().__init__()
+            self.retriever = retriever
+
+        def forward(self, batch):
+            return self.retriever(batch.features)
+
+    torch.manual_seed(1)
+    task = Task(make_retriever(tower=nn.Linear(6, 6)))
+    # as after sharding: the lookup is a leaf, and so is every submodule without one
+    leaves = ["retriever.embeddings", "retriever._scorer", "retriever.user_tower"]
+    graph = Tracer(leaf_modules=leaves).trace(task)
+    calls = {n.target: n for n in graph.nodes if n.op == "call_module"}
+    assert set(calls) == {"retriever.embeddings", "retriever._scorer"}
+    source = calls["retriever.embeddings"].args[0]
+    assert source.op == "call_function" and source.args[1] == "features" and source.args[0].op == "placeholder"
+    # the traced forward still checks and scores in eager calls
+    users = user_batch([1, 2])
+    torch.manual_seed(1)
+    plain = make_retriever(tower=nn.Linear(6, 6))
+    torch.testing.assert_close(task.retriever(task.retriever.with_catalog(users)).log_normalizer(),
+                               plain(plain.with_catalog(users)).log_normalizer())
+    with pytest.raises(ValueError, match="with_catalog"):
+        task.retriever(users)
 
 
 def test_bad_setups_raise_clear_errors():
@@ -254,28 +295,28 @@ def test_catalog_argument_errors():
 
 # ---------------------------------------------------------------- masked items
 
-def _masked_setup(dtype=torch.float64):
+def _masked_setup(dtype=torch.float64, device="cpu"):
     g = torch.Generator().manual_seed(2)
-    user = torch.randn(3, 2, 4, generator=g, dtype=dtype, requires_grad=True)
-    item = torch.randn(30, 2, 4, generator=g, dtype=dtype, requires_grad=True)
-    masked = torch.tensor([[3, 7, -1, 3], [29, -1, -1, -1], [-1, -1, -1, -1]])  # a repeat, padding, a full row
+    user = torch.randn(3, 2, 4, generator=g, dtype=dtype).to(device).requires_grad_()
+    item = torch.randn(30, 2, 4, generator=g, dtype=dtype).to(device).requires_grad_()
+    masked = torch.tensor([[3, 7, -1, 3], [29, -1, -1, -1], [-1, -1, -1, -1]], device=device)  # a repeat, pads, none
     drop = torch.zeros(3, 30, dtype=torch.bool)
     drop[0, [3, 7]] = drop[1, 29] = True
-    return user, item, masked, drop
+    return user, item, masked, drop.to(device)
 
 
-def test_masked_items_equal_minus_inf_logits(group):
+def test_masked_items_equal_minus_inf_logits(group, device):
     """``masked_items`` ≡ ``-inf`` logits (DenseCatalog) ≡ EmbeddingCatalog(masked_items): every reduction,
     inclusion and draw probabilities with their gradients, and masked items are never drawn."""
-    user, item, masked, drop = _masked_setup()
+    user, item, masked, drop = _masked_setup(device=device)
     sharded = ShardedEmbeddingCatalog(user, item, num_items=30, temperature=0.7, masked_items=masked, chunk_size=7,
                                       process_group=group)
     logits = torch.einsum("bmd,nmd->bmn", user, item).masked_fill(drop.unsqueeze(1), -math.inf)
     dense = DenseCatalog(logits, 0.7)
     emb = EmbeddingCatalog(user, item, 0.7, masked_items=masked, chunk_size=5)
     assert torch.equal(sharded.num_available(), dense.num_available())
-    items = torch.tensor([[0, 3, 5], [29, 1, 2], [4, 5, 6]])
-    exclude = torch.tensor([[1, -1], [2, 29], [-1, -1]])
+    items = torch.tensor([[0, 3, 5], [29, 1, 2], [4, 5, 6]], device=device)
+    exclude = torch.tensor([[1, -1], [2, 29], [-1, -1]], device=device)
     torch.testing.assert_close(sharded.gather(items), dense.gather(items))
     assert sharded.gather(items)[0, :, 1].eq(-math.inf).all() and sharded.gather(items)[1, :, 0].eq(-math.inf).all()
     torch.testing.assert_close(sharded.log_power_sums(exclude, 3), emb.log_power_sums(exclude, 3))
@@ -288,7 +329,7 @@ def test_masked_items_equal_minus_inf_logits(group):
                  for x in (got, ref)]
         for a, b in zip(*grads):  # finite wherever the dense reference is (the core's tests hold that to finite)
             torch.testing.assert_close(a, b, equal_nan=True)
-    cand = torch.tensor([[0, 1, 2, 4], [3, 4, 5, 6], [7, 8, 9, 10]])
+    cand = torch.tensor([[0, 1, 2, 4], [3, 4, 5, 6], [7, 8, 9, 10]], device=device)
     got, ref = (candidate_log_prob(c, cand) for c in (sharded, dense))
     torch.testing.assert_close(got, ref)
     for a, b in zip(*(torch.autograd.grad(x.sum(), (user, item), retain_graph=True) for x in (got, ref))):
@@ -339,12 +380,12 @@ def test_retriever_passes_masks_to_its_catalog():
 
 # ---------------------------------------------------------------- validate_args
 
-def test_gather_without_validation_makes_no_host_sync(group):
+def test_gather_without_validation_makes_no_host_sync(group, device):
     """Validation off: gather and log_power_sums never read a value back (it used to sync on every
     gather); validation on: one exchange (one sync) per call."""
-    user, item = torch.randn(4, 2, 3), torch.randn(20, 2, 3)
-    items = torch.tensor([[0, 5], [19, 3], [7, 7], [1, 2]])
-    masked = torch.tensor([[1, -1], [2, 3], [-1, -1], [0, 19]])
+    user, item = torch.randn(4, 2, 3, device=device), torch.randn(20, 2, 3, device=device)
+    items = torch.tensor([[0, 5], [19, 3], [7, 7], [1, 2]], device=device)
+    masked = torch.tensor([[1, -1], [2, 3], [-1, -1], [0, 19]], device=device)
     quiet = ShardedEmbeddingCatalog(user, item, num_items=20, masked_items=masked, chunk_size=6, process_group=group,
                                     validate_args=False)
     with count_host_syncs() as calls:
@@ -398,16 +439,17 @@ def test_validation_follows_the_argument_and_the_module_default(group, restore_v
 
 # ---------------------------------------------------------------- empty batches and half precision
 
-def test_empty_batches_give_empty_results(group):
-    user, item = torch.randn(0, 2, 3, requires_grad=True), torch.randn(12, 2, 3, requires_grad=True)
+def test_empty_batches_give_empty_results(group, device):
+    user = torch.randn(0, 2, 3, device=device, requires_grad=True)
+    item = torch.randn(12, 2, 3, device=device, requires_grad=True)
     cat = ShardedEmbeddingCatalog(user, item, num_items=12, process_group=group,
-                                  masked_items=torch.zeros(0, 2, dtype=torch.long))
-    none = torch.zeros(0, 3, dtype=torch.long)
+                                  masked_items=torch.zeros(0, 2, dtype=torch.long, device=device))
+    none = torch.zeros(0, 3, dtype=torch.long, device=device)
     assert cat.gather(none).shape == (0, 2, 3) and cat.log_power_sums(none, 2).shape == (0, 2, 2)
     assert cat.top_items(4, exclude=none, perturb=True).shape == (0, 2, 4) and cat.num_available().shape == (0, 2)
     assert sample_candidates(cat, 4).shape == (0, 4) and inclusion_log_prob(cat, none, 4).shape == (0, 3)
     for loss_fn in (VPGLoss(3), CAPGLoss(3)):
-        loss = loss_fn(cat, none, none[:, :1], torch.zeros(0, 1))
+        loss = loss_fn(cat, none, none[:, :1], torch.zeros(0, 1, device=device))
         loss.backward()
         assert loss.item() == 0.0 and item.grad.abs().sum() == 0
     retriever = make_retriever(num_experts=2, dim=3)
@@ -415,11 +457,165 @@ def test_empty_batches_give_empty_results(group):
     assert (empty.batch_size, empty.num_items) == (0, 40) and sample_candidates(empty, 5).shape == (0, 5)
 
 
-def test_half_precision_is_computed_in_float32(group):
-    user, item = torch.randn(3, 4, dtype=torch.float16), torch.randn(9, 4, dtype=torch.float16, requires_grad=True)
+def test_half_precision_is_computed_in_float32(group, device):
+    user = torch.randn(3, 4, dtype=torch.float16, device=device)
+    item = torch.randn(9, 4, dtype=torch.float16, device=device, requires_grad=True)
     cat = ShardedEmbeddingCatalog(user, item, num_items=9, process_group=group)
     ref = EmbeddingCatalog(user, item)
     assert cat.dtype == torch.float32 and cat.log_normalizer().dtype == torch.float32
     torch.testing.assert_close(cat.log_normalizer(), ref.log_normalizer())
     (grad,) = torch.autograd.grad(cat.log_normalizer().sum(), item)
     assert grad.dtype == torch.float16
+
+
+# ---------------------------------------------------------------- baselines
+
+@pytest.mark.parametrize("with_group", [False, True])
+def test_global_mean_baseline_is_the_batch_mean(with_group, request, device):
+    group = request.getfixturevalue("one_rank") if with_group else None
+    rewards = torch.tensor([[1.0, 2.0], [0.5, -3.5]], device=device, requires_grad=True)
+    base = global_mean_baseline(rewards, group)
+    assert base.shape == (2,) and not base.requires_grad
+    torch.testing.assert_close(base, rewards.detach().mean().expand(2))
+    assert global_mean_baseline(torch.zeros(0, 3, device=device), group).shape == (0,)
+    with count_host_syncs() as calls:
+        global_mean_baseline(rewards, group, validate_args=False)
+    assert calls == []
+    with pytest.raises(ValueError, match="rewards must be finite"):
+        global_mean_baseline(torch.tensor([[1.0, math.nan]]), group)
+    with pytest.raises(ValueError, match="rewards must have 2 dims"):
+        global_mean_baseline(torch.ones(3), group)
+
+
+def test_context_baseline_is_a_per_context_moving_average(one_rank):
+    """The trainer's rule: seen contexts get their moving average, new ones this batch's mean."""
+    rounds = [(torch.tensor([0, 2, 2]), torch.tensor([[1.0, 3.0], [4.0, 0.0], [2.0, 2.0]])),
+              (torch.tensor([2, 1, 0]), torch.tensor([[6.0, 0.0], [1.0, 1.0], [5.0, 5.0]]))]
+    expected = [torch.full((3,), (2.0 + 2.0 + 2.0) / 3),
+                torch.tensor([2.0, (3.0 + 1.0 + 5.0) / 3, 2.0])]
+    for group in (None, one_rank):
+        baseline = ContextBaseline(4, decay=0.5, process_group=group)
+        for (contexts, rewards), want in zip(rounds, expected):
+            torch.testing.assert_close(baseline(contexts, rewards), want)
+        # after round 2: context 0 = 0.5·2 + 0.5·5, context 1 = 1, context 2 = 0.5·2 + 0.5·3
+        torch.testing.assert_close(baseline.average, torch.tensor([3.5, 1.0, 2.5, 0.0]))
+        assert baseline.seen.tolist() == [True, True, True, False]
+        assert set(baseline.state_dict()) == {"average", "seen"}
+        with pytest.raises(ValueError, match=r"contexts must hold ids in \[0, 4\)"):
+            baseline(torch.tensor([4]), torch.ones(1, 2))
+        with pytest.raises(ValueError, match="contexts must be a 1-dim tensor"):
+            baseline(torch.tensor([[0]]), torch.ones(1, 2))
+        with pytest.raises(ValueError, match="decay must be in"):
+            ContextBaseline(3, decay=1.0)
+        assert baseline(torch.zeros(0, dtype=torch.long), torch.zeros(0, 2)).shape == (0,)
+
+
+# ---------------------------------------------------------------- bag collections and item towers
+
+def _bag_retriever(user_tower=None, item_tower=None, width=4, chunk_size=7):
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+
+    torch.manual_seed(0)
+    ec = EmbeddingCollection(tables=[EmbeddingConfig(name="item_table", embedding_dim=width, num_embeddings=40,
+                                                     feature_names=["catalog"])])
+    ebc = EmbeddingBagCollection(tables=[
+        EmbeddingBagConfig(name="history", embedding_dim=4, num_embeddings=40, feature_names=["history"]),
+        EmbeddingBagConfig(name="user_table", embedding_dim=4, num_embeddings=10, feature_names=["user_id"])])
+    return TwoTowerRetriever(ec, item_table="item_table", num_experts=2, user_features=["user_id", "history"],
+                             user_embeddings=ebc, user_tower=user_tower, item_tower=item_tower,
+                             chunk_size=chunk_size, temperature=0.5)
+
+
+def _bags() -> KeyedJaggedTensor:
+    # 3 users: ids 1, 4, 4; histories [3, 5], [], [7, 7, 39]
+    return KeyedJaggedTensor.from_lengths_sync(["user_id", "history"], torch.tensor([1, 4, 4, 3, 5, 7, 7, 39]),
+                                               torch.tensor([1, 1, 1, 2, 0, 3]))
+
+
+def test_bag_collection_user_side():
+    """Pooled (sum) user features from an EmbeddingBagCollection, summed or through a tower."""
+    for tower in (None, nn.Linear(8, 4)):
+        retriever = _bag_retriever(user_tower=tower)
+        cat = retriever(retriever.with_catalog(KeyedJaggedTensor.from_lengths_sync([], torch.zeros(0, dtype=torch.long),
+                                                                                    torch.zeros(0, dtype=torch.long),
+                                                                                    stride=3)),
+                        bag_features=_bags())
+        tables = retriever.user_embeddings.embedding_bags
+        user_id = tables["user_table"].weight[[1, 4, 4]]
+        history = torch.stack([tables["history"].weight[[3, 5]].sum(0), torch.zeros(4),
+                               tables["history"].weight[[7, 7, 39]].sum(0)])
+        user = user_id + history if tower is None else tower(torch.cat([user_id, history], 1))
+        ref = EmbeddingCatalog(user.view(3, 2, 2), retriever.embeddings.embeddings["item_table"].weight.view(40, 2, 2),
+                               0.5)
+        torch.testing.assert_close(cat.log_normalizer(), ref.log_normalizer())
+        (got,) = torch.autograd.grad(cat.log_normalizer().sum(), tables["history"].weight)
+        (want,) = torch.autograd.grad(ref.log_normalizer().sum(), tables["history"].weight)
+        torch.testing.assert_close(got, want)
+
+
+def test_item_tower_in_chunks_matches_the_whole_catalog_and_recomputes_in_backward():
+    """Scores and every parameter's gradient (item table, item tower, user tables) equal plain autograd over
+    the tower applied to all rows at once; the tower runs once per chunk forward and again in backward."""
+    calls = []
+
+    class CountingTanh(nn.Tanh):
+        def forward(self, x):
+            calls.append(x.shape[0])
+            return super().forward(x)
+
+    item_tower = nn.Sequential(nn.Linear(3, 8), CountingTanh(), nn.Linear(8, 4))
+    retriever = _bag_retriever(item_tower=item_tower, width=3, chunk_size=7)
+    empty = KeyedJaggedTensor.from_lengths_sync([], torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long),
+                                                stride=3)
+    cat = retriever(retriever.with_catalog(empty), bag_features=_bags())
+    assert calls == [7, 7, 7, 7, 7, 5]  # 40 rows in chunks of 7
+    cand = sample_candidates(cat, 4, generator=torch.Generator().manual_seed(0))
+    rewards = torch.tensor([[1.0, 0.5], [0.2, 2.0], [1.5, 0.1]])
+    loss = CAPGLoss(4)(cat, cand, cand[:, :2], rewards)
+    params = dict(retriever.named_parameters())
+    got = torch.autograd.grad(loss, list(params.values()))
+    assert sorted(calls[6:]) == [5, 7, 7, 7, 7, 7]  # recomputed in backward, chunk by chunk
+    tables = retriever.user_embeddings.embedding_bags
+    history = torch.stack([tables["history"].weight[[3, 5]].sum(0), torch.zeros(4),
+                           tables["history"].weight[[7, 7, 39]].sum(0)])
+    user = tables["user_table"].weight[[1, 4, 4]] + history
+    items = item_tower(retriever.embeddings.embeddings["item_table"].weight)
+    ref = EmbeddingCatalog(user.view(3, 2, 2), items.view(40, 2, 2), 0.5)
+    want = torch.autograd.grad(CAPGLoss(4)(ref, cand, cand[:, :2], rewards), list(params.values()))
+    for name, a, b in zip(params, got, want):
+        torch.testing.assert_close(a, b, msg=name)
+    assert set(n.split(".")[0] for n in params) == {"embeddings", "user_embeddings", "item_tower"}
+
+
+def test_bag_and_tower_set_up_errors():
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+
+    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=5,
+                                                            feature_names=["catalog"])])
+    with pytest.raises(TypeError, match="pass an EmbeddingBagCollection of user features as user_embeddings"):
+        TwoTowerRetriever(ebc, item_table="t", user_tower=nn.Identity())
+    with pytest.raises(ValueError, match="must not share feature names"):
+        make_retriever(user_embeddings=ebc)
+    retriever = _bag_retriever()
+    with pytest.raises(ValueError, match="bag_features must be given exactly when"):
+        retriever(retriever.with_catalog(user_batch([])))
+    with pytest.raises(ValueError, match=r"bag_features must have stride B = 1"):
+        retriever(retriever.with_catalog(KeyedJaggedTensor.from_lengths_sync(
+            [], torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), stride=1)), bag_features=_bags())
+    odd = _bag_retriever(item_tower=nn.Linear(4, 5))
+    with pytest.raises(ValueError, match=r"the item side must give \[R, num_experts·D\]"):
+        odd(odd.with_catalog(KeyedJaggedTensor.from_lengths_sync(
+            [], torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), stride=3)), bag_features=_bags())
+
+
+def test_sampling_benchmark_runs(tmp_path, monkeypatch):
+    """The sampling benchmark runs (in this process, at a tiny size) and writes its results."""
+    path = Path(__file__).resolve().parents[1] / "integration" / "bench_sampling.py"
+    spec = importlib.util.spec_from_file_location("bench_sampling", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(sys, "argv", ["bench_sampling.py", "--out", str(tmp_path), "--num-items", "300",
+                                      "--batch", "4", "--candidates", "3", "--dim", "4", "--reps", "1"])
+    bench.main()
+    results = json.loads((tmp_path / "bench_sampling.json").read_text())["results"]
+    assert results["sharded_catalog_sample_ms"] > 0 and results["ratio"] > 0

@@ -17,7 +17,8 @@ except ImportError as err:  # pragma: no cover - depends on the environment
         "(fbgemm-gpu-cpu must be the build matching your torch: 1.8.0 for torch 2.13)"
     ) from err
 
+from capg_rec.torchrec.baselines import ContextBaseline, global_mean_baseline
 from capg_rec.torchrec.catalog import ShardedEmbeddingCatalog
 from capg_rec.torchrec.retriever import TwoTowerRetriever
 
-__all__ = ["ShardedEmbeddingCatalog", "TwoTowerRetriever"]
+__all__ = ["ContextBaseline", "ShardedEmbeddingCatalog", "TwoTowerRetriever", "global_mean_baseline"]

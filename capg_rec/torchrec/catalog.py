@@ -22,7 +22,7 @@ from capg_rec._checks import check_count, check_float_tensor, check_id_tensor, c
 from capg_rec._numerics import safe_logsumexp
 from capg_rec.catalog import CatalogScores, _chunked_top_k, _ChunkedLogPowerSums, _expert_views, compute_dtype
 from capg_rec.torchrec._collective import all_gather_rows, exchange, gather_rows, ranks_where, reduce_rows
-from capg_rec.torchrec._hash_noise import draw_seed, hashed_gumbel, row_keys
+from capg_rec.torchrec._noise import BLOCK, BlockNoise, draw_seed
 
 __all__ = ["ShardedEmbeddingCatalog"]
 
@@ -55,7 +55,8 @@ class ShardedEmbeddingCatalog(CatalogScores):
     :meth:`gather` and :meth:`log_power_sums` make no host sync; the constructor makes one (the
     ranks' batch sizes), plus the value checks when validating, in the same collective.
     ``batch_size`` is the local ``B_r``; results are for this rank's users. Sampling noise is a
-    hash of (seed, global user index, expert, item id), with the seed drawn from rank 0's
+    function of (seed, global user index, expert, item id) only: fixed blocks of item ids, each
+    drawn by a generator seeded from (seed, block, expert), with the seed drawn from rank 0's
     generator, so a seed gives the same candidates at any world size. The global user index is
     the position in the batch concatenated over ranks in rank order.
     """
@@ -247,13 +248,8 @@ class ShardedEmbeddingCatalog(CatalogScores):
             drop = self._drop(exclude)
             noise = None
             if perturb:
-                keys = row_keys(self._shared_seed(generator), torch.arange(user.shape[0]), torch.tensor(sel))
-                keys = keys.to(self.device)
-                offset = self.row_offset
-
-                def noise(start: int, stop: int) -> Tensor:
-                    ids = torch.arange(offset + start, offset + stop, device=self.device)
-                    return hashed_gumbel(keys, ids, self.dtype)
+                noise = BlockNoise(self._shared_seed(generator), user.shape[0], sel, self.row_offset, self.dtype,
+                                   self.device, block_size=min(BLOCK, self.num_items))
             vals, ids = _chunked_top_k(user, item, k, drop, noise, self.chunk_size)
             if self.group is None:
                 return ids
@@ -266,14 +262,14 @@ class ShardedEmbeddingCatalog(CatalogScores):
             best = all_vals.topk(k, dim=2).indices
             return self._mine(all_ids.gather(2, best))
 
-    def _shared_seed(self, generator: torch.Generator | None) -> Tensor:
-        """A seed drawn from ``generator`` on every rank and taken from rank 0 of the group."""
+    def _shared_seed(self, generator: torch.Generator | None) -> list[int]:
+        """A seed drawn from ``generator`` on every rank and taken from rank 0 of the group (read back:
+        generators are seeded from the host)."""
         seed = draw_seed(generator)
         if self.group is not None:
             seed = seed.to(self.device)
             dist.broadcast(seed, src=dist.get_global_rank(self.group, 0), group=self.group)
-            seed = seed.cpu()
-        return seed
+        return seed.tolist()
 
 
 def _on_ranks(group: dist.ProcessGroup | None, failed: list[int]) -> str:

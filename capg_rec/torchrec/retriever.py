@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.fx._symbolic_trace import is_fx_symbolic_tracing
+from torch.utils.checkpoint import checkpoint
 from torchrec.distributed.embedding import ShardedEmbeddingCollection
 from torchrec.distributed.types import ShardingType
-from torchrec.modules.embedding_modules import EmbeddingCollection
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 from capg_rec._checks import check_count, check_flag, check_positive, resolve_validate_args
 from capg_rec.torchrec._collective import exchange
@@ -24,11 +27,19 @@ _SHARDABLE = (ShardingType.ROW_WISE.value, ShardingType.TABLE_WISE.value)
 class TwoTowerRetriever(nn.Module):
     """User tower × item table, scored against the whole catalog, for one process or many.
 
-    ``embeddings`` is a TorchRec :class:`EmbeddingCollection` holding the item table
-    (``[N, M·D]``: the M experts' rows of an item side by side, so one lookup serves all experts)
-    and any user tables. Each user feature is mean-pooled to ``[B, M·D]``; the user vector is
-    ``user_tower(cat(pooled features, dense))`` or, without a tower, the sum of the pooled
-    features. Scores are ``s[b, m, n] = <user[b, m], item[n, m]> / τ``.
+    ``embeddings`` is a TorchRec :class:`EmbeddingCollection` holding the item table and any
+    user tables; ``user_embeddings``, an optional :class:`EmbeddingBagCollection`, holds pooled user
+    features (its own KJT, ``bag_features``). The item vectors are ``item_tower(rows)`` or, without
+    a tower, the rows themselves: ``[N, M·D]``, the M experts' vectors of an item side by side, so
+    one lookup serves all experts. Each user feature of the collection is mean-pooled, each of the
+    bag collection pooled by its own rule; the user vector is ``user_tower(cat(pooled features,
+    dense))`` or, without a tower, the sum of the pooled features. Scores are
+    ``s[b, m, n] = <user[b, m], item[n, m]> / τ``.
+
+    The item tower runs on this rank's rows in chunks of ``chunk_size`` under activation
+    checkpointing: its activations are recomputed in backward, so its memory is bounded by a chunk
+    (plus the ``[R, M·D]`` item vectors). Its parameters are replicated like the user tower's (DDP
+    averages their gradients, which matches one process over the global batch).
 
     The item rows reach the scores through TorchRec's lookup: the batch carries a catalog
     feature listing this rank's rows in an extra last sample (:meth:`with_catalog` adds it), so
@@ -44,8 +55,11 @@ class TwoTowerRetriever(nn.Module):
         item_table: name of the item table.
         num_experts: M; the item table's width must be a multiple of it.
         temperature: τ > 0.
-        user_features: features of ``embeddings`` that make the user input.
-        user_tower: module mapping ``[B, F·M·D + dense]`` to ``[B, M·D]``, or None.
+        user_features: features of ``embeddings`` or ``user_embeddings`` that make the user input.
+        user_tower: module mapping ``[B, Σ feature widths + dense]`` to ``[B, M·D]``, or None.
+        user_embeddings: an :class:`EmbeddingBagCollection` of pooled user features, or None.
+        item_tower: module mapping item rows ``[R, table width]`` to ``[R, M·D]`` (row by row: the
+            same on any chunking), or None.
         catalog_feature: a feature of the item table, reserved for the catalog rows
             (default: the item table's first feature).
         chunk_size: items scored at once in the catalog-wide reductions.
@@ -62,16 +76,24 @@ class TwoTowerRetriever(nn.Module):
                  temperature: float = 1.0, user_features: Sequence[str] = (),
                  user_tower: nn.Module | None = None, catalog_feature: str | None = None,
                  chunk_size: int = 8192, process_group: dist.ProcessGroup | None = None,
-                 validate_args: bool | None = None) -> None:
+                 validate_args: bool | None = None, user_embeddings: EmbeddingBagCollection | None = None,
+                 item_tower: nn.Module | None = None) -> None:
         super().__init__()
+        if isinstance(embeddings, EmbeddingBagCollection):
+            raise TypeError("embeddings must be a torchrec EmbeddingCollection holding the item table (its rows are "
+                            "looked up one by one); pass an EmbeddingBagCollection of user features as "
+                            "user_embeddings")
         if not isinstance(embeddings, EmbeddingCollection):
             raise TypeError(f"embeddings must be a torchrec EmbeddingCollection, got {type(embeddings).__name__}")
+        if user_embeddings is not None and not isinstance(user_embeddings, EmbeddingBagCollection):
+            raise TypeError(f"user_embeddings must be a torchrec EmbeddingBagCollection, "
+                            f"got {type(user_embeddings).__name__}")
         configs = {c.name: c for c in embeddings.embedding_configs()}
         if item_table not in configs:
             raise ValueError(f"item_table must name a table of embeddings {sorted(configs)}, got {item_table!r}")
         table = configs[item_table]
         self.num_experts = check_count("num_experts", num_experts)
-        if table.embedding_dim % num_experts:
+        if item_tower is None and table.embedding_dim % num_experts:
             raise ValueError(f"the item table width must be num_experts·D: {table.embedding_dim} is not a "
                              f"multiple of num_experts={num_experts}")
         self.catalog_feature = catalog_feature if catalog_feature is not None else table.feature_names[0]
@@ -79,23 +101,31 @@ class TwoTowerRetriever(nn.Module):
             raise ValueError(f"catalog_feature must be a feature of table {item_table!r} "
                              f"{table.feature_names}, got {self.catalog_feature!r}")
         features = {f for c in configs.values() for f in c.feature_names}
+        bags = set() if user_embeddings is None else \
+            {f for c in user_embeddings.embedding_bag_configs() for f in c.feature_names}
         self.user_features = list(user_features)
-        bad = [f for f in self.user_features if f not in features or f == self.catalog_feature]
+        bad = [f for f in self.user_features if f not in features | bags or f == self.catalog_feature]
         if bad:
-            raise ValueError(f"user_features must be features of embeddings other than the catalog feature "
-                             f"{self.catalog_feature!r}, got {bad}")
+            raise ValueError(f"user_features must be features of embeddings or user_embeddings other than the "
+                             f"catalog feature {self.catalog_feature!r}, got {bad}")
+        if features & bags:
+            raise ValueError(f"embeddings and user_embeddings must not share feature names, "
+                             f"got {sorted(features & bags)}")
+        self._bag_features = bags
         if user_tower is None and not self.user_features:
             raise ValueError("give user_features, a user_tower, or both")
         self.embeddings = embeddings
+        self.user_embeddings = user_embeddings
         self.user_tower = user_tower
+        self.item_tower = item_tower
         self.item_table = item_table
         self.num_items = table.num_embeddings
-        self.width = table.embedding_dim
         self.temperature = check_positive("temperature", temperature)
         self.chunk_size = check_count("chunk_size", chunk_size)
         self.process_group = process_group
         self.validate_args = None if validate_args is None else check_flag("validate_args", validate_args)
         self._catalog_group: dist.ProcessGroup | None = None
+        self._scorer = _Scorer(self._scores)
 
     def _layout(self) -> tuple[int, int, dist.ProcessGroup | None]:
         """(first global row, number of rows, process group) of this rank's item rows."""
@@ -113,7 +143,10 @@ class TwoTowerRetriever(nn.Module):
             # The catalog's collectives get their own group: in backward they then cannot interleave
             # differently across ranks with TorchRec's all-to-alls (table-wise shards give the ranks
             # different graphs, hence different orders).
-            self._catalog_group = dist.new_group(ranks=dist.get_process_group_ranks(group))
+            # ... with the parent group's timeout (new_group's default is the backend's, 30 minutes for
+            # gloo): a rank that stops answering then fails the others' collectives as it would the world's
+            self._catalog_group = dist.new_group(ranks=dist.get_process_group_ranks(group),
+                                                 timeout=_group_timeout(group))
         rank = dist.get_rank(group)
         for shard in sharding.sharding_spec.shards:
             if shard.placement.rank() == rank:
@@ -128,7 +161,10 @@ class TwoTowerRetriever(nn.Module):
     def with_catalog(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """``features`` of B users plus one sample appended after them whose only feature is the
         catalog feature, listing this rank's rows: a KJT of stride ``B + 1`` (also for B = 0, which
-        TorchRec's sharded lookup cannot take as stride 0)."""
+        TorchRec's sharded lookup cannot take as stride 0). ``features`` must not have the catalog feature."""
+        if self.catalog_feature in features.keys():
+            raise ValueError(f"features already has the catalog feature {self.catalog_feature!r}: call "
+                             f"with_catalog once per batch, on features without it")
         if features.variable_stride_per_key():
             raise ValueError("features must have one stride for every key (variable batch sizes are not supported)")
         ids = self.catalog_ids().to(features.values().device)
@@ -143,19 +179,34 @@ class TwoTowerRetriever(nn.Module):
             features.values().dtype)]), weights=weights, lengths=lengths, stride=batch + 1)
 
     def forward(self, features: KeyedJaggedTensor, dense: Tensor | None = None, *,
-                masked_items: Tensor | None = None) -> ShardedEmbeddingCatalog:
+                masked_items: Tensor | None = None,
+                bag_features: KeyedJaggedTensor | None = None) -> ShardedEmbeddingCatalog:
         """Catalog scores for the B users of ``features`` (built by :meth:`with_catalog`: stride B + 1).
 
         ``dense [B, F]`` goes to the user tower next to the pooled user features. ``masked_items
         [B, E]`` (global ids, ``-1`` pads) are the items outside each user's catalog: see
-        :class:`ShardedEmbeddingCatalog`. With several ranks, a mistake in the inputs of one rank is
-        raised on every rank when validating.
+        :class:`ShardedEmbeddingCatalog`. ``bag_features``: the KJT of ``user_embeddings`` (stride B,
+        or B + 1 with an empty last sample: a rank without users passes stride 1). With several
+        ranks, a mistake in the inputs of one rank is raised on every rank when validating.
+
+        ``TrainPipelineSparseDist`` traces this forward with torch.fx: what it sees is the lookups of
+        ``features`` (and ``bag_features``) and one call of a leaf module that builds the catalog (the
+        checks run in the eager calls only, before the lookups).
         """
         offset, rows, group = self._layout()
+        if not is_fx_symbolic_tracing():
+            self._check_collectively(features, dense, bag_features, offset, rows, group)
+        bags = None if self.user_embeddings is None else self.user_embeddings(bag_features)
+        return self._scorer(features, self.embeddings(features), bags, dense, masked_items)
+
+    def _check_collectively(self, features: KeyedJaggedTensor, dense: Tensor | None,
+                            bag_features: KeyedJaggedTensor | None, offset: int, rows: int,
+                            group: dist.ProcessGroup | None) -> None:
+        """:meth:`_check_inputs` on every rank; one rank's error is raised on all (when validating)."""
         validate = resolve_validate_args(self.validate_args)
 
         def check() -> list[int]:
-            self._check_inputs(features, dense, offset, rows, validate)
+            self._check_inputs(features, dense, bag_features, offset, rows, validate)
             return []
 
         if group is not None and validate:
@@ -163,25 +214,40 @@ class TwoTowerRetriever(nn.Module):
             exchange(check, 0, group, device)
         else:
             check()
+
+    def _scores(self, features: KeyedJaggedTensor, out: dict[str, JaggedTensor], bags: KeyedTensor | None,
+                dense: Tensor | None, masked_items: Tensor | None) -> ShardedEmbeddingCatalog:
+        """The lookups' outputs ``out`` and ``bags`` → the catalog (see :class:`_Scorer`)."""
+        offset, rows, group = self._layout()
         batch = features.stride() - 1
-        out = self.embeddings(features)
-        pooled = [_mean_pool(out[f].values(), out[f].lengths(), batch) for f in self.user_features]
+        pooled = [bags[f][:batch] if f in self._bag_features else _mean_pool(out[f].values(), out[f].lengths(), batch)
+                  for f in self.user_features]
         if self.user_tower is None:
+            if len({p.shape[1] for p in pooled}) > 1:
+                raise ValueError(f"without a user_tower the user features must have one width (they are summed), "
+                                 f"got {[p.shape[1] for p in pooled]}")
             user = torch.stack(pooled).sum(0)
         else:
             user = self.user_tower(torch.cat(pooled + ([dense] if dense is not None else []), dim=1))
-        if user.dim() != 2 or user.shape[1] != self.width:
-            raise ValueError(f"the user side must give [B, num_experts·D = {self.width}] to match the item table, "
+        item = out[self.catalog_feature].values()
+        if self.item_tower is not None:
+            item = _chunked_tower(self.item_tower, item, self.chunk_size)
+        width = item.shape[1]
+        if item.dim() != 2 or width % self.num_experts:
+            raise ValueError(f"the item side must give [R, num_experts·D] (num_experts={self.num_experts}), "
+                             f"got {tuple(item.shape)}")
+        if user.dim() != 2 or user.shape[1] != width:
+            raise ValueError(f"the user side must give [B, num_experts·D = {width}] to match the item side, "
                              f"got {tuple(user.shape)}")
-        dim = self.width // self.num_experts
-        item = out[self.catalog_feature].values().view(rows, self.num_experts, dim)
+        dim = width // self.num_experts
+        item = item.view(rows, self.num_experts, dim)
         return ShardedEmbeddingCatalog(user.view(-1, self.num_experts, dim), item, num_items=self.num_items,
                                        row_offset=offset, temperature=self.temperature, masked_items=masked_items,
                                        chunk_size=self.chunk_size, process_group=group,
                                        validate_args=self.validate_args)
 
-    def _check_inputs(self, features: KeyedJaggedTensor, dense: Tensor | None, offset: int, rows: int,
-                      validate: bool) -> None:
+    def _check_inputs(self, features: KeyedJaggedTensor, dense: Tensor | None,
+                      bag_features: KeyedJaggedTensor | None, offset: int, rows: int, validate: bool) -> None:
         """The catalog feature lists this rank's rows in the last sample (the values only when
         ``validate``: a host sync); ``dense`` goes with a tower."""
         if not isinstance(features, KeyedJaggedTensor):
@@ -199,6 +265,45 @@ class TwoTowerRetriever(nn.Module):
                              f"build it with retriever.with_catalog(features)")
         if dense is not None and self.user_tower is None:
             raise ValueError("dense features need a user_tower")
+        if (bag_features is None) != (self.user_embeddings is None):
+            raise ValueError("bag_features must be given exactly when the retriever has user_embeddings")
+        if bag_features is not None:
+            if not isinstance(bag_features, KeyedJaggedTensor):
+                raise TypeError(f"bag_features must be a KeyedJaggedTensor, got {type(bag_features).__name__}")
+            batch = features.stride() - 1
+            if bag_features.stride() not in (batch, batch + 1):
+                raise ValueError(f"bag_features must have stride B = {batch} (or B + 1), got {bag_features.stride()}")
+
+
+def _group_timeout(group: dist.ProcessGroup) -> timedelta | None:
+    """The timeout ``group`` was created with (None if its backend does not say)."""
+    for device in group._device_types:
+        options = getattr(group._get_backend(device), "options", None)
+        if options is not None and hasattr(options, "_timeout"):
+            return options._timeout
+    return None
+
+
+def _chunked_tower(tower: nn.Module, rows: Tensor, chunk_size: int) -> Tensor:
+    """``tower`` on ``rows [R, W]`` chunk by chunk, each chunk's activations recomputed in backward
+    (nothing but the output kept); called once on the empty input when ``R = 0`` so that the tower's
+    parameters still take part in the backward (DDP expects every rank to use them)."""
+    if rows.shape[0] == 0 or not torch.is_grad_enabled():
+        return tower(rows) if rows.shape[0] <= chunk_size else torch.cat([tower(c) for c in rows.split(chunk_size)])
+    return torch.cat([checkpoint(tower, c, use_reentrant=False) for c in rows.split(chunk_size)])
+
+
+class _Scorer(nn.Module):
+    """Holds no parameters; calls the retriever's :meth:`TwoTowerRetriever._scores`. A module without
+    sharded submodules is a leaf of TorchRec's pipeline trace, so the catalog is built outside it."""
+
+    def __init__(self, scores: Callable[..., ShardedEmbeddingCatalog]) -> None:
+        super().__init__()
+        self.scores = scores
+
+    def forward(self, features: KeyedJaggedTensor, out: dict[str, JaggedTensor], bags: KeyedTensor | None,
+                dense: Tensor | None, masked_items: Tensor | None) -> ShardedEmbeddingCatalog:
+        return self.scores(features, out, bags, dense, masked_items)
 
 
 def _mean_pool(values: Tensor, lengths: Tensor, batch_size: int) -> Tensor:

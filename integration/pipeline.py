@@ -1,0 +1,133 @@
+"""TorchRec's ``TrainPipelineSparseDist`` trains the retriever exactly as a plain training loop does.
+
+Run with ``torchrun --nproc_per_node=W integration/pipeline.py --out DIR``. Every rank builds the
+same sharded train task twice from the same weights (row-wise item table and user table, fused
+SGD in backward, the user tower under DDP with SGD through ``KeyedOptimizerWrapper``): one is
+trained by a plain loop, the other by ``TrainPipelineSparseDist.progress`` over the same batches
+(``torchrec.datasets.utils.Batch`` whose sparse features already carry the catalog sample). The
+pipeline fx-traces the task; the task keeps what follows the retriever in a submodule (a leaf
+of that trace). Each rank writes ``DIR/pipeline_rank{r}.json``: the largest relative difference
+of the losses, rewards and candidates at every step and of every parameter shard at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from torchrec.datasets.utils import Batch
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+from torchrec.optim.keyed import KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+import _harness as h
+from capg_rec import CAPGLoss, sample_candidates
+from capg_rec.torchrec import ShardedEmbeddingCatalog, TwoTowerRetriever
+
+CANDIDATES, SHOWN, LR = 6, 2, 0.3
+SETUP = h.Setup(num_items=2_001, num_experts=2, dim=4, tower=True)
+
+
+class Objective(nn.Module):
+    """Sampling, a fixed ranker, rewards and the CA-PG loss: ``(catalog, users) -> (loss, (rewards, candidates))``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator = torch.Generator().manual_seed(0)
+        self.loss_fn = CAPGLoss(CANDIDATES)
+
+    def forward(self, catalog: ShardedEmbeddingCatalog, users: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        candidates = sample_candidates(catalog, CANDIDATES, generator=self.generator)
+        utility = torch.sin(users.unsqueeze(1) * 12.9898 + candidates * 78.233) * 0.5 + 0.5  # on their device
+        top = utility.topk(SHOWN, dim=1)
+        chosen, rewards = candidates.gather(1, top.indices), top.values
+        return self.loss_fn(catalog, candidates, chosen, rewards), (rewards, candidates)
+
+
+class Task(nn.Module):
+    """``forward(batch) -> (loss, outputs)``, the contract of TorchRec's train pipelines."""
+
+    def __init__(self, retriever: TwoTowerRetriever) -> None:
+        super().__init__()
+        self.retriever, self.objective = retriever, Objective()
+
+    def forward(self, batch: Batch) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        return self.objective(self.retriever(batch.sparse_features), batch.labels)
+
+
+def rel(a: Tensor, b: Tensor) -> float:
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    if a.shape != b.shape:
+        return float("inf")
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) if a.numel() else 0.0
+
+
+def local_pieces(model: nn.Module) -> dict[str, Tensor]:
+    """Every state entry of ``model`` as this rank's local tensor (its shards, concatenated)."""
+    pieces = {}
+    for key, value in model.state_dict().items():
+        shards = value.local_shards() if hasattr(value, "local_shards") else None
+        pieces[key] = (torch.cat([s.tensor.flatten() for s in shards]) if shards is not None else value.flatten()).cpu()
+    return pieces
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=4, help="users per rank and step")
+    args = parser.parse_args()
+    rank, world = h.init()
+    state = h.full_state(SETUP, seed=4, grid=False)
+    runs = {}
+    for name in ("loop", "pipeline"):
+        model = h.shard(SETUP, lr=LR, wrap=Task)
+        h.load(model.module.retriever, state)
+        optimizer = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())),
+                                          lambda params: torch.optim.SGD(params, lr=LR))
+        runs[name] = (model, optimizer)
+    initial = {k: v.clone() for k, v in local_pieces(runs["loop"][0]).items()}
+    retriever = runs["loop"][0].module.retriever
+    g = torch.Generator().manual_seed(100 + rank)
+    batches = []
+    for _ in range(args.steps):
+        users = torch.randint(0, SETUP.num_users, (args.batch,), generator=g)
+        batches.append(Batch(dense_features=torch.zeros(args.batch, 0), labels=users,
+                             sparse_features=retriever.with_catalog(h.user_batch(users))))
+    outputs: dict[str, list] = {"loop": [], "pipeline": []}
+    model, optimizer = runs["loop"]
+    for batch in batches:
+        optimizer.zero_grad()
+        loss, (rewards, candidates) = model(batch.to(h.device(), non_blocking=False))
+        loss.backward()
+        optimizer.step()
+        outputs["loop"].append((loss.detach(), rewards, candidates))
+    model, optimizer = runs["pipeline"]
+    pipeline = TrainPipelineSparseDist(model, optimizer, h.device())
+    it = iter(batches)
+    for _ in batches:
+        rewards, candidates = pipeline.progress(it)
+        outputs["pipeline"].append((None, rewards, candidates))
+    pipelined = [type(m).__name__ for m in pipeline._pipelined_modules]
+    errors: dict[str, float] = {}
+    for t, (ref, got) in enumerate(zip(outputs["loop"], outputs["pipeline"])):
+        errors[f"step{t}/rewards"] = rel(got[1], ref[1])
+        errors[f"step{t}/candidates"] = 0.0 if torch.equal(got[2].cpu(), ref[2].cpu()) else float("inf")
+    loop_state, pipe_state = local_pieces(runs["loop"][0]), local_pieces(runs["pipeline"][0])
+    for key, value in loop_state.items():
+        errors[f"final/{key}"] = rel(pipe_state[key], value)
+        # the comparison proves something only if training moved the parameter
+        errors[f"moved/{key}"] = 0.0 if not torch.equal(value, initial[key]) else float("inf")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"pipeline_rank{rank}.json").write_text(json.dumps(
+        {"world_size": world, "pipelined_modules": pipelined, "errors": errors}, indent=1))
+    h.teardown(*(m for m, _ in runs.values()))
+    return 0 if max(errors.values()) <= 1e-6 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
