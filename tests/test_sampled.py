@@ -259,3 +259,36 @@ def test_errors():
         InBatchSampler(alpha=2.0)
     with pytest.raises(TypeError, match="NegativeSampler"):
         MixedSampler(UniformSampler(3), 4)
+
+
+def _script(name):
+    import importlib.util
+    import pathlib
+    import sys
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmarks_run_and_write_their_files(tmp_path):
+    """The sampled-catalog benchmarks at tiny sizes: each writes its JSON, CSV and PNG."""
+    _script("sampled_accuracy").main(["--sizes", "3000", "--negatives", "64", "--temperatures", "1", "--seeds", "2",
+                                      "--batch", "2", "--ann-size", "500", "--out", str(tmp_path / "acc")])
+    _script("sampled_draw").main(["--seeds", "2", "--draws", "2", "--large-size", "300", "--temperatures", "1",
+                                  "--large-temperatures", "1", "--out", str(tmp_path / "draw")])
+    _script("sampled_learning").main(["--num-items", "300", "--num-users", "20", "--steps", "2", "--batch", "4",
+                                      "--seeds", "0", "--negatives", "32", "--head", "20", "--eval-every", "1",
+                                      "--out", str(tmp_path / "learn")])
+    cost = _script("sampled_cost")
+    for config in ("in_batch", "sampled_swr_S1024", "full_mf"):
+        row = cost._one(3000, config, reps=1)
+        assert row["step_ms"] > 0 and row["config"] == config
+    for sub, stem in (("acc", "sampled_accuracy"), ("draw", "sampled_draw"), ("learn", "sampled_learning")):
+        for ext in ("json", "png"):
+            assert (tmp_path / sub / f"{stem}.{ext}").stat().st_size > 0
+    assert (tmp_path / "acc" / "sampled_accuracy.csv").exists()
+    assert (tmp_path / "learn" / "sampled_learning.csv").exists()
+    assert (tmp_path / "draw" / "sampled_draw_small.csv").exists()
