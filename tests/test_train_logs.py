@@ -15,7 +15,7 @@ from capg_rec.cli import main
 from capg_rec.logs import LoggedBatch, LoggedImpressions, LogWriter
 from capg_rec.sim.lsr import OptimalLSR
 from capg_rec.sim.synthetic import synthetic_env
-from capg_rec.train import policy_value
+from capg_rec.train import Trainer, policy_value
 from capg_rec.train.checkpoint import read_checkpoint
 from capg_rec.train.logged import LogTrainConfig, LogTrainer
 from capg_rec.train.model import TwoTowerMoE
@@ -127,7 +127,7 @@ def test_cli_resume_extends_and_refuses_conflicts(logs, tmp_path, capsys):
     assert [row["step"] for row in history] == [0, 10]  # as online: an extended run drops its off-grid last row
 
 
-def _bad_logs(path, *, num_items=1000, extra=None, bad_group=None):
+def _bad_logs(path, *, num_items=1000, num_users=1000, extra=None, bad_group=None):
     """3 row groups of 20 rows on the synthetic catalog; ``bad_group`` gets a propensity > 1 in its row 7."""
     g = torch.Generator().manual_seed(0)
     extra = {"env": synthetic_env().name, "lsr": "optimal"} if extra is None else extra
@@ -138,7 +138,7 @@ def _bad_logs(path, *, num_items=1000, extra=None, bad_group=None):
             log_inclusion = torch.full((20, L), -1.0, dtype=torch.float64)
             if group == bad_group:
                 log_inclusion[7, 1] = 0.5
-            writer.write(LoggedBatch(torch.randint(0, 1000, (20,), generator=g), candidates, candidates[:, :L],
+            writer.write(LoggedBatch(torch.randint(0, num_users, (20,), generator=g), candidates, candidates[:, :L],
                                      torch.rand(20, L, generator=g), log_inclusion, log_inclusion + 1.0,
                                      torch.full((20,), -20.0, dtype=torch.float64)))
 
@@ -170,6 +170,22 @@ def test_logs_of_another_catalog_are_refused(tmp_path, capsys):
     assert "their catalog has 500 items, the environment" in capsys.readouterr().err
     with pytest.raises(ValueError, match="their catalog has 500 items"):
         LogTrainer(LogTrainConfig((path,)), synthetic_env())
+
+
+def test_context_keys_outside_the_user_table_exit_2(tmp_path, capsys):
+    path = tmp_path / "users.parquet"
+    _bad_logs(path, num_users=2000)
+    assert _run(["train", "--logs", str(path), "--holdout", "0", "--out", str(tmp_path / "run")]) == 2
+    assert "column 'context' holds a key outside [0, 1000)" in capsys.readouterr().err
+    assert _run(["train", "--logs", str(path), "--holdout", "0.3", "--out", str(tmp_path / "run")]) == 2  # in OPE
+    assert "column 'context' holds a key outside [0, 1000)" in capsys.readouterr().err
+
+
+def test_an_online_run_does_not_load_a_logs_checkpoint(logs, tmp_path):
+    trainer = LogTrainer(LogTrainConfig((logs,), holdout=0.25), synthetic_env())
+    trainer.save(tmp_path / "c.pt")
+    with pytest.raises(ValueError, match="trained from logs, not online"):
+        Trainer.load(tmp_path / "c.pt", synthetic_env())
 
 
 def test_logs_without_an_environment_report_ope_only(tmp_path, capsys):

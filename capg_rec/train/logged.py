@@ -18,6 +18,7 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -34,6 +35,9 @@ from capg_rec.train.config import _choice, _int, _num
 from capg_rec.train.model import TwoTowerMoE
 from capg_rec.train.report import plot_curves, write_csv
 from capg_rec.train.trainer import Trainer, TrainResult
+
+if TYPE_CHECKING:
+    from capg_rec.logs.schema import LoggedBatch
 
 __all__ = ["LOG_ESTIMATORS", "LogTrainConfig", "LogTrainer", "logged_loss", "write_log_reports"]
 
@@ -142,7 +146,7 @@ class LogTrainConfig:
 
 
 def logged_loss(config: LogTrainConfig, num_candidates: int, num_outputs: int
-                ) -> Callable[[Tensor, object], Tensor]:
+                ) -> Callable[[Tensor, LoggedBatch], Tensor]:
     """``loss(logits [B, M, N], batch)`` of ``config.estimator`` on a :class:`~capg_rec.logs.LoggedBatch`, with
     the logged propensity that estimator's weight needs; positions weighted 1/L, as the online trainer."""
     k, estimator = num_candidates, config.estimator
@@ -150,7 +154,7 @@ def logged_loss(config: LogTrainConfig, num_candidates: int, num_outputs: int
     if estimator == "supervised":
         log_experts = math.log(config.num_experts)
 
-        def supervised(logits: Tensor, batch) -> Tensor:
+        def supervised(logits: Tensor, batch: LoggedBatch) -> Tensor:
             single = torch.log_softmax(logits / config.temperature, dim=-1).logsumexp(1) - log_experts  # [B, N]
             log_p = single.gather(1, batch.shown)
             return -(log_p * (batch.rewards > 0) * weights).sum(1).mean()
@@ -160,21 +164,21 @@ def logged_loss(config: LogTrainConfig, num_candidates: int, num_outputs: int
         method = {} if config.method is None else {"method": config.method}
         loss_fn = OffPolicyCAPGLoss(k, self_normalize=estimator == "capg_snips", **method, **common)
 
-        def logged(batch) -> Tensor:
+        def logged(batch: LoggedBatch) -> Tensor:
             return batch.log_expected_count if config.method == "with_replacement" else batch.log_inclusion
     elif estimator == "vpg_ips":
         loss_fn = OffPolicyVPGLoss(k, **common)
 
-        def logged(batch) -> Tensor:
+        def logged(batch: LoggedBatch) -> Tensor:
             return batch.log_candidate_prob
     else:
         loss_fn = TopKReinforceLoss(k, **common)
         log_k = math.log(k)
 
-        def logged(batch) -> Tensor:  # β(a): the logging draw's single-draw probability, expected count / K
+        def logged(batch: LoggedBatch) -> Tensor:  # β(a), the logging draw's single-draw probability: count / K
             return (batch.log_expected_count - log_k).clamp(max=0.0)
 
-    def loss(logits: Tensor, batch) -> Tensor:
+    def loss(logits: Tensor, batch: LoggedBatch) -> Tensor:
         return loss_fn(logits, batch.candidates, batch.shown, batch.rewards, logged(batch), position_weights=weights)
     return loss
 
@@ -252,7 +256,7 @@ class LogTrainer(Trainer):
         return sum(self.epoch_batches)
 
     # ------------------------------------------------------------- one step
-    def _next_batch(self):
+    def _next_batch(self) -> LoggedBatch:
         """The next training batch; a new epoch reshuffles the row groups. A resumed run skips the batches its
         epoch had already taken, so that it sees the rows the uninterrupted run would."""
         from torch.utils.data import DataLoader
@@ -269,12 +273,16 @@ class LogTrainer(Trainer):
                 return batch
             self._batches, self.epoch, self.epoch_step = None, self.epoch + 1, 0
 
-    def _step(self) -> tuple[float, bool]:
-        batch = self._next_batch()
+    def _scores(self, batch: LoggedBatch) -> Tensor:
+        """The model's logits ``[B, M, N]`` for the batch's context keys, which must be users it has."""
         if bool((batch.context < 0).any() | (batch.context >= self.num_users).any()):
             raise ValueError(f"logs: column 'context' holds a key outside [0, {self.num_users}) (the users the "
                              "model has)")
-        logits = self.model(batch.context)
+        return self.model(batch.context)
+
+    def _step(self) -> tuple[float, bool]:
+        batch = self._next_batch()
+        logits = self._scores(batch)
         if not all_finite(logits):
             return math.nan, True
         return self._apply(self.loss_fn(logits, batch))
@@ -285,7 +293,7 @@ class LogTrainer(Trainer):
         """IPS/SNIPS of the greedy ESR (inclusion 1 on its top-K, 0 elsewhere) on the held-out rows."""
         targets, logged, rewards = [], [], []
         for batch in self.eval_data:
-            top = greedy_candidates(self.model(batch.context), self.config.num_candidates,
+            top = greedy_candidates(self._scores(batch), self.config.num_candidates,
                                     temperature=self.config.temperature, validate_args=False)
             inside = (batch.shown.unsqueeze(2) == top.unsqueeze(1)).any(2)
             targets.append(torch.where(inside, 0.0, -math.inf).double())

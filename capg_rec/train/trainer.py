@@ -340,6 +340,9 @@ class Trainer:
         its saved config; ``steps`` (> the saved step) sets another target."""
         if state.get("version") != CHECKPOINT_VERSION:
             raise ValueError(f"checkpoint version must be {CHECKPOINT_VERSION}, got {state.get('version')!r}")
+        if "kind" in state:
+            raise ValueError(f"the checkpoint is of a run trained from {state['kind']}, not online: load it with "
+                             "capg_rec.train.logged.LogTrainer")
         config = TrainConfig(**state["config"])
         if steps is not None:
             if isinstance(steps, bool) or not isinstance(steps, int) or steps <= state["step"]:
