@@ -1,10 +1,13 @@
 """``capg-rec train --logs`` at tiny sizes: ``capg-rec log`` then training from the file end to end (files,
 exact true values, OPE), resume and its conflicts, malformed and foreign logs, logs without an environment,
-the reader's row-group subsets and batch counts, and the first off-policy CA-PG gradient on the logging
-policy's own logs against on-policy CA-PG."""
+the reader's row-group subsets and batch counts, the first off-policy CA-PG gradient on the logging
+policy's own logs against on-policy CA-PG, and the speed benchmark script."""
 
+import importlib.util
 import json
 import math
+import pathlib
+import sys
 
 import pyarrow.parquet as pq
 import pytest
@@ -45,7 +48,7 @@ def _train(logs, out, *extra):
 
 def test_train_from_logs_end_to_end(logs, tmp_path, capsys):
     out = tmp_path / "run"
-    assert _train(logs, out, "--epochs", "2", "--eval-every", "3", "--checkpoint-every", "1") == 0
+    assert _train(logs, out, "--epochs", "2", "--eval-every", "3", "--checkpoint-every", "5") == 0
     printed = capsys.readouterr().out
     assert "off-policy CA-PG from 300 logged rows, 10 steps" in printed  # 300 rows / 64 = 5 batches per epoch
     for name in ("metrics.jsonl", "metrics.csv", "curves.png", "result.json", "checkpoint.pt"):
@@ -244,3 +247,16 @@ def test_first_gradient_on_own_logs_is_on_policy_capg(tmp_path):
     for a, b in zip(off, on):
         assert a.abs().max() > 0
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_speed_benchmark_runs(tmp_path):
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "train_logs_speed.py"
+    spec = importlib.util.spec_from_file_location("train_logs_speed", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    result = module.main(["--rows", "300", "-K", "4", "-L", "1", "--batch-size", "64", "--steps", "3",
+                          "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "train_logs_speed.json").read_text())
+    assert saved["trainer"]["rows"] == result["trainer"]["rows"] == 128 and saved["reader"]["rows"] >= 128
+    assert saved["reader_over_trainer"] > 0
