@@ -9,6 +9,7 @@ row and the column it failed on; none is a silent skip.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from collections.abc import Iterator, Sequence
@@ -344,24 +345,55 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
                     first += rows
         return meta, groups
 
+    def subset(self, row_groups: Sequence[int]) -> LoggedImpressions:
+        """The same reader over some of its row groups only (indices into :attr:`row_groups`, in the
+        order given), e.g. to hold the last ones out for evaluation."""
+        if isinstance(row_groups, (str, bytes)) or not isinstance(row_groups, Sequence) or \
+                not all(isinstance(i, int) and not isinstance(i, bool) for i in row_groups):
+            raise TypeError(f"row_groups must be a sequence of ints, got {row_groups!r}")
+        bad = [i for i in row_groups if not 0 <= i < len(self.row_groups)]
+        if bad or len(set(row_groups)) != len(row_groups):
+            raise ValueError(f"row_groups must be distinct indices in [0, {len(self.row_groups)}), "
+                             f"got {list(row_groups)}")
+        other = copy.copy(self)
+        other.row_groups = [self.row_groups[i] for i in row_groups]
+        return other
+
+    def num_batches(self, num_workers: int = 0) -> int:
+        """The batches this rank yields in the current epoch (see :meth:`set_epoch`) through a
+        ``DataLoader(..., num_workers=num_workers)`` (each worker's last batch may be short)."""
+        check_count("num_workers", num_workers, low=0)
+        rank, world = self._rank()
+        workers = max(num_workers, 1)
+        total = 0
+        for worker in range(workers):
+            rows = sum(group[2] for group in self._row_groups_of(rank * workers + worker, world * workers))
+            total += rows // self.batch_size if self.drop_last else -(-rows // self.batch_size)
+        return total
+
+    def _rank(self) -> tuple[int, int]:
+        """``(rank, world_size)``: the ones given, else ``torch.distributed``'s, else one process."""
+        if self.rank is not None:
+            return self.rank, self.world_size
+        dist = torch.distributed
+        return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+
     def _shard(self) -> tuple[int, int]:
         """``(shard, num_shards)`` of this process and DataLoader worker."""
-        rank, world = self.rank, self.world_size
-        if rank is None:
-            dist = torch.distributed
-            rank, world = (dist.get_rank(), dist.get_world_size()) \
-                if dist.is_available() and dist.is_initialized() else (0, 1)
+        rank, world = self._rank()
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         return rank * workers + worker, world * workers
 
-    def _my_row_groups(self) -> list[tuple[int, int, int, int]]:
+    def _row_groups_of(self, shard: int, num_shards: int) -> list[tuple[int, int, int, int]]:
         order = list(range(len(self.row_groups)))
         if self.shuffle_row_groups:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
             order = torch.randperm(len(order), generator=g).tolist()
-        shard, num_shards = self._shard()
         return [self.row_groups[i] for i in order[shard::num_shards]]
+
+    def _my_row_groups(self) -> list[tuple[int, int, int, int]]:
+        return self._row_groups_of(*self._shard())
 
     def __iter__(self) -> Iterator[LoggedBatch]:
         pending: list[dict[str, Tensor]] = []

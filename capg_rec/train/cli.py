@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from capg_rec.sim.lsr import LSR_NAMES
 from capg_rec.train.config import ESTIMATORS, TrainConfig
+from capg_rec.train.logged import LOG_ESTIMATORS, LogTrainConfig
 
 if TYPE_CHECKING:
     from capg_rec.train.trainer import Trainer
@@ -19,6 +20,9 @@ __all__ = ["register"]
 _REPRODUCE_TARGETS = ("table2", "table3", "movielens", "kuairec", "grpo", "variance", "offpolicy")
 _ENVS = ("synthetic", "movielens", "kuairec")
 _CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig))
+_LOG_FIELDS = tuple(f.name for f in dataclasses.fields(LogTrainConfig))
+_LOG_ONLY = ("epochs", "workers", "max_weight", "holdout")
+_ONLINE_ONLY = ("steps", "adaptive_lr", "train_lsr", "position_weights", "group_size", "group_offset", "baseline")
 
 
 def _option(parser: argparse.ArgumentParser, *flags: str, help: str | None = None, **kwargs: Any) -> None:
@@ -34,13 +38,15 @@ def _option(parser: argparse.ArgumentParser, *flags: str, help: str | None = Non
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``train``, ``reproduce`` and ``demo`` to a ``capg-rec`` argparse parser."""
     p = subparsers.add_parser(
-        "train", help="online training of an ESR on a simulated problem",
-        description="Train an ESR online on a simulated problem. With --resume the run saved in OUT continues "
-                    "unchanged: the run's options default to the saved ones, one that differs from them is an "
-                    "error, and only --steps (above the saved step) may change, to extend or shorten the run.")
+        "train", help="online training of an ESR on a simulated problem, or off-policy from Parquet logs",
+        description="Train an ESR online on a simulated problem, or from Parquet logs (--logs) with an off-policy "
+                    "estimator. With --resume the run saved in OUT continues unchanged: the run's options default "
+                    "to the saved ones, one that differs from them is an error, and only --steps (--epochs with "
+                    "--logs), ending after the saved step, may change, to extend or shorten the run.")
     p.add_argument("--env", choices=_ENVS, default=None, help="default synthetic (with --resume: the saved run's)")
     p.add_argument("--data", help="KuaiRec small_matrix.csv (for --env kuairec)")
-    _option(p, "--estimator", choices=ESTIMATORS)
+    _option(p, "--estimator", choices=ESTIMATORS + tuple(e for e in LOG_ESTIMATORS if e not in ESTIMATORS),
+            help=f"online: {', '.join(ESTIMATORS)}; with --logs: {', '.join(LOG_ESTIMATORS)} (default capg)")
     _option(p, "--capg-method", help="CA-PG inclusion method (exact, mean_field, plugin); default the library's")
     _option(p, "-K", "--num-candidates", type=int)
     _option(p, "-L", "--num-outputs", type=int)
@@ -63,6 +69,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="runs/train")
     p.add_argument("--checkpoint-every", type=int, default=5000)
     p.add_argument("--resume", action="store_true", help="continue the run saved in OUT/checkpoint.pt")
+    g = p.add_argument_group(
+        "from logs", "train from Parquet logs (capg-rec log, or a serving job's in capg_rec.logs' schema); K and L "
+        "are the logs'; the true value is scored on the environment the logs record (if capg_rec.sim has it), "
+        "the OPE estimate on the held-out row groups; --steps, --adaptive-lr, --train-lsr, --position-weights, "
+        "--group-*, --baseline and --env are online options")
+    g.add_argument("--logs", nargs="+", default=None, metavar="PATH", help="Parquet files or directories of them")
+    g.add_argument("--epochs", type=int, default=None, help="passes over the training rows (default 1)")
+    g.add_argument("--workers", type=int, default=None, help="DataLoader workers reading the logs (default 0)")
+    g.add_argument("--max-weight", type=float, default=None, help="importance-weight cap (default 100)")
+    g.add_argument("--holdout", type=float, default=None,
+                   help="share of the row groups (the last ones) held out for OPE (default 0.1)")
     p.set_defaults(func=_train)
 
     p = subparsers.add_parser("reproduce", help="rerun one of the paper's experiments next to its numbers")
@@ -129,13 +146,11 @@ def _resume(args: argparse.Namespace, given: dict, out: Path) -> Trainer:
         state = read_checkpoint(path)
     except FileNotFoundError:
         _fail(f"--resume: no checkpoint {path} to continue (is --out right?)")
+    if state.get("kind") == "logs":
+        _fail(f"--resume: the run saved in {path} trained from logs; continue it with the same --logs")
     saved = dict(state["config"], env=state["env"].partition("(")[0])
     given = dict(given, env=args.env) if args.env is not None else given
-    conflicts = [f"--{name.replace('_', '-')} {value} (saved: {saved[name]!r})"
-                 for name, value in given.items() if name != "steps" and value != saved[name]]
-    if conflicts:
-        _fail(f"--resume continues the run saved in {path} unchanged; these options differ from it: "
-              f"{', '.join(conflicts)}. Drop them, or start a new run in another --out.")
+    _check_unchanged(path, saved, given, "steps")
     steps = given.get("steps")
     if steps is not None and steps <= state["step"]:
         _fail(f"--resume --steps {steps}: the saved run is at step {state['step']}; give more steps to go on")
@@ -144,11 +159,83 @@ def _resume(args: argparse.Namespace, given: dict, out: Path) -> Trainer:
     return Trainer.from_state(state, _make_env(saved["env"], args.data), steps=steps)
 
 
+def _check_unchanged(path: Path, saved: dict, given: dict, extendable: str) -> None:
+    """Exit 2 unless every option in ``given`` but ``extendable`` has the saved run's value."""
+    conflicts = [f"--{name.replace('_', '-')} {value} (saved: {saved[name]!r})"
+                 for name, value in given.items() if name != extendable and value != saved[name]]
+    if conflicts:
+        _fail(f"--resume continues the run saved in {path} unchanged; these options differ from it: "
+              f"{', '.join(conflicts)}. Drop them, or start a new run in another --out.")
+
+
+def _log_env(paths: list[str], data: str | None):
+    """The simulated environment the logs record (``extra["env"]``, as ``capg-rec log`` writes), or None."""
+    from capg_rec.logs.parquet import LoggedImpressions
+
+    name = LoggedImpressions(paths, 1).meta.extra.get("env")
+    if not isinstance(name, str) or name.partition("(")[0] not in _ENVS:
+        print(f"capg-rec train: the logs record no capg_rec.sim environment (env {name!r}): OPE estimates only",
+              file=sys.stderr)
+        return None
+    env = _make_env(name.partition("(")[0], data)
+    if env.name != name:
+        raise ValueError(f"the logs' environment {name!r} is not the one built here ({env.name!r})")
+    return env
+
+
+def _train_logs(args: argparse.Namespace, given: dict, out: Path) -> int:
+    from capg_rec.train.checkpoint import read_checkpoint
+    from capg_rec.train.logged import LogTrainer, write_log_reports
+
+    online = [f"--{name.replace('_', '-')}" for name in _ONLINE_ONLY if name in given]
+    if online or args.env is not None:
+        _fail(f"{', '.join(online + (['--env'] if args.env is not None else []))}: options of online training, "
+              "not of --logs (the environment is the one the logs record)")
+    given = {name: value for name, value in given.items() if name in _LOG_FIELDS}
+    given.update({name: getattr(args, name) for name in _LOG_ONLY if getattr(args, name) is not None})
+    given["logs"] = tuple(str(Path(p).resolve()) for p in args.logs)
+    try:
+        env = _log_env(args.logs, args.data)
+        if args.resume:
+            path = out / "checkpoint.pt"
+            try:
+                state = read_checkpoint(path)
+            except FileNotFoundError:
+                _fail(f"--resume: no checkpoint {path} to continue (is --out right?)")
+            if state.get("kind") != "logs":
+                _fail(f"--resume: the run saved in {path} trained online; drop --logs to continue it")
+            _check_unchanged(path, state["config"], given, "epochs")
+            trainer = LogTrainer.from_state(state, env, epochs=given.get("epochs"))
+        else:
+            trainer = LogTrainer(LogTrainConfig(**given), env)
+        result = trainer.run(out_dir=out, checkpoint_every=args.checkpoint_every)
+    except (ValueError, TypeError) as err:
+        _fail(str(err))
+    write_log_reports(trainer, out)
+    cfg, last = trainer.config, result.history[-1]
+    value = "no environment" if env is None else f"policy value {last['policy_value']:.4f} (best achievable " \
+        f"{env.optimal_value(cfg.num_outputs):.4f})"
+    ope = "" if last["ope_snips"] is None else f"; held-out OPE SNIPS {last['ope_snips']:.4f}, IPS " \
+        f"{last['ope_ips']:.4f} [{last['ope_ips_low']:.4f}, {last['ope_ips_high']:.4f}], ESS {last['ope_ess']:.0f}"
+    print(f"{cfg.label} from {trainer.train_data.num_rows} logged rows, {result.steps_done} steps "
+          f"({cfg.epochs} epochs): {value}{ope}; {result.overflow_count} gradient overflows")
+    print(f"metrics: {out / 'metrics.jsonl'}, {out / 'metrics.csv'}, {out / 'curves.png'}, result: "
+          f"{out / 'result.json'}, checkpoint: {out / 'checkpoint.pt'}")
+    return 0
+
+
 def _train(args: argparse.Namespace) -> int:
     from capg_rec.train.trainer import Trainer
 
     given = {name: getattr(args, name) for name in _CONFIG_FIELDS if getattr(args, name, None) is not None}
     out = Path(args.out)
+    if args.logs is not None:
+        return _train_logs(args, given, out)
+    log_only = [f"--{name.replace('_', '-')}" for name in _LOG_ONLY if getattr(args, name) is not None]
+    if log_only:
+        _fail(f"{', '.join(log_only)}: options of training from logs (--logs)")
+    if given.get("estimator", "capg") not in ESTIMATORS:
+        _fail(f"--estimator {given['estimator']}: an off-policy estimator, for --logs; online: {', '.join(ESTIMATORS)}")
     try:
         if args.resume:
             trainer = _resume(args, given, out)

@@ -227,6 +227,11 @@ class Trainer:
         baseline = self._baseline(users, rewards)
         loss = self.loss_fn(logits, candidates, chosen, rewards, position_weights=self.position_weights,
                             baseline=baseline)
+        return self._apply(loss)
+
+    def _apply(self, loss: Tensor) -> tuple[float, bool]:
+        """Backward and optimizer step of ``loss`` → ``(loss, overflowed)``: nothing changes when the loss
+        or a gradient is not finite."""
         self.optimizer.zero_grad(set_to_none=True)
         if not bool(torch.isfinite(loss)):
             return float(loss.detach()), True
@@ -262,21 +267,21 @@ class Trainer:
         if not self.result.history:
             self._record(out, None)
         started = time.perf_counter()
-        bar = tqdm(total=cfg.steps, initial=self.step_count, disable=not progress,
+        bar = tqdm(total=self.num_steps, initial=self.step_count, disable=not progress,
                    desc=f"{cfg.label} K={cfg.num_candidates}", leave=False)
-        while self.step_count < cfg.steps and self.result.stopped_at is None:
+        while self.step_count < self.num_steps and self.result.stopped_at is None:
             loss, overflowed = self.step()
             bar.update(1)
             if not overflowed:
                 self.interval_losses.append(loss)
-            if self.step_count % cfg.eval_every == 0 or self.step_count == cfg.steps or \
+            if self.step_count % cfg.eval_every == 0 or self.step_count == self.num_steps or \
                     self.result.stopped_at is not None:
                 losses = self.interval_losses
                 mean_loss = sum(losses) / len(losses) if losses else None
                 if self.step_count % cfg.eval_every == 0:  # an off-grid end-of-run row keeps them
                     losses.clear()
                 self._record(out, mean_loss)
-                bar.set_postfix(value=f"{self.result.history[-1]['policy_value']:.3f}")
+                bar.set_postfix_str(self._progress_text(self.result.history[-1]))
             if checkpoint_every is not None and self.step_count % checkpoint_every == 0:
                 self.save(out / "checkpoint.pt")
         bar.close()
@@ -286,8 +291,21 @@ class Trainer:
             _atomic_write_text(out / "result.json", json.dumps(self.result.to_dict(), indent=1))
         return self.result
 
+    @property
+    def num_steps(self) -> int:
+        """The step the run ends at."""
+        return self.config.steps
+
+    def _evaluation(self) -> dict:
+        """The evaluation columns of a metrics row."""
+        return {"policy_value": self.evaluate()}
+
+    @staticmethod
+    def _progress_text(row: dict) -> str:
+        return f"value={row['policy_value']:.3f}"
+
     def _record(self, out: Path | None, mean_loss: float | None) -> None:
-        row = {"step": self.step_count, "policy_value": self.evaluate(), "loss": mean_loss,
+        row = {"step": self.step_count, **self._evaluation(), "loss": mean_loss,
                "overflows": self.result.overflow_count}
         self.result.history.append(row)
         if out is not None:
@@ -322,6 +340,9 @@ class Trainer:
         its saved config; ``steps`` (> the saved step) sets another target."""
         if state.get("version") != CHECKPOINT_VERSION:
             raise ValueError(f"checkpoint version must be {CHECKPOINT_VERSION}, got {state.get('version')!r}")
+        if "kind" in state:
+            raise ValueError(f"the checkpoint is of a run trained from {state['kind']}, not online: load it with "
+                             "capg_rec.train.logged.LogTrainer")
         config = TrainConfig(**state["config"])
         if steps is not None:
             if isinstance(steps, bool) or not isinstance(steps, int) or steps <= state["step"]:
@@ -344,19 +365,23 @@ class Trainer:
         trainer.baseline_table, trainer.baseline_seen = state["baseline_table"], state["baseline_seen"]
         trainer.step_count = state["step"]
         trainer.interval_losses = state["interval_losses"]
-        saved = state["result"]
-        trainer.result = TrainResult(config=config.to_dict(), lr=state["lr"])
-        if saved is not None:
-            history = saved["history"]
-            if history and history[-1]["step"] % config.eval_every and trainer.step_count < config.steps:
-                history = history[:-1]  # the end-of-run evaluation of a run now extended
-            trainer.result.history = history
-            trainer.result.overflow_steps = saved["overflow_steps"]
-            trainer.result.stopped_at = saved["stopped_at"]
-            trainer.result.seconds = saved["seconds"]
+        trainer._restore_result(state)
         trainer.optimizer = trainer._optimizer(state["lr"])
         trainer.optimizer.load_state_dict(state["optimizer"])
         return trainer
+
+    def _restore_result(self, state: dict) -> None:
+        """``self.result`` from a :meth:`state_dict` (``step_count`` and ``config`` already restored)."""
+        saved = state["result"]
+        self.result = TrainResult(config=self.config.to_dict(), lr=state["lr"])
+        if saved is not None:
+            history = saved["history"]
+            if history and history[-1]["step"] % self.config.eval_every and self.step_count < self.num_steps:
+                history = history[:-1]  # the end-of-run evaluation of a run now extended
+            self.result.history = history
+            self.result.overflow_steps = saved["overflow_steps"]
+            self.result.stopped_at = saved["stopped_at"]
+            self.result.seconds = saved["seconds"]
 
 
 def _atomic_write_text(path: Path, text: str) -> None:

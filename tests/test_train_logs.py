@@ -1,0 +1,262 @@
+"""``capg-rec train --logs`` at tiny sizes: ``capg-rec log`` then training from the file end to end (files,
+exact true values, OPE), resume and its conflicts, malformed and foreign logs, logs without an environment,
+the reader's row-group subsets and batch counts, the first off-policy CA-PG gradient on the logging
+policy's own logs against on-policy CA-PG, and the speed benchmark script."""
+
+import importlib.util
+import json
+import math
+import pathlib
+import sys
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from capg_rec import CAPGLoss, inclusion_log_prob
+from capg_rec.cli import main
+from capg_rec.logs import LoggedBatch, LoggedImpressions, LogWriter
+from capg_rec.sim.lsr import OptimalLSR
+from capg_rec.sim.synthetic import synthetic_env
+from capg_rec.train import Trainer, policy_value
+from capg_rec.train.checkpoint import read_checkpoint
+from capg_rec.train.logged import LogTrainConfig, LogTrainer
+from capg_rec.train.model import TwoTowerMoE
+
+K, L = 6, 2
+
+
+def _run(argv):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    return exit_info.value.code
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory):
+    """400 rows in 4 row groups from a fresh ESR (seed 1) on the synthetic problem."""
+    path = tmp_path_factory.mktemp("logs") / "logs.parquet"
+    assert _run(["log", "-n", "400", "-K", str(K), "-L", str(L), "--temperature", "1.5", "--epsilon", "0.1",
+                 "--batch-size", "100", "--seed", "1", "--out", str(path), "--no-progress"]) == 0
+    return path
+
+
+def _train(logs, out, *extra):
+    return _run(["train", "--logs", str(logs), "--batch-size", "64", "--holdout", "0.25", "--out", str(out),
+                 *extra])
+
+
+def test_train_from_logs_end_to_end(logs, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _train(logs, out, "--epochs", "2", "--eval-every", "3", "--checkpoint-every", "5") == 0
+    printed = capsys.readouterr().out
+    assert "off-policy CA-PG from 300 logged rows, 10 steps" in printed  # 300 rows / 64 = 5 batches per epoch
+    for name in ("metrics.jsonl", "metrics.csv", "curves.png", "result.json", "checkpoint.pt"):
+        assert (out / name).stat().st_size > 0, name
+    result = json.loads((out / "result.json").read_text())
+    history = result["history"]
+    assert [row["step"] for row in history] == [0, 3, 6, 9, 10] and result["steps_done"] == 10
+    assert [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] == history
+    assert result["config"]["num_candidates"] == K and result["config"]["num_outputs"] == L
+    env = synthetic_env()
+    state = read_checkpoint(out / "checkpoint.pt")
+    model = TwoTowerMoE(env.num_users, env.num_items)
+    model.load_state_dict(state["model"])
+    assert history[-1]["policy_value"] == policy_value(model, env, OptimalLSR(), K, L)  # exact, from the environment
+    fresh = TwoTowerMoE(env.num_users, env.num_items, generator=torch.Generator().manual_seed(0))
+    assert history[0]["policy_value"] == policy_value(fresh, env, OptimalLSR(), K, L)
+    for row in history:
+        assert row["ope_ips_low"] <= row["ope_ips"] <= row["ope_ips_high"] and row["ope_ess"] > 0
+        assert math.isfinite(row["ope_snips"])
+
+
+@pytest.mark.parametrize("estimator", ["capg_snips", "capg_swr", "vpg_ips", "topk_reinforce", "supervised"])
+def test_every_estimator_trains(logs, tmp_path, estimator):
+    trainer = LogTrainer(LogTrainConfig((logs,), estimator=estimator, batch_size=100, holdout=0.25, eval_every=10),
+                         synthetic_env())
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    result = trainer.run(progress=False)
+    assert result.steps_done == 3 and result.overflow_count == 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+
+
+def test_capg_method_with_replacement_uses_the_logged_expected_count(logs):
+    trainer = LogTrainer(LogTrainConfig((logs,), capg_method="with_replacement", max_weight=None, holdout=0.25),
+                         synthetic_env())
+    batch = trainer._next_batch()
+    poisoned = batch._replace(log_inclusion=torch.zeros_like(batch.log_inclusion))
+    logits = trainer.model(batch.context)
+    torch.testing.assert_close(trainer.loss_fn(logits, poisoned), trainer.loss_fn(logits, batch), rtol=0, atol=0)
+    counted = batch._replace(log_expected_count=batch.log_expected_count - 1.0)
+    assert not torch.equal(trainer.loss_fn(logits, counted), trainer.loss_fn(logits, batch))
+
+
+def test_resume_continues_the_run_exactly(logs, tmp_path):
+    env = synthetic_env()
+    config = LogTrainConfig((logs,), epochs=2, batch_size=64, holdout=0.25, eval_every=100, optimizer="adam")
+    full = LogTrainer(config, env)
+    full.run(progress=False)
+    part = LogTrainer(config, env)
+    for _ in range(7):  # into the second epoch
+        part.step()
+    part.save(tmp_path / "c.pt")
+    resumed = LogTrainer.load(tmp_path / "c.pt", env)
+    assert (resumed.step_count, resumed.epoch, resumed.epoch_step) == (7, 1, 2)
+    resumed.run(progress=False)
+    for a, b in zip(full.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_cli_resume_extends_and_refuses_conflicts(logs, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _train(logs, out, "--epochs", "1", "--eval-every", "100", "--checkpoint-every", "1") == 0
+    capsys.readouterr()
+    for argv, message in [(["--estimator", "capg_snips"], "--estimator capg_snips (saved: 'capg')"),
+                          (["--lr", "0.5"], "--lr 0.5 (saved: None)"),
+                          (["--epochs", "1"], "epochs = 1 ends at step 5"),
+                          (["--steps", "9"], "--steps: options of online training")]:
+        assert _train(logs, out, "--resume", *argv) == 2, argv
+        assert message in capsys.readouterr().err, argv
+    copy = tmp_path / "copy.parquet"
+    copy.write_bytes(logs.read_bytes())
+    assert _run(["train", "--logs", str(copy), "--resume", "--out", str(out)]) == 2
+    assert "--logs" in capsys.readouterr().err
+    assert _run(["train", "--resume", "--out", str(out)]) == 2
+    assert "trained from logs" in capsys.readouterr().err
+    assert _run(["train", "--epochs", "2", "--out", str(tmp_path / "online")]) == 2
+    assert "--epochs: options of training from logs" in capsys.readouterr().err
+    assert _train(logs, out, "--resume", "--epochs", "2", "--checkpoint-every", "1") == 0
+    history = json.loads((out / "result.json").read_text())["history"]
+    assert [row["step"] for row in history] == [0, 10]  # as online: an extended run drops its off-grid last row
+
+
+def _bad_logs(path, *, num_items=1000, num_users=1000, extra=None, bad_group=None):
+    """3 row groups of 20 rows on the synthetic catalog; ``bad_group`` gets a propensity > 1 in its row 7."""
+    g = torch.Generator().manual_seed(0)
+    extra = {"env": synthetic_env().name, "lsr": "optimal"} if extra is None else extra
+    with LogWriter(path, num_candidates=K, num_shown=L, num_items=num_items, extra=extra,
+                   validate_args=False) as writer:
+        for group in range(3):
+            candidates = torch.rand(20, num_items, generator=g).argsort(1)[:, :K]
+            log_inclusion = torch.full((20, L), -1.0, dtype=torch.float64)
+            if group == bad_group:
+                log_inclusion[7, 1] = 0.5
+            writer.write(LoggedBatch(torch.randint(0, num_users, (20,), generator=g), candidates, candidates[:, :L],
+                                     torch.rand(20, L, generator=g), log_inclusion, log_inclusion + 1.0,
+                                     torch.full((20,), -20.0, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("bad_group", [0, 2])  # a training row group, the held-out one
+def test_malformed_logs_exit_2_naming_row_group_and_column(tmp_path, capsys, bad_group):
+    path = tmp_path / "bad.parquet"
+    _bad_logs(path, bad_group=bad_group)
+    assert _run(["train", "--logs", str(path), "--batch-size", "16", "--holdout", "0.3", "--eval-every", "100",
+                 "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert f"row group {bad_group}, row 7 (file row {20 * bad_group + 7}): column 'log_inclusion' is a propensity > 1" \
+        in err
+
+
+def test_logs_missing_a_column_exit_2(tmp_path, capsys):
+    path = tmp_path / "bad.parquet"
+    _bad_logs(path)
+    table = pq.read_table(path)
+    pq.write_table(table.drop_columns(["rewards"]).replace_schema_metadata(table.schema.metadata), path)
+    assert _run(["train", "--logs", str(path), "--out", str(tmp_path / "run")]) == 2
+    assert "missing column 'rewards'" in capsys.readouterr().err
+
+
+def test_logs_of_another_catalog_are_refused(tmp_path, capsys):
+    path = tmp_path / "other.parquet"
+    _bad_logs(path, num_items=500)
+    assert _run(["train", "--logs", str(path), "--out", str(tmp_path / "run")]) == 2
+    assert "their catalog has 500 items, the environment" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="their catalog has 500 items"):
+        LogTrainer(LogTrainConfig((path,)), synthetic_env())
+
+
+def test_context_keys_outside_the_user_table_exit_2(tmp_path, capsys):
+    path = tmp_path / "users.parquet"
+    _bad_logs(path, num_users=2000)
+    assert _run(["train", "--logs", str(path), "--holdout", "0", "--out", str(tmp_path / "run")]) == 2
+    assert "column 'context' holds a key outside [0, 1000)" in capsys.readouterr().err
+    assert _run(["train", "--logs", str(path), "--holdout", "0.3", "--out", str(tmp_path / "run")]) == 2  # in OPE
+    assert "column 'context' holds a key outside [0, 1000)" in capsys.readouterr().err
+
+
+def test_an_online_run_does_not_load_a_logs_checkpoint(logs, tmp_path):
+    trainer = LogTrainer(LogTrainConfig((logs,), holdout=0.25), synthetic_env())
+    trainer.save(tmp_path / "c.pt")
+    with pytest.raises(ValueError, match="trained from logs, not online"):
+        Trainer.load(tmp_path / "c.pt", synthetic_env())
+
+
+def test_logs_without_an_environment_report_ope_only(tmp_path, capsys):
+    path = tmp_path / "serving.parquet"
+    _bad_logs(path, extra={"team": "retrieval"})
+    out = tmp_path / "run"
+    assert _run(["train", "--logs", str(path), "--batch-size", "16", "--holdout", "0.3", "--eval-every", "2",
+                 "--checkpoint-every", "1", "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "OPE estimates only" in captured.err and "no environment; held-out OPE SNIPS" in captured.out
+    history = json.loads((out / "result.json").read_text())["history"]
+    assert all(row["policy_value"] is None and math.isfinite(row["ope_snips"]) for row in history)
+    assert (out / "curves.png").stat().st_size > 0
+    state = read_checkpoint(out / "checkpoint.pt")
+    assert state["model"]["user"].shape[1] == 1 + max(int(b.context.max()) for b in LoggedImpressions(path, 60))
+
+
+def test_reader_subsets_and_batch_counts(tmp_path):
+    path = tmp_path / "logs.parquet"
+    _bad_logs(path)
+    data = LoggedImpressions(path, 16, shuffle_row_groups=True, seed=3)
+    held = data.subset([2])
+    train = data.subset(range(2))
+    assert (held.num_rows, train.num_rows) == (20, 40)
+    ids = torch.cat([b.request_id for b in held])
+    assert torch.equal(ids, torch.arange(40, 60))
+    for workers in (0, 2):
+        for epoch in (0, 1):
+            train.set_epoch(epoch)
+            batches = list(torch.utils.data.DataLoader(train, batch_size=None, num_workers=workers))
+            assert train.num_batches(workers) == len(batches)
+            assert sorted(torch.cat([b.request_id for b in batches]).tolist()) == list(range(40))
+    with pytest.raises(ValueError, match="row_groups must be distinct indices in"):
+        data.subset([0, 3])
+    with pytest.raises(TypeError, match="row_groups must be a sequence of ints"):
+        data.subset("01")
+
+
+def test_first_gradient_on_own_logs_is_on_policy_capg(tmp_path):
+    """Logs of the initial model itself (ε = 0, τ = 1): every weight π_θ/π₀ is 1, so off-policy CA-PG's first
+    gradient is on-policy CA-PG's on the same batch."""
+    path = tmp_path / "own.parquet"
+    assert _run(["log", "-n", "200", "-K", str(K), "-L", str(L), "--temperature", "1", "--epsilon", "0", "-M", "2",
+                 "--method", "mean_field", "--seed", "4", "--out", str(path), "--no-progress"]) == 0
+    trainer = LogTrainer(LogTrainConfig((path,), capg_method="mean_field", num_experts=2, max_weight=None,
+                                        batch_size=50, holdout=0.0, seed=4), synthetic_env())
+    batch = trainer._next_batch()
+    logits = trainer.model(batch.context)
+    weights = (inclusion_log_prob(logits.detach().double(), batch.shown, K, method="mean_field")
+               - batch.log_inclusion).exp()
+    torch.testing.assert_close(weights, torch.ones_like(weights), rtol=0, atol=1e-9)
+    off = torch.autograd.grad(trainer.loss_fn(logits, batch), list(trainer.model.parameters()))
+    on_loss = CAPGLoss(K, method="mean_field")(trainer.model(batch.context), batch.candidates, batch.shown,
+                                               batch.rewards, position_weights=torch.full((L,), 1 / L))
+    on = torch.autograd.grad(on_loss, list(trainer.model.parameters()))
+    for a, b in zip(off, on):
+        assert a.abs().max() > 0
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_speed_benchmark_runs(tmp_path):
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "train_logs_speed.py"
+    spec = importlib.util.spec_from_file_location("train_logs_speed", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    result = module.main(["--rows", "300", "-K", "4", "-L", "1", "--batch-size", "64", "--steps", "3",
+                          "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "train_logs_speed.json").read_text())
+    assert saved["trainer"]["rows"] == result["trainer"]["rows"] == 128 and saved["reader"]["rows"] >= 128
+    assert saved["reader_over_trainer"] > 0
