@@ -101,9 +101,9 @@ class ServingRetriever:
         return self.item_vectors.shape[0]
 
     @torch.no_grad()
-    def user_vectors(self, *inputs: object) -> Tensor:
-        """The user side of a batch of requests → ``[B, M, D]``."""
-        user = self.user_tower(*inputs)
+    def user_vectors(self, *inputs: object, **kwargs: object) -> Tensor:
+        """The user side of a batch of requests (``user_tower(*inputs, **kwargs)``) → ``[B, M, D]``."""
+        user = self.user_tower(*inputs, **kwargs)
         user = check_float_tensor("user_tower(...)", user, ndims=(2, 3), validate=True)
         user = user.unsqueeze(1) if user.dim() == 2 else user
         num_experts = 1 if self.item_vectors.dim() == 2 else self.item_vectors.shape[1]
@@ -114,12 +114,13 @@ class ServingRetriever:
 
     @torch.no_grad()
     def retrieve(self, *inputs: object, num_candidates: int, sample: bool = False,
-                 generator: torch.Generator | None = None) -> Retrieved:
+                 generator: torch.Generator | None = None, **kwargs: object) -> Retrieved:
         """K candidates per request: the greedy top-K through the index (``sample=False``), or a draw from
         the serving policy with its log-propensities (``sample=True``: the full catalog is scored, in
-        chunks, so that the logged propensities are those of the policy that drew)."""
+        chunks, so that the logged propensities are those of the policy that drew). ``inputs`` and
+        ``kwargs`` go to the user tower."""
         num_candidates = check_count("num_candidates", num_candidates, high=self.num_items)
-        user = self.user_vectors(*inputs)
+        user = self.user_vectors(*inputs, **kwargs)
         if not check_flag("sample", sample):
             return Retrieved(self._greedy(user, num_candidates))
         catalog = EmbeddingCatalog(user, self.item_vectors.to(user.dtype), self.temperature)

@@ -8,7 +8,9 @@ table-wise (fused SGD in backward),
 the towers replicated (DDP, SGD). Every rank also builds the same retriever unsharded and feeds it
 the global batch. After one CA-PG step, every parameter of the sharded model (its shards) must
 equal the single-process one to 1e-5 relative, and so must the update itself to 1e-3 (float32
-differences of O(1) rows; for updates above 1e-2 of the parameter). Each rank writes ``DIR/towers_rank{r}.json``.
+differences of O(1) rows; for updates above 1e-2 of the parameter). The serving export of the
+model (item vectors gathered from the shards, user vectors, greedy top-K) must equal the single-process
+one. Each rank writes ``DIR/towers_rank{r}.json``.
 """
 
 from __future__ import annotations
@@ -81,6 +83,10 @@ def empty(batch_size: int) -> KeyedJaggedTensor:
     return KeyedJaggedTensor.from_lengths_sync([], none, none, stride=batch_size).to(h.device())
 
 
+def _rel(got: Tensor, want: Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -120,6 +126,21 @@ def main() -> int:
                 if float((params[key] - state[key]).abs().max()) > 1e-2 * float(params[key].abs().max()):
                     errors[f"{sharding}/{est}/update/{key}"] = err * 1e-2
             model.zero_grad(set_to_none=True)
+        # the serving export: item vectors gathered from the shards in id order, user vectors through the
+        # sharded bags, and the greedy top-K through the exported index
+        h.load(model, state)
+        h.load(reference, state)
+        errors[f"{sharding}/export/item_vectors"] = _rel(model.module.item_vectors(h.device()),
+                                                         reference.item_vectors(h.device()))
+        mine_bags, all_bags = batch(users[mine], histories[mine]), batch(users, histories)
+        errors[f"{sharding}/export/user_vectors"] = _rel(
+            model.module.user_vectors(empty(GLOBAL_BATCH // world), bag_features=mine_bags),
+            reference.user_vectors(empty(GLOBAL_BATCH), bag_features=all_bags)[mine])
+        got = model.module.serving_export().retrieve(empty(GLOBAL_BATCH // world), num_candidates=CANDIDATES,
+                                                     bag_features=mine_bags).candidates
+        want = reference.serving_export().retrieve(empty(GLOBAL_BATCH), num_candidates=CANDIDATES,
+                                                   bag_features=all_bags).candidates[mine]
+        errors[f"{sharding}/export/greedy_top_k"] = 0.0 if torch.equal(got, want) else float("inf")
         del model
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"towers_rank{rank}.json").write_text(json.dumps({"world_size": world, "errors": errors}, indent=1))

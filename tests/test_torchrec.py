@@ -619,3 +619,33 @@ def test_sampling_benchmark_runs(tmp_path, monkeypatch):
     bench.main()
     results = json.loads((tmp_path / "bench_sampling.json").read_text())["results"]
     assert results["sharded_catalog_sample_ms"] > 0 and results["ratio"] > 0
+
+
+def test_serving_export_retrieves_what_the_training_catalog_ranks_first():
+    """The export's item vectors are the item tower over every row, its user side the training user side;
+    the greedy top-K through its FAISS index equals the greedy draw from the training catalog, and a
+    sampled retrieval logs that catalog's propensities. Both with EC user features and with bags."""
+    from capg_rec import greedy_candidates
+    from capg_rec.logs import log_propensities
+
+    plain = make_retriever(num_items=30, tower=nn.Linear(6, 6))
+    bags = _bag_retriever(user_tower=nn.Linear(8, 4), item_tower=nn.Sequential(nn.Linear(4, 8), nn.Tanh(),
+                                                                               nn.Linear(8, 4)))
+    no_ids = KeyedJaggedTensor.from_lengths_sync([], torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long),
+                                                 stride=3)
+    for retriever, features, kwargs in ((plain, user_batch([1, 7, 2]), {}), (bags, no_ids, {"bag_features": _bags()})):
+        with torch.no_grad():
+            catalog = retriever(retriever.with_catalog(features), **kwargs)
+        server = retriever.serving_export(method="exact")
+        items = server.item_vectors
+        torch.testing.assert_close(items, catalog.item)
+        torch.testing.assert_close(retriever.user_vectors(features, **kwargs) / retriever.temperature, catalog.user_all)
+        got = server.retrieve(features, num_candidates=6, **kwargs)
+        torch.testing.assert_close(got.candidates, greedy_candidates(catalog, 6), rtol=0, atol=0)
+        drawn = server.retrieve(features, num_candidates=6, sample=True, generator=torch.Generator().manual_seed(0),
+                                **kwargs)
+        want = log_propensities(catalog, drawn.candidates, drawn.candidates, method="exact")
+        torch.testing.assert_close(drawn.log_inclusion, want.log_inclusion)
+        torch.testing.assert_close(drawn.log_candidate_prob, want.log_candidate_prob)
+    with pytest.raises(ValueError, match="catalog feature"):
+        plain.user_vectors(plain.with_catalog(user_batch([1])))

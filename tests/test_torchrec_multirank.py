@@ -83,7 +83,8 @@ def test_train_pipeline_sparse_dist_equals_the_plain_loop(backend, tmp_path):
 def test_towers_and_bag_collections_match_one_process(backend, world, tmp_path):
     """Item tower (chunked, recomputed) + bag-collection user side + user tower: after one step of CA-PG
     and of V-PG-SwR, every parameter (item/user tables, both towers) equals the 1-process step to 1e-5
-    relative, with the item table row-wise and table-wise (ranks without item rows)."""
+    relative, with the item table row-wise and table-wise (ranks without item rows); so does the serving
+    export (item vectors gathered from the shards, user vectors, greedy top-K through the index)."""
     run = launch("towers.py", world, tmp_path, backend=backend)
     assert run.returncode == 0, run.stderr[-4000:]
     for r in range(world):
@@ -91,6 +92,8 @@ def test_towers_and_bag_collections_match_one_process(backend, world, tmp_path):
         assert max(errors.values()) <= 1e-5
         for part in ("item_tower.0.weight", "user_tower.0.weight", "item_table", "user_table", "history_table"):
             assert any(part in k and "/update/" in k for k in errors), part
+        for part in ("item_vectors", "user_vectors", "greedy_top_k"):
+            assert {f"{s}/export/{part}" for s in ("row_wise", "table_wise")} <= errors.keys(), part
 
 
 def test_faults_on_one_rank_raise_on_every_rank_in_bounded_time(tmp_path):

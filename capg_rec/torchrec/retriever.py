@@ -16,7 +16,10 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 from capg_rec._checks import check_count, check_flag, check_positive, resolve_validate_args
-from capg_rec.torchrec._collective import exchange
+from capg_rec.ann import ItemIndex
+from capg_rec.marginals import DEFAULT_METHOD, InclusionMethod
+from capg_rec.serving import ServingRetriever
+from capg_rec.torchrec._collective import all_gather_rows, exchange
 from capg_rec.torchrec.catalog import ShardedEmbeddingCatalog
 
 __all__ = ["TwoTowerRetriever"]
@@ -112,6 +115,7 @@ class TwoTowerRetriever(nn.Module):
             raise ValueError(f"embeddings and user_embeddings must not share feature names, "
                              f"got {sorted(features & bags)}")
         self._bag_features = bags
+        self._other_features = sorted(features - {self.catalog_feature})  # the collection's user features
         if user_tower is None and not self.user_features:
             raise ValueError("give user_features, a user_tower, or both")
         self.embeddings = embeddings
@@ -219,19 +223,8 @@ class TwoTowerRetriever(nn.Module):
                 dense: Tensor | None, masked_items: Tensor | None) -> ShardedEmbeddingCatalog:
         """The lookups' outputs ``out`` and ``bags`` → the catalog (see :class:`_Scorer`)."""
         offset, rows, group = self._layout()
-        batch = features.stride() - 1
-        pooled = [bags[f][:batch] if f in self._bag_features else _mean_pool(out[f].values(), out[f].lengths(), batch)
-                  for f in self.user_features]
-        if self.user_tower is None:
-            if len({p.shape[1] for p in pooled}) > 1:
-                raise ValueError(f"without a user_tower the user features must have one width (they are summed), "
-                                 f"got {[p.shape[1] for p in pooled]}")
-            user = torch.stack(pooled).sum(0)
-        else:
-            user = self.user_tower(torch.cat(pooled + ([dense] if dense is not None else []), dim=1))
-        item = out[self.catalog_feature].values()
-        if self.item_tower is not None:
-            item = _chunked_tower(self.item_tower, item, self.chunk_size)
+        user = self._user(out, bags, dense, features.stride() - 1)
+        item = self._item(out)
         width = item.shape[1]
         if item.dim() != 2 or width % self.num_experts:
             raise ValueError(f"the item side must give [R, num_experts·D] (num_experts={self.num_experts}), "
@@ -245,6 +238,71 @@ class TwoTowerRetriever(nn.Module):
                                        row_offset=offset, temperature=self.temperature, masked_items=masked_items,
                                        chunk_size=self.chunk_size, process_group=group,
                                        validate_args=self.validate_args)
+
+    def _user(self, out: dict[str, JaggedTensor], bags: KeyedTensor | None, dense: Tensor | None,
+              batch: int) -> Tensor:
+        """The user side of the first ``batch`` samples of the lookups → ``[B, M·D]``."""
+        pooled = [bags[f][:batch] if f in self._bag_features else _mean_pool(out[f].values(), out[f].lengths(), batch)
+                  for f in self.user_features]
+        if self.user_tower is None:
+            if len({p.shape[1] for p in pooled}) > 1:
+                raise ValueError(f"without a user_tower the user features must have one width (they are summed), "
+                                 f"got {[p.shape[1] for p in pooled]}")
+            return torch.stack(pooled).sum(0)
+        return self.user_tower(torch.cat(pooled + ([dense] if dense is not None else []), dim=1))
+
+    def _item(self, out: dict[str, JaggedTensor]) -> Tensor:
+        """The item side of this rank's rows (the catalog feature's lookup) → ``[R, M·D]``."""
+        item = out[self.catalog_feature].values()
+        return item if self.item_tower is None else _chunked_tower(self.item_tower, item, self.chunk_size)
+
+    def _without_users(self, batch: int, device: torch.device) -> KeyedJaggedTensor:
+        """Features of ``batch`` samples with every user feature of ``embeddings`` and no ids."""
+        keys = self._other_features
+        none = torch.zeros(0, dtype=torch.long, device=device)
+        return KeyedJaggedTensor(keys=keys, values=none, lengths=torch.zeros(len(keys) * batch, dtype=torch.int32,
+                                                                             device=device), stride=batch)
+
+    @torch.no_grad()
+    def item_vectors(self, device: torch.device | str = "cpu") -> Tensor:
+        """Every item through the item side (table rows, then the item tower) → ``[N, M, D]``, on every
+        rank: the item half of a serving export. Collective when sharded (call it on every rank)."""
+        offset, rows, group = self._layout()
+        item = self._item(self.embeddings(self.with_catalog(self._without_users(0, torch.device(device)))))
+        if group is not None:  # every rank's rows, in global id order
+            layout = exchange(lambda: [offset, rows], 2, group, item.device)  # [offset, rows] per rank
+            item = all_gather_rows(item, [n for _, n in layout], group)
+            item = item[torch.cat([torch.arange(o, o + n) for o, n in layout]).argsort().to(item.device)]
+        return item.view(self.num_items, self.num_experts, -1)
+
+    @torch.no_grad()
+    def user_vectors(self, features: KeyedJaggedTensor, dense: Tensor | None = None, *,
+                     bag_features: KeyedJaggedTensor | None = None) -> Tensor:
+        """The user side of a batch of B users → ``[B, M, D]`` (``features``: stride B, the user features
+        of ``embeddings``, without the catalog feature): the user half of a serving export. Collective
+        when ``embeddings`` is sharded (every rank looks up its batch)."""
+        if not isinstance(features, KeyedJaggedTensor):
+            raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
+        if self.catalog_feature in features.keys():
+            raise ValueError(f"features must not have the catalog feature {self.catalog_feature!r}: "
+                             "user_vectors looks up users only")
+        batch = features.stride()
+        with_empty_catalog = KeyedJaggedTensor(
+            keys=[*features.keys(), self.catalog_feature], values=features.values(),
+            weights=features.weights_or_none(),
+            lengths=torch.cat([features.lengths(), features.lengths().new_zeros(batch)]), stride=batch)
+        bags = None if self.user_embeddings is None else self.user_embeddings(bag_features)
+        return self._user(self.embeddings(with_empty_catalog), bags, dense, batch).view(batch, self.num_experts, -1)
+
+    def serving_export(self, *, index: ItemIndex | None = None, temperature: float | None = None,
+                       epsilon: float = 0.0, method: str | InclusionMethod = DEFAULT_METHOD,
+                       device: torch.device | str = "cpu") -> ServingRetriever:
+        """This retriever for serving (:class:`capg_rec.serving.ServingRetriever`): the item side, every
+        item through the item tower, in ``index`` (default: an exact FAISS index), the user side as
+        :meth:`user_vectors`. ``temperature`` defaults to the training one. Collective when sharded."""
+        items = self.item_vectors(device)
+        return ServingRetriever(self.user_vectors, items, index=index, epsilon=epsilon, method=method,
+                                temperature=self.temperature if temperature is None else temperature)
 
     def _check_inputs(self, features: KeyedJaggedTensor, dense: Tensor | None,
                       bag_features: KeyedJaggedTensor | None, offset: int, rows: int, validate: bool) -> None:
