@@ -124,6 +124,16 @@ def test_checkpoint_resume_is_bit_identical(env, tmp_path, options):
     assert json.loads((tmp_path / "result.json").read_text())["steps_done"] == 60
 
 
+def test_a_run_checkpoints_its_last_step_off_the_grid(env, tmp_path):
+    """A run shorter than (or not a multiple of) checkpoint_every still leaves its end to resume from."""
+    trainer = Trainer(env, _config(steps=7, eval_every=5))
+    trainer.run(out_dir=tmp_path, checkpoint_every=5, progress=False)
+    resumed = Trainer.load(tmp_path / "checkpoint.pt", env)
+    assert resumed.step_count == 7
+    for a, b in zip(trainer.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_interrupted_checkpoint_write_keeps_the_last_good_one(env, tmp_path, monkeypatch):
     trainer = Trainer(env, _config(steps=10))
     trainer.run(progress=False)

@@ -253,7 +253,7 @@ class Trainer:
         """Train until ``config.steps`` (or an overflow with ``on_overflow="stop"``).
 
         With ``out_dir``: appends each evaluation to ``metrics.jsonl``, writes ``result.json`` at
-        the end and, every ``checkpoint_every`` steps, an atomic ``checkpoint.pt``.
+        the end and, every ``checkpoint_every`` steps and at the end, an atomic ``checkpoint.pt``.
         """
         from tqdm.auto import tqdm
 
@@ -285,6 +285,8 @@ class Trainer:
             if checkpoint_every is not None and self.step_count % checkpoint_every == 0:
                 self.save(out / "checkpoint.pt")
         bar.close()
+        if checkpoint_every is not None and self.step_count % checkpoint_every:  # the end, off the grid
+            self.save(out / "checkpoint.pt")
         self.result.steps_done = self.step_count
         self.result.seconds += time.perf_counter() - started
         if out is not None:
