@@ -13,8 +13,11 @@ and the user's rewards for what was shown are the feedback (simulated by ``capg_
     python examples/torchrec_two_tower.py --loss vpg_swr          # one process
 
 ``--loss``: ``capg`` (CA-PG, mean-field), ``capg_swr`` (CA-PG-SwR / TOP1-PG), ``vpg_swr`` (V-PG-SwR)
-or ``bce`` (the usual pointwise loss on the shown items). With ``--out``, rank 0 writes the
-learning curve (``curve.json``, ``curve.png``).
+or ``bce`` (the usual pointwise loss on the shown items). The defaults learn for every
+estimator: unit-length tower outputs scored as cosines at τ = 0.1, SGD (lr 1) on the tables, Adam
+(3e-3) on the towers, the global batch's mean reward as the baseline (raw dot products make the
+with-replacement estimators overflow to NaN). With ``--out``, rank 0 writes the learning curve
+(``curve.json``, ``curve.png``).
 """
 
 from __future__ import annotations
@@ -95,6 +98,17 @@ class Feedback(nn.Module):
         return loss, rewards.detach().mean()
 
 
+class UnitNorm(nn.Module):
+    """Each expert's vector scaled to length 1: ``[B, M·D]`` → ``[B, M·D]`` (scores become cosines / τ)."""
+
+    def __init__(self, num_experts: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+
+    def forward(self, x: Tensor) -> Tensor:
+        return nn.functional.normalize(x.unflatten(1, (self.num_experts, -1)), dim=2).flatten(1)
+
+
 class TrainTask(nn.Module):
     def __init__(self, retriever: TwoTowerRetriever, feedback: Feedback) -> None:
         super().__init__()
@@ -118,6 +132,9 @@ def main() -> None:
     parser.add_argument("--table-optimizer", choices=["sgd", "rowwise_adagrad"], default="sgd")
     parser.add_argument("--table-lr", type=float, default=1.0)
     parser.add_argument("--tower-lr", type=float, default=0.003)
+    parser.add_argument("--unit-norm", action=argparse.BooleanOptionalAction, default=True,
+                        help="unit-length user and item vectors, so scores are bounded by 1/τ")
+    parser.add_argument("--temperature", type=float, default=0.1)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if "RANK" not in os.environ:  # plain `python`: a world of one
@@ -131,10 +148,11 @@ def main() -> None:
         name="item_table", embedding_dim=16, num_embeddings=args.num_items, feature_names=["catalog"])])
     users = EmbeddingBagCollection(device=meta, tables=[EmbeddingBagConfig(
         name="user_table", embedding_dim=16, num_embeddings=env.num_users, feature_names=["user_id"])])
+    towers = [nn.Sequential(MLP(16, [64, width], device=meta), *([UnitNorm(args.num_experts)] * args.unit_norm))
+              for _ in range(2)]  # the query and candidate towers
     retriever = TwoTowerRetriever(items, item_table="item_table", num_experts=args.num_experts,
-                                  user_features=["user_id"], user_embeddings=users,
-                                  user_tower=MLP(16, [64, width], device=meta),
-                                  item_tower=MLP(16, [64, width], device=meta))
+                                  user_features=["user_id"], user_embeddings=users, user_tower=towers[0],
+                                  item_tower=towers[1], temperature=args.temperature)
     task = TrainTask(retriever, Feedback(env, args.loss, args.candidates, args.shown))
     table_optimizer = torch.optim.SGD if args.table_optimizer == "sgd" else RowWiseAdagrad
     _apply_optimizer_in_backward(table_optimizer, [*items.parameters(), *users.parameters()], {"lr": args.table_lr})
