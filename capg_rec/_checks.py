@@ -191,4 +191,4 @@ class DeferredChecks:
         both = [local.tolist()] * 2 if shared is local else torch.stack([local, shared]).tolist()  # the one host sync
         for here, everywhere, (_, message) in zip(*both, self._checks):
             if not everywhere:
-                raise ValueError(message + ("" if here else " (in another process)"))
+                raise ValueError(message + (" (in another process)" if here else ""))

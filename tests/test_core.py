@@ -456,3 +456,20 @@ def test_method_settings_are_checked():
     with pytest.raises(ValueError, match="memory_budget"):
         capg_rec.Exact(memory_budget=0)
     assert capg_rec.MeanField(max_iter=8) == capg_rec.MeanField(max_iter=8) != capg_rec.MeanField()
+
+
+def test_deferred_checks_say_where_a_check_failed():
+    """A check that failed in this process names no other; one that passed here but failed in another
+    process (as the catalog's collective ``agree`` reports) says so."""
+    from capg_rec._checks import DeferredChecks
+
+    def checks(ok_here: bool) -> DeferredChecks:
+        c = DeferredChecks()
+        c.require(torch.tensor(ok_here), "rewards must be finite")
+        return c
+
+    with pytest.raises(ValueError, match=r"^rewards must be finite$"):
+        checks(False).run(lambda local: local)
+    with pytest.raises(ValueError, match=r"^rewards must be finite \(in another process\)$"):
+        checks(True).run(lambda local: torch.zeros_like(local))
+    checks(True).run(lambda local: local)
