@@ -106,6 +106,9 @@ class InBatchSampler(NegativeSampler):
 
     In-batch negatives never reach items that are never named: the estimate is biased towards
     popular items unless the batch covers the catalog. :class:`MixedSampler` adds uniform negatives.
+    When the batch is the catalog's own ``head_items`` (the default), a row's own named items are
+    scored exactly in its head and their sample terms dropped; the head then depends on the sample,
+    so the sums are unbiased only up to those few terms (pass ``batch_items`` drawn apart for none).
     """
 
     def __init__(self, *, frequency: Tensor | None = None, num_buckets: int = 1 << 18, num_hashes: int = 2,
