@@ -201,6 +201,15 @@ class DenseCatalog(CatalogScores):
             return s.topk(k, dim=2).indices
 
 
+def available_given_masks(masked_items: Tensor, num_items: int, num_experts: int) -> Tensor:
+    """Items left per row and expert once ``masked_items [B, E]`` (ids, ``-1`` pads, repeats allowed) are
+    masked under every expert → ``LongTensor[B, M]``."""
+    s = masked_items.sort(dim=1).values
+    distinct = s >= 0
+    distinct[:, 1:] &= s[:, 1:] != s[:, :-1]
+    return (num_items - distinct.sum(1)).unsqueeze(1).expand(-1, num_experts)
+
+
 def _overflow_error(dtype: torch.dtype) -> ValueError:
     return ValueError(f"user and item embeddings give scores <user, item> that overflow {dtype} (inf or NaN): "
                       "scale them down (or the temperature up), or compute in float64")
@@ -371,10 +380,7 @@ class EmbeddingCatalog(CatalogScores):
     def num_available(self) -> Tensor:
         if self.masked_items is None:
             return super().num_available()
-        s = self.masked_items.sort(dim=1).values
-        distinct = s >= 0
-        distinct[:, 1:] &= s[:, 1:] != s[:, :-1]
-        return (self.num_items - distinct.sum(1)).unsqueeze(1).expand(-1, self.num_experts)
+        return available_given_masks(self.masked_items, self.num_items, self.num_experts)
 
     def _with_masked(self, exclude: Tensor | None) -> Tensor | None:
         if self.masked_items is None or exclude is None:

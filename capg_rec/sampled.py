@@ -46,7 +46,7 @@ from torch import Tensor
 from capg_rec._checks import check_count, check_float_tensor, check_items, check_positive, resolve_validate_args
 from capg_rec._numerics import gumbel_top_k, safe_logsumexp
 from capg_rec.ann import ItemIndex
-from capg_rec.catalog import CatalogScores, compute_dtype
+from capg_rec.catalog import CatalogScores, available_given_masks, compute_dtype
 
 __all__ = ["SampledCatalog", "NegativeSampler", "UniformSampler", "InBatchSampler", "MixedSampler",
            "MAX_SAMPLED_POWERS"]
@@ -357,10 +357,7 @@ class SampledCatalog(CatalogScores):
     def num_available(self) -> Tensor:
         if self.masked_items is None:
             return super().num_available()
-        s = self.masked_items.sort(dim=1).values
-        distinct = s >= 0
-        distinct[:, 1:] &= s[:, 1:] != s[:, :-1]
-        return (self.num_items - distinct.sum(1)).unsqueeze(1).expand(-1, self.num_experts)
+        return available_given_masks(self.masked_items, self.num_items, self.num_experts)
 
     def gather(self, items: Tensor) -> Tensor:
         scores = self._score(items)
