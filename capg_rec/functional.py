@@ -39,7 +39,7 @@ from capg_rec._checks import DeferredChecks, check_choice, check_count, check_fl
 from capg_rec.catalog import CatalogScores, DenseCatalog, as_catalog
 from capg_rec.marginals import DEFAULT_METHOD, InclusionMethod, WithReplacement, _inclusion_log_prob, \
     inclusion_method
-from capg_rec.plackett_luce import _candidate_log_prob
+from capg_rec.plackett_luce import _candidate_log_prob, expert_of_position
 
 __all__ = ["vpg_loss", "capg_loss", "offpolicy_capg_loss", "offpolicy_vpg_loss", "topk_reinforce_loss",
            "importance_weights"]
@@ -233,8 +233,9 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
         checks.require((chosen.unsqueeze(2) == candidates.unsqueeze(1)).any(2).all(),
                        "chosen must be a subset of candidates in every row (the LSR picks among them)")
         with torch.no_grad():  # a catalog call on every process, empty batches included (it may be collective)
-            checks.require((catalog.gather(inside) > -math.inf).all(),
-                           "candidates must not hold masked items (scored -inf): the ESR cannot draw them")
+            checks.require((_drawing_scores(catalog, inside) > -math.inf).all(),
+                           "candidates must not hold masked items (scored -inf by the expert that drew them): "
+                           "the ESR cannot draw them")
         for name, x in (("rewards", rewards), ("baseline", baseline), ("position_weights", position_weights)):
             if x is not None:
                 checks.no_nan_or_inf(name, x)
@@ -245,6 +246,16 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
                            f"most 1, an expected count at most K)")
         checks.run(catalog.agree)
     return catalog, candidates, chosen, advantage.to(catalog.dtype)
+
+
+def _drawing_scores(catalog: CatalogScores, candidates: Tensor) -> Tensor:
+    """``s_{m(k)}(a_k)``: each candidate's score under the expert that drew it → ``[B, K]`` (one
+    ``[B, K]`` gather on a dense catalog rather than ``[B, M, K]``)."""
+    experts = expert_of_position(candidates.shape[1], catalog.num_experts).to(candidates.device)
+    if isinstance(catalog, DenseCatalog) and catalog.scores.is_contiguous():
+        return catalog.scores.flatten(1).gather(1, experts * catalog.num_items + candidates)
+    index = experts.view(1, 1, -1).expand(candidates.shape[0], 1, -1)
+    return catalog.gather(candidates).gather(1, index)[:, 0]
 
 
 def _float(name: str, x: object, shapes: tuple[tuple[int, ...], ...]) -> Tensor:

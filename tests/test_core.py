@@ -473,3 +473,22 @@ def test_deferred_checks_say_where_a_check_failed():
     with pytest.raises(ValueError, match=r"^rewards must be finite \(in another process\)$"):
         checks(True).run(lambda local: torch.zeros_like(local))
     checks(True).run(lambda local: local)
+
+
+@pytest.mark.parametrize("name", ["vpg", "capg_swr", "capg_mean_field"])
+def test_candidates_need_only_the_drawing_experts_score(name):
+    """A candidate masked under another expert is a draw the mixture can make (position k uses expert
+    m(k) alone); masked under its own expert it is not, and the checks say so."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 2, 12, generator=g, dtype=torch.float64)
+    cand = capg_rec.sample_candidates(logits, 4, generator=g)  # positions 0, 1 from expert 0; 2, 3 from 1
+    loss = {"vpg": capg_rec.VPGLoss(4), "capg_swr": capg_rec.CAPGLoss(4, method="with_replacement"),
+            "capg_mean_field": capg_rec.CAPGLoss(4)}[name]
+    chosen, rewards = cand[:, :2], torch.ones(4, 2, dtype=torch.float64)
+    other = logits.clone()
+    other[torch.arange(4), 1, cand[:, 0]] = -math.inf  # drawn by expert 0, masked under expert 1
+    assert torch.isfinite(loss(other, cand, chosen, rewards))
+    own = logits.clone()
+    own[torch.arange(4), 0, cand[:, 0]] = -math.inf
+    with pytest.raises(ValueError, match="masked items"):
+        loss(own, cand, chosen, rewards)
