@@ -102,7 +102,7 @@ def scaled_terms(terms: Tensor, scale: Tensor) -> Tensor:
     kept, low, tiny, top = _FLUSH[terms.dtype]
     if torch.is_grad_enabled() and (terms.requires_grad or scale.requires_grad):
         return torch.where(terms >= kept, terms, 0.0) * scale
-    shift = scale.abs().clamp(min=tiny, max=top).reciprocal_().mul_(low)
+    shift = low / scale.abs().clamp(min=tiny, max=top)
     return (terms + shift).sub_(shift).mul_(scale)
 
 

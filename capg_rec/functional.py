@@ -39,7 +39,7 @@ from capg_rec._checks import DeferredChecks, check_choice, check_count, check_fl
 from capg_rec.catalog import CatalogScores, DenseCatalog, as_catalog
 from capg_rec.marginals import DEFAULT_METHOD, InclusionMethod, WithReplacement, _inclusion_log_prob, \
     inclusion_method
-from capg_rec.plackett_luce import _candidate_log_prob, expert_of_position
+from capg_rec.plackett_luce import _candidate_log_prob, _expert_index
 
 __all__ = ["vpg_loss", "capg_loss", "offpolicy_capg_loss", "offpolicy_vpg_loss", "topk_reinforce_loss",
            "importance_weights"]
@@ -251,7 +251,7 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
 def _drawing_scores(catalog: CatalogScores, candidates: Tensor) -> Tensor:
     """``s_{m(k)}(a_k)``: each candidate's score under the expert that drew it → ``[B, K]`` (one
     ``[B, K]`` gather on a dense catalog rather than ``[B, M, K]``)."""
-    experts = expert_of_position(candidates.shape[1], catalog.num_experts).to(candidates.device)
+    experts = _expert_index(candidates.shape[1], catalog.num_experts, candidates.device)
     if isinstance(catalog, DenseCatalog) and catalog.scores.is_contiguous():
         return catalog.scores.flatten(1).gather(1, experts * catalog.num_items + candidates)
     index = experts.view(1, 1, -1).expand(candidates.shape[0], 1, -1)
@@ -272,5 +272,4 @@ def _reduce(per_row: Tensor, reduction: str) -> Tensor:
     """``[B]`` → the reduction; the mean of an empty batch is 0 (its gradient too), not NaN."""
     if reduction == "none":
         return per_row
-    total = per_row.sum()
-    return total / max(per_row.shape[0], 1) if reduction == "mean" else total
+    return per_row.mean() if reduction == "mean" and per_row.shape[0] else per_row.sum()

@@ -26,6 +26,12 @@ def expert_of_position(num_candidates: int, num_experts: int) -> Tensor:
     return torch.tensor([e for e, count in expert_runs(num_candidates, num_experts) for _ in range(count)])
 
 
+@functools.lru_cache(maxsize=64)
+def _expert_index(num_candidates: int, num_experts: int, device: torch.device) -> Tensor:
+    """:func:`expert_of_position` on ``device``, made once (internal callers only read it)."""
+    return expert_of_position(num_candidates, num_experts).to(device)
+
+
 @functools.lru_cache(maxsize=256)
 def expert_runs(num_candidates: int, num_experts: int) -> tuple[tuple[int, int], ...]:
     """The blocks of :func:`expert_of_position` as ``((expert, count), ...)``."""
@@ -115,7 +121,7 @@ def candidate_log_prob(logits: Tensor | CatalogScores, candidates: Tensor, *, te
 def _candidate_log_prob(catalog: CatalogScores, candidates: Tensor, with_replacement: bool) -> Tensor:
     """:func:`candidate_log_prob` on validated inputs."""
     num_candidates = candidates.shape[1]
-    experts = expert_of_position(num_candidates, catalog.num_experts).to(catalog.device)
+    experts = _expert_index(num_candidates, catalog.num_experts, catalog.device)
     idx = experts.view(1, 1, -1).expand(catalog.batch_size, 1, -1)
     if with_replacement:  # Σ_k log softmax_{m(k)}(a_k)
         return catalog.log_softmax(candidates).gather(1, idx)[:, 0].sum(dim=1)
