@@ -228,7 +228,7 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
             checks.no_nan_or_inf("logits", catalog.scores, allow_masked=True)
         inside = checks.ids_in_range("candidates", candidates, num_items)  # chosen ⊆ candidates covers chosen
         if distinct:
-            checks.distinct("candidates", candidates)
+            checks.distinct("candidates", inside, num_items)  # clamped ids: out-of-range ones fail above
         checks.distinct("chosen", chosen)
         checks.require((chosen.unsqueeze(2) == candidates.unsqueeze(1)).any(2).all(),
                        "chosen must be a subset of candidates in every row (the LSR picks among them)")

@@ -492,3 +492,21 @@ def test_candidates_need_only_the_drawing_experts_score(name):
     own[torch.arange(4), 0, cand[:, 0]] = -math.inf
     with pytest.raises(ValueError, match="masked items"):
         loss(own, cand, chosen, rewards)
+
+
+@pytest.mark.parametrize("num_candidates", [5, 100])  # a sort, and counting for wide rows
+def test_repeated_or_out_of_range_candidates_are_caught_at_any_width(num_candidates):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 300, generator=g)
+    cand = capg_rec.sample_candidates(logits, num_candidates, generator=g)
+    chosen, rewards = cand[:, :1], torch.ones(3, 1)
+    loss = capg_rec.CAPGLoss(num_candidates, method="with_replacement")
+    assert torch.isfinite(loss(logits, cand, chosen, rewards))
+    repeated = cand.clone()
+    repeated[2, -1] = repeated[2, 1]
+    with pytest.raises(ValueError, match="candidates must not repeat"):
+        loss(logits, repeated, chosen, rewards)
+    outside = cand.clone()
+    outside[1, -1] = 300
+    with pytest.raises(ValueError, match=r"candidates must hold ids in \[0, 300\)"):
+        loss(logits, outside, chosen, rewards)
