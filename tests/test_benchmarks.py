@@ -96,3 +96,16 @@ def test_bench_accuracy_table_covers_every_builtin_method():
     for name in ("mean_field", "plugin", "with_replacement"):
         assert all(0 <= row[f"{name}_vs_exact"] < 1 for row in rows)
     assert all(row["mean_field_vs_exact"] < 0.03 for row in rows)  # the README's documented accuracy
+
+
+def test_old_new_comparison_runs_in_one_process(tmp_path):
+    """benchmarks/loss_cost_ab.py against this very checkout (renamed): every cell, both versions, files written."""
+    import subprocess
+
+    root = SCRIPT.parents[1]
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "loss_cost_ab.py"), "--old", str(root),
+                          "--reps", "1", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads((tmp_path / "ab.json").read_text())
+    assert len(rows) == 4 * 5 * 2 and all(r["old_ms"] > 0 and r["new_ms"] > 0 for r in rows)
+    assert (tmp_path / "ab.csv").exists()
