@@ -358,9 +358,12 @@ def log1mexp_exp(y: Tensor) -> Tensor:
 
 def safe_logsumexp(x: Tensor, dim: int) -> Tensor:
     """``torch.logsumexp`` whose value and gradients (all orders) stay NaN-free when every entry
-    along ``dim`` is ``-inf`` (a masked item's terms): then ``-inf`` with zero gradient."""
-    top = x.detach().amax(dim=dim, keepdim=True).nan_to_num_(neginf=0.0)
-    return _log_total(torch.exp(x - top).sum(dim=dim, keepdim=True), top).squeeze(dim)
+    along ``dim`` is ``-inf`` (a masked item's terms): then ``-inf`` with zero gradient. (``-inf`` is
+    held at the lowest finite value, whose terms vanish next to any finite one and whose clamp passes
+    no gradient.)"""
+    lowest = torch.finfo(x.dtype).min
+    out = torch.logsumexp(x.clamp_min(lowest), dim=dim)
+    return torch.where(out > lowest / 2, out, -math.inf)
 
 
 def _log_total(total: Tensor, top: Tensor) -> Tensor:
@@ -394,7 +397,7 @@ def reverse_logcumsumexp(x: Tensor, dim: int) -> Tensor:
 
 
 def safe_logaddexp(a: Tensor, b: Tensor) -> Tensor:
-    """``torch.logaddexp`` whose second derivatives are right when an argument is ``-inf``
-    (torch's are not) and whose gradients stay NaN-free when both are."""
+    """``torch.logaddexp`` whose second derivatives are right (torch's are not where an argument is
+    ``-inf``, nor where the two are far apart) and whose gradients stay NaN-free when both are ``-inf``."""
     top = torch.maximum(a, b).detach().nan_to_num(neginf=0.0)
     return _log_total(torch.exp(a - top) + torch.exp(b - top), top)
