@@ -9,10 +9,15 @@ import json
 import pathlib
 import sys
 
-import pytest
+import math
 
+import pytest
+import torch
+
+from capg_rec import sample_candidates
 from capg_rec.cli import main
-from capg_rec.train.offpolicy import LEARNERS, OffPolicyStudy
+from capg_rec.losses import OffPolicyCAPGLoss, OffPolicyVPGLoss, TopKReinforceLoss
+from capg_rec.train.offpolicy import LEARNERS, OffPolicyStudy, _Logs, _offpolicy_loss
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "offpolicy_speed.py"
 
@@ -32,6 +37,38 @@ def test_study_writes_every_learner_and_its_estimates(tmp_path, capsys):
     assert (out / "values.png").stat().st_size > 0 and (out / "ope.png").stat().st_size > 0
     assert "off-policy CA-PG (capped IPS)" in (out / "results.md").read_text()
     assert "on-policy CA-PG" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("learner", [name for name in LEARNERS if name != "capg_onpolicy"])
+def test_each_learner_reads_its_logged_propensity(learner):
+    """The study's in-memory logs, read as LoggedBatch rows, give each learner its loss on its own logged column."""
+    b, k, num_outputs, n = 6, 3, 2, 8
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(b, 1, n, generator=g)
+    candidates = sample_candidates(logits, k, generator=g)
+    chosen = candidates[:, :num_outputs]
+    rewards = torch.bernoulli(torch.full((b, num_outputs), 0.5), generator=g)
+    logs = _Logs(users=torch.arange(b, dtype=torch.int32), candidates=candidates.int(), chosen=chosen.int(),
+                 rewards=rewards, log_inclusion=-torch.rand(b, num_outputs, generator=g),
+                 log_count=torch.rand(b, num_outputs, generator=g) - 0.5, log_set=-3 * torch.rand(b, generator=g))
+    batch = logs.batch(torch.arange(b))
+    weights = torch.full((num_outputs,), 1.0 / num_outputs)
+    cap, at = dict(max_weight=100.0), dict(position_weights=weights)
+    if learner == "supervised":
+        log_p = torch.log_softmax(logits[:, 0], dim=1).gather(1, chosen)
+        expected = -(log_p * (rewards > 0) * weights).sum(1).mean()
+    elif learner in ("capg_clip", "capg_snips"):
+        loss_fn = OffPolicyCAPGLoss(k, self_normalize=learner == "capg_snips", **cap)
+        expected = loss_fn(logits, candidates, chosen, rewards, logs.log_inclusion, **at)
+    elif learner == "capg_swr":
+        loss_fn = OffPolicyCAPGLoss(k, method="with_replacement", **cap)
+        expected = loss_fn(logits, candidates, chosen, rewards, logs.log_count, **at)
+    elif learner == "vpg_ips":
+        expected = OffPolicyVPGLoss(k, **cap)(logits, candidates, chosen, rewards, logs.log_set, **at)
+    else:
+        log_item = (logs.log_count - math.log(k)).clamp(max=0.0)
+        expected = TopKReinforceLoss(k, **cap)(logits, candidates, chosen, rewards, log_item, **at)
+    torch.testing.assert_close(_offpolicy_loss(learner, k, num_outputs, 1, 100.0)(logits, batch), expected)
 
 
 def test_study_options_are_checked():
