@@ -8,6 +8,7 @@ import importlib.util
 import json
 import pathlib
 import sys
+from types import SimpleNamespace
 
 import math
 
@@ -17,7 +18,7 @@ import torch
 from capg_rec import sample_candidates
 from capg_rec.cli import main
 from capg_rec.losses import OffPolicyCAPGLoss, OffPolicyVPGLoss, TopKReinforceLoss
-from capg_rec.train.offpolicy import LEARNERS, OffPolicyStudy, _Logs, _offpolicy_loss
+from capg_rec.train.offpolicy import LEARNERS, OffPolicyStudy, _Logs, _offpolicy_loss, _ope
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "offpolicy_speed.py"
 
@@ -88,3 +89,19 @@ def test_speed_benchmark_writes_its_json(tmp_path):
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["rows"] == result["rows"] and len(saved["rows"]) == 8
     assert all(r["ratio_min"] > 0 for r in saved["rows"])
+
+
+def test_ope_scores_the_greedy_draw_of_a_mixture():
+    """With M = 2, K = 2 the greedy ESR takes expert 0's best item and then expert 1's best remaining one: items
+    {0, 2} here, where the top-K of the max over experts would be {0, 1}."""
+    scores = torch.tensor([[[10.0, 9.0, 0.0, 0.0], [0.0, 0.0, 5.0, 0.0]]])  # [U=1, M=2, N=4]
+
+    def model(users: torch.Tensor) -> torch.Tensor:
+        return scores[users]
+
+    env = SimpleNamespace(num_users=1, num_items=4)
+    logs = _Logs(users=torch.zeros(2, dtype=torch.int32), candidates=torch.tensor([[2, 3], [1, 3]], dtype=torch.int32),
+                 chosen=torch.tensor([[2], [1]], dtype=torch.int32), rewards=torch.tensor([[1.0], [0.0]]),
+                 log_inclusion=torch.zeros(2, 1), log_count=torch.zeros(2, 1), log_set=torch.zeros(2))
+    estimate = _ope(model, env, logs, 2)
+    assert estimate["ope_ips"] == 0.5  # the rewarded row shows item 2, inside the greedy draw, with weight 1

@@ -28,7 +28,7 @@ from capg_rec.catalog import DenseCatalog
 from capg_rec.logs.schema import LoggedBatch
 from capg_rec.marginals import DEFAULT_METHOD, _inclusion_log_prob, inclusion_method
 from capg_rec.offpolicy_evaluation import off_policy_value
-from capg_rec.plackett_luce import _candidate_log_prob, sample_candidates
+from capg_rec.plackett_luce import _candidate_log_prob, greedy_candidates, sample_candidates
 from capg_rec.sim.env import MatrixEnv
 from capg_rec.sim.lsr import OptimalLSR
 from capg_rec.train.config import TrainConfig
@@ -156,9 +156,10 @@ def _train_offline(model: torch.nn.Module, logs: _Logs, learner: str, study: Off
 
 @torch.no_grad()
 def _ope(model: torch.nn.Module, env: MatrixEnv, logs: _Logs, num_candidates: int) -> dict[str, float]:
-    """IPS/SNIPS estimates of the greedy ESR's value: its inclusion is 1 on its top-K, 0 elsewhere."""
-    top = torch.cat([model(torch.arange(s, min(s + 256, env.num_users))).amax(1).topk(num_candidates, dim=1).indices
-                     for s in range(0, env.num_users, 256)])
+    """IPS/SNIPS estimates of the greedy ESR's value: its inclusion is 1 on its noise-free draw
+    (:func:`~capg_rec.greedy_candidates`, each expert's best remaining items), 0 elsewhere."""
+    top = torch.cat([greedy_candidates(model(torch.arange(s, min(s + 256, env.num_users))), num_candidates,
+                                       validate_args=False) for s in range(0, env.num_users, 256)])
     member = torch.zeros(env.num_users, env.num_items, dtype=torch.bool)
     member.scatter_(1, top, True)
     inside = member[logs.users.long().unsqueeze(1), logs.chosen.long()]
