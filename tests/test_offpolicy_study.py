@@ -8,11 +8,17 @@ import importlib.util
 import json
 import pathlib
 import sys
+from types import SimpleNamespace
+
+import math
 
 import pytest
+import torch
 
+from capg_rec import sample_candidates
 from capg_rec.cli import main
-from capg_rec.train.offpolicy import LEARNERS, OffPolicyStudy
+from capg_rec.losses import OffPolicyCAPGLoss, OffPolicyVPGLoss, TopKReinforceLoss
+from capg_rec.train.offpolicy import LEARNERS, OffPolicyStudy, _Logs, _offpolicy_loss, _ope
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "offpolicy_speed.py"
 
@@ -34,6 +40,38 @@ def test_study_writes_every_learner_and_its_estimates(tmp_path, capsys):
     assert "on-policy CA-PG" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("learner", [name for name in LEARNERS if name != "capg_onpolicy"])
+def test_each_learner_reads_its_logged_propensity(learner):
+    """The study's in-memory logs, read as LoggedBatch rows, give each learner its loss on its own logged column."""
+    b, k, num_outputs, n = 6, 3, 2, 8
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(b, 1, n, generator=g)
+    candidates = sample_candidates(logits, k, generator=g)
+    chosen = candidates[:, :num_outputs]
+    rewards = torch.bernoulli(torch.full((b, num_outputs), 0.5), generator=g)
+    logs = _Logs(users=torch.arange(b, dtype=torch.int32), candidates=candidates.int(), chosen=chosen.int(),
+                 rewards=rewards, log_inclusion=-torch.rand(b, num_outputs, generator=g),
+                 log_count=torch.rand(b, num_outputs, generator=g) - 0.5, log_set=-3 * torch.rand(b, generator=g))
+    batch = logs.batch(torch.arange(b))
+    weights = torch.full((num_outputs,), 1.0 / num_outputs)
+    cap, at = dict(max_weight=100.0), dict(position_weights=weights)
+    if learner == "supervised":
+        log_p = torch.log_softmax(logits[:, 0], dim=1).gather(1, chosen)
+        expected = -(log_p * (rewards > 0) * weights).sum(1).mean()
+    elif learner in ("capg_clip", "capg_snips"):
+        loss_fn = OffPolicyCAPGLoss(k, self_normalize=learner == "capg_snips", **cap)
+        expected = loss_fn(logits, candidates, chosen, rewards, logs.log_inclusion, **at)
+    elif learner == "capg_swr":
+        loss_fn = OffPolicyCAPGLoss(k, method="with_replacement", **cap)
+        expected = loss_fn(logits, candidates, chosen, rewards, logs.log_count, **at)
+    elif learner == "vpg_ips":
+        expected = OffPolicyVPGLoss(k, **cap)(logits, candidates, chosen, rewards, logs.log_set, **at)
+    else:
+        log_item = (logs.log_count - math.log(k)).clamp(max=0.0)
+        expected = TopKReinforceLoss(k, **cap)(logits, candidates, chosen, rewards, log_item, **at)
+    torch.testing.assert_close(_offpolicy_loss(learner, k, num_outputs, 1, 100.0)(logits, batch), expected)
+
+
 def test_study_options_are_checked():
     with pytest.raises(ValueError, match="learners"):
         OffPolicyStudy(learners=("nope",))
@@ -51,3 +89,19 @@ def test_speed_benchmark_writes_its_json(tmp_path):
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["rows"] == result["rows"] and len(saved["rows"]) == 8
     assert all(r["ratio_min"] > 0 for r in saved["rows"])
+
+
+def test_ope_scores_the_greedy_draw_of_a_mixture():
+    """With M = 2, K = 2 the greedy ESR takes expert 0's best item and then expert 1's best remaining one: items
+    {0, 2} here, where the top-K of the max over experts would be {0, 1}."""
+    scores = torch.tensor([[[10.0, 9.0, 0.0, 0.0], [0.0, 0.0, 5.0, 0.0]]])  # [U=1, M=2, N=4]
+
+    def model(users: torch.Tensor) -> torch.Tensor:
+        return scores[users]
+
+    env = SimpleNamespace(num_users=1, num_items=4)
+    logs = _Logs(users=torch.zeros(2, dtype=torch.int32), candidates=torch.tensor([[2, 3], [1, 3]], dtype=torch.int32),
+                 chosen=torch.tensor([[2], [1]], dtype=torch.int32), rewards=torch.tensor([[1.0], [0.0]]),
+                 log_inclusion=torch.zeros(2, 1), log_count=torch.zeros(2, 1), log_set=torch.zeros(2))
+    estimate = _ope(model, env, logs, 2)
+    assert estimate["ope_ips"] == 0.5  # the rewarded row shows item 2, inside the greedy draw, with weight 1

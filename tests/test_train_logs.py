@@ -14,13 +14,14 @@ import pytest
 import torch
 
 from capg_rec import CAPGLoss, inclusion_log_prob
+from capg_rec.plackett_luce import expert_of_position
 from capg_rec.cli import main
 from capg_rec.logs import LoggedBatch, LoggedImpressions, LogWriter
 from capg_rec.sim.lsr import OptimalLSR
 from capg_rec.sim.synthetic import synthetic_env
 from capg_rec.train import Trainer, policy_value
 from capg_rec.train.checkpoint import read_checkpoint
-from capg_rec.train.logged import LogTrainConfig, LogTrainer
+from capg_rec.train.logged import LogTrainConfig, LogTrainer, logged_loss
 from capg_rec.train.model import TwoTowerMoE
 
 K, L = 6, 2
@@ -260,3 +261,20 @@ def test_speed_benchmark_runs(tmp_path):
     saved = json.loads((tmp_path / "train_logs_speed.json").read_text())
     assert saved["trainer"]["rows"] == result["trainer"]["rows"] == 128 and saved["reader"]["rows"] >= 128
     assert saved["reader_over_trainer"] > 0
+
+
+def test_supervised_loss_uses_the_mixture_single_draw_probability():
+    """With unequal expert blocks (K=3, M=2: positions 0,0,1) the single-draw probability of a is
+    (1/K) Σ_k softmax_{m(k)}(a), not the plain average over experts."""
+    k, num_experts, temperature = 3, 2, 0.5
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, num_experts, 6, generator=g, dtype=torch.float64)
+    shown = torch.tensor([[0, 5], [1, 2], [3, 4], [2, 0]])
+    rewards = torch.tensor([[1.0, 0.0], [1.0, 1.0], [0.0, 0.0], [0.0, 1.0]])
+    batch = LoggedBatch(torch.arange(4), None, shown, rewards, None, None, None)
+    config = LogTrainConfig(("unused.parquet",), estimator="supervised", num_experts=num_experts,
+                            temperature=temperature)
+    softmax = torch.softmax(logits / temperature, dim=-1)  # [B, M, N]
+    single = softmax[:, expert_of_position(k, num_experts)].mean(1)  # average over the K positions
+    expected = -(single.gather(1, shown).log() * (rewards > 0) / 2).sum(1).mean()
+    torch.testing.assert_close(logged_loss(config, k, 2)(logits, batch), expected)

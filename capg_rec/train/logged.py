@@ -27,7 +27,7 @@ from capg_rec._checks import all_finite
 from capg_rec.losses import OffPolicyCAPGLoss, OffPolicyVPGLoss, TopKReinforceLoss
 from capg_rec.marginals import inclusion_methods
 from capg_rec.offpolicy_evaluation import off_policy_value
-from capg_rec.plackett_luce import greedy_candidates
+from capg_rec.plackett_luce import expert_runs, greedy_candidates
 from capg_rec.sim.env import MatrixEnv
 from capg_rec.sim.lsr import LSR_NAMES, make_lsr
 from capg_rec.train.checkpoint import CHECKPOINT_VERSION, read_checkpoint
@@ -149,23 +149,33 @@ def logged_loss(config: LogTrainConfig, num_candidates: int, num_outputs: int
                 ) -> Callable[[Tensor, LoggedBatch], Tensor]:
     """``loss(logits [B, M, N], batch)`` of ``config.estimator`` on a :class:`~capg_rec.logs.LoggedBatch`, with
     the logged propensity that estimator's weight needs; positions weighted 1/L, as the online trainer."""
-    k, estimator = num_candidates, config.estimator
+    return _estimator_loss(config.estimator, num_candidates, num_outputs, num_experts=config.num_experts,
+                           temperature=config.temperature, max_weight=config.max_weight, method=config.method)
+
+
+def _estimator_loss(estimator: str, num_candidates: int, num_outputs: int, *, num_experts: int, temperature: float,
+                    max_weight: float | None, method: str | None) -> Callable[[Tensor, LoggedBatch], Tensor]:
+    """:func:`logged_loss` from its parts: ``estimator`` one of :data:`LOG_ESTIMATORS`, ``method`` the CA-PG
+    inclusion method (``None``: the default; ``capg_swr`` needs ``"with_replacement"``)."""
+    k = num_candidates
     weights = torch.full((num_outputs,), 1.0 / num_outputs)
     if estimator == "supervised":
-        log_experts = math.log(config.num_experts)
+        # the single-draw probability of a mixture: the average over the K positions of softmax_{m(k)}
+        log_share = torch.tensor([math.log(count / k) for _, count in expert_runs(k, num_experts)])
 
         def supervised(logits: Tensor, batch: LoggedBatch) -> Tensor:
-            single = torch.log_softmax(logits / config.temperature, dim=-1).logsumexp(1) - log_experts  # [B, N]
+            log_softmax = torch.log_softmax(logits / temperature, dim=-1)  # [B, M, N]
+            single = (log_softmax + log_share.to(logits).unsqueeze(1)).logsumexp(1)  # [B, N]
             log_p = single.gather(1, batch.shown)
             return -(log_p * (batch.rewards > 0) * weights).sum(1).mean()
         return supervised
-    common = dict(max_weight=config.max_weight, temperature=config.temperature, validate_args=False)
+    common = dict(max_weight=max_weight, temperature=temperature, validate_args=False)
     if estimator.startswith("capg"):
-        method = {} if config.method is None else {"method": config.method}
-        loss_fn = OffPolicyCAPGLoss(k, self_normalize=estimator == "capg_snips", **method, **common)
+        loss_fn = OffPolicyCAPGLoss(k, self_normalize=estimator == "capg_snips",
+                                    **({} if method is None else {"method": method}), **common)
 
         def logged(batch: LoggedBatch) -> Tensor:
-            return batch.log_expected_count if config.method == "with_replacement" else batch.log_inclusion
+            return batch.log_expected_count if method == "with_replacement" else batch.log_inclusion
     elif estimator == "vpg_ips":
         loss_fn = OffPolicyVPGLoss(k, **common)
 

@@ -3,10 +3,11 @@
 For each (K, seed): a logging ESR is partly trained online (CA-PG-SwR, ``logging_steps`` steps)
 and served at a softened temperature τ₀; it writes ``max(sizes)`` logged rows (user, ordered
 candidates, the LSR's picks, rewards, and its log-propensities: ``log π₀(a ∈ A^K)`` by the
-default inclusion method, the log expected count, ``log π₀(A^K)`` of the ordered draw and the
-single-draw ``log β(a)``), in memory. Every learner starts from the logging ESR's parameters
-(scored at τ = 1) and makes one pass over the first n rows in batches; on-policy CA-PG gets the
-same number of interactions (n / B online steps). Reported per learner: the true value of its
+default inclusion method, the log expected count and ``log π₀(A^K)`` of the ordered draw), in
+memory. Every learner starts from the logging ESR's parameters (scored at τ = 1) and makes one
+pass over the first n rows in :class:`~capg_rec.logs.LoggedBatch` batches with the loss of its
+estimator in ``capg-rec train --logs``; on-policy CA-PG gets the same number of interactions
+(n / B online steps). Reported per learner: the true value of its
 greedy ESR (exact, from the environment, as the trainer evaluates) and the off-policy estimates
 (IPS, SNIPS) of that value from ``eval_rows`` held-out logged rows.
 """
@@ -17,20 +18,21 @@ import copy
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from capg_rec.catalog import DenseCatalog
-from capg_rec.losses import OffPolicyCAPGLoss, OffPolicyVPGLoss, TopKReinforceLoss
+from capg_rec.logs.schema import LoggedBatch
 from capg_rec.marginals import DEFAULT_METHOD, _inclusion_log_prob, inclusion_method
 from capg_rec.offpolicy_evaluation import off_policy_value
-from capg_rec.plackett_luce import _candidate_log_prob, sample_candidates
+from capg_rec.plackett_luce import _candidate_log_prob, greedy_candidates, sample_candidates
 from capg_rec.sim.env import MatrixEnv
 from capg_rec.sim.lsr import OptimalLSR
 from capg_rec.train.config import TrainConfig
+from capg_rec.train.logged import _LR, _estimator_loss
 from capg_rec.train.report import markdown_table, mean_se, write_csv, write_json
 from capg_rec.train.trainer import Trainer, policy_value
 
@@ -45,7 +47,7 @@ LEARNERS = {
     "supervised": "supervised (softmax CE, r > 0)",
     "capg_onpolicy": "on-policy CA-PG (same interactions)",
 }
-_LR = {"vpg_ips": 1e-1}  # the paper's V-PG learning rate; every other learner uses CA-PG's 1e-2
+_ESTIMATOR = {"capg_clip": "capg"}  # an off-policy learner → its estimator of capg-rec train --logs (else the same)
 _CHUNK = 4096
 
 
@@ -79,7 +81,7 @@ class OffPolicyStudy:
 
 @dataclass
 class _Logs:
-    """Logged rows in memory (ids as int32)."""
+    """Logged rows in memory (ids as int32), the fields of a :class:`~capg_rec.logs.LoggedBatch`."""
 
     users: Tensor
     candidates: Tensor
@@ -88,16 +90,16 @@ class _Logs:
     log_inclusion: Tensor
     log_count: Tensor
     log_set: Tensor
-    log_item: Tensor
 
     def rows(self, start: int, stop: int) -> _Logs:
-        return _Logs(*(getattr(self, f)[start:stop] for f in
-                       ("users", "candidates", "chosen", "rewards", "log_inclusion", "log_count", "log_set",
-                        "log_item")))
+        return _Logs(*(getattr(self, f.name)[start:stop] for f in fields(self)))
 
-    def batch(self, index: Tensor) -> dict[str, Tensor]:
-        return {f: getattr(self, f)[index] for f in ("users", "candidates", "chosen", "rewards", "log_inclusion",
-                                                     "log_count", "log_set", "log_item")}
+    def batch(self, index: Tensor) -> LoggedBatch:
+        """The rows ``index`` as a :class:`~capg_rec.logs.LoggedBatch` (ids as int64)."""
+        return LoggedBatch(context=self.users[index].long(), candidates=self.candidates[index].long(),
+                           shown=self.chosen[index].long(), rewards=self.rewards[index],
+                           log_inclusion=self.log_inclusion[index], log_expected_count=self.log_count[index],
+                           log_candidate_prob=self.log_set[index])
 
 
 @torch.no_grad()
@@ -118,48 +120,31 @@ def _log(model: torch.nn.Module, env: MatrixEnv, num_rows: int, num_candidates: 
         row = {"users": users.int(), "candidates": candidates.int(), "chosen": chosen.int(),
                "rewards": env.sample_reward(users, chosen, generator),
                "log_inclusion": _inclusion_log_prob(catalog, chosen, num_candidates, method).clamp(max=0.0),
-               "log_count": log_count, "log_set": _candidate_log_prob(catalog, candidates, False),
-               "log_item": (log_count - math.log(num_candidates)).clamp(max=0.0)}
+               "log_count": log_count, "log_set": _candidate_log_prob(catalog, candidates, False)}
         for name, value in row.items():
             parts.setdefault(name, []).append(value)
         progress(len(users))
     return _Logs(**{name: torch.cat(values) for name, values in parts.items()})
 
 
-def _offpolicy_loss(learner: str, num_candidates: int, num_outputs: int, max_weight: float
-                    ) -> Callable[[Tensor, dict[str, Tensor]], Tensor]:
-    """``loss(logits, batch)`` of an off-policy learner (positions weighted 1/L, as the trainer)."""
-    common = dict(max_weight=max_weight, validate_args=False)
-    if learner == "supervised":
-        def supervised(logits: Tensor, b: dict[str, Tensor]) -> Tensor:
-            log_p = torch.log_softmax(logits[:, 0], dim=1).gather(1, b["chosen"])
-            return -(log_p * (b["rewards"] > 0)).sum(1).mean()
-        return supervised
-    loss_fn, key = {
-        "capg_clip": (OffPolicyCAPGLoss(num_candidates, **common), "log_inclusion"),
-        "capg_snips": (OffPolicyCAPGLoss(num_candidates, self_normalize=True, **common), "log_inclusion"),
-        "capg_swr": (OffPolicyCAPGLoss(num_candidates, method="with_replacement", **common), "log_count"),
-        "vpg_ips": (OffPolicyVPGLoss(num_candidates, **common), "log_set"),
-        "topk_reinforce": (TopKReinforceLoss(num_candidates, **common), "log_item"),
-    }[learner]
-    weights = torch.full((num_outputs,), 1.0 / num_outputs)
-
-    def loss(logits: Tensor, b: dict[str, Tensor]) -> Tensor:
-        return loss_fn(logits, b["candidates"], b["chosen"], b["rewards"], b[key], position_weights=weights)
-    return loss
+def _offpolicy_loss(learner: str, num_candidates: int, num_outputs: int, num_experts: int, max_weight: float
+                    ) -> Callable[[Tensor, LoggedBatch], Tensor]:
+    """``loss(logits [B, M, N], batch)`` of an off-policy learner: its estimator's loss from logs, at τ = 1."""
+    estimator = _ESTIMATOR.get(learner, learner)
+    return _estimator_loss(estimator, num_candidates, num_outputs, num_experts=num_experts, temperature=1.0,
+                           max_weight=max_weight, method="with_replacement" if estimator == "capg_swr" else None)
 
 
 def _train_offline(model: torch.nn.Module, logs: _Logs, learner: str, study: OffPolicyStudy, num_candidates: int,
                    generator: torch.Generator) -> int:
     """One pass over ``logs`` in shuffled batches → the number of skipped (non-finite) steps."""
-    loss_fn = _offpolicy_loss(learner, num_candidates, study.num_outputs, study.max_weight)
-    optimizer = torch.optim.Adagrad(model.parameters(), lr=_LR.get(learner, study.lr))
+    loss_fn = _offpolicy_loss(learner, num_candidates, study.num_outputs, model.num_experts, study.max_weight)
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=_LR.get(_ESTIMATOR.get(learner, learner), study.lr))
     order = torch.randperm(len(logs.users), generator=generator)
     skipped = 0
     for start in range(0, len(order) - study.batch_size + 1, study.batch_size):
-        b = logs.batch(order[start:start + study.batch_size])
-        b["candidates"], b["chosen"] = b["candidates"].long(), b["chosen"].long()
-        loss = loss_fn(model(b["users"].long()), b)
+        batch = logs.batch(order[start:start + study.batch_size])
+        loss = loss_fn(model(batch.context), batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if not (torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters())):
@@ -171,9 +156,10 @@ def _train_offline(model: torch.nn.Module, logs: _Logs, learner: str, study: Off
 
 @torch.no_grad()
 def _ope(model: torch.nn.Module, env: MatrixEnv, logs: _Logs, num_candidates: int) -> dict[str, float]:
-    """IPS/SNIPS estimates of the greedy ESR's value: its inclusion is 1 on its top-K, 0 elsewhere."""
-    top = torch.cat([model(torch.arange(s, min(s + 256, env.num_users))).amax(1).topk(num_candidates, dim=1).indices
-                     for s in range(0, env.num_users, 256)])
+    """IPS/SNIPS estimates of the greedy ESR's value: its inclusion is 1 on its noise-free draw
+    (:func:`~capg_rec.greedy_candidates`, each expert's best remaining items), 0 elsewhere."""
+    top = torch.cat([greedy_candidates(model(torch.arange(s, min(s + 256, env.num_users))), num_candidates,
+                                       validate_args=False) for s in range(0, env.num_users, 256)])
     member = torch.zeros(env.num_users, env.num_items, dtype=torch.bool)
     member.scatter_(1, top, True)
     inside = member[logs.users.long().unsqueeze(1), logs.chosen.long()]
