@@ -167,7 +167,7 @@ def _estimator_loss(estimator: str, num_candidates: int, num_outputs: int, *, nu
             log_softmax = torch.log_softmax(logits / temperature, dim=-1)  # [B, M, N]
             single = (log_softmax + log_share.to(logits).unsqueeze(1)).logsumexp(1)  # [B, N]
             log_p = single.gather(1, batch.shown)
-            return -(log_p * (batch.rewards > 0) * weights).sum(1).mean()
+            return -(log_p * (batch.rewards > 0) * weights.to(log_p)).sum(1).mean()
         return supervised
     common = dict(max_weight=max_weight, temperature=temperature, validate_args=False)
     if estimator.startswith("capg"):
@@ -189,7 +189,8 @@ def _estimator_loss(estimator: str, num_candidates: int, num_outputs: int, *, nu
             return (batch.log_expected_count - log_k).clamp(max=0.0)
 
     def loss(logits: Tensor, batch: LoggedBatch) -> Tensor:
-        return loss_fn(logits, batch.candidates, batch.shown, batch.rewards, logged(batch), position_weights=weights)
+        return loss_fn(logits, batch.candidates, batch.shown, batch.rewards, logged(batch),
+                       position_weights=weights.to(logits))
     return loss
 
 
