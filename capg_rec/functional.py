@@ -251,6 +251,8 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
 def _drawing_scores(catalog: CatalogScores, candidates: Tensor) -> Tensor:
     """``s_{m(k)}(a_k)``: each candidate's score under the expert that drew it → ``[B, K]`` (one
     ``[B, K]`` gather on a dense catalog rather than ``[B, M, K]``)."""
+    if isinstance(catalog, DenseCatalog) and catalog.num_experts == 1:
+        return catalog.scores[:, 0].gather(1, candidates)
     experts = _expert_index(candidates.shape[1], catalog.num_experts, candidates.device)
     if isinstance(catalog, DenseCatalog) and catalog.scores.is_contiguous():
         return catalog.scores.flatten(1).gather(1, experts * catalog.num_items + candidates)
