@@ -1,13 +1,16 @@
-"""Benchmark: one CA-PG training step on a 10^6-item catalog, unsharded vs sharded over ranks.
+"""Benchmark: a whole training step of each estimator on a 10^5–10^6-item catalog, unsharded and
+sharded over ranks, as a ratio to the same two-tower trained with in-batch softmax.
 
     python integration/bench.py --out DIR          # runs every configuration, prints the table
 
 Configurations: the unsharded retriever (plain ``EmbeddingCollection``, one process), and the
 retriever row-wise sharded over W = 1 and 2 ranks (``torchrun``, gloo, one thread per rank), each
 rank with B users per step. A step is: forward (one lookup), Gumbel top-K sampling from the whole
-catalog, the CA-PG loss, backward with the fused SGD. Reported per rank: median step time, peak
-RSS, its growth over the process's footprint before the model was built, and the bytes of item
-rows the rank holds. Ratios are to the unsharded step. Results go to ``DIR/bench.json``/``.csv``.
+catalog, the loss, backward with the fused SGD. The in-batch-softmax step (what a TorchRec two-tower
+trains with) looks up the B users and one positive item each and takes the cross-entropy of the
+[B, B] scores. Reported per rank: median step time and sampling time alone, peak RSS, its growth over
+the process's footprint before the model was built, and the bytes of item rows the rank holds.
+Ratios are to the in-batch step of the same configuration. Results go to ``DIR/bench.json``/``.csv``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 
 def _rss_mb() -> float:
@@ -39,7 +43,14 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     import _harness as h
-    from capg_rec import CAPGLoss, sample_candidates
+    from torchrec import KeyedJaggedTensor
+
+    from capg_rec import CAPGLoss, VPGLoss, sample_candidates
+
+    k = args.candidates
+    losses = {"vpg": lambda: VPGLoss(k), "vpg_swr": lambda: VPGLoss(k, with_replacement=True),
+              "capg": lambda: CAPGLoss(k), "capg_plugin": lambda: CAPGLoss(k, method="plugin"),
+              "capg_swr": lambda: CAPGLoss(k, method="with_replacement")}
 
     sharded = args.mode == "sharded"
     rank, world = h.init() if sharded else (0, 1)
@@ -54,16 +65,27 @@ def worker(args: argparse.Namespace) -> None:
         model = retriever = h.build(setup)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     rows = int(retriever.catalog_ids().numel())
-    loss_fn = CAPGLoss(args.candidates)
-    times = []
+    loss_fn = None if args.estimator == "in_batch" else losses[args.estimator]()
+    times, sampling = [], []
     for step in range(args.steps + 1):
-        users = torch.randint(10_000, (args.batch,), generator=torch.Generator().manual_seed(step * 97 + rank))
+        g = torch.Generator().manual_seed(step * 97 + rank)
+        users = torch.randint(10_000, (args.batch,), generator=g)
         start = time.perf_counter()
-        catalog = model(retriever.with_catalog(h.user_batch(users)))
-        candidates = sample_candidates(catalog, args.candidates, generator=torch.Generator().manual_seed(step))
-        chosen = candidates[:, :2]
-        rewards = torch.rand(chosen.shape, generator=torch.Generator().manual_seed(step))
-        loss = loss_fn(catalog, candidates, chosen, rewards)
+        if loss_fn is None:  # in-batch softmax: the batch's users against their positives
+            positives = torch.randint(args.num_items, (args.batch,), generator=g)
+            kjt = KeyedJaggedTensor.from_lengths_sync([h.USER_ID, h.CATALOG], torch.cat([users, positives]),
+                                                      torch.ones(2 * args.batch, dtype=torch.long))
+            out = retriever.embeddings(kjt)
+            scores = out[h.USER_ID].values() @ out[h.CATALOG].values().T  # [B, B]
+            loss = torch.nn.functional.cross_entropy(scores, torch.arange(args.batch))
+        else:
+            catalog = model(retriever.with_catalog(h.user_batch(users)))
+            drawn = time.perf_counter()
+            candidates = sample_candidates(catalog, args.candidates, generator=torch.Generator().manual_seed(step))
+            sampled = time.perf_counter() - drawn
+            chosen = candidates[:, :2]
+            rewards = torch.rand(chosen.shape, generator=torch.Generator().manual_seed(step))
+            loss = loss_fn(catalog, candidates, chosen, rewards)
         if not sharded:
             optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -73,11 +95,13 @@ def worker(args: argparse.Namespace) -> None:
             dist.barrier()
         if step:  # the first step warms up
             times.append(time.perf_counter() - start)
-    result = {"mode": args.mode, "world_size": world, "rank": rank, "step_s": statistics.median(times),
+            sampling.append(0.0 if loss_fn is None else sampled)
+    result = {"mode": args.mode, "world_size": world, "rank": rank, "estimator": args.estimator,
+              "step_s": statistics.median(times), "sample_s": statistics.median(sampling),
               "peak_rss_mb": _peak_mb(), "rss_growth_mb": _peak_mb() - base_mb,
               "item_rows": rows, "item_mb": rows * setup.width * 4 / 2**20}
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / f"{args.mode}_w{world}_r{rank}.json").write_text(json.dumps(result))
+    (Path(args.out) / f"{args.estimator}_{args.mode}_w{world}_r{rank}.json").write_text(json.dumps(result))
     if sharded:
         h.teardown(model)
 
@@ -89,36 +113,37 @@ def driver(args: argparse.Namespace) -> None:
               "--chunk-size", str(args.chunk_size)]
     path = os.pathsep.join(p for p in (str(here.parents[1]), os.environ.get("PYTHONPATH")) if p)  # this checkout
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": path}
-    runs = [[sys.executable, str(here), "--worker", "--mode", "unsharded", *common]]
-    for world in args.worlds:
-        runs.append([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-                     str(here), "--worker", "--mode", "sharded", *common])
-    for cmd in runs:
-        print("running:", " ".join(cmd[2:5]), flush=True)
+    runs = []
+    for estimator in ["in_batch", *args.estimators]:
+        runs.append([sys.executable, str(here), "--worker", "--mode", "unsharded", "--estimator", estimator, *common])
+        for world in args.worlds:
+            runs.append([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+                         str(here), "--worker", "--mode", "sharded", "--estimator", estimator, *common])
+    for cmd in tqdm(runs, desc="configurations"):
         subprocess.run(cmd, check=True, env=env, cwd=here.parent, capture_output=True)
     results = [json.loads(p.read_text()) for p in sorted(Path(args.out).glob("*_w*_r*.json"))]
-    base = next(r for r in results if r["mode"] == "unsharded")
     for r in results:
-        r["step_ratio"] = r["step_s"] / base["step_s"]
-        r["peak_rss_ratio"] = r["peak_rss_mb"] / base["peak_rss_mb"]
-        r["rss_growth_ratio"] = r["rss_growth_mb"] / base["rss_growth_mb"]
-        r["item_ratio"] = r["item_mb"] / base["item_mb"]
+        base = next(b for b in results if b["estimator"] == "in_batch" and
+                    (b["mode"], b["world_size"], b["rank"]) == (r["mode"], r["world_size"], r["rank"]))
+        r["step_over_in_batch"] = r["step_s"] / base["step_s"]
+        r["sample_over_in_batch"] = r["sample_s"] / base["step_s"]
         r["users_per_s"] = args.batch * r["world_size"] / r["step_s"]
-    results.sort(key=lambda r: (r["mode"] != "unsharded", r["world_size"], r["rank"]))
+    results.sort(key=lambda r: (r["mode"] != "unsharded", r["world_size"], r["rank"],
+                                ["in_batch", *args.estimators].index(r["estimator"])))
     (Path(args.out) / "bench.json").write_text(json.dumps({"config": vars(args) | {"out": str(args.out)},
                                                            "results": results}, indent=1))
     with open(Path(args.out) / "bench.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(results[0]))
         writer.writeheader()
         writer.writerows(results)
-    print(f"N={args.num_items:,} D={args.dim} B={args.batch}/rank K={args.candidates} CA-PG step, 1 thread/rank")
-    print(f"{'config':<14}{'rank':>5}{'step s':>9}{'x':>7}{'peak RSS MB':>13}{'x':>7}"
-          f"{'RSS growth MB':>15}{'x':>7}{'item rows MB':>14}{'x':>7}{'users/s':>9}")
+    print(f"N={args.num_items:,} D={args.dim} B={args.batch}/rank K={args.candidates}, 1 thread/rank; "
+          "ratios to the in-batch-softmax step of the same configuration")
+    print(f"{'config':<14}{'rank':>5} {'estimator':<12}{'step s':>9}{'x in-batch':>11}{'sample s':>10}"
+          f"{'x in-batch':>11}{'peak RSS MB':>13}{'item rows MB':>14}")
     for r in results:
         name = "unsharded" if r["mode"] == "unsharded" else f"sharded W={r['world_size']}"
-        print(f"{name:<14}{r['rank']:>5}{r['step_s']:>9.2f}{r['step_ratio']:>7.2f}{r['peak_rss_mb']:>13.0f}"
-              f"{r['peak_rss_ratio']:>7.2f}{r['rss_growth_mb']:>15.0f}{r['rss_growth_ratio']:>7.2f}"
-              f"{r['item_mb']:>14.1f}{r['item_ratio']:>7.2f}{r['users_per_s']:>9.1f}")
+        print(f"{name:<14}{r['rank']:>5} {r['estimator']:<12}{r['step_s']:>9.3f}{r['step_over_in_batch']:>11.1f}"
+              f"{r['sample_s']:>10.3f}{r['sample_over_in_batch']:>11.1f}{r['peak_rss_mb']:>13.0f}{r['item_mb']:>14.1f}")
 
 
 def main() -> None:
@@ -131,6 +156,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up step)")
     parser.add_argument("--chunk-size", type=int, default=16_384)
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--estimators", nargs="+", default=["vpg", "vpg_swr", "capg", "capg_plugin", "capg_swr"],
+                        choices=["vpg", "vpg_swr", "capg", "capg_plugin", "capg_swr"])
+    parser.add_argument("--estimator", default="capg", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=["unsharded", "sharded"], help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -124,3 +124,18 @@ def test_two_tower_example_runs_through_the_pipeline(tmp_path):
     assert run.returncode == 0, run.stderr[-4000:]
     curve = json.loads((tmp_path / "curve.json").read_text())
     assert curve["world_size"] == 2 and len(curve["reward"]) == 3 and (tmp_path / "curve.png").exists()
+
+
+def test_step_cost_benchmark_runs(tmp_path):
+    """integration/bench.py at a tiny size: the in-batch baseline and an estimator, unsharded and on 1 rank,
+    every configuration's step and sampling time written with its ratio to in-batch softmax."""
+    run = subprocess.run([sys.executable, str(ROOT / "integration" / "bench.py"), "--out", str(tmp_path),
+                          "--num-items", "500", "--batch", "4", "--candidates", "3", "--dim", "4", "--steps", "1",
+                          "--worlds", "1", "--estimators", "capg_swr"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads((tmp_path / "bench.json").read_text())["results"]
+    assert {(r["estimator"], r["mode"]) for r in results} == {(e, m) for e in ("in_batch", "capg_swr")
+                                                               for m in ("unsharded", "sharded")}
+    assert all(r["step_s"] > 0 and r["step_over_in_batch"] > 0 for r in results)
+    assert all(r["step_over_in_batch"] == 1.0 for r in results if r["estimator"] == "in_batch")
