@@ -11,6 +11,9 @@ Run with ``CAPG_COLLECTIVE_TIMEOUT_S=T torchrun --nproc_per_node=2 integration/f
   group's timeout; it used to have the 30-minute default), and the sleeper must fail too when it
   wakes, its partners gone.
 
+With ``--kill``, after the warm-up step the last rank exits instead (a killed process: no error,
+no goodbye); the others must fail in their next step within the timeout.
+
 Each rank writes ``DIR/faults_rank{r}.json``: what each phase raised and how long it took.
 """
 
@@ -52,6 +55,7 @@ def attempt(call) -> dict[str, object]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--kill", action="store_true", help="the last rank exits after the warm-up step")
     args = parser.parse_args()
     rank, world = h.init()
     timeout = h.env_int("CAPG_COLLECTIVE_TIMEOUT_S", 300)
@@ -59,13 +63,22 @@ def main() -> int:
     model = h.shard(SETUP, lr=0.1)
     users = torch.arange(BATCH, device=h.device()) + rank * BATCH
     report = {"timeout_s": timeout, "warm_up": attempt(lambda: step(model, users))}
+    if args.kill:
+        if last:
+            os._exit(0)  # exit 0: torchrun then leaves the survivors to finish instead of terminating them
+        report["killed_rank"] = attempt(lambda: step(model, users))
+        return _finish(args.out, rank, report)
     report["skipping_rank"] = attempt(lambda: step(model, users, float("nan") if last else 1.0))
     report["after_skip"] = attempt(lambda: step(model, users))
     if last:
         time.sleep(3 * timeout)
     report["frozen_rank"] = attempt(lambda: step(model, users))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"faults_rank{rank}.json").write_text(json.dumps(report, indent=1))
+    return _finish(args.out, rank, report)
+
+
+def _finish(out: Path, rank: int, report: dict) -> int:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"faults_rank{rank}.json").write_text(json.dumps(report, indent=1))
     sys.stdout.flush()
     os._exit(0)  # the group is broken by design: no teardown collective could complete
 

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -111,6 +112,23 @@ def test_faults_on_one_rank_raise_on_every_rank_in_bounded_time(tmp_path):
         assert report["frozen_rank"]["raised"] is not None
     # the rank left waiting fails after about the timeout, not when the sleeper (3 timeouts) wakes
     assert timeout - 0.5 <= reports[0]["frozen_rank"]["seconds"] <= 2 * timeout
+    # the rank whose rewards were NaN says so; the other says the check failed elsewhere
+    assert "(in another process)" in reports[0]["skipping_rank"]["message"]
+    assert "(in another process)" not in reports[1]["skipping_rank"]["message"]
+
+
+def test_a_killed_rank_makes_the_others_fail_in_bounded_time(tmp_path):
+    """The last rank exits after a step (killed: no error, no goodbye); the other fails in its next step
+    within the world group's timeout instead of waiting forever."""
+    timeout = 4
+    started = time.monotonic()
+    run = launch("faults.py", 2, tmp_path, "--kill", timeout=120, env={"CAPG_COLLECTIVE_TIMEOUT_S": str(timeout)})
+    assert run.returncode == 0, run.stderr[-4000:]
+    report = json.loads((tmp_path / "faults_rank0.json").read_text())
+    assert report["warm_up"]["raised"] is None
+    assert report["killed_rank"]["raised"] is not None and report["killed_rank"]["seconds"] <= 2 * timeout
+    assert not (tmp_path / "faults_rank1.json").exists()
+    assert time.monotonic() - started < 120
 
 
 def test_two_tower_example_runs_through_the_pipeline(tmp_path):
