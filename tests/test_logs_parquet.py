@@ -195,6 +195,17 @@ def test_checks_off_reads_bad_values(tmp_path):
     assert got.log_inclusion[4, 0] == 0.01
 
 
+@pytest.mark.parametrize("case", ["candidates too short", "shown too long", "rewards too short"])
+def test_checks_off_still_name_a_wrong_list_length(tmp_path, case):
+    """Value checks off: a list column whose lengths do not add up is still a ValueError naming it (not a
+    reshape error)."""
+    corrupt, column, _ = CORRUPTIONS[case]
+    path = tmp_path / "bad.parquet"
+    _write_raw(path, corrupt(_table()))
+    with pytest.raises(ValueError, match=f"column '{column}' must hold \\d+ values per row"):
+        list(LoggedImpressions(path, 4, validate_args=False))
+
+
 def test_items_the_new_catalog_lacks(tmp_path):
     path = tmp_path / "logs.parquet"
     _write(path, [10, 10])

@@ -444,6 +444,9 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
                                          f"{width} values, "
                                          f"got {lengths[row]}")
                 values = arr.flatten()
+                if len(values) != n * width:  # structure, checked always (one comparison); validation finds the row
+                    raise ValueError(f"{where}: column {name!r} must hold {width} values per row, got {len(values)} "
+                                     f"values in {n} rows")
                 if self.validate and values.null_count:
                     row = _first(values.is_null().to_numpy(zero_copy_only=False)) // width
                     raise ValueError(f"{where}, {_row(row0 + row, file_row0)}: column {name!r} holds a missing "
