@@ -131,8 +131,8 @@ class CAPGLoss(_PolicyGradientLoss):
 class _OffPolicyLoss(_PolicyGradientLoss):
     """Options shared by the off-policy losses: the weight cap and self-normalisation."""
 
-    def __init__(self, num_candidates: int, *, max_weight: float | None, self_normalize: bool, temperature: float,
-                 reduction: str, validate_args: bool | None) -> None:
+    def __init__(self, num_candidates: int, *, max_weight: float | None = None, self_normalize: bool = False,
+                 temperature: float = 1.0, reduction: str = "mean", validate_args: bool | None = None) -> None:
         super().__init__(num_candidates, temperature=temperature, reduction=reduction, validate_args=validate_args)
         self.max_weight = None if max_weight is None else check_positive("max_weight", max_weight)
         self.self_normalize = check_flag("self_normalize", self_normalize)
@@ -198,11 +198,6 @@ class OffPolicyVPGLoss(_OffPolicyLoss):
         As :class:`VPGLoss`, plus ``logged_log_prob [B]``: ``log π₀(A^K | x)``.
     """
 
-    def __init__(self, num_candidates: int, *, max_weight: float | None = None, self_normalize: bool = False,
-                 temperature: float = 1.0, reduction: str = "mean", validate_args: bool | None = None) -> None:
-        super().__init__(num_candidates, max_weight=max_weight, self_normalize=self_normalize,
-                         temperature=temperature, reduction=reduction, validate_args=validate_args)
-
     def forward(self, logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor,
                 logged_log_prob: Tensor, *, position_weights: Tensor | None = None,
                 baseline: Tensor | None = None) -> Tensor:
@@ -220,11 +215,6 @@ class TopKReinforceLoss(_OffPolicyLoss):
     Shape:
         As :class:`VPGLoss`, plus ``logged_log_item_prob [B, L]``: ``log β(a_l | x)``.
     """
-
-    def __init__(self, num_candidates: int, *, max_weight: float | None = None, self_normalize: bool = False,
-                 temperature: float = 1.0, reduction: str = "mean", validate_args: bool | None = None) -> None:
-        super().__init__(num_candidates, max_weight=max_weight, self_normalize=self_normalize,
-                         temperature=temperature, reduction=reduction, validate_args=validate_args)
 
     def forward(self, logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor,
                 logged_log_item_prob: Tensor, *, position_weights: Tensor | None = None,
