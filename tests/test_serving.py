@@ -94,6 +94,12 @@ def test_bad_input_is_a_clear_error():
         ServingRetriever(tower, items, index=ExactIndex(items[:, 0]))
     with pytest.raises(ValueError, match="epsilon"):
         ServingRetriever(tower, items, epsilon=1.5)
+    with pytest.raises(TypeError, match="epsilon"):
+        ServingRetriever(tower, items, epsilon="0.1")
+    with pytest.raises(ValueError, match="temperature"):
+        ServingRetriever(tower, items, temperature=0.0)
+    with pytest.raises(ValueError, match="item_vectors"):
+        ServingRetriever(tower, items.masked_fill(items > 2, float("nan")))
     with pytest.raises(TypeError, match="index"):
         ServingRetriever(tower, items, index="flat")
     server = ServingRetriever(tower, items)

@@ -649,3 +649,5 @@ def test_serving_export_retrieves_what_the_training_catalog_ranks_first():
         torch.testing.assert_close(drawn.log_candidate_prob, want.log_candidate_prob)
     with pytest.raises(ValueError, match="catalog feature"):
         plain.user_vectors(plain.with_catalog(user_batch([1])))
+    with pytest.raises(TypeError, match="features"):
+        plain.user_vectors(torch.tensor([1]))
