@@ -22,10 +22,10 @@ import torch
 
 from capg_rec.marginals import DEFAULT_METHOD, inclusion_methods
 from capg_rec.sim.lsr import LSR_NAMES
+from capg_rec.train.cli import _ENVS
 
 __all__ = ["register", "generate_logs"]
 
-_ENVS = ("synthetic", "movielens", "kuairec")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

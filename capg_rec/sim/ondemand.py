@@ -24,6 +24,7 @@ from torch import Tensor
 
 from capg_rec._checks import check_count, check_positive
 from capg_rec.sim.env import MatrixEnv
+from capg_rec.sim.synthetic import _unit_rows
 
 __all__ = ["OnDemandSyntheticEnv"]
 
@@ -53,10 +54,6 @@ def _hashed_uniform(seed: int, tag: int, ids: Tensor, dim: int) -> Tensor:
     h = _mix32(key ^ _mix32(ids & _MASK32) ^ _mix32(_mix32((ids >> 32) & _MASK32) + 1))
     coord = _mix32(torch.arange(1, dim + 1, device=ids.device))
     return (_mix32(h.unsqueeze(-1) ^ coord).double() + 0.5) * 2.0**-32
-
-
-def _unit_rows(x: Tensor) -> Tensor:
-    return x / x.norm(dim=-1, keepdim=True)
 
 
 class OnDemandSyntheticEnv:

@@ -26,7 +26,7 @@ from torch import Tensor
 from capg_rec._checks import all_finite
 from capg_rec.losses import OffPolicyCAPGLoss, OffPolicyVPGLoss, TopKReinforceLoss
 from capg_rec.marginals import inclusion_methods
-from capg_rec.offpolicy_evaluation import off_policy_value
+from capg_rec.offpolicy_evaluation import OffPolicyEstimate, off_policy_value
 from capg_rec.plackett_luce import expert_runs, greedy_candidates
 from capg_rec.sim.env import MatrixEnv
 from capg_rec.sim.lsr import LSR_NAMES, make_lsr
@@ -194,6 +194,12 @@ def _estimator_loss(estimator: str, num_candidates: int, num_outputs: int, *, nu
     return loss
 
 
+def ope_columns(est: OffPolicyEstimate) -> dict[str, float]:
+    """The metrics columns of an off-policy estimate (as the trainer and the study report it)."""
+    return {"ope_ips": est.ips, "ope_ips_low": est.ips_ci_low, "ope_ips_high": est.ips_ci_high,
+            "ope_snips": est.snips, "ope_ess": est.effective_sample_size}
+
+
 class LogTrainer(Trainer):
     """Train a :class:`TwoTowerMoE` from Parquet logs with an off-policy estimator (see the module docstring).
 
@@ -312,9 +318,8 @@ class LogTrainer(Trainer):
             rewards.append(batch.rewards.double())
         if sum(len(t) for t in targets) < 2:
             return {"ope_ips": None, "ope_ips_low": None, "ope_ips_high": None, "ope_snips": None, "ope_ess": None}
-        est = off_policy_value(torch.cat(targets), torch.cat(logged), torch.cat(rewards), validate_args=False)
-        return {"ope_ips": est.ips, "ope_ips_low": est.ips_ci_low, "ope_ips_high": est.ips_ci_high,
-                "ope_snips": est.snips, "ope_ess": est.effective_sample_size}
+        return ope_columns(off_policy_value(torch.cat(targets), torch.cat(logged), torch.cat(rewards),
+                                            validate_args=False))
 
     def _evaluation(self) -> dict:
         return {"policy_value": self.evaluate() if self.env is not None else None, **self.off_policy_estimate()}

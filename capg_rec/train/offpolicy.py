@@ -24,15 +24,16 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from capg_rec._checks import all_finite, check_choice
 from capg_rec.catalog import DenseCatalog
+from capg_rec.logs.propensity import log_propensities
 from capg_rec.logs.schema import LoggedBatch
-from capg_rec.marginals import DEFAULT_METHOD, _inclusion_log_prob, inclusion_method
 from capg_rec.offpolicy_evaluation import off_policy_value
-from capg_rec.plackett_luce import _candidate_log_prob, greedy_candidates, sample_candidates
+from capg_rec.plackett_luce import greedy_candidates, sample_candidates
 from capg_rec.sim.env import MatrixEnv
 from capg_rec.sim.lsr import OptimalLSR
 from capg_rec.train.config import TrainConfig
-from capg_rec.train.logged import _LR, _estimator_loss
+from capg_rec.train.logged import _LR, _estimator_loss, ope_columns
 from capg_rec.train.report import markdown_table, mean_se, write_csv, write_json
 from capg_rec.train.trainer import Trainer, policy_value
 
@@ -69,6 +70,7 @@ class OffPolicyStudy:
     lr: float = 1e-2
 
     def __post_init__(self) -> None:
+        check_choice("env", self.env, ("synthetic", "movielens"))
         for name in ("ks", "sizes", "seeds"):
             if not getattr(self, name):
                 raise ValueError(f"{name} must not be empty")
@@ -108,19 +110,17 @@ def _log(model: torch.nn.Module, env: MatrixEnv, num_rows: int, num_candidates: 
     """``num_rows`` rows served by ``model`` at ``temperature`` with the optimal LSR."""
     parts: dict[str, list[Tensor]] = {}
     lsr = OptimalLSR()
-    method = inclusion_method(DEFAULT_METHOD)
-    swr = inclusion_method("with_replacement")
     for start in range(0, num_rows, _CHUNK):
         users = env.sample_users(min(_CHUNK, num_rows - start), generator)
         catalog = DenseCatalog(model(users), temperature, validate_args=False)
         candidates = sample_candidates(catalog, num_candidates, generator=generator, validate_args=False)
         picks, _ = lsr(env.ranking_scores(users, candidates), num_outputs)
         chosen = candidates.gather(1, picks)
-        log_count = _inclusion_log_prob(catalog, chosen, num_candidates, swr)
+        logged = log_propensities(catalog, candidates, chosen, validate_args=False)
         row = {"users": users.int(), "candidates": candidates.int(), "chosen": chosen.int(),
                "rewards": env.sample_reward(users, chosen, generator),
-               "log_inclusion": _inclusion_log_prob(catalog, chosen, num_candidates, method).clamp(max=0.0),
-               "log_count": log_count, "log_set": _candidate_log_prob(catalog, candidates, False)}
+               "log_inclusion": logged.log_inclusion.clamp(max=0.0), "log_count": logged.log_expected_count,
+               "log_set": logged.log_candidate_prob}
         for name, value in row.items():
             parts.setdefault(name, []).append(value)
         progress(len(users))
@@ -146,8 +146,11 @@ def _train_offline(model: torch.nn.Module, logs: _Logs, learner: str, study: Off
         batch = logs.batch(order[start:start + study.batch_size])
         loss = loss_fn(model(batch.context), batch)
         optimizer.zero_grad(set_to_none=True)
+        if not all_finite(loss.detach()):
+            skipped += 1
+            continue
         loss.backward()
-        if not (torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters())):
+        if not all(all_finite(p.grad) for p in model.parameters() if p.grad is not None):
             skipped += 1
             continue
         optimizer.step()
@@ -164,19 +167,8 @@ def _ope(model: torch.nn.Module, env: MatrixEnv, logs: _Logs, num_candidates: in
     member.scatter_(1, top, True)
     inside = member[logs.users.long().unsqueeze(1), logs.chosen.long()]
     target = torch.where(inside, 0.0, -math.inf)
-    est = off_policy_value(target, logs.log_inclusion.double(), logs.rewards.double(), validate_args=False)
-    return {"ope_ips": est.ips, "ope_ips_low": est.ips_ci_low, "ope_ips_high": est.ips_ci_high,
-            "ope_snips": est.snips, "ope_ess": est.effective_sample_size}
-
-
-def _make_env(name: str) -> MatrixEnv:
-    if name == "synthetic":
-        from capg_rec.sim.synthetic import synthetic_env
-        return synthetic_env()
-    if name == "movielens":
-        from capg_rec.sim.movielens import movielens_env
-        return movielens_env()
-    raise ValueError(f"env must be 'synthetic' or 'movielens', got {name!r}")
+    return ope_columns(off_policy_value(target, logs.log_inclusion.double(), logs.rewards.double(),
+                                        validate_args=False))
 
 
 def run_offpolicy_study(study: OffPolicyStudy, out: str | Path, *, progress: bool = True) -> str:
@@ -186,7 +178,9 @@ def run_offpolicy_study(study: OffPolicyStudy, out: str | Path, *, progress: boo
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    env = _make_env(study.env)
+    from capg_rec.train.cli import _make_env  # here: the command line module imports this one
+
+    env = _make_env(study.env, None)
     runs: list[dict] = []
     rows_per_k = max(study.sizes) + study.eval_rows
     work = len(study.ks) * len(study.seeds) * (rows_per_k + sum(study.sizes) * len(study.learners))
