@@ -67,7 +67,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from capg_rec._head_tail import HeadTail
-from capg_rec._numerics import log1mexp, log1mexp_exp
+from capg_rec._numerics import log1mexp, log1mexp_exp, safe_logsumexp
 
 __all__ = ["DEFAULT_MEMORY_BUDGET", "EXACT_NUM_POWERS", "exact_log_inclusion"]
 
@@ -150,13 +150,6 @@ def _safe_log(x: Tensor) -> Tensor:
     """``log x`` for ``x ≥ 0``, ``-inf`` below the smallest normal number; finite gradients."""
     ok = x > torch.finfo(x.dtype).tiny * 16
     return torch.where(ok, torch.log(torch.where(ok, x, torch.ones_like(x))), torch.full_like(x, -math.inf))
-
-
-def _lse(x: Tensor, dim: int) -> Tensor:
-    """``logsumexp`` that gives ``-inf`` with zero gradient (not NaN) where every entry is ``-inf``."""
-    some = torch.isfinite(x).any(dim, keepdim=True)
-    out = torch.logsumexp(torch.where(some, x, torch.zeros_like(x)), dim)
-    return torch.where(some.squeeze(dim), out, torch.full_like(out, -math.inf))
 
 
 def _reference(scores: Tensor, k: int) -> Tensor:
@@ -667,6 +660,6 @@ def exact_log_inclusion(summary: HeadTail, runs: Sequence[tuple[int, int]], *,
             terms.append((log_h + before).gather(1, targets))
             # h is clamped below 1 so that log(1 - h) and its gradient stay finite.
             log_survival = before + log1mexp(log_h.clamp(max=-torch.finfo(log_h.dtype).eps))
-    log_pi = _lse(torch.stack(terms), dim=0).clamp(max=0.0)  # quadrature rounding
+    log_pi = safe_logsumexp(torch.stack(terms), dim=0).clamp(max=0.0)  # quadrature rounding
     drawn = torch.where(valid_any.gather(1, targets), torch.zeros_like(log_pi), torch.full_like(log_pi, -math.inf))
     return torch.where(full.unsqueeze(1), drawn, log_pi)

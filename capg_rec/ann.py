@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from capg_rec._checks import check_choice, check_count, check_float_tensor
+from capg_rec.catalog import _chunked_top_k
 
 __all__ = ["ItemIndex", "ExactIndex", "FaissIndex", "recall_at_k"]
 
@@ -91,15 +92,8 @@ class ExactIndex(ItemIndex):
 
     def _search_one(self, expert: int, queries: Tensor, k: int) -> tuple[Tensor, Tensor]:
         items = self._vectors[expert].to(device=queries.device, dtype=queries.dtype)
-        best_val = queries.new_full((queries.shape[0], 0), -torch.inf)
-        best_idx = torch.zeros((queries.shape[0], 0), dtype=torch.long, device=queries.device)
-        for start in range(0, items.shape[0], self.chunk_size):
-            block = items[start:start + self.chunk_size]
-            s = queries @ block.T
-            ids = torch.arange(start, start + block.shape[0], device=queries.device).expand(queries.shape[0], -1)
-            best_val, pos = torch.cat([best_val, s], 1).topk(min(k, best_val.shape[1] + block.shape[0]), dim=1)
-            best_idx = torch.cat([best_idx, ids], 1).gather(1, pos)
-        return best_val, best_idx
+        scores, ids = _chunked_top_k(queries.unsqueeze(1), items.unsqueeze(1), k, None, None, self.chunk_size)
+        return scores[:, 0], ids[:, 0]
 
 
 FAISS_KINDS = ("flat", "hnsw", "ivf")

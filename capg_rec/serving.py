@@ -125,7 +125,8 @@ class ServingRetriever:
             return Retrieved(self._greedy(user, num_candidates))
         catalog = EmbeddingCatalog(user, self.item_vectors.to(user.dtype), self.temperature)
         candidates = explore_candidates(catalog, num_candidates, epsilon=self.epsilon, generator=generator)
-        logged = log_propensities(catalog, candidates, candidates, method=self.method, epsilon=self.epsilon)
+        logged = log_propensities(catalog, candidates, candidates, method=self.method, epsilon=self.epsilon,
+                                  validate_args=False)  # our own draw from this very catalog: nothing to check
         return Retrieved(candidates, *logged)
 
     def _greedy(self, user: Tensor, num_candidates: int) -> Tensor:

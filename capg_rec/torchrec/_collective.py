@@ -28,7 +28,15 @@ def all_gather_rows(x: Tensor, sizes: Sequence[int], group: dist.ProcessGroup) -
     return torch.cat([p[:n] for p, n in zip(parts, sizes)])
 
 
-class _AllGatherRows(torch.autograd.Function):
+class _RowsFunction(torch.autograd.Function):
+    """The row collectives' shared context: ``(x, sizes, rank, group)``."""
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        _, ctx.sizes, ctx.rank, ctx.group = inputs
+
+
+class _AllGatherRows(_RowsFunction):
     """:func:`all_gather_rows` with autograd: the backward sums the gradients over ranks and keeps
     this rank's rows (:class:`_ReduceScatterRows`), whose own backward is this gather again, so
     every order of derivative is available."""
@@ -38,15 +46,11 @@ class _AllGatherRows(torch.autograd.Function):
         return all_gather_rows(x, sizes, group)
 
     @staticmethod
-    def setup_context(ctx, inputs, output) -> None:
-        _, ctx.sizes, ctx.rank, ctx.group = inputs
-
-    @staticmethod
     def backward(ctx, grad: Tensor):
         return _ReduceScatterRows.apply(grad, ctx.sizes, ctx.rank, ctx.group), None, None, None
 
 
-class _ReduceScatterRows(torch.autograd.Function):
+class _ReduceScatterRows(_RowsFunction):
     """``x [Σ sizes, ...]`` summed over ranks, this rank's rows ``[sizes[rank], ...]`` kept (an
     all-reduce and a slice: gloo has no uneven reduce-scatter); the backward is :class:`_AllGatherRows`."""
 
@@ -56,10 +60,6 @@ class _ReduceScatterRows(torch.autograd.Function):
         dist.all_reduce(total, group=group)
         start = sum(sizes[:rank])
         return total[start: start + sizes[rank]]
-
-    @staticmethod
-    def setup_context(ctx, inputs, output) -> None:
-        _, ctx.sizes, ctx.rank, ctx.group = inputs
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -109,3 +109,8 @@ def exchange(local: Callable[[], Sequence[int | Tensor]], size: int, group: dist
 def ranks_where(table: list[list[int]], column: int) -> list[int]:
     """The ranks whose entry ``column`` of an :func:`exchange` table is non-zero."""
     return [r for r, entries in enumerate(table) if entries[column]]
+
+
+def on_ranks(group: dist.ProcessGroup | None, failed: list[int]) -> str:
+    """The end of a collective check's message: which ranks failed it (nothing without a group)."""
+    return "" if group is None else f" on every rank; not so on rank(s) {failed}"

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from capg_rec._checks import check_count, check_flag, check_float_tensor, check_id_tensor, resolve_validate_args
-from capg_rec.torchrec._collective import exchange
+from capg_rec.torchrec._collective import exchange, on_ranks, ranks_where
 
 __all__ = ["ContextBaseline", "global_mean_baseline"]
 
@@ -55,9 +55,9 @@ def _checked(rewards: Tensor, contexts: Tensor | None, num_contexts: int, group:
     device = rewards.device if isinstance(rewards, Tensor) else torch.device("cpu")
     table = exchange(local, 2, group, device)
     for column, message in ((0, "rewards must be finite"), (1, f"contexts must hold ids in [0, {num_contexts})")):
-        failed = [r for r, entries in enumerate(table) if entries[column]]
+        failed = ranks_where(table, column)
         if failed:
-            raise ValueError(message + ("" if group is None else f" on every rank; not so on rank(s) {failed}"))
+            raise ValueError(message + on_ranks(group, failed))
     return checked[0], checked[1]
 
 

@@ -20,8 +20,10 @@ from torch import Tensor
 
 from capg_rec._checks import check_count, check_float_tensor, check_id_tensor, check_positive, resolve_validate_args
 from capg_rec._numerics import safe_logsumexp
-from capg_rec.catalog import CatalogScores, _chunked_top_k, _ChunkedLogPowerSums, _expert_views, compute_dtype
-from capg_rec.torchrec._collective import all_gather_rows, exchange, gather_rows, ranks_where, reduce_rows
+from capg_rec.catalog import CatalogScores, _chunked_top_k, _ChunkedLogPowerSums, _expert_views, \
+    available_given_masks, compute_dtype
+from capg_rec.torchrec._collective import all_gather_rows, exchange, gather_rows, on_ranks, ranks_where, \
+    reduce_rows
 from capg_rec.torchrec._noise import BLOCK, BlockNoise, draw_seed
 
 __all__ = ["ShardedEmbeddingCatalog"]
@@ -146,7 +148,7 @@ class ShardedEmbeddingCatalog(CatalogScores):
                                 (11, f"masked_items must hold ids in [-1, {self.num_items}) (-1 pads)")):
             failed = ranks_where(table, column)
             if failed:
-                raise ValueError(message + _on_ranks(self.group, failed))
+                raise ValueError(message + on_ranks(self.group, failed))
 
     # -- collectives (identity in a single process) --------------------------------------------
     def _local_ids(self, ids: Tensor) -> Tensor:
@@ -185,7 +187,7 @@ class ShardedEmbeddingCatalog(CatalogScores):
         failed = ranks_where(table, 1)
         if failed:
             pads = " (-1 pads)" if low < 0 else ""
-            raise ValueError(f"{name} must hold ids in [{low}, {self.num_items}){pads}" + _on_ranks(self.group, failed))
+            raise ValueError(f"{name} must hold ids in [{low}, {self.num_items}){pads}" + on_ranks(self.group, failed))
         return checked[0]
 
     def _drop(self, exclude: Tensor | None) -> Tensor | None:
@@ -206,10 +208,7 @@ class ShardedEmbeddingCatalog(CatalogScores):
     def num_available(self) -> Tensor:
         if self._masked_sorted is None:
             return super().num_available()
-        s = self._masked_sorted
-        distinct = s >= 0
-        distinct[:, 1:] &= s[:, 1:] != s[:, :-1]
-        return (self.num_items - distinct.sum(1)).unsqueeze(1).expand(-1, self.num_experts)
+        return available_given_masks(self._masked_sorted, self.num_items, self.num_experts)
 
     def gather(self, items: Tensor) -> Tensor:
         items = self._ids("items", items, low=0)
@@ -270,10 +269,6 @@ class ShardedEmbeddingCatalog(CatalogScores):
             seed = seed.to(self.device)
             dist.broadcast(seed, src=dist.get_global_rank(self.group, 0), group=self.group)
         return seed.tolist()
-
-
-def _on_ranks(group: dist.ProcessGroup | None, failed: list[int]) -> str:
-    return "" if group is None else f" on every rank; not so on rank(s) {failed}"
 
 
 def _finite(x: Tensor) -> Tensor:
