@@ -230,18 +230,18 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
         if distinct:
             checks.distinct("candidates", inside, num_items)  # clamped ids: out-of-range ones fail above
         checks.distinct("chosen", chosen)
-        checks.require((chosen.unsqueeze(2) == candidates.unsqueeze(1)).any(2).all(),
-                       "chosen must be a subset of candidates in every row (the LSR picks among them)")
+        checks.subset(chosen, candidates,
+                      "chosen must be a subset of candidates in every row (the LSR picks among them)")
         with torch.no_grad():  # a catalog call on every process, empty batches included (it may be collective)
-            checks.require((_drawing_scores(catalog, inside) > -math.inf).all(),
-                           "candidates must not hold masked items (scored -inf by the expert that drew them): "
-                           "the ESR cannot draw them")
+            checks.all_above(_drawing_scores(catalog, inside), -math.inf,
+                             "candidates must not hold masked items (scored -inf by the expert that drew them): "
+                             "the ESR cannot draw them")
         for name, x in (("rewards", rewards), ("baseline", baseline), ("position_weights", position_weights)):
             if x is not None:
                 checks.no_nan_or_inf(name, x)
         if logged is not None and log_propensity.numel():
             checks.no_nan_or_inf(logged_name, log_propensity)
-            checks.require(log_propensity.detach().amax() <= bound + LOG_PROB_TOLERANCE,
+            checks.at_most(log_propensity, bound + LOG_PROB_TOLERANCE,
                            f"{logged_name} must be <= {bound:.6g} (a logged log-propensity: a probability is at "
                            f"most 1, an expected count at most K)")
         checks.run(catalog.agree)

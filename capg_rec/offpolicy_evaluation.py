@@ -81,7 +81,7 @@ def off_policy_value(target_log_inclusion: Tensor, logged_log_inclusion: Tensor,
         checks.no_nan_or_inf("logged_log_inclusion", logged_log_inclusion)
         checks.no_nan_or_inf("rewards", rewards)
         for name, x in (("target_log_inclusion", target_log_inclusion), ("logged_log_inclusion", logged_log_inclusion)):
-            checks.require(x.detach().amax() <= LOG_PROB_TOLERANCE, f"{name} must be <= 0 (a log-probability)")
+            checks.at_most(x, LOG_PROB_TOLERANCE, f"{name} must be <= 0 (a log-probability)")
         checks.run()
     target, logged = target_log_inclusion.detach().double(), logged_log_inclusion.detach().double()
     weight = importance_weights(target - logged, max_weight=max_weight)

@@ -443,7 +443,7 @@ def test_unchecked_swr_losses_make_no_host_sync(name):
     assert calls == []
     with count_host_syncs() as calls:
         _loss(name, 5)(logits, cand, cand[:, :2], torch.rand(4, 2))
-    assert calls == ["tolist"]  # the checks: one read-back
+    assert set(calls) <= {"numpy"}  # the checks read CPU tensors through numpy views (tests/test_checks.py)
 
 
 def test_method_settings_are_checked():

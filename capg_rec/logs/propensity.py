@@ -214,8 +214,7 @@ def log_propensities(logits: Tensor | CatalogScores, candidates: Tensor, shown: 
         raise ValueError(f"shown must have at most K={num_candidates} columns, got {shown.shape[1]}")
     checks = DeferredChecks()
     if validate and shown.numel():
-        checks.require((shown.unsqueeze(2) == candidates.unsqueeze(1)).any(2).all(),
-                       "shown must hold only items of the row's candidates (shown ⊆ candidates)")
+        checks.subset(shown, candidates, "shown must hold only items of the row's candidates (shown ⊆ candidates)")
         checks.run(catalog.agree)
         if epsilon < 1.0:
             check_enough_items(catalog, num_candidates)
@@ -238,8 +237,8 @@ def log_propensities(logits: Tensor | CatalogScores, candidates: Tensor, shown: 
             draw = _mix(draw, log_set, epsilon)
     if validate and candidates.numel():
         drawable = DeferredChecks()
-        drawable.require((draw > -math.inf).all(), "candidates must be a draw the logging policy can make: "
-                         "a row holds an item masked (scored -inf) for it")
+        drawable.all_above(draw, -math.inf, "candidates must be a draw the logging policy can make: "
+                           "a row holds an item masked (scored -inf) for it")
         drawable.run(catalog.agree)
     return LoggedPropensities(inclusion, count, draw)
 

@@ -1,0 +1,121 @@
+"""The losses' value checks: the same errors whether values are read on the host (numpy views of CPU
+tensors) or reduced as torch ops and read back in one sync (the path of CUDA tensors, forced here
+on CPU), and no read-back at all on the host path."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from capg_rec import CAPGLoss, OffPolicyCAPGLoss, VPGLoss, sample_candidates
+from capg_rec._checks import DeferredChecks
+from capg_rec.testing import count_host_syncs
+
+
+@pytest.fixture(params=["host", "torch"])
+def path(request, monkeypatch):
+    """Run the checks through numpy ("host") or through torch ops and one read-back ("torch")."""
+    if request.param == "torch":
+        monkeypatch.setattr(DeferredChecks, "_on_host", lambda self, x: None)
+    return request.param
+
+
+def _inputs(k: int = 5, num_items: int = 30, num_experts: int = 2):
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, num_experts, num_items, generator=gen)
+    candidates = sample_candidates(logits, k, generator=gen)
+    return logits, candidates, candidates[:, :2].clone(), torch.rand(4, 2, generator=gen)
+
+
+def _masked_candidate():
+    logits, cand, chosen, rewards = _inputs()
+    logits[1, 1, cand[1, -1]] = -math.inf  # the last position is drawn by expert 1
+    return logits, cand, chosen, rewards
+
+
+def _bad(case: str):
+    logits, cand, chosen, rewards = _inputs()
+    if case == "nan logits":
+        logits[2, 0, 7] = math.nan
+    elif case == "+inf logits":
+        logits[0, 1, 3] = math.inf
+    elif case == "id out of range":
+        cand[3, 4] = 30
+    elif case == "negative id":
+        cand[0, 2] = -1
+    elif case == "repeated candidate":
+        cand[1, 3] = cand[1, 0]
+    elif case == "repeated chosen":
+        chosen[2, 1] = chosen[2, 0]
+    elif case == "chosen outside candidates":
+        chosen[0, 1] = next(i for i in range(30) if i not in cand[0].tolist())
+    elif case == "masked candidate":
+        return _masked_candidate()
+    elif case == "nan rewards":
+        rewards[1, 0] = math.nan
+    return logits, cand, chosen, rewards
+
+
+CASES = {"nan logits": "logits must be finite or -inf", "+inf logits": "logits must be finite or -inf",
+         "id out of range": "candidates must hold ids in", "negative id": "candidates must hold ids in",
+         "repeated candidate": "candidates must not repeat", "repeated chosen": "chosen must not repeat",
+         "chosen outside candidates": "chosen must be a subset", "masked candidate": "must not hold masked items",
+         "nan rewards": "rewards must be finite"}
+
+
+@pytest.mark.parametrize("loss", [VPGLoss(5), CAPGLoss(5), CAPGLoss(5, method="with_replacement")], ids=repr)
+@pytest.mark.parametrize("case", CASES)
+def test_every_bad_value_is_named_on_both_paths(path, loss, case):
+    logits, cand, chosen, rewards = _bad(case)
+    with pytest.raises(ValueError, match=CASES[case]):
+        loss(logits, cand, chosen, rewards)
+
+
+def test_wide_rows_are_checked_for_repeats_on_both_paths(path):
+    """Rows wider than 64 ids: counted on the torch path, sorted by numpy on the host path."""
+    logits, cand, chosen, rewards = _inputs(k=100, num_items=300, num_experts=1)
+    loss = VPGLoss(100)
+    loss(logits, cand, chosen, rewards)  # valid
+    cand[2, 80] = cand[2, 5]
+    with pytest.raises(ValueError, match="candidates must not repeat"):
+        loss(logits, cand, chosen, rewards)
+
+
+def test_off_policy_logged_propensities_on_both_paths(path):
+    logits, cand, chosen, rewards = _inputs()
+    loss = OffPolicyCAPGLoss(5)
+    loss(logits, cand, chosen, rewards, torch.full((4, 2), -1.0))
+    with pytest.raises(ValueError, match="logged_log_inclusion must be <= 0"):
+        loss(logits, cand, chosen, rewards, torch.full((4, 2), 0.5))
+    with pytest.raises(ValueError, match="logged_log_inclusion must be finite"):
+        loss(logits, cand, chosen, rewards, torch.full((4, 2), math.nan))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_checks_read_every_dtype(path, dtype):
+    """bfloat16 has no numpy dtype: its logits take the torch path inside the host one."""
+    logits, cand, chosen, rewards = _bad("nan logits")
+    with pytest.raises(ValueError, match="logits must be finite or -inf"):
+        CAPGLoss(5)(logits.to(dtype), cand, chosen, rewards.to(dtype))
+    logits, cand, chosen, rewards = _inputs()
+    assert torch.isfinite(CAPGLoss(5)(logits.to(dtype), cand, chosen, rewards.to(dtype)))
+
+
+def test_host_path_reads_nothing_back_and_torch_path_once(path):
+    logits, cand, chosen, rewards = _inputs()
+    logits.requires_grad_()
+    with count_host_syncs() as calls:
+        CAPGLoss(5, method="with_replacement")(logits, cand, chosen, rewards)
+    if path == "host":
+        assert set(calls) <= {"numpy"}  # views of host memory, not read-backs
+    else:
+        assert calls == ["tolist"]
+
+
+def test_valid_masked_items_pass_on_both_paths(path):
+    """-inf masks an item for one expert only: a candidate drawn by the other expert is valid."""
+    logits, cand, chosen, rewards = _inputs()
+    logits[1, 0, cand[1, -1]] = -math.inf  # the last position is expert 1's draw
+    assert torch.isfinite(CAPGLoss(5)(logits, cand, chosen, rewards))
