@@ -275,6 +275,70 @@ def gather_with_rest(x: Tensor, index: Tensor, dim: int) -> tuple[Tensor, Tensor
     return _GatherWithRest.apply(x, index, dim)[:2]
 
 
+def suffix_log_masses(x: Tensor, index: Tensor) -> Tensor:
+    """``log(Σ_{n ∉ index} e^{x_n} + Σ_{j ≥ k} e^{x[index_j]})`` per expert: the log mass left before
+    the k-th named item is taken (what a Plackett-Luce draw of ``index`` normalises by), for ``x
+    [B, M, N]`` (``-inf`` masks) and ``index [B, K]`` (distinct ids) → ``[B, M, K]``.
+
+    On the CPU (eager, outside ``torch.func``) one node (:class:`_SuffixMasses`): one pass over ``x``
+    forward and one backward, float64 suffix sums; it is exact where every suffix holds more than
+    ``2^p`` times the floored exps' worst error (p = mantissa bits), which a host read checks. Else,
+    and on other devices, :func:`gather_with_rest` with its own maximum and
+    :func:`reverse_logcumsumexp`."""
+    if x.is_cpu and index.numel() and not torch.compiler.is_compiling() \
+            and not torch._C._functorch.is_functorch_wrapped_tensor(x):
+        out, sums = _SuffixMasses.apply(x, index)[:2]
+        floor_error = x.shape[2] * math.exp(exp_floor(x.dtype))
+        if float(sums.amin()) >= floor_error / torch.finfo(x.dtype).eps:  # a CPU tensor: no device sync
+            return out
+    named, rest = gather_with_rest(x, index.unsqueeze(1).expand(-1, x.shape[1], -1), 2)
+    return reverse_logcumsumexp(torch.cat([named, rest.unsqueeze(2)], 2), 2)[..., :-1]
+
+
+@bound_once
+class _SuffixMasses(torch.autograd.Function):
+    """:func:`suffix_log_masses` on the CPU: the floored exps ``terms = e^{x - top}`` with the named
+    entries zeroed give the rest ``R``; the named entries' exact float64 exps ``e`` their suffix sums
+    ``S_k = R + Σ_{j ≥ k} e_j``. Backward: ``terms · Σ_k g_k / S_k`` plus, at the named entries,
+    ``e_j Σ_{k ≤ j} g_k / S_k``. A higher-order gradient differentiates the composite path instead.
+    Outputs ``(log S + top, S)``; S is for the accuracy check only."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: Tensor, index: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        idx = index.unsqueeze(1).expand(-1, x.shape[1], -1)
+        top = x.amax(dim=2, keepdim=True).clamp_min_(torch.finfo(x.dtype).min)
+        terms = (x - top).clamp_min_(exp_floor(x.dtype)).exp_().scatter_(2, idx, 0.0)
+        named = (x.gather(2, idx).double() - top.double()).exp_()
+        sums = named.flip(2).cumsum_(2).flip(2).add_(terms.sum(2, keepdim=True, dtype=torch.float64))
+        out = sums.log().add_(top).to(x.dtype)
+        return out.clone() if out.dtype == sums.dtype else out, sums, terms, named
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: tuple) -> None:
+        x, index = inputs
+        _, sums, terms, named = output
+        ctx.mark_non_differentiable(sums, terms, named)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x, index, sums, terms, named)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor | None, *_) -> tuple[Tensor | None, None]:
+        if grad is None:
+            return None, None
+        x, index, sums, terms, named = ctx.saved_tensors
+        if torch.is_grad_enabled():  # a recorded backward: through the composite path's ops
+            with torch.enable_grad():
+                named_x, rest = gather_with_rest(x, index.unsqueeze(1).expand(-1, x.shape[1], -1), 2)
+                out = reverse_logcumsumexp(torch.cat([named_x, rest.unsqueeze(2)], 2), 2)[..., :-1]
+            return torch.autograd.grad(out, x, grad, create_graph=True)[0], None
+        ratio = grad.double() / sums  # S_k >= e_k > 0
+        grad_named = (named * ratio.cumsum(2)).to(x.dtype)
+        grad_x = scaled_terms(terms, ratio.sum(2, keepdim=True).to(x.dtype))
+        return grad_x.scatter_add_(2, index.unsqueeze(1).expand(-1, x.shape[1], -1), grad_named), None
+
+
 def filled_logsumexp(x: Tensor, dim: int) -> Tensor:
     """``logsumexp`` of ``x`` whose dropped entries hold the dtype's lowest finite value or ``-inf``;
     ``-inf`` (with zero grad) where all were dropped."""

@@ -291,3 +291,60 @@ def test_chunked_reductions_raise_on_overflowing_scores_when_checking():
         _ChunkedLogPowerSums.apply(big, big, None, 2, 1, True)
     with pytest.raises(ValueError, match="overflow"):  # every score of a row overflows to -inf
         _ChunkedLogPowerSums.apply(user[:1], item[2:3], None, 1, 1, True)
+
+
+def _suffix_reference(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``log(Σ_{n ∉ index} e^{x_n} + Σ_{j ≥ k} e^{x[index_j]})`` term by term, in float64."""
+    x = x.double()
+    idx = index.unsqueeze(1).expand(-1, x.shape[1], -1)
+    rest = torch.logsumexp(x.scatter(2, idx, -math.inf), 2, keepdim=True)
+    named = x.gather(2, idx)
+    return torch.stack([torch.logsumexp(torch.cat([named[..., k:], rest], 2), 2) for k in range(index.shape[1])], 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("scale", [1.0, 30.0, 400.0])
+def test_suffix_log_masses_match_the_term_by_term_sums(dtype, scale):
+    """The one-node CPU path (typical spreads) and the composite one it falls back to (suffixes below the
+    floored exps' error: spreads of hundreds) give the float64 value and gradient, masks included."""
+    from capg_rec._numerics import suffix_log_masses
+
+    gen = torch.Generator().manual_seed(3)
+    x = scale * torch.randn(5, 2, 40, generator=gen, dtype=torch.float64)
+    x[0, 1, 7] = x[3, 0, :5] = -math.inf
+    index = torch.stack([torch.randperm(40, generator=gen)[:6] for _ in range(5)])
+    index[0, 0], index[3, 0] = 8, 6  # named items stay unmasked
+    x = x.to(dtype).requires_grad_()
+    out = suffix_log_masses(x, index)
+    want = _suffix_reference(x.detach(), index)
+    tol = 64 * torch.finfo(dtype).eps * (1 + scale)
+    torch.testing.assert_close(out.double(), want, rtol=0, atol=tol)
+    g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    (grad,) = torch.autograd.grad(out, x, g.to(dtype))
+    ref = x.detach().double().requires_grad_()
+    (want_grad,) = torch.autograd.grad(_suffix_reference(ref, index), ref, g)
+    torch.testing.assert_close(grad.double(), want_grad, rtol=0, atol=tol)
+    assert (grad[0, 1, 7] == 0) and (grad[3, 0, :5] == 0).all()
+
+
+def test_suffix_log_masses_fall_back_where_the_floored_rest_would_be_wrong():
+    """The last named item 80 nats below the best and the rest 95 below: float32's floored exps
+    (−86) would count the rest 6000x too large; the composite path sums it from its own maximum."""
+    from capg_rec._numerics import _SuffixMasses, suffix_log_masses
+
+    x = torch.full((1, 1, 1000), -95.0)
+    x[0, 0, 0], x[0, 0, 1] = 0.0, -80.0
+    index = torch.tensor([[0, 1]])
+    fused = _SuffixMasses.apply(x, index)[0]
+    want = _suffix_reference(x, index)
+    assert (fused[0, 0, 1].double() - want[0, 0, 1]).abs() > 1.0  # what the check guards against
+    torch.testing.assert_close(suffix_log_masses(x, index).double(), want, rtol=0, atol=1e-4)
+
+
+def test_suffix_log_masses_second_derivatives():
+    from capg_rec._numerics import suffix_log_masses
+
+    x = torch.randn(2, 2, 9, dtype=torch.float64, requires_grad=True)
+    index = torch.tensor([[1, 4, 2], [0, 8, 3]])
+    assert torch.autograd.gradcheck(lambda t: suffix_log_masses(t, index), (x,))
+    assert torch.autograd.gradgradcheck(lambda t: suffix_log_masses(t, index), (x,))
