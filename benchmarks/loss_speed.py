@@ -29,6 +29,7 @@ import functools
 import json
 import logging
 import math
+import os
 import pathlib
 import platform
 import statistics
@@ -320,6 +321,14 @@ def _count(estimators: Sequence[str], variants: Sequence[str]) -> int:
     return 1 + sum(v != "paper code" or n in PAPER_FLAGS for n in estimators for v in variants)
 
 
+def allocator() -> dict[str, str | None]:
+    """The memory-allocator settings of this process: with glibc's defaults, freed buffers of a few MB are
+    handed back to the OS and faulted in again on the next call (up to 5x on [B, M, N]-sized ops here);
+    ``GLIBC_TUNABLES=glibc.malloc.trim_threshold=...:glibc.malloc.mmap_threshold=...`` or a preloaded
+    jemalloc/tcmalloc (PyTorch's CPU tuning advice) keep them. Recorded so that runs compare like with like."""
+    return {name: os.environ.get(name) for name in ("GLIBC_TUNABLES", "LD_PRELOAD", "MALLOC_CONF")}
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=50)
@@ -368,11 +377,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
                                  args.exact_reps, 1, None, bar, bare=bares[(k, m)])
     table = markdown(cells, extra)
     print(table)
+    print("allocator settings:", allocator())
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"argv": list(sys.argv[1:] if argv is None else argv), "torch": torch.__version__,
             "python": platform.python_version(), "machine": platform.machine(), "threads": torch.get_num_threads(),
-            "batch": args.batch, "shown": NUM_SHOWN, "dim": args.dim, "paper_code": paper is not None}
+            "batch": args.batch, "shown": NUM_SHOWN, "dim": args.dim, "paper_code": paper is not None,
+            "allocator": allocator()}
     result = {"meta": meta, "cells": [dataclasses.asdict(c) for c in cells], "after_exact": extra}
     (out / "results.json").write_text(json.dumps(result, indent=2))
     with open(out / "results.csv", "w", newline="") as f:
