@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from capg_rec import CAPGLoss, OffPolicyCAPGLoss, VPGLoss, sample_candidates
-from capg_rec._checks import DeferredChecks
+from capg_rec import CAPGLoss, OffPolicyCAPGLoss, VPGLoss, inclusion_log_prob, sample_candidates
+import capg_rec._checks
 from capg_rec.testing import count_host_syncs
 
 
@@ -18,7 +18,7 @@ from capg_rec.testing import count_host_syncs
 def path(request, monkeypatch):
     """Run the checks through numpy ("host") or through torch ops and one read-back ("torch")."""
     if request.param == "torch":
-        monkeypatch.setattr(DeferredChecks, "_on_host", lambda self, x: None)
+        monkeypatch.setattr(capg_rec._checks, "_host_view", lambda x: None)
     return request.param
 
 
@@ -119,3 +119,25 @@ def test_valid_masked_items_pass_on_both_paths(path):
     logits, cand, chosen, rewards = _inputs()
     logits[1, 0, cand[1, -1]] = -math.inf  # the last position is expert 1's draw
     assert torch.isfinite(CAPGLoss(5)(logits, cand, chosen, rewards))
+
+
+def test_inclusion_log_prob_checks_items_on_both_paths(path):
+    logits = torch.randn(3, 300)
+    items = torch.stack([torch.randperm(300)[:100] for _ in range(3)])
+    assert inclusion_log_prob(logits, items, 120).shape == (3, 100)
+    with pytest.raises(ValueError, match=r"items must hold ids in \[0, 300\), got values in \[0, 300\]"):
+        inclusion_log_prob(logits, torch.cat([items[:, :99], torch.full((3, 1), 300)], 1), 120)
+    items[1, 70] = items[1, 3]
+    assert inclusion_log_prob(logits, items, 120).shape == (3, 100)  # items may repeat here
+
+
+def test_candidate_log_prob_refuses_repeats_on_both_paths(path):
+    """Rows of 100 ids: the unique check sorts them (numpy on the host path, torch on the other)."""
+    from capg_rec import candidate_log_prob
+
+    logits = torch.randn(3, 300)
+    cand = torch.stack([torch.randperm(300)[:100] for _ in range(3)])
+    assert candidate_log_prob(logits, cand).shape == (3,)
+    cand[2, 99] = cand[2, 0]
+    with pytest.raises(ValueError, match="candidates must not repeat"):
+        candidate_log_prob(logits, cand)
