@@ -11,8 +11,8 @@ only differences of scores are ever formed), and κ is found per row by
 1. Newton's method in ``t = e^{-κ}`` (f is concave in t) from one step on the series
    ``Σ ρ (x - x²/2 + x³/6)`` past the sampling-with-replacement solution ``logsumexp(s) - log n``,
    both below the root in t, on ``[B, T]`` buffers updated in place (one ``expm1`` per step; one
-   step for typical scores); then, for rows where that arithmetic underflows or loses digits
-   (saturated items, score gaps of hundreds) or has not converged,
+   step for typical scores; saturated items too, their ``x e^{-x}`` then from one exact pass);
+   then, for rows where that arithmetic underflows (score gaps of hundreds) or has not converged,
 2. a safeguarded solve on sums taken in log-space: Newton on ``log(n - Σ_sat ρ g) - log Σ_rest ρ g``
    (or on the logs of minus those logs, when both are tiny) inside a shrinking bracket, with
    bisection in ``asinh κ`` when Newton leaves the bracket or stalls.
@@ -296,8 +296,10 @@ def _solve(s: Tensor, top: Tensor, log_rho: Tensor | None, tail: Tensor | None, 
     if fast_iter > 0:
         fast = _FastSolve(s, top, rho, tail, lower, count)
         kappa, done = fast.run(fast_iter, tol, compiling)
-        if not compiling and bool(done.all()):
-            return kappa, *fast.finish(survive)
+        if not compiling:
+            all_done, large = torch.stack((done.all(), fast.large.any())).tolist()
+            if all_done:
+                return kappa, *fast.finish(kappa, survive, large)
     else:
         kappa = torch.full_like(top, math.nan)  # the log-space solve starts from its own bound
     d = s - top.unsqueeze(1)  # relative scores, max 0
@@ -321,7 +323,8 @@ class _FastSolve:
                  count: int) -> None:
         self.rho, self.tail, self.lower, self.count = rho, tail, lower, count
         self.finfo = finfo = torch.finfo(s.dtype)
-        rate = (s - top.unsqueeze(1)).exp_()  # e^d ≤ 1, with max 1 unless the row is empty
+        self.d = s - top.unsqueeze(1)  # relative scores, max 0
+        rate = torch.exp(self.d)  # e^d ≤ 1, with max 1 unless the row is empty
         self.em1 = torch.empty_like(rate)
         mass = rate.sum(dim=1) if rho is None else torch.mul(rho, rate, out=self.em1).sum(dim=1)  # Σ ρ e^d
         if tail is not None:
@@ -394,28 +397,35 @@ class _FastSolve:
             if it == iters - 1 or (not compiling and bool(converged.all())):
                 break
             neg_rate.mul_((1.0 + ratio).unsqueeze(1)).clamp_(min=-1e30)  # x ∝ t
-        # Accurate linear-space sums: no rate so large that e^{-x} = 1 + expm1(-x) lost its
-        # digits (the largest rate is that of the expert's best item, d = 0), and a slope far
-        # above underflow.
+        # A slope far above underflow. Rates beyond ``cap`` are fine for f (1 - e^{-x} is
+        # -expm1(-x)), but 1 + expm1(-x) keeps no digits of their x e^{-x}: where any row has
+        # one (the largest rate is that of the expert's best item, d = 0), :meth:`finish` takes
+        # the derivatives from an exact pass.
         cap = 12.0 if finfo.bits <= 32 else 30.0
-        done = self.empty | (converged & (kappa_eval >= -math.log(cap)) & (neg_slope <= -1e-3))
+        done = self.empty | (converged & (neg_slope <= -1e-3))
         if self.suspect is not None:
             done = done & ~self.suspect
+        self.large = kappa_eval < -math.log(cap)
         self.last = (ratio, kappa - kappa_eval)
         return kappa, done
 
-    def finish(self, survive: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    def finish(self, kappa: Tensor, survive: bool, exact: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """The derivatives of κ (see :class:`_Root`) and the rates at κ, negated (``[B, 0]`` unless
         ``survive``), in place: the solver and ρ are spent.
 
         The summands of ∂f/∂d and ∂f/∂log ρ move from the last evaluation to κ after its Newton
         step (rates times ``1 + r``) to first order: ``x e^{-x}`` gains ``1 - r x``, ``1 - e^{-x}``
-        gains ``r x e^{-x}``."""
+        gains ``r x e^{-x}``; with ``exact`` (some rate beyond the cap of :meth:`run`), ``x e^{-x}``
+        is computed anew at κ instead."""
         ratio, step = self.last
         r = ratio.unsqueeze(1)
         if self.rho is not None:  # ρ (1 - e^{-x}) → ρ (1 - e^{-x}) + r ρ x e^{-x}, negated
             self.em1.mul_(self.rho).addcmul_(self.dens, r)
-        if survive:  # ρ is spent: its buffer holds the rates' increments
+        if exact:  # -ρ x e^{-x} = -ρ e^{d - κ - x} at κ, one exp pass: accurate at any rate
+            self.neg_rate.addcmul_(self.neg_rate, r)
+            dens = self.d.sub_(kappa.unsqueeze(1)).add_(self.neg_rate).exp_()
+            self.dens = dens.mul_(self.rho).neg_() if self.rho is not None else dens.neg_()
+        elif survive:  # ρ is spent: its buffer holds the rates' increments
             moved = torch.mul(self.neg_rate, r, out=self.rho) if self.rho is not None else self.neg_rate * r
             self.dens.addcmul_(self.dens, moved)
             self.neg_rate.add_(moved)
