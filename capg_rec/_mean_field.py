@@ -302,7 +302,7 @@ def _solve(s: Tensor, top: Tensor, log_rho: Tensor | None, tail: Tensor | None, 
                 return kappa, *fast.finish(kappa, survive, large)
     else:
         kappa = torch.full_like(top, math.nan)  # the log-space solve starts from its own bound
-    d = s - top.unsqueeze(1)  # relative scores, max 0
+    d = fast.d if fast_iter > 0 else s - top.unsqueeze(1)  # relative scores, max 0
     robust = _RobustSolve(d, rho, log_rho, tail, lower, count)
     kappa, *shares = robust.run(kappa, max_iter - fast_iter if compiling else max_iter, tol, compiling)
     neg_rate = -torch.exp((d - kappa.unsqueeze(1)).clamp(max=_log_max(d.dtype))) if survive else s[:, :0]
@@ -336,7 +336,9 @@ class _FastSolve:
         self.suspect = mass < finfo.tiny / finfo.eps if rho is not None else None
         mass = mass.clamp(min=finfo.tiny)
         self.start = (torch.log(mass) - math.log(count)) * self.alive  # f ≤ n here; 0 for an empty row
-        self.neg_rate = rate.mul_((self.alive * -count / mass).unsqueeze(1)).clamp_(min=-1e30)  # -x at the start
+        self.neg_rate = rate.mul_((self.alive * -count / mass).unsqueeze(1))  # -x at the start
+        if rho is not None:  # Σ ρ e^d may be tiny (else it is at least e^0 = 1: x ≤ n)
+            self.neg_rate.clamp_(min=-1e30)
 
     def _tail_terms(self, kappa: Tensor) -> tuple[Tensor, Tensor]:
         """The tail's series terms ``c_p e^{log Z_p - pκ}`` ``[B, P]`` and the powers p."""
