@@ -357,11 +357,11 @@ class _FastSolve:
         if self.tail is not None:
             terms, _ = self._tail_terms(self.start)
             m2, m3 = m2 - 2.0 * terms[:, 1], m3 + 6.0 * terms[:, 2]
-        m1 = self.count * self.alive  # Σ ρ x, tail included: the start's definition
-        value = m1 - 0.5 * m2 + m3 / 6.0 - self.count
-        slope = m1 - m2 + 0.5 * m3
-        step = -value / slope.clamp(min=self.finfo.tiny)
-        return (1.0 + step).clamp(min=1.0).minimum(m2 / m3.clamp(min=self.finfo.tiny)).clamp(min=1.0)
+        # Σ ρ x = n (tail included: the start's definition; 0 in an empty row, where m2 = m3 = 0)
+        deficit = torch.sub(m2, m3, alpha=1.0 / 3.0).mul_(0.5)  # n - series = m2/2 - m3/6
+        slope = torch.add(m3, m2, alpha=-2.0).mul_(0.5).add_(self.count * self.alive)  # n - m2 + m3/2
+        step = deficit.div_(slope.clamp_(min=self.finfo.tiny))
+        return torch.minimum(step.add_(1.0), m2.div_(m3.clamp(min=self.finfo.tiny))).clamp_(min=1.0)
 
     def run(self, iters: int, tol: float, compiling: bool) -> tuple[Tensor, Tensor]:
         """Iterate from the start → κ and which rows are done: converged, with accurate sums (no
