@@ -299,7 +299,7 @@ def _solve(s: Tensor, top: Tensor, log_rho: Tensor | None, tail: Tensor | None, 
         if not compiling:
             all_done, large = torch.stack((done.all(), fast.large.any())).tolist()
             if all_done:
-                return kappa, *fast.finish(kappa, survive, large)
+                return fast.finish(kappa, survive, large)
     else:
         kappa = torch.full_like(top, math.nan)  # the log-space solve starts from its own bound
     d = fast.d if fast_iter > 0 else s - top.unsqueeze(1)  # relative scores, max 0
@@ -408,7 +408,7 @@ class _FastSolve:
         if self.suspect is not None:
             done = done & ~self.suspect
         self.large = kappa_eval < -math.log(cap)
-        self.last = (ratio, kappa - kappa_eval)
+        self.last = (ratio, kappa - kappa_eval, neg_slope)
         return kappa, done
 
     def finish(self, kappa: Tensor, survive: bool, exact: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -417,9 +417,16 @@ class _FastSolve:
 
         The summands of ∂f/∂d and ∂f/∂log ρ move from the last evaluation to κ after its Newton
         step (rates times ``1 + r``) to first order: ``x e^{-x}`` gains ``1 - r x``, ``1 - e^{-x}``
-        gains ``r x e^{-x}``; with ``exact`` (some rate beyond the cap of :meth:`run`), ``x e^{-x}``
-        is computed anew at κ instead."""
-        ratio, step = self.last
+        gains ``r x e^{-x}``; with ``exact`` (some rate beyond the cap of :meth:`run`), that last step
+        is taken to second order and ``x e^{-x}`` is computed anew at κ instead. → κ and the above."""
+        ratio, step, neg_slope = self.last
+        if exact and self.tail is None:
+            # Newton's error ~ r² Q / S grows with the rates: the last step to second order instead,
+            # f + S r - Q r²/2 = n (S = Σ ρ x e^{-x}, Q = Σ ρ x² e^{-x} at the last evaluation)
+            kappa = kappa - step
+            second = torch.linalg.vecdot(self.dens, self.neg_rate) / (2.0 * neg_slope.clamp(max=-self.finfo.tiny))
+            ratio = ratio / (1.0 + ratio * second)
+            kappa = kappa - torch.log1p(ratio)
         r = ratio.unsqueeze(1)
         if self.rho is not None:  # ρ (1 - e^{-x}) → ρ (1 - e^{-x}) + r ρ x e^{-x}, negated
             self.em1.mul_(self.rho).addcmul_(self.dens, r)
@@ -442,7 +449,7 @@ class _FastSolve:
         scale = 1.0 / neg_slope.clamp(max=-self.finfo.tiny)
         share_rho = self.em1[:, :0] if self.rho is None else self.em1
         share_tail = self.dens[:, :0] if self.tail is None else -self.tail_terms
-        return self.dens, share_rho, share_tail, scale, self.neg_rate if survive else self.dens[:, :0]
+        return kappa, self.dens, share_rho, share_tail, scale, self.neg_rate if survive else self.dens[:, :0]
 
 
 class _RobustSolve:
