@@ -213,7 +213,10 @@ class _Root(torch.autograd.Function):
             if chain:
                 neg_rate = -torch.exp((d - kappa.unsqueeze(1)).clamp(max=_log_max(d.dtype)))
         elif chain:
-            neg_rate = after if log_rho is None else after - log_rho
+            # -x; where ρ' = 0 (log ρ' = -inf: log ρ was, or log ρ - x overflowed) that difference is
+            # NaN or -inf, and the later blocks send no gradient back (0 × -inf would make a NaN)
+            neg_rate = after if log_rho is None else torch.nan_to_num(after - log_rho, nan=0.0,
+                                                                      neginf=torch.finfo(s.dtype).min)
         # Through the survival, derivatives can exceed the floating-point range (mixtures with
         # score gaps of 1e20 and more); they are kept finite, so that no inf - inf makes a NaN.
         limit = torch.finfo(s.dtype).max / (4 * max(s.shape[1], 1))

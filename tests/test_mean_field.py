@@ -174,6 +174,18 @@ def test_extreme_mixture_stays_finite():
     assert torch.isfinite(grad32).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_survival_overflowing_to_minus_inf_gives_no_nan(dtype):
+    """Regression: with score gaps near 1e5 (5e4·randn, five experts, K = 40), an item's log-survival
+    summed over blocks overflowed to -inf; the backward then formed -inf - -inf (or 0 × -inf) for the
+    derivative through the survival, and whole rows of gradients were NaN (4 of 16 in float64)."""
+    scores = _scores(16, 5, 100, seed=13, scale=5e4, dtype=dtype)
+    items = torch.stack([scores[:, 0].argmax(dim=1), scores[:, 2].argsort(dim=1, descending=True)[:, 30],
+                         torch.full((16,), 5)], dim=1)
+    out, grad = _value_and_grad(scores, items, 40)
+    assert not torch.isnan(out).any() and torch.isfinite(grad).all()
+
+
 # --- definition, masks, edge cases -----------------------------------------------------------------------
 
 
