@@ -305,7 +305,7 @@ def _solve(s: Tensor, top: Tensor, log_rho: Tensor | None, tail: Tensor | None, 
                 return fast.finish(kappa, survive, large)
     else:
         kappa = torch.full_like(top, math.nan)  # the log-space solve starts from its own bound
-    d = fast.d if fast_iter > 0 else s - top.unsqueeze(1)  # relative scores, max 0
+    d = s - top.unsqueeze(1)  # relative scores, max 0
     robust = _RobustSolve(d, rho, log_rho, tail, lower, count)
     kappa, *shares = robust.run(kappa, max_iter - fast_iter if compiling else max_iter, tol, compiling)
     neg_rate = -torch.exp((d - kappa.unsqueeze(1)).clamp(max=_log_max(d.dtype))) if survive else s[:, :0]
@@ -324,10 +324,9 @@ class _FastSolve:
 
     def __init__(self, s: Tensor, top: Tensor, rho: Tensor | None, tail: Tensor | None, lower: Tensor | None,
                  count: int) -> None:
-        self.rho, self.tail, self.lower, self.count = rho, tail, lower, count
+        self.s, self.top, self.rho, self.tail, self.lower, self.count = s, top, rho, tail, lower, count
         self.finfo = finfo = torch.finfo(s.dtype)
-        self.d = s - top.unsqueeze(1)  # relative scores, max 0
-        rate = torch.exp(self.d)  # e^d ≤ 1, with max 1 unless the row is empty
+        rate = (s - top.unsqueeze(1)).exp_()  # e^d ≤ 1, with max 1 unless the row is empty
         self.em1 = torch.empty_like(rate)
         mass = rate.sum(dim=1) if rho is None else torch.mul(rho, rate, out=self.em1).sum(dim=1)  # Σ ρ e^d
         if tail is not None:
@@ -435,7 +434,8 @@ class _FastSolve:
             self.em1.mul_(self.rho).addcmul_(self.dens, r)
         if exact:  # -ρ x e^{-x} = -ρ e^{d - κ - x} at κ, one exp pass: accurate at any rate
             self.neg_rate.addcmul_(self.neg_rate, r)
-            dens = self.d.sub_(kappa.unsqueeze(1)).add_(self.neg_rate).exp_()
+            dens = torch.sub(self.s, self.top.unsqueeze(1), out=self.dens).sub_(kappa.unsqueeze(1))
+            dens.add_(self.neg_rate).exp_()
             self.dens = dens.mul_(self.rho).neg_() if self.rho is not None else dens.neg_()
         elif survive:  # ρ is spent: its buffer holds the rates' increments
             moved = torch.mul(self.neg_rate, r, out=self.rho) if self.rho is not None else self.neg_rate * r
