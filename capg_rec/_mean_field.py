@@ -11,8 +11,8 @@ only differences of scores are ever formed), and κ is found per row by
 1. Newton's method in ``t = e^{-κ}`` (f is concave in t) from one step on the series
    ``Σ ρ (x - x²/2 + x³/6)`` past the sampling-with-replacement solution ``logsumexp(s) - log n``,
    both below the root in t, on ``[B, T]`` buffers updated in place (one ``expm1`` per step; one
-   step for typical scores); then, for rows where that arithmetic underflows or loses digits
-   (saturated items, score gaps of hundreds) or has not converged,
+   step for typical scores; saturated items too, their ``x e^{-x}`` then from one exact pass);
+   then, for rows where that arithmetic underflows (score gaps of hundreds) or has not converged,
 2. a safeguarded solve on sums taken in log-space: Newton on ``log(n - Σ_sat ρ g) - log Σ_rest ρ g``
    (or on the logs of minus those logs, when both are tiny) inside a shrinking bracket, with
    bisection in ``asinh κ`` when Newton leaves the bracket or stalls.
@@ -213,7 +213,10 @@ class _Root(torch.autograd.Function):
             if chain:
                 neg_rate = -torch.exp((d - kappa.unsqueeze(1)).clamp(max=_log_max(d.dtype)))
         elif chain:
-            neg_rate = after if log_rho is None else after - log_rho
+            # -x; where ρ' = 0 (log ρ' = -inf: log ρ was, or log ρ - x overflowed) that difference is
+            # NaN or -inf, and the later blocks send no gradient back (0 × -inf would make a NaN)
+            neg_rate = after if log_rho is None else torch.nan_to_num(after - log_rho, nan=0.0,
+                                                                      neginf=torch.finfo(s.dtype).min)
         # Through the survival, derivatives can exceed the floating-point range (mixtures with
         # score gaps of 1e20 and more); they are kept finite, so that no inf - inf makes a NaN.
         limit = torch.finfo(s.dtype).max / (4 * max(s.shape[1], 1))
@@ -296,8 +299,10 @@ def _solve(s: Tensor, top: Tensor, log_rho: Tensor | None, tail: Tensor | None, 
     if fast_iter > 0:
         fast = _FastSolve(s, top, rho, tail, lower, count)
         kappa, done = fast.run(fast_iter, tol, compiling)
-        if not compiling and bool(done.all()):
-            return kappa, *fast.finish(survive)
+        if not compiling:
+            all_done, large = torch.stack((done.all(), fast.large.any())).tolist()
+            if all_done:
+                return fast.finish(kappa, survive, large)
     else:
         kappa = torch.full_like(top, math.nan)  # the log-space solve starts from its own bound
     d = s - top.unsqueeze(1)  # relative scores, max 0
@@ -319,7 +324,7 @@ class _FastSolve:
 
     def __init__(self, s: Tensor, top: Tensor, rho: Tensor | None, tail: Tensor | None, lower: Tensor | None,
                  count: int) -> None:
-        self.rho, self.tail, self.lower, self.count = rho, tail, lower, count
+        self.s, self.top, self.rho, self.tail, self.lower, self.count = s, top, rho, tail, lower, count
         self.finfo = finfo = torch.finfo(s.dtype)
         rate = (s - top.unsqueeze(1)).exp_()  # e^d ≤ 1, with max 1 unless the row is empty
         self.em1 = torch.empty_like(rate)
@@ -333,7 +338,9 @@ class _FastSolve:
         self.suspect = mass < finfo.tiny / finfo.eps if rho is not None else None
         mass = mass.clamp(min=finfo.tiny)
         self.start = (torch.log(mass) - math.log(count)) * self.alive  # f ≤ n here; 0 for an empty row
-        self.neg_rate = rate.mul_((self.alive * -count / mass).unsqueeze(1)).clamp_(min=-1e30)  # -x at the start
+        self.neg_rate = rate.mul_((self.alive * -count / mass).unsqueeze(1))  # -x at the start
+        if rho is not None:  # Σ ρ e^d may be tiny (else it is at least e^0 = 1: x ≤ n)
+            self.neg_rate.clamp_(min=-1e30)
 
     def _tail_terms(self, kappa: Tensor) -> tuple[Tensor, Tensor]:
         """The tail's series terms ``c_p e^{log Z_p - pκ}`` ``[B, P]`` and the powers p."""
@@ -352,11 +359,11 @@ class _FastSolve:
         if self.tail is not None:
             terms, _ = self._tail_terms(self.start)
             m2, m3 = m2 - 2.0 * terms[:, 1], m3 + 6.0 * terms[:, 2]
-        m1 = self.count * self.alive  # Σ ρ x, tail included: the start's definition
-        value = m1 - 0.5 * m2 + m3 / 6.0 - self.count
-        slope = m1 - m2 + 0.5 * m3
-        step = -value / slope.clamp(min=self.finfo.tiny)
-        return (1.0 + step).clamp(min=1.0).minimum(m2 / m3.clamp(min=self.finfo.tiny)).clamp(min=1.0)
+        # Σ ρ x = n (tail included: the start's definition; 0 in an empty row, where m2 = m3 = 0)
+        deficit = torch.sub(m2, m3, alpha=1.0 / 3.0).mul_(0.5)  # n - series = m2/2 - m3/6
+        slope = torch.add(m3, m2, alpha=-2.0).mul_(0.5).add_(self.count * self.alive)  # n - m2 + m3/2
+        step = deficit.div_(slope.clamp_(min=self.finfo.tiny))
+        return torch.minimum(step.add_(1.0), m2.div_(m3.clamp(min=self.finfo.tiny))).clamp_(min=1.0)
 
     def run(self, iters: int, tol: float, compiling: bool) -> tuple[Tensor, Tensor]:
         """Iterate from the start → κ and which rows are done: converged, with accurate sums (no
@@ -394,28 +401,43 @@ class _FastSolve:
             if it == iters - 1 or (not compiling and bool(converged.all())):
                 break
             neg_rate.mul_((1.0 + ratio).unsqueeze(1)).clamp_(min=-1e30)  # x ∝ t
-        # Accurate linear-space sums: no rate so large that e^{-x} = 1 + expm1(-x) lost its
-        # digits (the largest rate is that of the expert's best item, d = 0), and a slope far
-        # above underflow.
+        # A slope far above underflow. Rates beyond ``cap`` are fine for f (1 - e^{-x} is
+        # -expm1(-x)), but 1 + expm1(-x) keeps no digits of their x e^{-x}: where any row has
+        # one (the largest rate is that of the expert's best item, d = 0), :meth:`finish` takes
+        # the derivatives from an exact pass.
         cap = 12.0 if finfo.bits <= 32 else 30.0
-        done = self.empty | (converged & (kappa_eval >= -math.log(cap)) & (neg_slope <= -1e-3))
+        done = self.empty | (converged & (neg_slope <= -1e-3))
         if self.suspect is not None:
             done = done & ~self.suspect
-        self.last = (ratio, kappa - kappa_eval)
+        self.large = kappa_eval < -math.log(cap)
+        self.last = (ratio, kappa - kappa_eval, neg_slope)
         return kappa, done
 
-    def finish(self, survive: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    def finish(self, kappa: Tensor, survive: bool, exact: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """The derivatives of κ (see :class:`_Root`) and the rates at κ, negated (``[B, 0]`` unless
         ``survive``), in place: the solver and ρ are spent.
 
         The summands of ∂f/∂d and ∂f/∂log ρ move from the last evaluation to κ after its Newton
         step (rates times ``1 + r``) to first order: ``x e^{-x}`` gains ``1 - r x``, ``1 - e^{-x}``
-        gains ``r x e^{-x}``."""
-        ratio, step = self.last
+        gains ``r x e^{-x}``; with ``exact`` (some rate beyond the cap of :meth:`run`), that last step
+        is taken to second order and ``x e^{-x}`` is computed anew at κ instead. → κ and the above."""
+        ratio, step, neg_slope = self.last
+        if exact and self.tail is None:
+            # Newton's error ~ r² Q / S grows with the rates: the last step to second order instead,
+            # f + S r - Q r²/2 = n (S = Σ ρ x e^{-x}, Q = Σ ρ x² e^{-x} at the last evaluation)
+            kappa = kappa - step
+            second = torch.linalg.vecdot(self.dens, self.neg_rate) / (2.0 * neg_slope.clamp(max=-self.finfo.tiny))
+            ratio = ratio / (1.0 + ratio * second)
+            kappa = kappa - torch.log1p(ratio)
         r = ratio.unsqueeze(1)
         if self.rho is not None:  # ρ (1 - e^{-x}) → ρ (1 - e^{-x}) + r ρ x e^{-x}, negated
             self.em1.mul_(self.rho).addcmul_(self.dens, r)
-        if survive:  # ρ is spent: its buffer holds the rates' increments
+        if exact:  # -ρ x e^{-x} = -ρ e^{d - κ - x} at κ, one exp pass: accurate at any rate
+            self.neg_rate.addcmul_(self.neg_rate, r)
+            dens = torch.sub(self.s, self.top.unsqueeze(1), out=self.dens).sub_(kappa.unsqueeze(1))
+            dens.add_(self.neg_rate).exp_()
+            self.dens = dens.mul_(self.rho).neg_() if self.rho is not None else dens.neg_()
+        elif survive:  # ρ is spent: its buffer holds the rates' increments
             moved = torch.mul(self.neg_rate, r, out=self.rho) if self.rho is not None else self.neg_rate * r
             self.dens.addcmul_(self.dens, moved)
             self.neg_rate.add_(moved)
@@ -430,7 +452,7 @@ class _FastSolve:
         scale = 1.0 / neg_slope.clamp(max=-self.finfo.tiny)
         share_rho = self.em1[:, :0] if self.rho is None else self.em1
         share_tail = self.dens[:, :0] if self.tail is None else -self.tail_terms
-        return self.dens, share_rho, share_tail, scale, self.neg_rate if survive else self.dens[:, :0]
+        return kappa, self.dens, share_rho, share_tail, scale, self.neg_rate if survive else self.dens[:, :0]
 
 
 class _RobustSolve:

@@ -117,6 +117,52 @@ def test_float32_agrees_with_float64_for_a_mixture(tau):
     assert row_error.max() < 1e-4, row_error.max()
 
 
+@pytest.mark.parametrize(("kind", "k", "m"), [("scale5", 10, 1), ("scale5", 40, 1), ("scale5", 12, 3),
+                                              ("peak", 10, 1), ("peak", 12, 2)])
+def test_confident_rows_take_the_linear_space_solve(kind, k, m, monkeypatch):
+    """Confident policies (5·randn logits, or one item per expert 12 nats ahead) have rates far
+    above 12 at the root, where ``1 + expm1(-x)`` keeps no digits of ``x e^{-x}``: the linear-space
+    solve still takes them (the log-space solve never runs), with ``x e^{-x}`` from one exact pass;
+    float32 values and gradients agree with plain float64 autograd through 60 Newton steps."""
+    scores = _scores(8, m, 300, seed=k + m, scale=5.0 if kind == "scale5" else 1.0, dtype=torch.float32)
+    if kind == "peak":
+        scores[:, :, 7] += 12.0
+    gen = torch.Generator().manual_seed(5)
+    items = torch.randint(0, 300, (8, 3), generator=gen)
+    items[:, 0] = scores[:, 0].argmax(dim=1)
+    def refuse(*args, **kwargs):
+        raise AssertionError("the log-space solve ran")
+    monkeypatch.setattr(mean_field._RobustSolve, "__init__", refuse)
+    for dtype, rtol in ((torch.float32, 1e-5), (torch.float64, 1e-11)):
+        out, grad = _value_and_grad(scores.to(dtype), items, k)
+        leaf = scores.double().requires_grad_()
+        ref = _unrolled_log_inclusion(leaf, items, k)
+        (ref_grad,) = torch.autograd.grad(ref.sum(), leaf)
+        torch.testing.assert_close(out.double(), ref.detach(), rtol=rtol, atol=rtol)
+        error = (grad.double() - ref_grad).abs().flatten(1).amax(1) / ref_grad.abs().flatten(1).amax(1)
+        assert error.max() < 10 * rtol, error.max()
+
+
+@pytest.mark.parametrize("kind", ["masked", "shifted"])
+@pytest.mark.parametrize(("k", "m"), [(10, 1), (12, 3)])
+def test_confident_rows_match_the_log_space_solve_in_float64(kind, k, m, monkeypatch):
+    """Rows with rates beyond the cap end with a second-order step (Newton's error grows with the
+    rates): float64 values and gradients within 1e-14 of the log-space solve run alone at tol 1e-14
+    (a last Newton step left 7e-14 on values, 1.3e-13 on gradients)."""
+    scores = _scores(16, m, 400, seed=k, scale=5.0)
+    scores = scores.masked_fill(scores < -5.0, -math.inf) if kind == "masked" else scores + 1e4
+    items = torch.randint(0, 400, (16, 3), generator=torch.Generator().manual_seed(1))
+    items[:, 0] = scores[:, 0].argmax(dim=1)
+    out, grad = _value_and_grad(scores, items, k)
+    monkeypatch.setattr(mean_field, "_FAST_ITER", 0)  # the log-space solve only
+    leaf = scores.clone().requires_grad_()
+    ref = _log_inclusion(leaf, items, k, tol=1e-14)
+    (ref_grad,) = torch.autograd.grad(ref.masked_fill(~torch.isfinite(ref), 0.0).sum(), leaf)
+    torch.testing.assert_close(out, ref.detach(), rtol=1e-14, atol=1e-14)
+    error = (grad - ref_grad).abs().flatten(1).amax(1) / ref_grad.abs().flatten(1).amax(1)
+    assert error.max() < 1e-14, error.max()
+
+
 def test_extreme_mixture_stays_finite():
     """A mixture at τ = 1e-3: derivatives through the survival of earlier blocks can exceed the
     float32 range (1e200 in float64); values stay right and nothing is NaN or infinite."""
@@ -126,6 +172,18 @@ def test_extreme_mixture_stays_finite():
     out64, _ = _value_and_grad(scores.double(), items, 20)
     torch.testing.assert_close(out32.double(), out64, rtol=1e-5, atol=1e-6)
     assert torch.isfinite(grad32).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_survival_overflowing_to_minus_inf_gives_no_nan(dtype):
+    """Regression: with score gaps near 1e5 (5e4·randn, five experts, K = 40), an item's log-survival
+    summed over blocks overflowed to -inf; the backward then formed -inf - -inf (or 0 × -inf) for the
+    derivative through the survival, and whole rows of gradients were NaN (4 of 16 in float64)."""
+    scores = _scores(16, 5, 100, seed=13, scale=5e4, dtype=dtype)
+    items = torch.stack([scores[:, 0].argmax(dim=1), scores[:, 2].argsort(dim=1, descending=True)[:, 30],
+                         torch.full((16,), 5)], dim=1)
+    out, grad = _value_and_grad(scores, items, 40)
+    assert not torch.isnan(out).any() and torch.isfinite(grad).all()
 
 
 # --- definition, masks, edge cases -----------------------------------------------------------------------
