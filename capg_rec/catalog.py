@@ -29,7 +29,7 @@ from torch import Tensor
 
 from capg_rec._checks import check_count, check_float_tensor, check_items, check_positive, resolve_validate_args
 from capg_rec._numerics import (bound_once, exp_floored, filled_logsumexp, gather_with_rest, gumbel_like,
-                               gumbel_top_k, log_softmax_at, scaled_terms)
+                               gumbel_top_k, log_softmax_at, scaled_terms, top_k)
 
 __all__ = ["CatalogScores", "DenseCatalog", "EmbeddingCatalog", "as_catalog"]
 
@@ -198,7 +198,7 @@ class DenseCatalog(CatalogScores):
             s = self._drop(self.scores if experts is None else _select(self.scores, experts), exclude, -math.inf)
             if perturb:
                 return gumbel_top_k(s, k, generator=generator)
-            return s.topk(k, dim=2).indices
+            return top_k(s, k)
 
 
 def available_given_masks(masked_items: Tensor, num_items: int, num_experts: int) -> Tensor:
@@ -300,7 +300,8 @@ def _chunked_top_k(user: Tensor, item: Tensor, k: int, exclude: Tensor | None,
 
     ``user [B, M, D]``, ``item [N, M, D]``, streamed over ``chunk_size`` items; ``noise`` (or None)
     gives the perturbation of items ``[start, stop)`` as ``[B, M, stop - start]``. Returns
-    ``(values, ids) [B, M, min(k, N)]``, best first, ids in ``[0, N)``; excluded items score -inf.
+    ``(values, ids) [B, M, min(k, N)]``, best first (ties: lower id first, as :func:`top_k`), ids in
+    ``[0, N)``; excluded items score -inf.
     ``check_finite`` raises a ValueError where a score is +inf or NaN (read off the best values: one
     host sync); scores that overflow to -inf rank last, as excluded items do.
     """
@@ -317,8 +318,11 @@ def _chunked_top_k(user: Tensor, item: Tensor, k: int, exclude: Tensor | None,
             if mask is not None:
                 s = s.masked_fill(mask.unsqueeze(1), -torch.inf)
             ids = torch.arange(start, stop, device=user.device).expand(batch, num_sel, -1)
-            best_val, pos = torch.cat([best_val, s], 2).topk(min(k, best_val.shape[2] + stop - start), dim=2)
-            best_idx = torch.cat([best_idx, ids], 2).gather(2, pos)
+            # Kept items precede the chunk's (higher) ids, and equal kept values are in id order: position order
+            # among equal values is id order.
+            merged = torch.cat([best_val, s], 2)
+            pos = top_k(merged, min(k, merged.shape[2]))
+            best_val, best_idx = merged.gather(2, pos), torch.cat([best_idx, ids], 2).gather(2, pos)
     if check_finite and not bool((best_val[..., :1] < math.inf).all()):  # NaN and +inf sort first
         raise _overflow_error(user.dtype)
     return best_val, best_idx

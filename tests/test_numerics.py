@@ -2,12 +2,13 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from capg_rec import CAPGLoss, DenseCatalog, EmbeddingCatalog, VPGLoss, sample_candidates
-from capg_rec._numerics import (exp_floor, filled_logsumexp, gather_with_rest, log_softmax_at, masked_logsumexp,
-                               scaled_terms)
+from capg_rec._numerics import (_top_k_numpy, _top_k_torch, exp_floor, filled_logsumexp, gather_with_rest,
+                               log_softmax_at, masked_logsumexp, scaled_terms, top_k)
 from capg_rec.catalog import _chunked_top_k, _ChunkedLogPowerSums
 
 
@@ -291,3 +292,54 @@ def test_chunked_reductions_raise_on_overflowing_scores_when_checking():
         _ChunkedLogPowerSums.apply(big, big, None, 2, 1, True)
     with pytest.raises(ValueError, match="overflow"):  # every score of a row overflows to -inf
         _ChunkedLogPowerSums.apply(user[:1], item[2:3], None, 1, 1, True)
+
+
+def _stable_top_k(x: torch.Tensor, k: int) -> torch.Tensor:
+    """The tie policy by definition: a stable sort by value descending (NaN first, as +inf)."""
+    a = x.reshape(-1, x.shape[-1]).double().nan_to_num(nan=math.inf).numpy()
+    return torch.from_numpy(np.argsort(-a, axis=1, kind="stable")[:, :k].copy()).view(*x.shape[:-1], k)
+
+
+def _top_k_inputs(dtype: torch.dtype) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    plain = torch.randn(9, 2, 40, generator=gen, dtype=dtype)
+    ties = torch.randint(0, 4, (9, 2, 40), generator=gen).to(dtype)  # many ties, also at the k-th value
+    masked = torch.randint(0, 3, (9, 2, 40), generator=gen).to(dtype)
+    masked[masked == 0] = -math.inf  # rows with fewer finite entries than k: -inf ties kept
+    masked[..., ::4] = -0.0  # -0.0 ties with 0.0
+    nan = plain.clone()
+    nan[0, 0, 5] = nan[3, 1, 0] = math.nan
+    nan[2, 0] = plain[2, 0, 0]  # a row of ties beside rows with NaN
+    return [plain, ties, masked, nan, plain[:, :, ::3], plain[:0]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("k", [0, 1, 3, 8, 13])
+def test_top_k_numpy_and_torch_paths_give_the_tie_policy(dtype, k):
+    """Both paths of top_k (numpy on the CPU, torch elsewhere and under compile) return the positions of a
+    stable sort by value descending: ties in increasing position, the lowest positions kept at the k-th
+    value, -0.0 equal to 0.0, NaN first."""
+    for x in _top_k_inputs(dtype):
+        k_ = min(k, x.shape[-1])
+        ref = _stable_top_k(x, k_)
+        assert torch.equal(top_k(x, k_), ref)
+        assert torch.equal(_top_k_torch(x, k_), ref)
+        if k_ and x.numel():
+            assert torch.equal(_top_k_numpy(x, k_), ref)
+    x = _top_k_inputs(dtype)[1]
+    compiled = torch.compile(lambda t: top_k(t, 8), fullgraph=True, backend="eager")
+    assert torch.equal(compiled(x), _stable_top_k(x, 8))
+
+
+def test_catalog_top_items_break_ties_alike_dense_and_streamed():
+    """Duplicate item vectors tie: the dense and the chunked catalog return the same ids (lower id first)."""
+    gen = torch.Generator().manual_seed(4)
+    user = torch.randn(5, 2, 3, generator=gen)
+    item = torch.randn(12, 2, 3, generator=gen)[torch.arange(60) % 12]  # every vector five times
+    dense = DenseCatalog(torch.einsum("bmd,nmd->bmn", user, item))
+    for chunk_size in (7, 25, 60):
+        streamed = EmbeddingCatalog(user, item, chunk_size=chunk_size)
+        for k in (1, 11, 24, 60):
+            ref = _stable_top_k(dense.scores, k)
+            assert torch.equal(dense.top_items(k), ref)
+            assert torch.equal(streamed.top_items(k), ref)
