@@ -123,7 +123,7 @@ _FLUSH = {dtype: _flush_constants(dtype) for dtype in (torch.bfloat16, torch.flo
 class _SoftmaxGrad(torch.autograd.Function):
     """The backward of the Functions below as a Function of its own, so that it is differentiable in
     turn: ``coef · softmax(x) + scatter_add(index, named)`` along ``dim`` → shape of ``x``, where the
-    softmax leaves out the entries named in ``index`` if ``rest`` is set.
+    softmax is of ``x + drop`` if ``drop`` is given (broadcastable to ``x``: 0, or ``-inf`` for an entry left out).
 
     The forward reuses the floored exps ``terms`` and their ``total`` (> 0); the backward recomputes
     the softmax from ``x`` in differentiable ops.
@@ -133,21 +133,21 @@ class _SoftmaxGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(x: Tensor, coef: Tensor, named: Tensor | None, terms: Tensor, total: Tensor,
-                index: Tensor | None, dim: int, rest: bool) -> Tensor:
+                index: Tensor | None, dim: int, drop: Tensor | None) -> Tensor:
         grad = scaled_terms(terms, coef / total)
         return grad if named is None else grad.scatter_add_(dim, index, named)
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: Tensor) -> None:
-        x, coef, named, _, _, index, dim, rest = inputs
-        ctx.save_for_backward(x, coef, index)
-        ctx.dim, ctx.rest, ctx.has_named = dim, rest, named is not None
+        x, coef, named, _, _, index, dim, drop = inputs
+        ctx.save_for_backward(x, coef, index, drop)
+        ctx.dim, ctx.has_named = dim, named is not None
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
-        x, coef, index = ctx.saved_tensors
+        x, coef, index, drop = ctx.saved_tensors
         dim = ctx.dim
-        p = _softmax(x.scatter(dim, index, -math.inf) if ctx.rest else x, dim)
+        p = _softmax(x if drop is None else x + drop, dim)
         weighted = grad * p
         mean = weighted.sum(dim=dim, keepdim=True)  # <grad, p>: d/d coef
         grad_named = grad.gather(dim, index) if ctx.has_named else None
@@ -155,12 +155,12 @@ class _SoftmaxGrad(torch.autograd.Function):
 
 
 def _softmax_grad(x: Tensor, coef: Tensor, named: Tensor | None, terms: Tensor, total: Tensor,
-                  index: Tensor | None, dim: int, rest: bool) -> Tensor:
+                  index: Tensor | None, dim: int, drop: Tensor | None) -> Tensor:
     """:class:`_SoftmaxGrad`, as a node of the graph only when the backward is itself recorded (a
     higher-order gradient); a plain backward skips the node's cost."""
     if torch.is_grad_enabled():
-        return _SoftmaxGrad.apply(x, coef, named, terms, total, index, dim, rest)
-    return _SoftmaxGrad.forward(x, coef, named, terms, total, index, dim, rest)
+        return _SoftmaxGrad.apply(x, coef, named, terms, total, index, dim, drop)
+    return _SoftmaxGrad.forward(x, coef, named, terms, total, index, dim, drop)
 
 
 @bound_once
@@ -191,7 +191,7 @@ class _LogSumExp(torch.autograd.Function):
         if grad is None:  # grads are not materialized
             return None, None
         x, terms, total = ctx.saved_tensors
-        return _softmax_grad(x, grad.unsqueeze(ctx.dim), None, terms, total, None, ctx.dim, False), None
+        return _softmax_grad(x, grad.unsqueeze(ctx.dim), None, terms, total, None, ctx.dim, None), None
 
 
 @bound_once
@@ -223,7 +223,7 @@ class _LogSoftmaxAt(torch.autograd.Function):
         x, index, out, terms, total = ctx.saved_tensors
         grad = grad.masked_fill(out == -math.inf, 0.0)
         coef = grad.sum(dim=ctx.dim, keepdim=True).neg_()
-        return _softmax_grad(x, coef, grad, terms, total, index, ctx.dim, False), None, None
+        return _softmax_grad(x, coef, grad, terms, total, index, ctx.dim, None), None, None
 
 
 def log_softmax_at(x: Tensor, index: Tensor, dim: int) -> Tensor:
@@ -235,15 +235,15 @@ def log_softmax_at(x: Tensor, index: Tensor, dim: int) -> Tensor:
 
 @bound_once
 class _GatherWithRest(torch.autograd.Function):
-    """``(x.gather(dim, index), logsumexp of x over the entries not in index)`` (``-inf`` allowed) as
-    one node, exps floored as in :class:`_LogSumExp`; the backward is one scaled softmax in which the
-    named entries are exact zeros, plus a scatter-add (no ``[..., N]`` zeros or scatter copy)."""
+    """``(x.gather(dim, index), logsumexp of x + drop)`` (``-inf`` allowed; ``drop`` broadcastable to ``x``,
+    0 or ``-inf``, leaves entries out of the rest) as one node, exps floored as in :class:`_LogSumExp`; the
+    backward is one scaled softmax in which the dropped entries are exact zeros, plus a scatter-add."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x: Tensor, index: Tensor, dim: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        top, terms, total = _softmax_terms(x.scatter(dim, index, -math.inf), dim)
+    def forward(x: Tensor, index: Tensor, drop: Tensor, dim: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        top, terms, total = _softmax_terms(x + drop, dim)  # an add: CPU masked_fill is 10x slower
         rest = _empty_to_minus_inf((top + total.log()).squeeze(dim))
         # Nothing left (total = N·e^floor): a total of 1 keeps the backward's scale finite, and the
         # floor terms still come out as exact zeros.
@@ -251,29 +251,34 @@ class _GatherWithRest(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: tuple) -> None:
-        x, index, dim = inputs
+        x, index, drop, dim = inputs
         named, _, terms, total = output
         ctx.mark_non_differentiable(terms, total)
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None
-        ctx.save_for_backward(x, index, named, terms, total)
+        ctx.save_for_backward(x, index, drop, named, terms, total)
         ctx.dim = dim
 
     @staticmethod
-    def backward(ctx, grad_named: Tensor | None, grad_rest: Tensor | None, *_) -> tuple[Tensor | None, None, None]:
+    def backward(ctx, grad_named: Tensor | None, grad_rest: Tensor | None, *_) -> tuple[Tensor | None, None, None,
+                                                                                           None]:
         if grad_named is None and grad_rest is None:
-            return None, None, None
-        x, index, named, terms, total = ctx.saved_tensors
+            return None, None, None, None
+        x, index, drop, named, terms, total = ctx.saved_tensors
         if grad_named is not None:
             grad_named = grad_named.masked_fill(named == -math.inf, 0.0)
         coef = torch.zeros_like(total) if grad_rest is None else grad_rest.unsqueeze(ctx.dim)
-        return _softmax_grad(x, coef, grad_named, terms, total, index, ctx.dim, True), None, None
+        return _softmax_grad(x, coef, grad_named, terms, total, index, ctx.dim, drop), None, None, None
 
 
-def gather_with_rest(x: Tensor, index: Tensor, dim: int) -> tuple[Tensor, Tensor]:
-    """``x.gather(dim, index)`` and the ``logsumexp`` of ``x`` over every other entry (``-inf`` if
-    none is left): e.g. ``x [B, M, N]``, ``index [B, M, K]`` → ``[B, M, K]``, ``[B, M]``. ``-inf``
-    entries of ``x`` are masked: they add nothing and get no gradient."""
-    return _GatherWithRest.apply(x, index, dim)[:2]
+def gather_with_rest(x: Tensor, index: Tensor, dim: int, drop: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``x.gather(dim, index)`` and the ``logsumexp`` of ``x`` over the entries not dropped (``-inf`` if
+    none is left): e.g. ``x [B, M, N]``, ``index [B, M, K]`` → ``[B, M, K]``, ``[B, M]``. ``drop``
+    (broadcastable to ``x``, e.g. ``[B, 1, N]``: 0, or ``-inf`` for the entries left out of the rest) is
+    by default ``-inf`` at those in ``index``. ``-inf`` entries of ``x`` are masked: they add nothing and
+    get no gradient."""
+    if drop is None:
+        drop = torch.zeros_like(x).scatter_(dim, index, -math.inf)
+    return _GatherWithRest.apply(x, index, drop, dim)[:2]
 
 
 def filled_logsumexp(x: Tensor, dim: int) -> Tensor:

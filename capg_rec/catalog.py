@@ -90,10 +90,12 @@ class CatalogScores(abc.ABC):
         (differentiable)."""
         return self.gather(items) - self.log_normalizer().unsqueeze(2)
 
-    def gather_with_rest(self, items: Tensor) -> tuple[Tensor, Tensor]:
+    def gather_with_rest(self, items: Tensor, also: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """The scores of named items ``[B, M, L]`` and ``log Σ_{n ∉ items[b]} exp(s[b, m, n])``
-        ``[B, M]`` (differentiable; ``items [B, L]`` holds ids, no padding)."""
-        return self.gather(items), self.log_power_sums(items, 1)[..., 0]
+        ``[B, M]`` (differentiable; ``items [B, L]`` holds ids, no padding). With ``also [B, L']`` (ids),
+        their scores follow the items' (``[B, M, L + L']``) but they stay in the rest."""
+        named = items if also is None else torch.cat([items, also], 1)
+        return self.gather(named), self.log_power_sums(items, 1)[..., 0]
 
 
 def as_catalog(scores: Tensor | CatalogScores, temperature: float = 1.0, *,
@@ -170,8 +172,12 @@ class DenseCatalog(CatalogScores):
     def log_softmax(self, items: Tensor) -> Tensor:
         return log_softmax_at(self.scores, self._per_expert(items), 2)  # one node, no [B, M, N] zeros in backward
 
-    def gather_with_rest(self, items: Tensor) -> tuple[Tensor, Tensor]:
-        return gather_with_rest(self.scores, self._per_expert(items), 2)
+    def gather_with_rest(self, items: Tensor, also: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        # One [B, 1, N] mask (-inf at the items) for every expert: B·L writes, not B·M·L into a copy of the scores.
+        drop = torch.zeros(self.batch_size, 1, self.num_items, dtype=self.dtype, device=self.device)
+        drop.scatter_(2, items.unsqueeze(1), -math.inf)
+        named = items if also is None else torch.cat([items, also], 1)
+        return gather_with_rest(self.scores, self._per_expert(named), 2, drop)
 
     def _per_expert(self, items: Tensor) -> Tensor:
         return items.unsqueeze(1).expand(-1, self.num_experts, -1)

@@ -343,3 +343,27 @@ def test_catalog_top_items_break_ties_alike_dense_and_streamed():
             ref = _stable_top_k(dense.scores, k)
             assert torch.equal(dense.top_items(k), ref)
             assert torch.equal(streamed.top_items(k), ref)
+
+
+def test_gather_with_rest_also_names_items_that_stay_in_the_rest():
+    """``also``: their scores follow the items' and they stay in the rest; the dense catalog (one [B, 1, N]
+    mask for every expert) and the streamed one (the base class) agree in value and gradient."""
+    gen = torch.Generator().manual_seed(5)
+    user = torch.randn(4, 3, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    item = torch.randn(40, 3, 5, generator=gen, dtype=torch.float64)
+    items = torch.randint(0, 40, (4, 6), generator=gen)
+    items[:, 1] = items[:, 0]  # repeated ids
+    also = torch.cat([items[:, :1], torch.randint(0, 40, (4, 2), generator=gen)], 1)  # one also named in items
+    scores = torch.einsum("bmd,nmd->bmn", user, item)
+    dense_named, dense_rest = DenseCatalog(scores).gather_with_rest(items, also=also)
+    stream_named, stream_rest = EmbeddingCatalog(user, item, chunk_size=7).gather_with_rest(items, also=also)
+    named_ids = torch.cat([items, also], 1).unsqueeze(1).expand(-1, 3, -1)
+    dropped = torch.zeros(4, 40, dtype=torch.bool).scatter(1, items, True).unsqueeze(1)
+    torch.testing.assert_close(dense_named, scores.gather(2, named_ids))
+    torch.testing.assert_close(dense_rest, torch.logsumexp(scores.masked_fill(dropped, -math.inf), 2))
+    torch.testing.assert_close(stream_named, dense_named)
+    torch.testing.assert_close(stream_rest, dense_rest)
+    weights = torch.rand(dense_named.shape, generator=gen, dtype=torch.float64)
+    grads = [torch.autograd.grad((n * weights).sum() + r.sum(), user)[0]
+             for n, r in ((dense_named, dense_rest), (stream_named, stream_rest))]
+    torch.testing.assert_close(grads[0], grads[1])
