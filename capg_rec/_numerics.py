@@ -277,7 +277,7 @@ def gather_with_rest(x: Tensor, index: Tensor, dim: int, drop: Tensor | None = N
     by default ``-inf`` at those in ``index``. ``-inf`` entries of ``x`` are masked: they add nothing and
     get no gradient."""
     if drop is None:
-        drop = torch.zeros_like(x).scatter_(dim, index, -math.inf)
+        drop = torch.zeros_like(x).scatter(dim, index, -math.inf)  # out of place: index may be batched under vmap
     return _GatherWithRest.apply(x, index, drop, dim)[:2]
 
 
