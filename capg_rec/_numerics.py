@@ -353,10 +353,10 @@ def top_k(x: Tensor, k: int) -> Tensor:
     """Positions of the k largest entries along the last dim, best first → ``[..., k]`` (no gradient).
 
     Ties are broken by position: among equal values the lower position comes first, and at the k-th
-    value the lowest positions are the ones kept (``-inf`` entries tie too; NaN ranks as ``+inf``). On CPU tensors outside
-    ``torch.compile`` and ``torch.func`` transforms this runs in numpy (a selection then a sort of the k:
-    ``torch.topk`` on the CPU sorts each row serially, 5x slower at k = 50 of 1000); elsewhere
-    it is ``torch.topk`` with the same ties (:func:`_top_k_torch`)."""
+    value the lowest positions are the ones kept (``-inf`` entries tie too; NaN ranks as ``+inf``). On
+    CPU tensors outside ``torch.compile`` and ``torch.func`` transforms this runs in numpy (a selection
+    then a sort of the k: ``torch.topk`` on the CPU sorts each row serially, 5x slower at k = 50 of
+    1000); elsewhere it is ``torch.topk`` with the same ties (:func:`_top_k_torch`)."""
     if 0 < k <= x.shape[-1] and x.numel() and x.device.type == "cpu" and x.dtype in _NUMPY_TOP_K \
             and not torch.compiler.is_compiling() and not torch._C._functorch.is_functorch_wrapped_tensor(x):
         return _top_k_numpy(x.detach(), k)

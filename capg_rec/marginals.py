@@ -91,7 +91,8 @@ def _plugin(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
 
 
 def _log_first_hit(log_hazard: Tensor) -> Tensor:
-    """``log π = log Σ_k h_k Π_{j<k} (1 - h_j)`` from ``log h [B, L, K]`` (a hit at position k first) → ``[B, L]``."""
+    """``log π = log Σ_k h_k Π_{j<k} (1 - h_j)`` (first drawn at position k) from ``log h [B, L, K]`` →
+    ``[B, L]``."""
     log_hazard = log_hazard.clamp(max=-torch.finfo(log_hazard.dtype).tiny)
     # π = Σ_k h_k Π_{j<k} (1 - h_j): first drawn at position k. Summed in log-space, this stays
     # exact where 1 - Π (1 - h) would round to 0 (tiny probabilities).
