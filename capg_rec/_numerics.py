@@ -123,7 +123,7 @@ _FLUSH = {dtype: _flush_constants(dtype) for dtype in (torch.bfloat16, torch.flo
 class _SoftmaxGrad(torch.autograd.Function):
     """The backward of the Functions below as a Function of its own, so that it is differentiable in
     turn: ``coef · softmax(x) + scatter_add(index, named)`` along ``dim`` → shape of ``x``, where the
-    softmax is of ``x + drop`` if ``drop`` is given (broadcastable to ``x``: 0, or ``-inf`` for an entry left out).
+    softmax leaves out, if ``rest`` is set, the entries given by ``drop`` or else by ``index`` (:func:`_kept`).
 
     The forward reuses the floored exps ``terms`` and their ``total`` (> 0); the backward recomputes
     the softmax from ``x`` in differentiable ops.
@@ -133,34 +133,44 @@ class _SoftmaxGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(x: Tensor, coef: Tensor, named: Tensor | None, terms: Tensor, total: Tensor,
-                index: Tensor | None, dim: int, drop: Tensor | None) -> Tensor:
+                index: Tensor | None, dim: int, rest: bool, drop: Tensor | None) -> Tensor:
         grad = scaled_terms(terms, coef / total)
         return grad if named is None else grad.scatter_add_(dim, index, named)
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: Tensor) -> None:
-        x, coef, named, _, _, index, dim, drop = inputs
+        x, coef, named, _, _, index, dim, rest, drop = inputs
         ctx.save_for_backward(x, coef, index, drop)
-        ctx.dim, ctx.has_named = dim, named is not None
+        ctx.dim, ctx.rest, ctx.has_named = dim, rest, named is not None
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
         x, coef, index, drop = ctx.saved_tensors
         dim = ctx.dim
-        p = _softmax(x if drop is None else x + drop, dim)
+        p = _softmax(_kept(x, index, drop, dim) if ctx.rest else x, dim)
         weighted = grad * p
         mean = weighted.sum(dim=dim, keepdim=True)  # <grad, p>: d/d coef
         grad_named = grad.gather(dim, index) if ctx.has_named else None
-        return coef * (weighted - p * mean), mean, grad_named, None, None, None, None, None
+        return coef * (weighted - p * mean), mean, grad_named, None, None, None, None, None, None
 
 
 def _softmax_grad(x: Tensor, coef: Tensor, named: Tensor | None, terms: Tensor, total: Tensor,
-                  index: Tensor | None, dim: int, drop: Tensor | None) -> Tensor:
+                  index: Tensor | None, dim: int, rest: bool, drop: Tensor | None) -> Tensor:
     """:class:`_SoftmaxGrad`, as a node of the graph only when the backward is itself recorded (a
     higher-order gradient); a plain backward skips the node's cost."""
     if torch.is_grad_enabled():
-        return _SoftmaxGrad.apply(x, coef, named, terms, total, index, dim, drop)
-    return _SoftmaxGrad.forward(x, coef, named, terms, total, index, dim, drop)
+        return _SoftmaxGrad.apply(x, coef, named, terms, total, index, dim, rest, drop)
+    return _SoftmaxGrad.forward(x, coef, named, terms, total, index, dim, rest, drop)
+
+
+def _kept(x: Tensor, index: Tensor, drop: Tensor | None, dim: int) -> Tensor:
+    """``x`` with ``-inf`` at the entries left out of a rest: by default those in ``index``; ``drop`` holds
+    their positions along ``dim`` (integers; both a scatter into a copy of ``x``) or is an added mask
+    broadcastable to ``x`` (floats, 0 or ``-inf``: cheaper where it is shared, e.g. ``[B, 1, N]`` over M
+    experts; a CPU masked_fill is 10x slower)."""
+    if drop is not None and drop.is_floating_point():
+        return x + drop
+    return x.scatter(dim, index if drop is None else drop, -math.inf)
 
 
 @bound_once
@@ -191,7 +201,7 @@ class _LogSumExp(torch.autograd.Function):
         if grad is None:  # grads are not materialized
             return None, None
         x, terms, total = ctx.saved_tensors
-        return _softmax_grad(x, grad.unsqueeze(ctx.dim), None, terms, total, None, ctx.dim, None), None
+        return _softmax_grad(x, grad.unsqueeze(ctx.dim), None, terms, total, None, ctx.dim, False, None), None
 
 
 @bound_once
@@ -223,7 +233,7 @@ class _LogSoftmaxAt(torch.autograd.Function):
         x, index, out, terms, total = ctx.saved_tensors
         grad = grad.masked_fill(out == -math.inf, 0.0)
         coef = grad.sum(dim=ctx.dim, keepdim=True).neg_()
-        return _softmax_grad(x, coef, grad, terms, total, index, ctx.dim, None), None, None
+        return _softmax_grad(x, coef, grad, terms, total, index, ctx.dim, False, None), None, None
 
 
 def log_softmax_at(x: Tensor, index: Tensor, dim: int) -> Tensor:
@@ -235,15 +245,16 @@ def log_softmax_at(x: Tensor, index: Tensor, dim: int) -> Tensor:
 
 @bound_once
 class _GatherWithRest(torch.autograd.Function):
-    """``(x.gather(dim, index), logsumexp of x + drop)`` (``-inf`` allowed; ``drop`` broadcastable to ``x``,
-    0 or ``-inf``, leaves entries out of the rest) as one node, exps floored as in :class:`_LogSumExp`; the
-    backward is one scaled softmax in which the dropped entries are exact zeros, plus a scatter-add."""
+    """``(x.gather(dim, index), logsumexp of x over the rest)`` (``-inf`` allowed; the rest leaves out the
+    entries given by ``drop`` or else by ``index``, :func:`_kept`) as one node, exps floored as in
+    :class:`_LogSumExp`; the backward is one scaled softmax in which the entries left out are exact zeros,
+    plus a scatter-add."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x: Tensor, index: Tensor, drop: Tensor, dim: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        kept = x + drop  # an add: a CPU masked_fill is 10x slower
+    def forward(x: Tensor, index: Tensor, drop: Tensor | None, dim: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        kept = _kept(x, index, drop, dim)
         top = kept.amax(dim=dim, keepdim=True).clamp_min_(torch.finfo(x.dtype).min)
         terms = kept.sub_(top).clamp_min_(exp_floor(x.dtype)).exp_()  # in place: one [..., N] buffer
         total = terms.sum(dim=dim, keepdim=True)
@@ -270,17 +281,15 @@ class _GatherWithRest(torch.autograd.Function):
         if grad_named is not None:
             grad_named = grad_named.masked_fill(named == -math.inf, 0.0)
         coef = torch.zeros_like(total) if grad_rest is None else grad_rest.unsqueeze(ctx.dim)
-        return _softmax_grad(x, coef, grad_named, terms, total, index, ctx.dim, drop), None, None, None
+        return _softmax_grad(x, coef, grad_named, terms, total, index, ctx.dim, True, drop), None, None, None
 
 
 def gather_with_rest(x: Tensor, index: Tensor, dim: int, drop: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``x.gather(dim, index)`` and the ``logsumexp`` of ``x`` over the entries not dropped (``-inf`` if
-    none is left): e.g. ``x [B, M, N]``, ``index [B, M, K]`` → ``[B, M, K]``, ``[B, M]``. ``drop``
-    (broadcastable to ``x``, e.g. ``[B, 1, N]``: 0, or ``-inf`` for the entries left out of the rest) is
-    by default ``-inf`` at those in ``index``. ``-inf`` entries of ``x`` are masked: they add nothing and
-    get no gradient."""
-    if drop is None:
-        drop = torch.zeros_like(x).scatter(dim, index, -math.inf)  # out of place: index may be batched under vmap
+    none is left): e.g. ``x [B, M, N]``, ``index [B, M, K]`` → ``[B, M, K]``, ``[B, M]``. ``drop`` gives the
+    entries left out of the rest (default: those in ``index``): their positions along ``dim``, or an added
+    mask of 0 and ``-inf`` broadcastable to ``x`` (:func:`_kept`). ``-inf`` entries of ``x`` are masked: they
+    add nothing and get no gradient."""
     return _GatherWithRest.apply(x, index, drop, dim)[:2]
 
 

@@ -173,13 +173,15 @@ class DenseCatalog(CatalogScores):
         return log_softmax_at(self.scores, self._per_expert(items), 2)  # one node, no [B, M, N] zeros in backward
 
     def gather_with_rest(self, items: Tensor, also: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        named = items if also is None else torch.cat([items, also], 1)
+        if self.num_experts == 1:  # the items scattered into a copy of the scores: no mask to make
+            return gather_with_rest(self.scores, named.unsqueeze(1), 2, items.unsqueeze(1))
         # One [B, 1, N] mask (-inf at the items) for every expert: B·L writes, not B·M·L into a copy of the scores.
         drop = torch.zeros(self.batch_size, 1, self.num_items, dtype=self.dtype, device=self.device)
         if torch.compiler.is_compiling() or torch._C._functorch.is_functorch_wrapped_tensor(items):  # maybe batched
             drop = drop.scatter(2, items.unsqueeze(1), -math.inf)
         else:
             drop.scatter_(2, items.unsqueeze(1), -math.inf)
-        named = items if also is None else torch.cat([items, also], 1)
         return gather_with_rest(self.scores, self._per_expert(named), 2, drop)
 
     def _per_expert(self, items: Tensor) -> Tensor:
