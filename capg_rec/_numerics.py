@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import math
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -122,7 +123,7 @@ _FLUSH = {dtype: _flush_constants(dtype) for dtype in (torch.bfloat16, torch.flo
 class _SoftmaxGrad(torch.autograd.Function):
     """The backward of the Functions below as a Function of its own, so that it is differentiable in
     turn: ``coef · softmax(x) + scatter_add(index, named)`` along ``dim`` → shape of ``x``, where the
-    softmax leaves out the entries named in ``index`` if ``rest`` is set.
+    softmax leaves out, if ``rest`` is set, the entries given by ``drop`` or else by ``index`` (:func:`_kept`).
 
     The forward reuses the floored exps ``terms`` and their ``total`` (> 0); the backward recomputes
     the softmax from ``x`` in differentiable ops.
@@ -132,34 +133,44 @@ class _SoftmaxGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(x: Tensor, coef: Tensor, named: Tensor | None, terms: Tensor, total: Tensor,
-                index: Tensor | None, dim: int, rest: bool) -> Tensor:
+                index: Tensor | None, dim: int, rest: bool, drop: Tensor | None) -> Tensor:
         grad = scaled_terms(terms, coef / total)
         return grad if named is None else grad.scatter_add_(dim, index, named)
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: Tensor) -> None:
-        x, coef, named, _, _, index, dim, rest = inputs
-        ctx.save_for_backward(x, coef, index)
+        x, coef, named, _, _, index, dim, rest, drop = inputs
+        ctx.save_for_backward(x, coef, index, drop)
         ctx.dim, ctx.rest, ctx.has_named = dim, rest, named is not None
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
-        x, coef, index = ctx.saved_tensors
+        x, coef, index, drop = ctx.saved_tensors
         dim = ctx.dim
-        p = _softmax(x.scatter(dim, index, -math.inf) if ctx.rest else x, dim)
+        p = _softmax(_kept(x, index, drop, dim) if ctx.rest else x, dim)
         weighted = grad * p
         mean = weighted.sum(dim=dim, keepdim=True)  # <grad, p>: d/d coef
         grad_named = grad.gather(dim, index) if ctx.has_named else None
-        return coef * (weighted - p * mean), mean, grad_named, None, None, None, None, None
+        return coef * (weighted - p * mean), mean, grad_named, None, None, None, None, None, None
 
 
 def _softmax_grad(x: Tensor, coef: Tensor, named: Tensor | None, terms: Tensor, total: Tensor,
-                  index: Tensor | None, dim: int, rest: bool) -> Tensor:
+                  index: Tensor | None, dim: int, rest: bool, drop: Tensor | None) -> Tensor:
     """:class:`_SoftmaxGrad`, as a node of the graph only when the backward is itself recorded (a
     higher-order gradient); a plain backward skips the node's cost."""
     if torch.is_grad_enabled():
-        return _SoftmaxGrad.apply(x, coef, named, terms, total, index, dim, rest)
-    return _SoftmaxGrad.forward(x, coef, named, terms, total, index, dim, rest)
+        return _SoftmaxGrad.apply(x, coef, named, terms, total, index, dim, rest, drop)
+    return _SoftmaxGrad.forward(x, coef, named, terms, total, index, dim, rest, drop)
+
+
+def _kept(x: Tensor, index: Tensor, drop: Tensor | None, dim: int) -> Tensor:
+    """``x`` with ``-inf`` at the entries left out of a rest: by default those in ``index``; ``drop`` holds
+    their positions along ``dim`` (integers; both a scatter into a copy of ``x``) or is an added mask
+    broadcastable to ``x`` (floats, 0 or ``-inf``: cheaper where it is shared, e.g. ``[B, 1, N]`` over M
+    experts; a CPU masked_fill is 10x slower)."""
+    if drop is not None and drop.is_floating_point():
+        return x + drop
+    return x.scatter(dim, index if drop is None else drop, -math.inf)
 
 
 @bound_once
@@ -190,7 +201,7 @@ class _LogSumExp(torch.autograd.Function):
         if grad is None:  # grads are not materialized
             return None, None
         x, terms, total = ctx.saved_tensors
-        return _softmax_grad(x, grad.unsqueeze(ctx.dim), None, terms, total, None, ctx.dim, False), None
+        return _softmax_grad(x, grad.unsqueeze(ctx.dim), None, terms, total, None, ctx.dim, False, None), None
 
 
 @bound_once
@@ -222,7 +233,7 @@ class _LogSoftmaxAt(torch.autograd.Function):
         x, index, out, terms, total = ctx.saved_tensors
         grad = grad.masked_fill(out == -math.inf, 0.0)
         coef = grad.sum(dim=ctx.dim, keepdim=True).neg_()
-        return _softmax_grad(x, coef, grad, terms, total, index, ctx.dim, False), None, None
+        return _softmax_grad(x, coef, grad, terms, total, index, ctx.dim, False, None), None, None
 
 
 def log_softmax_at(x: Tensor, index: Tensor, dim: int) -> Tensor:
@@ -234,15 +245,19 @@ def log_softmax_at(x: Tensor, index: Tensor, dim: int) -> Tensor:
 
 @bound_once
 class _GatherWithRest(torch.autograd.Function):
-    """``(x.gather(dim, index), logsumexp of x over the entries not in index)`` (``-inf`` allowed) as
-    one node, exps floored as in :class:`_LogSumExp`; the backward is one scaled softmax in which the
-    named entries are exact zeros, plus a scatter-add (no ``[..., N]`` zeros or scatter copy)."""
+    """``(x.gather(dim, index), logsumexp of x over the rest)`` (``-inf`` allowed; the rest leaves out the
+    entries given by ``drop`` or else by ``index``, :func:`_kept`) as one node, exps floored as in
+    :class:`_LogSumExp`; the backward is one scaled softmax in which the entries left out are exact zeros,
+    plus a scatter-add."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x: Tensor, index: Tensor, dim: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        top, terms, total = _softmax_terms(x.scatter(dim, index, -math.inf), dim)
+    def forward(x: Tensor, index: Tensor, drop: Tensor | None, dim: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        kept = _kept(x, index, drop, dim)
+        top = kept.amax(dim=dim, keepdim=True).clamp_min_(torch.finfo(x.dtype).min)
+        terms = kept.sub_(top).clamp_min_(exp_floor(x.dtype)).exp_()  # in place: one [..., N] buffer
+        total = terms.sum(dim=dim, keepdim=True)
         rest = _empty_to_minus_inf((top + total.log()).squeeze(dim))
         # Nothing left (total = N·e^floor): a total of 1 keeps the backward's scale finite, and the
         # floor terms still come out as exact zeros.
@@ -250,29 +265,32 @@ class _GatherWithRest(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: tuple) -> None:
-        x, index, dim = inputs
+        x, index, drop, dim = inputs
         named, _, terms, total = output
         ctx.mark_non_differentiable(terms, total)
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None
-        ctx.save_for_backward(x, index, named, terms, total)
+        ctx.save_for_backward(x, index, drop, named, terms, total)
         ctx.dim = dim
 
     @staticmethod
-    def backward(ctx, grad_named: Tensor | None, grad_rest: Tensor | None, *_) -> tuple[Tensor | None, None, None]:
+    def backward(ctx, grad_named: Tensor | None, grad_rest: Tensor | None, *_) -> tuple[Tensor | None, None, None,
+                                                                                           None]:
         if grad_named is None and grad_rest is None:
-            return None, None, None
-        x, index, named, terms, total = ctx.saved_tensors
+            return None, None, None, None
+        x, index, drop, named, terms, total = ctx.saved_tensors
         if grad_named is not None:
             grad_named = grad_named.masked_fill(named == -math.inf, 0.0)
         coef = torch.zeros_like(total) if grad_rest is None else grad_rest.unsqueeze(ctx.dim)
-        return _softmax_grad(x, coef, grad_named, terms, total, index, ctx.dim, True), None, None
+        return _softmax_grad(x, coef, grad_named, terms, total, index, ctx.dim, True, drop), None, None, None
 
 
-def gather_with_rest(x: Tensor, index: Tensor, dim: int) -> tuple[Tensor, Tensor]:
-    """``x.gather(dim, index)`` and the ``logsumexp`` of ``x`` over every other entry (``-inf`` if
-    none is left): e.g. ``x [B, M, N]``, ``index [B, M, K]`` → ``[B, M, K]``, ``[B, M]``. ``-inf``
-    entries of ``x`` are masked: they add nothing and get no gradient."""
-    return _GatherWithRest.apply(x, index, dim)[:2]
+def gather_with_rest(x: Tensor, index: Tensor, dim: int, drop: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``x.gather(dim, index)`` and the ``logsumexp`` of ``x`` over the entries not dropped (``-inf`` if
+    none is left): e.g. ``x [B, M, N]``, ``index [B, M, K]`` → ``[B, M, K]``, ``[B, M]``. ``drop`` gives the
+    entries left out of the rest (default: those in ``index``): their positions along ``dim``, or an added
+    mask of 0 and ``-inf`` broadcastable to ``x`` (:func:`_kept`). ``-inf`` entries of ``x`` are masked: they
+    add nothing and get no gradient."""
+    return _GatherWithRest.apply(x, index, drop, dim)[:2]
 
 
 def suffix_log_masses(x: Tensor, index: Tensor) -> Tensor:
@@ -402,6 +420,81 @@ def gumbel_top_k(scores: Tensor, k: int, *, generator: torch.Generator | None,
     keys = top - torch.nn.functional.softplus(shift)
     ids = group.unsqueeze(-2) + groups * torch.arange(size, device=scores.device).unsqueeze(-1)  # [..., g, k']
     return ids.flatten(-2).gather(-1, keys.flatten(-2).topk(k, dim=-1).indices)
+
+
+def top_k(x: Tensor, k: int) -> Tensor:
+    """Positions of the k largest entries along the last dim, best first → ``[..., k]`` (no gradient).
+
+    Ties are broken by position: among equal values the lower position comes first, and at the k-th
+    value the lowest positions are the ones kept (``-inf`` entries tie too; NaN ranks as ``+inf``). On
+    CPU tensors outside ``torch.compile`` and ``torch.func`` transforms this runs in numpy (a selection
+    then a sort of the k: ``torch.topk`` on the CPU sorts each row serially, 5x slower at k = 50 of
+    1000); elsewhere it is ``torch.topk`` with the same ties (:func:`_top_k_torch`)."""
+    if 0 < k <= x.shape[-1] and x.numel() and x.device.type == "cpu" and x.dtype in _NUMPY_TOP_K \
+            and not torch.compiler.is_compiling() and not torch._C._functorch.is_functorch_wrapped_tensor(x):
+        return _top_k_numpy(x.detach(), k)
+    return _top_k_torch(x, k)
+
+
+_NUMPY_TOP_K = (torch.float32, torch.float64)
+
+
+def _top_k_numpy(x: Tensor, k: int) -> Tensor:
+    """:func:`top_k` of a CPU tensor: numpy's (vectorised) partition gives each row's k-th value; the
+    entries above it, and the lowest positions of those equal to it, are kept; one sort orders the k."""
+    n = x.shape[-1]
+    a = x.reshape(-1, n).numpy()
+    kth = np.partition(a, n - k, axis=1)[:, n - k:n - k + 1]
+    kept = a >= kth
+    flat = _rows_of(np.flatnonzero(kept), a.shape[0], k, n)
+    if flat is None:  # ties at the k-th value: keep the lowest positions
+        above, tied = a > kth, a == kth
+        kept = above | (tied & (np.cumsum(tied, axis=1) <= k - above.sum(1, keepdims=True)))
+        flat = _rows_of(np.flatnonzero(kept), a.shape[0], k, n)
+        if flat is None:  # NaN entries
+            return _top_k_torch(x, k)
+    pos = _descending(a.reshape(-1)[flat], flat - n * np.arange(flat.shape[0]).reshape(-1, 1))
+    return torch.from_numpy(pos).view(*x.shape[:-1], k)
+
+
+def _rows_of(flat: np.ndarray, num_rows: int, k: int, n: int) -> np.ndarray | None:
+    """Increasing flat positions in ``[R, n]`` as ``[R, k]``, or None unless every row holds exactly k."""
+    if flat.size != num_rows * k:
+        return None
+    flat = flat.reshape(num_rows, k)
+    row = np.arange(num_rows)  # a row with fewer than k would put a neighbour's entry at one of its ends
+    return flat if np.array_equal(flat[:, 0] // n, row) and np.array_equal(flat[:, -1] // n, row) else None
+
+
+def _descending(values: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """``pos [R, k]`` (increasing along each row) reordered by ``values [R, k]`` descending, ties in
+    increasing position. float32 values and positions below 2^31 pack into one int64 key whose plain
+    sort (vectorised) is the order; otherwise a stable argsort."""
+    key_type = np.int32 if values.dtype == np.float32 else np.int64
+    bits = (values + values.dtype.type(0)).view(key_type)  # -0.0 → +0.0 first: the two are equal
+    ordered = bits ^ ((bits >> (8 * bits.itemsize - 1)) & np.iinfo(key_type).max)  # increasing with the value
+    if key_type is np.int64 or pos.shape[1] and pos[:, -1].max() >= 2**31:
+        return np.take_along_axis(pos, np.argsort(~ordered, axis=1, kind="stable"), 1)
+    key = (~ordered).astype(np.int64) << 32 | pos
+    key.sort(axis=1)
+    return key & 0xFFFFFFFF
+
+
+def _top_k_torch(x: Tensor, k: int) -> Tensor:
+    """:func:`top_k` in torch ops (any device, no host sync): ``torch.topk`` gives the k-th value, the
+    entries kept are chosen as in :func:`_top_k_numpy`, and a stable sort orders them."""
+    if k == 0:
+        return torch.zeros((*x.shape[:-1], 0), dtype=torch.long, device=x.device)
+    with torch.no_grad():
+        n = x.shape[-1]
+        x = x.nan_to_num(nan=math.inf, posinf=math.inf)  # NaN ranks as +inf (first), as in torch.topk
+        kth = x.topk(k, dim=-1).values[..., -1:]
+        above, tied = x > kth, x == kth
+        kept = above | (tied & (tied.cumsum(-1) <= k - above.sum(-1, keepdim=True)))
+        rank = torch.arange(n, 0, -1, device=x.device)  # larger for lower positions
+        pos = torch.where(kept, rank, 0).topk(k, dim=-1).indices  # the kept, in increasing position
+        order = x.gather(-1, pos).sort(dim=-1, descending=True, stable=True).indices
+        return pos.gather(-1, order)
 
 
 def _gumbel(shape: tuple[int, ...], like: Tensor, generator: torch.Generator | None) -> Tensor:

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from capg_rec._checks import check_count, check_float_tensor, check_items, check_positive, resolve_validate_args
 from capg_rec._numerics import (bound_once, exp_floored, filled_logsumexp, gather_with_rest, gumbel_like,
-                               gumbel_top_k, log_softmax_at, scaled_terms)
+                               gumbel_top_k, log_softmax_at, scaled_terms, top_k)
 
 __all__ = ["CatalogScores", "DenseCatalog", "EmbeddingCatalog", "as_catalog"]
 
@@ -90,10 +90,12 @@ class CatalogScores(abc.ABC):
         (differentiable)."""
         return self.gather(items) - self.log_normalizer().unsqueeze(2)
 
-    def gather_with_rest(self, items: Tensor) -> tuple[Tensor, Tensor]:
+    def gather_with_rest(self, items: Tensor, also: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """The scores of named items ``[B, M, L]`` and ``log Σ_{n ∉ items[b]} exp(s[b, m, n])``
-        ``[B, M]`` (differentiable; ``items [B, L]`` holds ids, no padding)."""
-        return self.gather(items), self.log_power_sums(items, 1)[..., 0]
+        ``[B, M]`` (differentiable; ``items [B, L]`` holds ids, no padding). With ``also [B, L']`` (ids),
+        their scores follow the items' (``[B, M, L + L']``) but they stay in the rest."""
+        named = items if also is None else torch.cat([items, also], 1)
+        return self.gather(named), self.log_power_sums(items, 1)[..., 0]
 
 
 def as_catalog(scores: Tensor | CatalogScores, temperature: float = 1.0, *,
@@ -170,8 +172,17 @@ class DenseCatalog(CatalogScores):
     def log_softmax(self, items: Tensor) -> Tensor:
         return log_softmax_at(self.scores, self._per_expert(items), 2)  # one node, no [B, M, N] zeros in backward
 
-    def gather_with_rest(self, items: Tensor) -> tuple[Tensor, Tensor]:
-        return gather_with_rest(self.scores, self._per_expert(items), 2)
+    def gather_with_rest(self, items: Tensor, also: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        named = items if also is None else torch.cat([items, also], 1)
+        if self.num_experts == 1:  # the items scattered into a copy of the scores: no mask to make
+            return gather_with_rest(self.scores, named.unsqueeze(1), 2, items.unsqueeze(1))
+        # One [B, 1, N] mask (-inf at the items) for every expert: B·L writes, not B·M·L into a copy of the scores.
+        drop = torch.zeros(self.batch_size, 1, self.num_items, dtype=self.dtype, device=self.device)
+        if torch.compiler.is_compiling() or torch._C._functorch.is_functorch_wrapped_tensor(items):  # maybe batched
+            drop = drop.scatter(2, items.unsqueeze(1), -math.inf)
+        else:
+            drop.scatter_(2, items.unsqueeze(1), -math.inf)
+        return gather_with_rest(self.scores, self._per_expert(named), 2, drop)
 
     def _per_expert(self, items: Tensor) -> Tensor:
         return items.unsqueeze(1).expand(-1, self.num_experts, -1)
@@ -198,7 +209,7 @@ class DenseCatalog(CatalogScores):
             s = self._drop(self.scores if experts is None else _select(self.scores, experts), exclude, -math.inf)
             if perturb:
                 return gumbel_top_k(s, k, generator=generator)
-            return s.topk(k, dim=2).indices
+            return top_k(s, k)
 
 
 def available_given_masks(masked_items: Tensor, num_items: int, num_experts: int) -> Tensor:
@@ -300,7 +311,8 @@ def _chunked_top_k(user: Tensor, item: Tensor, k: int, exclude: Tensor | None,
 
     ``user [B, M, D]``, ``item [N, M, D]``, streamed over ``chunk_size`` items; ``noise`` (or None)
     gives the perturbation of items ``[start, stop)`` as ``[B, M, stop - start]``. Returns
-    ``(values, ids) [B, M, min(k, N)]``, best first, ids in ``[0, N)``; excluded items score -inf.
+    ``(values, ids) [B, M, min(k, N)]``, best first (ties: lower id first, as :func:`top_k`), ids in
+    ``[0, N)``; excluded items score -inf.
     ``check_finite`` raises a ValueError where a score is +inf or NaN (read off the best values: one
     host sync); scores that overflow to -inf rank last, as excluded items do.
     """
@@ -317,8 +329,11 @@ def _chunked_top_k(user: Tensor, item: Tensor, k: int, exclude: Tensor | None,
             if mask is not None:
                 s = s.masked_fill(mask.unsqueeze(1), -torch.inf)
             ids = torch.arange(start, stop, device=user.device).expand(batch, num_sel, -1)
-            best_val, pos = torch.cat([best_val, s], 2).topk(min(k, best_val.shape[2] + stop - start), dim=2)
-            best_idx = torch.cat([best_idx, ids], 2).gather(2, pos)
+            # Kept items precede the chunk's (higher) ids, and equal kept values are in id order: position order
+            # among equal values is id order.
+            merged = torch.cat([best_val, s], 2)
+            pos = top_k(merged, min(k, merged.shape[2]))
+            best_val, best_idx = merged.gather(2, pos), torch.cat([best_idx, ids], 2).gather(2, pos)
     if check_finite and not bool((best_val[..., :1] < math.inf).all()):  # NaN and +inf sort first
         raise _overflow_error(user.dtype)
     return best_val, best_idx

@@ -37,9 +37,9 @@ from capg_rec._checks import check_count, check_items, check_positive, resolve_v
 from capg_rec._exact import DEFAULT_MEMORY_BUDGET, EXACT_NUM_POWERS, exact_log_inclusion
 from capg_rec._mean_field import mean_field_log_inclusion
 from capg_rec._head_tail import head_size_for, summarize
-from capg_rec._numerics import log1mexp, masked_logsumexp, \
+from capg_rec._numerics import bound_once, filled_logsumexp, log1mexp, \
     reverse_logcumsumexp, safe_logaddexp, safe_logsumexp
-from capg_rec.catalog import CatalogScores, as_catalog
+from capg_rec.catalog import CatalogScores, _select, as_catalog
 from capg_rec.plackett_luce import check_enough_items, expert_runs
 
 __all__ = ["InclusionMethod", "Exact", "MeanField", "PlugIn", "WithReplacement", "Enumeration", "inclusion_log_prob",
@@ -71,21 +71,28 @@ def _plugin(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
     """The paper's plug-in: ``1 - Π_k (1 - h_k)`` with each hazard at the greedy prefix that
     excludes the target → ``[B, L]``. Denominators are summed directly, never subtracted.
 
-    Every prefix lies in the pool of each block's expert's top-K items, so the catalog is read once
-    for the pool's scores and the mass outside it; the rest works on ``[B, L, K]``-sized tensors."""
+    Every prefix lies in the pool of each block's expert's top-K items, so the catalog is read once,
+    in one node, for the pool's and the targets' scores and the mass outside the pool; the rest works
+    on ``[B, L, K]``-sized tensors."""
     num_candidates = sum(n for _, n in runs)
     experts = [e for e, _ in runs]
     pool = catalog.top_items(num_candidates, experts=experts).flatten(1)  # [B, P], P = len(runs)·K
-    scores, rest = catalog.gather_with_rest(pool)  # [B, M, P], [B, M]: the pool and the mass outside it
-    target = catalog.gather(items)  # [B, M, L]
+    # The pool's and the targets' scores [B, M, P + L], and the mass outside the pool [B, M].
+    named, rest = catalog.gather_with_rest(pool, also=items)
+    size = pool.shape[1]
     if len(runs) == 1:
         (expert, _), = runs
-        denom = _plugin_one_block_denominators(scores[:, expert], rest[:, expert], pool, items)
-        log_hazard = target[:, expert].unsqueeze(2) - denom  # [B, L, K]
-    else:
-        denom = _plugin_denominators(scores[:, experts], rest[:, experts], pool, items, runs, catalog.num_items)
-        position_expert = torch.tensor([e for e, n in runs for _ in range(n)], device=catalog.device)
-        log_hazard = target.index_select(1, position_expert).transpose(1, 2) - denom
+        scores = named[:, expert]
+        return _plugin_one_block(scores[:, :size], rest[:, expert], scores[:, size:], _left_out(pool, items))
+    denom = _plugin_denominators(_select(named, experts)[..., :size], _select(rest, experts), pool, items, runs,
+                                 catalog.num_items)  # views when the blocks' experts are consecutive
+    position_expert = _position_index(runs, catalog.device, False)
+    return _log_first_hit(named[..., size:].index_select(1, position_expert).transpose(1, 2) - denom)
+
+
+def _log_first_hit(log_hazard: Tensor) -> Tensor:
+    """``log π = log Σ_k h_k Π_{j<k} (1 - h_j)`` (first drawn at position k) from ``log h [B, L, K]`` →
+    ``[B, L]``."""
     log_hazard = log_hazard.clamp(max=-torch.finfo(log_hazard.dtype).tiny)
     # π = Σ_k h_k Π_{j<k} (1 - h_j): first drawn at position k. Summed in log-space, this stays
     # exact where 1 - Π (1 - h) would round to 0 (tiny probabilities).
@@ -94,21 +101,125 @@ def _plugin(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
     return safe_logsumexp(log_hazard + log_miss_before, dim=2)
 
 
-def _plugin_one_block_denominators(scores: Tensor, rest: Tensor, pool: Tensor, items: Tensor) -> Tensor:
-    """One expert: ``scores [B, K]`` of its top-K ``pool [B, K]`` (best first), ``rest [B]`` outside
-    it → log mass before each position ``[B, L, K]``. Target a's prefix is the pool without a
-    (without the K-th item when a is not in it): with ``p`` the slot left out, the mass before
-    position k is ``rest + Σ_{j ≥ k} w_j`` for ``k ≤ p`` and ``rest + w_p + Σ_{j > k} w_j`` after."""
+def _position_index(runs: Runs, device: torch.device, of_block: bool) -> Tensor:
+    """The expert (or, with ``of_block``, the block) of each position ``[K]``; made once per runs and device
+    (under ``torch.compile``, which does not trace through a cache, in the graph)."""
+    if torch.compiler.is_compiling():
+        return _make_position_index(tuple(runs), device, of_block)
+    return _cached_position_index(tuple(runs), device, of_block)
+
+
+def _make_position_index(runs: tuple[tuple[int, int], ...], device: torch.device, of_block: bool) -> Tensor:
+    return torch.tensor([i if of_block else e for i, (e, n) in enumerate(runs) for _ in range(n)], device=device)
+
+
+_cached_position_index = functools.lru_cache(maxsize=64)(_make_position_index)
+
+
+def _left_out(pool: Tensor, items: Tensor) -> Tensor:
+    """The slot of each target ``items [B, L]`` in a one-block ``pool [B, K]`` (distinct ids), ``K - 1`` for
+    a target outside it: the pool slot left out of its greedy prefix → ``[B, L]``."""
     k = pool.shape[1]
-    slot = torch.arange(k, device=pool.device)
     with torch.no_grad():
-        hit = pool.unsqueeze(1) == items.unsqueeze(2)  # [B, L, K]
-        left_out = torch.where(hit.any(2), hit.int().argmax(2), k - 1)  # [B, L]
+        slot = torch.arange(k - 1, -1, -1, device=pool.device)  # K - 1 - j at slot j
+        return (k - 1) - torch.where(pool.unsqueeze(1) == items.unsqueeze(2), slot, 0).amax(2)
+
+
+def _plugin_one_block(scores: Tensor, rest: Tensor, target: Tensor, left_out: Tensor) -> Tensor:
+    """The plug-in for one expert: its top-K ``scores [B, K]`` (best first), the mass outside them
+    ``rest [B]`` (log), the targets' ``target [B, L]`` and the slot each leaves out of its prefix ``left_out
+    [B, L]`` → ``[B, L]``.
+
+    On CPU tensors whose scores span less than :data:`_LINEAR_SPREAD` (read on the host), outside
+    ``torch.compile`` and ``torch.func``, this is one node computed in float64 sums of ``exp(s - max)``
+    (:class:`_OneBlockPlugIn`); otherwise log-space ops (:func:`_plugin_one_block_log_space`)."""
+    if scores.device.type == "cpu" and target.numel() and not torch.compiler.is_compiling() \
+            and not torch._C._functorch.is_functorch_wrapped_tensor(scores):
+        with torch.no_grad():
+            shift = torch.maximum(scores[:, :1], rest.unsqueeze(1))  # [B, 1]: the largest mass of a term
+            # The smallest pool score, the rest and the targets, relative to it (-inf ones: nothing to lose).
+            low = torch.cat([scores[:, -1:], rest.unsqueeze(1), target], 1) - shift
+            linear = float(low.nan_to_num(neginf=0.0).amin()) > -_LINEAR_SPREAD
+        if linear:
+            return _OneBlockPlugIn.apply(scores, rest, target, left_out, shift)[0]
+    return _plugin_one_block_log_space(scores, rest, target, left_out)
+
+
+_LINEAR_SPREAD = 600.0
+"""Scores within this of their row's largest term have float64 exps far from underflow (e^-600 ~ 1e-261)."""
+
+
+def _plugin_one_block_log_space(scores: Tensor, rest: Tensor, target: Tensor, left_out: Tensor) -> Tensor:
+    """:func:`_plugin_one_block` in log-space ops. With ``p`` the slot left out, the mass before position k
+    is ``rest + Σ_{j ≥ k} w_j`` for ``k ≤ p`` and ``rest + w_p + Σ_{j > k} w_j`` after."""
+    k = scores.shape[1]
+    slot = torch.arange(k, device=scores.device)
     before = reverse_logcumsumexp(torch.cat([scores, rest.unsqueeze(1)], 1), dim=1)  # [B, K+1]: rest + Σ_{j≥k} w_j
-    num_targets = items.shape[1]
     after = safe_logaddexp(before[:, 1:].unsqueeze(1), scores.gather(1, left_out).unsqueeze(2))  # [B, L, K]
-    head = before[:, :k].unsqueeze(1).expand(-1, num_targets, -1)
-    return torch.where(slot.view(1, 1, -1) <= left_out.unsqueeze(2), head, after)
+    head = before[:, :k].unsqueeze(1).expand(-1, target.shape[1], -1)
+    denom = torch.where(slot.view(1, 1, -1) <= left_out.unsqueeze(2), head, after)
+    return _log_first_hit(target.unsqueeze(2) - denom)
+
+
+@bound_once
+class _OneBlockPlugIn(torch.autograd.Function):
+    """:func:`_plugin_one_block` as one node, in float64 sums of ``w = exp(s - shift)`` (``shift [B, 1]``
+    detached; every finite score within :data:`_LINEAR_SPREAD` of it): ``π = Σ_k h_k Π_{j<k} (1 - h_j)``,
+    ``h_k = w_a / D_k``, whose gradient ``∂π/∂h_k = Π_{j≠k} (1 - h_j)`` is a product of two cumulative
+    products. A recorded backward (higher-order gradients) differentiates the log-space ops instead."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(scores: Tensor, rest: Tensor, target: Tensor, left_out: Tensor, shift: Tensor) -> Tensor:
+        shift = shift.double()
+        w = torch.exp(scores.double() - shift)  # [B, K]
+        w_rest = torch.exp(rest.double().unsqueeze(1) - shift)  # [B, 1]
+        suffix = w.flip(1).cumsum(1).flip(1)  # Σ_{j≥k} w_j
+        w_left = w.gather(1, left_out)  # [B, L]
+        head = (suffix + w_rest).unsqueeze(1)  # [B, 1, K]
+        after = torch.nn.functional.pad(suffix[:, 1:], (0, 1)).unsqueeze(1) + (w_rest + w_left).unsqueeze(2)
+        is_head = torch.arange(w.shape[1], device=w.device) <= left_out.unsqueeze(2)  # [B, L, K]
+        denom = torch.where(is_head, head, after)
+        w_target = torch.exp(target.double() - shift)  # [B, L]
+        hazard = (w_target.unsqueeze(2) / denom).clamp_(max=1.0)
+        miss = 1.0 - hazard
+        miss_before = torch.nn.functional.pad(miss[..., :-1], (1, 0), value=1.0).cumprod(2)  # Π_{j<k} (1 - h_j)
+        prob = (hazard * miss_before).sum(2)  # [B, L]
+        return prob.log().to(target.dtype), w, w_rest, w_target, denom, hazard, miss, miss_before, prob, is_head
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: tuple) -> None:
+        scores, rest, target, left_out, _ = inputs
+        _, *kept = output
+        ctx.mark_non_differentiable(*kept)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(scores, rest, target, left_out, *kept)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor | None, *_) -> tuple[Tensor | None, ...]:
+        if grad is None:
+            return None, None, None, None, None
+        scores, rest, target, left_out, w, w_rest, w_target, denom, hazard, miss, miss_before, prob, is_head = \
+            ctx.saved_tensors
+        if torch.is_grad_enabled():  # a recorded backward: differentiate the log-space ops
+            with torch.enable_grad():
+                out = _plugin_one_block_log_space(scores, rest, target, left_out)
+            return (*torch.autograd.grad(out, (scores, rest, target), grad, create_graph=True), None, None)
+        coef = torch.where(prob > 0, grad.double() / prob, 0.0)  # [B, L]: ∂ log π / ∂π, 0 for masked targets
+        miss_after = torch.nn.functional.pad(miss[..., 1:], (0, 1), value=1.0).flip(2).cumprod(2).flip(2)
+        grad_hazard = coef.unsqueeze(2) * miss_before * miss_after  # Π_{j≠k} (1 - h_j) / π
+        grad_hazard.masked_fill_(hazard >= 1.0, 0.0)  # clamped (or a last item left: h = 1 whatever the scores)
+        grad_w_target = grad_hazard / denom  # [B, L, K]
+        grad_denom = -grad_w_target * hazard
+        grad_head = torch.where(is_head, grad_denom, 0.0)
+        grad_after = grad_denom - grad_head
+        grad_suffix = grad_head.sum(1)  # [B, K]
+        grad_suffix[:, 1:] += grad_after.sum(1)[:, :-1]  # after_k holds Σ_{j>k} w_j
+        grad_w = grad_suffix.cumsum(1).scatter_add_(1, left_out, grad_after.sum(2))
+        grad_target = grad_w_target.sum(2) * w_target
+        grad_rest = grad_denom.sum((1, 2)) * w_rest.squeeze(1)
+        return (grad_w.mul_(w).to(scores.dtype), grad_rest.to(rest.dtype), grad_target.to(target.dtype), None, None)
 
 
 def _pool_first_copy(pool: Tensor, num_items: int) -> Tensor:
@@ -154,15 +265,18 @@ def _plugin_denominators(scores: Tensor, rest: Tensor, pool: Tensor, items: Tens
             left -= take
         prefix = torch.cat(prefix, 2)  # [B, L, K-1]: pool slots
         copies = first != torch.arange(first.shape[1], device=pool.device)
-        outside = copies.unsqueeze(1).expand(-1, num_targets, -1).scatter(2, prefix, True)  # [B, L, P]
+        # -inf at the entries that do not count (the prefix and second copies), 0 elsewhere: an added mask
+        # (a CPU masked_fill of [B, L, M', P] is 10x slower).
+        drop = torch.where(copies, -math.inf, 0.0).to(scores.dtype).unsqueeze(1).repeat(1, num_targets, 1)
+        drop = drop.scatter(2, prefix, -math.inf).unsqueeze(2)  # [B, L, 1, P]
     s = scores.unsqueeze(1)  # [B, 1, M', P]
     # Mass once the whole prefix is drawn: the pool outside it (the target among them) and the rest.
-    base = safe_logaddexp(rest.unsqueeze(1), masked_logsumexp(s, outside.unsqueeze(2), dim=3))  # [B, L, M']
+    base = safe_logaddexp(rest.unsqueeze(1), filled_logsumexp(s + drop, dim=3))  # [B, L, M']
     pre = s.expand(-1, num_targets, -1, -1).gather(3, prefix.unsqueeze(2).expand(-1, -1, len(runs), -1))
     later = reverse_logcumsumexp(pre, dim=3)  # [B, L, M', K-1]: the prefix from position k on
     later = torch.cat([later, later.new_full((*later.shape[:3], 1), -torch.inf)], dim=3)
     denom = safe_logaddexp(base.unsqueeze(3), later)  # [B, L, M', K]
-    block = torch.tensor([i for i, (_, n) in enumerate(runs) for _ in range(n)], device=pool.device)
+    block = _position_index(runs, pool.device, True)
     return denom.gather(2, block.view(1, 1, 1, -1).expand(batch, num_targets, 1, -1)).squeeze(2)
 
 

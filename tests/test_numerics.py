@@ -2,12 +2,13 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from capg_rec import CAPGLoss, DenseCatalog, EmbeddingCatalog, VPGLoss, sample_candidates
-from capg_rec._numerics import (exp_floor, filled_logsumexp, gather_with_rest, log_softmax_at, masked_logsumexp,
-                               scaled_terms)
+from capg_rec._numerics import (_top_k_numpy, _top_k_torch, exp_floor, filled_logsumexp, gather_with_rest,
+                               log_softmax_at, masked_logsumexp, scaled_terms, top_k)
 from capg_rec.catalog import _chunked_top_k, _ChunkedLogPowerSums
 
 
@@ -348,3 +349,78 @@ def test_suffix_log_masses_second_derivatives():
     index = torch.tensor([[1, 4, 2], [0, 8, 3]])
     assert torch.autograd.gradcheck(lambda t: suffix_log_masses(t, index), (x,))
     assert torch.autograd.gradgradcheck(lambda t: suffix_log_masses(t, index), (x,))
+
+
+def _stable_top_k(x: torch.Tensor, k: int) -> torch.Tensor:
+    """The tie policy by definition: a stable sort by value descending (NaN first, as +inf)."""
+    a = x.reshape(-1, x.shape[-1]).double().nan_to_num(nan=math.inf).numpy()
+    return torch.from_numpy(np.argsort(-a, axis=1, kind="stable")[:, :k].copy()).view(*x.shape[:-1], k)
+
+
+def _top_k_inputs(dtype: torch.dtype) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    plain = torch.randn(9, 2, 40, generator=gen, dtype=dtype)
+    ties = torch.randint(0, 4, (9, 2, 40), generator=gen).to(dtype)  # many ties, also at the k-th value
+    masked = torch.randint(0, 3, (9, 2, 40), generator=gen).to(dtype)
+    masked[masked == 0] = -math.inf  # rows with fewer finite entries than k: -inf ties kept
+    masked[..., ::4] = -0.0  # -0.0 ties with 0.0
+    nan = plain.clone()
+    nan[0, 0, 5] = nan[3, 1, 0] = math.nan
+    nan[2, 0] = plain[2, 0, 0]  # a row of ties beside rows with NaN
+    return [plain, ties, masked, nan, plain[:, :, ::3], plain[:0]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("k", [0, 1, 3, 8, 13])
+def test_top_k_numpy_and_torch_paths_give_the_tie_policy(dtype, k):
+    """Both paths of top_k (numpy on the CPU, torch elsewhere and under compile) return the positions of a
+    stable sort by value descending: ties in increasing position, the lowest positions kept at the k-th
+    value, -0.0 equal to 0.0, NaN first."""
+    for x in _top_k_inputs(dtype):
+        k_ = min(k, x.shape[-1])
+        ref = _stable_top_k(x, k_)
+        assert torch.equal(top_k(x, k_), ref)
+        assert torch.equal(_top_k_torch(x, k_), ref)
+        if k_ and x.numel():
+            assert torch.equal(_top_k_numpy(x, k_), ref)
+    x = _top_k_inputs(dtype)[1]
+    compiled = torch.compile(lambda t: top_k(t, 8), fullgraph=True, backend="eager")
+    assert torch.equal(compiled(x), _stable_top_k(x, 8))
+
+
+def test_catalog_top_items_break_ties_alike_dense_and_streamed():
+    """Duplicate item vectors tie: the dense and the chunked catalog return the same ids (lower id first)."""
+    gen = torch.Generator().manual_seed(4)
+    user = torch.randn(5, 2, 3, generator=gen)
+    item = torch.randn(12, 2, 3, generator=gen)[torch.arange(60) % 12]  # every vector five times
+    dense = DenseCatalog(torch.einsum("bmd,nmd->bmn", user, item))
+    for chunk_size in (7, 25, 60):
+        streamed = EmbeddingCatalog(user, item, chunk_size=chunk_size)
+        for k in (1, 11, 24, 60):
+            ref = _stable_top_k(dense.scores, k)
+            assert torch.equal(dense.top_items(k), ref)
+            assert torch.equal(streamed.top_items(k), ref)
+
+
+def test_gather_with_rest_also_names_items_that_stay_in_the_rest():
+    """``also``: their scores follow the items' and they stay in the rest; the dense catalog (one [B, 1, N]
+    mask for every expert) and the streamed one (the base class) agree in value and gradient."""
+    gen = torch.Generator().manual_seed(5)
+    user = torch.randn(4, 3, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    item = torch.randn(40, 3, 5, generator=gen, dtype=torch.float64)
+    items = torch.randint(0, 40, (4, 6), generator=gen)
+    items[:, 1] = items[:, 0]  # repeated ids
+    also = torch.cat([items[:, :1], torch.randint(0, 40, (4, 2), generator=gen)], 1)  # one also named in items
+    scores = torch.einsum("bmd,nmd->bmn", user, item)
+    dense_named, dense_rest = DenseCatalog(scores).gather_with_rest(items, also=also)
+    stream_named, stream_rest = EmbeddingCatalog(user, item, chunk_size=7).gather_with_rest(items, also=also)
+    named_ids = torch.cat([items, also], 1).unsqueeze(1).expand(-1, 3, -1)
+    dropped = torch.zeros(4, 40, dtype=torch.bool).scatter(1, items, True).unsqueeze(1)
+    torch.testing.assert_close(dense_named, scores.gather(2, named_ids))
+    torch.testing.assert_close(dense_rest, torch.logsumexp(scores.masked_fill(dropped, -math.inf), 2))
+    torch.testing.assert_close(stream_named, dense_named)
+    torch.testing.assert_close(stream_rest, dense_rest)
+    weights = torch.rand(dense_named.shape, generator=gen, dtype=torch.float64)
+    grads = [torch.autograd.grad((n * weights).sum() + r.sum(), user)[0]
+             for n, r in ((dense_named, dense_rest), (stream_named, stream_rest))]
+    torch.testing.assert_close(grads[0], grads[1])

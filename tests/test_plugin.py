@@ -170,3 +170,74 @@ def test_embedding_catalog_beyond_the_full_head(m):
     items = torch.tensor([[4, 0, 1], [2, 2, 7], [4999, 10, 11]])
     got = _plugin(catalog, items, 10)
     torch.testing.assert_close(got, _plugin(dense, items, 10), rtol=1e-10, atol=1e-12)
+
+
+def _one_block_inputs(dtype, seed, spread=3.0):
+    """A logits leaf ``[B, N]`` and, from it, one expert's sorted top-K scores, the rest, targets in and out
+    of the pool (one masked; a row whose last target is the only item left at the last position: h = 1),
+    and their slots."""
+    from capg_rec.marginals import _left_out
+    g = torch.Generator().manual_seed(seed)
+    batch, k, n = 6, 8, 30
+    logits = spread * torch.randn(batch, n, generator=g, dtype=torch.float64)
+    pool = logits.argsort(1, descending=True)[:, :k]
+    items = torch.stack([pool[:, 0], pool[:, 3], pool[:, k - 1], logits.argsort(1)[:, 0]], 1)
+    logits[1, items[1, 3]] = -torch.inf  # a masked target outside the pool
+    in_pool = torch.zeros_like(logits, dtype=torch.bool).scatter(1, pool, True)
+    logits[2] = logits[2].masked_fill(~in_pool[2], -torch.inf)  # nothing outside the pool
+    logits = logits.to(dtype).requires_grad_()
+    parts = (logits.gather(1, pool), masked_logsumexp(logits, in_pool, 1), logits.gather(1, items))
+    return logits, parts, _left_out(pool, items)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_one_block_node_matches_the_log_space_ops(dtype):
+    """The one-node float64 path of a single expert and the log-space ops it stands for give the same
+    values and gradients (masked targets: -inf and zero gradient; a row with nothing outside the pool)."""
+    from capg_rec.marginals import _OneBlockPlugIn, _plugin_one_block, _plugin_one_block_log_space
+    tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 2e-6, "atol": 2e-6}
+    for seed in range(3):
+        logits, (scores, rest, target), left_out = _one_block_inputs(dtype, seed)
+        shift = torch.maximum(scores[:, :1], rest.unsqueeze(1)).detach()
+        fast = _OneBlockPlugIn.apply(scores, rest, target, left_out, shift)[0]
+        ref = _plugin_one_block_log_space(scores, rest, target, left_out)
+        assert torch.equal(fast.isinf(), ref.isinf()) and fast[1, 3] == -torch.inf
+        torch.testing.assert_close(fast, ref, **tol)
+        torch.testing.assert_close(_plugin_one_block(scores, rest, target, left_out), fast, rtol=0, atol=0)
+        weights = torch.rand(fast.shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+        (got,) = torch.autograd.grad((fast.masked_fill(fast.isinf(), 0) * weights).sum(), logits, retain_graph=True)
+        (want,) = torch.autograd.grad((ref.masked_fill(ref.isinf(), 0) * weights).sum(), logits)
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, **tol)
+
+
+def test_one_block_node_second_derivatives_and_extreme_spreads():
+    """The node's recorded backward (Hessian-vector products) is the log-space ops' one, and scores spread
+    beyond float64's exp range take the log-space ops (finite, right values)."""
+    from capg_rec.marginals import _OneBlockPlugIn, _plugin_one_block, _plugin_one_block_log_space
+    _, parts, left_out = _one_block_inputs(torch.float64, 5)
+    scores, rest, target = (t.detach().requires_grad_() for t in parts)
+    target = target.detach()[3:, [0, 1]].requires_grad_()  # no masked target, no h = 1: a smooth function
+    scores, rest, left_out = scores.detach()[3:].requires_grad_(), rest.detach()[3:].requires_grad_(), left_out[3:]
+    shift = torch.maximum(scores[:, :1], rest.unsqueeze(1)).detach()
+    inputs = (scores, rest, target)
+
+    def fast(*x):
+        return _OneBlockPlugIn.apply(*x, left_out[:, :2], shift)[0]
+
+    def ref(*x):
+        return _plugin_one_block_log_space(*x, left_out[:, :2])
+
+    assert torch.autograd.gradgradcheck(fast, inputs)
+    v = tuple(torch.randn(x.shape, generator=torch.Generator().manual_seed(1), dtype=x.dtype) for x in inputs)
+    _, hvp_fast = torch.autograd.functional.hvp(lambda *x: fast(*x).sum(), inputs, v)
+    _, hvp_ref = torch.autograd.functional.hvp(lambda *x: ref(*x).sum(), inputs, v)
+    for a, b in zip(hvp_fast, hvp_ref):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    spread = torch.tensor([0.0, -500.0, -1000.0, -1500.0], dtype=torch.float64)
+    wide = (scores.detach()[:, :4] * 0 + spread).requires_grad_()  # one row: 1500 nats from first to last
+    outside = torch.full((3, 1), -1800.0, dtype=torch.float64)  # a target in the rest, 1800 nats down
+    args = (wide, torch.full((3,), -1700.0, dtype=torch.float64), outside, torch.tensor([[3]] * 3))
+    out = _plugin_one_block(*args)
+    torch.testing.assert_close(out, _plugin_one_block_log_space(*args), rtol=1e-12, atol=0)
+    assert torch.isfinite(out).all() and (out < -250).all()  # ~ -1800 + 1500: far below float64's exp range
