@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
 _LOG_HALF = -math.log(2.0)
+
+
+def select_experts(x: Tensor, experts: Sequence[int]) -> Tensor:
+    """``x[:, experts]`` — a view (no copy) when the experts are consecutive."""
+    idx = list(experts)
+    if idx and idx == list(range(idx[0], idx[0] + len(idx))):
+        return x[:, idx[0]:idx[0] + len(idx)]
+    return x[:, idx]
 
 
 def log1mexp(x: Tensor) -> Tensor:

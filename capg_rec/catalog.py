@@ -29,7 +29,7 @@ from torch import Tensor
 
 from capg_rec._checks import check_count, check_float_tensor, check_items, check_positive, resolve_validate_args
 from capg_rec._numerics import (bound_once, exp_floored, filled_logsumexp, gather_with_rest, gumbel_like,
-                               gumbel_top_k, log_softmax_at, scaled_terms, top_k)
+                               gumbel_top_k, log_softmax_at, scaled_terms, select_experts, top_k)
 
 __all__ = ["CatalogScores", "DenseCatalog", "EmbeddingCatalog", "as_catalog"]
 
@@ -134,14 +134,6 @@ def _exclusion_mask(exclude: Tensor | None, batch_size: int, start: int, stop: i
     return mask[:, :width].contiguous()
 
 
-def _select(x: Tensor, experts: Sequence[int]) -> Tensor:
-    """``x[:, experts]`` — a view (no copy) when the experts are consecutive."""
-    idx = list(experts)
-    if idx and idx == list(range(idx[0], idx[0] + len(idx))):
-        return x[:, idx[0]:idx[0] + len(idx)]
-    return x[:, idx]
-
-
 class DenseCatalog(CatalogScores):
     """A catalog given as a logits tensor ``[B, N]`` (one logit model) or ``[B, M, N]`` (MoE).
 
@@ -206,7 +198,7 @@ class DenseCatalog(CatalogScores):
     def top_items(self, k: int, *, experts: Sequence[int] | None = None, exclude: Tensor | None = None,
                   generator: torch.Generator | None = None, perturb: bool = False) -> Tensor:
         with torch.no_grad():
-            s = self._drop(self.scores if experts is None else _select(self.scores, experts), exclude, -math.inf)
+            s = self._drop(self.scores if experts is None else select_experts(self.scores, experts), exclude, -math.inf)
             if perturb:
                 return gumbel_top_k(s, k, generator=generator)
             return top_k(s, k)
@@ -416,8 +408,8 @@ class EmbeddingCatalog(CatalogScores):
 
     def top_items(self, k: int, *, experts: Sequence[int] | None = None, exclude: Tensor | None = None,
                   generator: torch.Generator | None = None, perturb: bool = False) -> Tensor:
-        user = self.user if experts is None else _select(self.user, experts)
-        item = self.item if experts is None else _select(self.item, experts)
+        user = self.user if experts is None else select_experts(self.user, experts)
+        item = self.item if experts is None else select_experts(self.item, experts)
         noise = None
         if perturb:
             def noise(start: int, stop: int) -> Tensor:

@@ -38,8 +38,8 @@ from capg_rec._exact import DEFAULT_MEMORY_BUDGET, EXACT_NUM_POWERS, exact_log_i
 from capg_rec._mean_field import mean_field_log_inclusion
 from capg_rec._head_tail import head_size_for, summarize
 from capg_rec._numerics import bound_once, filled_logsumexp, log1mexp, \
-    reverse_logcumsumexp, safe_logaddexp, safe_logsumexp
-from capg_rec.catalog import CatalogScores, _select, as_catalog
+    reverse_logcumsumexp, safe_logaddexp, safe_logsumexp, select_experts
+from capg_rec.catalog import CatalogScores, as_catalog
 from capg_rec.plackett_luce import check_enough_items, expert_runs
 
 __all__ = ["InclusionMethod", "Exact", "MeanField", "PlugIn", "WithReplacement", "Enumeration", "inclusion_log_prob",
@@ -84,8 +84,8 @@ def _plugin(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
         (expert, _), = runs
         scores = named[:, expert]
         return _plugin_one_block(scores[:, :size], rest[:, expert], scores[:, size:], _left_out(pool, items))
-    denom = _plugin_denominators(_select(named, experts)[..., :size], _select(rest, experts), pool, items, runs,
-                                 catalog.num_items)  # views when the blocks' experts are consecutive
+    denom = _plugin_denominators(select_experts(named, experts)[..., :size], select_experts(rest, experts), pool,
+                                 items, runs, catalog.num_items)  # views when the blocks' experts are consecutive
     position_expert = _position_index(runs, catalog.device, False)
     return _log_first_hit(named[..., size:].index_select(1, position_expert).transpose(1, 2) - denom)
 
