@@ -169,18 +169,22 @@ class DeferredChecks:
     def require(self, ok: Tensor | bool, message: str) -> None:
         self._checks.append((ok, message))  # a 0-dim tensor or a bool
 
-    def no_nan_or_inf(self, name: str, x: Tensor, *, allow_masked: bool = False) -> None:
+    def no_nan_or_inf(self, name: str, x: Tensor, *, allow_masked: bool = False) -> bool:
         """No NaN, no ``+inf``, and no ``-inf`` unless ``allow_masked`` (then one ``amax``, which
-        propagates NaN: a third of ``aminmax``'s cost; small tensors take the fewest ops)."""
+        propagates NaN: a third of ``aminmax``'s cost; small tensors take the fewest ops). Returns
+        whether ``x`` may hold ``-inf`` (False only when read on the host and it holds none), so that
+        checks that only masked entries can fail may be skipped."""
         if x.numel() == 0:
-            return
+            return False
         message = (f"{name} must be {'finite or -inf (masked)' if allow_masked else 'finite'} "
                    f"(no NaN or {'+inf' if allow_masked else 'inf'})")
         host = _host_view(x)
         if host is not None:
-            ok = host.max() < math.inf if allow_masked else np.isfinite(host).all()  # max: NaN propagates
-            self.require(bool(ok), message)
-            return
+            if not allow_masked:
+                self.require(bool(np.isfinite(host).all()), message)
+                return False
+            self.require(bool(host.max() < math.inf), message)  # max: NaN propagates
+            return bool(host.min() == -math.inf)
         x = _memory_order(x.detach())
         if allow_masked:
             ok = x.amax() < math.inf
@@ -190,6 +194,7 @@ class DeferredChecks:
             lo, hi = torch.aminmax(x)
             ok = (hi < math.inf) & (lo > -math.inf)
         self.require(ok, message)
+        return allow_masked
 
     def all_above(self, x: Tensor, bound: float, message: str) -> None:
         """Requires every entry of ``x`` above ``bound``."""

@@ -224,18 +224,20 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
         _float(logged_name, log_propensity, ((batch, length),) if per_item else ((batch,),))
     if validate:
         checks = DeferredChecks()
+        masked = True  # other catalogs: a catalog call on every process (it may be collective)
         if isinstance(catalog, DenseCatalog):
-            checks.no_nan_or_inf("logits", catalog.scores, allow_masked=True)
+            masked = checks.no_nan_or_inf("logits", catalog.scores, allow_masked=True)
         inside = checks.ids_in_range("candidates", candidates, num_items)  # chosen ⊆ candidates covers chosen
         if distinct:
             checks.distinct("candidates", inside, num_items)  # clamped ids: out-of-range ones fail above
         checks.distinct("chosen", chosen)
         checks.subset(chosen, candidates,
                       "chosen must be a subset of candidates in every row (the LSR picks among them)")
-        with torch.no_grad():  # a catalog call on every process, empty batches included (it may be collective)
-            checks.all_above(_drawing_scores(catalog, inside), -math.inf,
-                             "candidates must not hold masked items (scored -inf by the expert that drew them): "
-                             "the ESR cannot draw them")
+        if masked:  # only a masked (-inf) score fails this
+            with torch.no_grad():  # on every process, empty batches included
+                checks.all_above(_drawing_scores(catalog, inside), -math.inf,
+                                 "candidates must not hold masked items (scored -inf by the expert that drew them): "
+                                 "the ESR cannot draw them")
         for name, x in (("rewards", rewards), ("baseline", baseline), ("position_weights", position_weights)):
             if x is not None:
                 checks.no_nan_or_inf(name, x)

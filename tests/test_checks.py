@@ -143,3 +143,22 @@ def test_candidate_log_prob_refuses_repeats_on_both_paths(path):
     cand[2, 99] = cand[2, 0]
     with pytest.raises(ValueError, match="candidates must not repeat"):
         candidate_log_prob(logits, cand)
+
+
+def test_masked_candidate_check_runs_only_where_a_mask_exists(monkeypatch):
+    """Dense logits read on the host without any -inf cannot hold a masked candidate: the gather of the
+    drawing scores is skipped; with one -inf anywhere (or on the torch path) it runs."""
+    import capg_rec.functional
+
+    calls = []
+    real = capg_rec.functional._drawing_scores
+    monkeypatch.setattr(capg_rec.functional, "_drawing_scores", lambda *a: calls.append(1) or real(*a))
+    logits, cand, chosen, rewards = _inputs()
+    CAPGLoss(5)(logits, cand, chosen, rewards)
+    assert calls == []
+    logits[0, 0, next(i for i in range(30) if i not in cand[0].tolist())] = -math.inf
+    CAPGLoss(5)(logits, cand, chosen, rewards)
+    assert calls == [1]
+    monkeypatch.setattr(capg_rec._checks, "_host_view", lambda x: None)
+    CAPGLoss(5)(logits.clamp(min=-1e30), cand, chosen, rewards)
+    assert calls == [1, 1]
