@@ -23,8 +23,8 @@ Output: a scalar, or ``[B]`` with ``reduction="none"``. An empty batch gives 0 (
 
 ``validate_args`` (``None``: :func:`capg_rec.set_default_validate_args`) checks every value
 (finite rewards, logits without NaN or ``+inf``, ids in range, distinct unmasked candidates,
-chosen ⊆ candidates) in one host sync; with ``False`` there is none, and invalid inputs give
-undefined results.
+chosen ⊆ candidates): CPU tensors through numpy views, others in one host sync; with ``False``
+there is none, and invalid inputs give undefined results.
 """
 
 from __future__ import annotations
