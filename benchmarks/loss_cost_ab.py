@@ -14,9 +14,7 @@ K=200, M=5, slow before). It uses only the API both versions share (``swr`` was 
 from __future__ import annotations
 
 import argparse
-import csv
 import importlib
-import json
 import re
 import shutil
 import statistics
@@ -30,6 +28,7 @@ from types import ModuleType
 import torch
 
 import capg_rec
+from capg_rec.train.report import write_csv, write_json
 
 CELLS = [(10, 1), (50, 1), (20, 2), (200, 5)]
 
@@ -94,11 +93,8 @@ def main() -> None:
     print(f"{'K':>4s} {'M':>2s} {'loss':16s} {'':9s} {'old ms':>9s} {'new ms':>9s} {'new/old':>6s}")
     rows = compare(import_renamed(args.old), args.reps)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "ab.json").write_text(json.dumps(rows, indent=1))
-    with open(args.out / "ab.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_json(args.out / "ab.json", rows)
+    write_csv(args.out / "ab.csv", rows)
 
 
 if __name__ == "__main__":

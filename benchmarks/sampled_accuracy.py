@@ -20,8 +20,6 @@ Writes JSON, CSV and a PNG into ``--out``.
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import math
 import pathlib
 import time
@@ -31,6 +29,7 @@ from tqdm import tqdm
 
 from capg_rec import EmbeddingCatalog, SampledCatalog, UniformSampler, inclusion_log_prob
 from capg_rec.ann import ExactIndex, FaissIndex, recall_at_k
+from capg_rec.train.report import write_csv, write_json
 
 METHODS = ("with_replacement", "mean_field", "plugin")
 
@@ -142,12 +141,9 @@ def main(argv: list[str] | None = None) -> None:
     rows = accuracy(args.sizes, args.negatives, args.temperatures, args.seeds, args.batch, args.head, args.k,
                     args.dim)
     recall = ann_recall(args.ann_size, args.dim, 64, args.head) if args.ann_size else []
-    (args.out / "sampled_accuracy.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                                "accuracy": rows, "ann_recall": recall}, indent=1))
-    with open(args.out / "sampled_accuracy.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_json(args.out / "sampled_accuracy.json",
+               {"args": {k: str(v) for k, v in vars(args).items()}, "accuracy": rows, "ann_recall": recall})
+    write_csv(args.out / "sampled_accuracy.csv", rows)
     _plot(rows, args.out / "sampled_accuracy.png")
     print(f"{'N':>8} {'tau':>4} {'S':>6} {'quantity':>16} {'bias':>9} {'std':>9}")
     for r in rows:

@@ -28,7 +28,6 @@ Writes JSON, CSV and a PNG into ``--out``.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import pathlib
@@ -167,12 +166,10 @@ def main(argv: list[str] | None = None) -> None:
     base = {r["N"]: r["step_ms"] for r in rows if r["config"] == "in_batch"}
     for r in rows:
         r["ratio_to_in_batch"] = r["step_ms"] / base[r["N"]]
-    (args.out / "sampled_cost.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                            "rows": rows}, indent=1))
-    with open(args.out / "sampled_cost.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    from capg_rec.train.report import write_csv, write_json  # here: the measured processes import less
+
+    write_json(args.out / "sampled_cost.json", {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
+    write_csv(args.out / "sampled_cost.csv", rows)
     _plot(rows, args.out / "sampled_cost.png")
     print(f"{'N':>9} {'config':>18} {'step ms':>9} {'ratio':>7} {'peak MB':>8} {'tables MB':>9}")
     for r in rows:

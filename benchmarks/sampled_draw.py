@@ -23,8 +23,6 @@ Writes JSON, CSV and a PNG into ``--out``.
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import pathlib
 
 import torch
@@ -32,6 +30,7 @@ from tqdm import tqdm
 
 from capg_rec import EmbeddingCatalog, SampledCatalog, UniformSampler, sample_candidates
 from capg_rec.ann import ExactIndex
+from capg_rec.train.report import write_csv, write_json
 
 
 def _towers(num_items: int, batch: int, dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,14 +167,11 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     small_rows = small(args.seeds, args.temperatures)
     large_rows = large(args.large_size, args.draws, args.large_temperatures) if args.large_size else []
-    (args.out / "sampled_draw.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                            "small": small_rows, "large": large_rows}, indent=1))
+    write_json(args.out / "sampled_draw.json",
+               {"args": {k: str(v) for k, v in vars(args).items()}, "small": small_rows, "large": large_rows})
     for name, rows in (("small", small_rows), ("large", large_rows)):
         if rows:
-            with open(args.out / f"sampled_draw_{name}.csv", "w", newline="") as f:
-                w = csv.DictWriter(f, fieldnames=list(rows[0]))
-                w.writeheader()
-                w.writerows(rows)
+            write_csv(args.out / f"sampled_draw_{name}.csv", rows)
     _plot(small_rows, large_rows, args.out / "sampled_draw.png")
     for r in small_rows:
         print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()})

@@ -11,8 +11,6 @@ and ``serving_recall.csv`` to ``--out``.
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import time
 from pathlib import Path
 
@@ -22,6 +20,7 @@ from tqdm import tqdm
 from capg_rec import EmbeddingCatalog, greedy_candidates
 from capg_rec.ann import FaissIndex, recall_at_k
 from capg_rec.serving import ServingRetriever
+from capg_rec.train.report import write_csv, write_json
 
 
 def clustered(num: int, experts: int, dim: int, clusters: torch.Tensor, g: torch.Generator) -> torch.Tensor:
@@ -62,11 +61,8 @@ def main() -> None:
                      "recall_at_k": recall_at_k(got, exact)})
     args.out.mkdir(parents=True, exist_ok=True)
     setting = {k: getattr(args, k) for k in ("num_items", "experts", "dim", "batch", "candidates")}
-    (args.out / "serving_recall.json").write_text(json.dumps({"setting": setting, "results": rows}, indent=2))
-    with open(args.out / "serving_recall.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_json(args.out / "serving_recall.json", {"setting": setting, "results": rows})
+    write_csv(args.out / "serving_recall.csv", rows)
     print(f"N={args.num_items} M={m} D={d} B={args.batch} K={args.candidates}")
     for row in rows:
         print(f"{row['index']:18s} build {row['build_s']:7.2f} s  batch {row['batch_ms']:8.1f} ms  "

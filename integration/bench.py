@@ -16,7 +16,6 @@ Ratios are to the in-batch step of the same configuration. Results go to ``DIR/b
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import resource
@@ -130,12 +129,10 @@ def driver(args: argparse.Namespace) -> None:
         r["users_per_s"] = args.batch * r["world_size"] / r["step_s"]
     results.sort(key=lambda r: (r["mode"] != "unsharded", r["world_size"], r["rank"],
                                 ["in_batch", *args.estimators].index(r["estimator"])))
-    (Path(args.out) / "bench.json").write_text(json.dumps({"config": vars(args) | {"out": str(args.out)},
-                                                           "results": results}, indent=1))
-    with open(Path(args.out) / "bench.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(results[0]))
-        writer.writeheader()
-        writer.writerows(results)
+    from capg_rec.train.report import write_csv, write_json  # here: the measured processes import less
+
+    write_json(Path(args.out) / "bench.json", {"config": vars(args) | {"out": str(args.out)}, "results": results})
+    write_csv(Path(args.out) / "bench.csv", results)
     print(f"N={args.num_items:,} D={args.dim} B={args.batch}/rank K={args.candidates}, 1 thread/rank; "
           "ratios to the in-batch-softmax step of the same configuration")
     print(f"{'config':<14}{'rank':>5} {'estimator':<12}{'step s':>9}{'x in-batch':>11}{'sample s':>10}"
