@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
-import pathlib
 import sys
 
 import pytest
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "loss_speed.py"
+from tests.scripts import ROOT, load_script
+
 
 # Stands in for the released code: the same package path, class and call, with log-softmax scores.
 FAKE_POLICY = '''
@@ -27,11 +26,7 @@ class BaselineEarlyStagePolicy:
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("loss_speed", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/loss_speed.py")
 
 
 @pytest.fixture
@@ -102,7 +97,7 @@ def test_old_new_comparison_runs_in_one_process(tmp_path):
     """benchmarks/loss_cost_ab.py against this very checkout (renamed): every cell, both versions, files written."""
     import subprocess
 
-    root = SCRIPT.parents[1]
+    root = ROOT
     run = subprocess.run([sys.executable, str(root / "benchmarks" / "loss_cost_ab.py"), "--old", str(root),
                           "--reps", "1", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]

@@ -1,11 +1,8 @@
 """``capg-rec log`` end to end at tiny sizes (fresh and checkpointed logging ESRs, read back with the
 reader, propensities recomputed), its usage errors, and the reader benchmark script."""
 
-import importlib.util
 import json
 import math
-import pathlib
-import sys
 
 import pytest
 import torch
@@ -15,8 +12,8 @@ from capg_rec.logs import LoggedImpressions, log_propensities
 from capg_rec.sim.synthetic import synthetic_env
 from capg_rec.train import Trainer, TrainConfig
 from capg_rec.train.model import TwoTowerMoE
+from tests.scripts import load_script
 
-BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "log_reader_speed.py"
 
 
 def _run(argv):
@@ -93,10 +90,7 @@ def test_log_checkpoint_env_mismatch(tmp_path, capsys):
 
 
 def test_reader_benchmark_runs(tmp_path):
-    spec = importlib.util.spec_from_file_location("log_reader_speed", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = load_script("benchmarks/log_reader_speed.py")
     result = module.main(["--rows", "3000", "-K", "6", "-L", "2", "--batch-size", "256", "--row-group-size", "1000",
                           "--workers", "0", "--trainer-steps", "1", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "reader_speed.json").read_text())

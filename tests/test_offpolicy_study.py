@@ -4,10 +4,7 @@ tiny sizes and write their files."""
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
-import pathlib
-import sys
 from types import SimpleNamespace
 
 import math
@@ -19,8 +16,8 @@ from capg_rec import sample_candidates
 from capg_rec.cli import main
 from capg_rec.losses import OffPolicyCAPGLoss, OffPolicyVPGLoss, TopKReinforceLoss
 from capg_rec.train.offpolicy import LEARNERS, OffPolicyStudy, _Logs, _offpolicy_loss, _ope
+from tests.scripts import load_script
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "offpolicy_speed.py"
 
 
 def test_study_writes_every_learner_and_its_estimates(tmp_path, capsys):
@@ -80,10 +77,7 @@ def test_study_options_are_checked():
 
 
 def test_speed_benchmark_writes_its_json(tmp_path):
-    spec = importlib.util.spec_from_file_location("offpolicy_speed", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = load_script("benchmarks/offpolicy_speed.py")
     result = module.main(["--batch", "4", "--items", "30", "--ks", "3", "--reps", "1", "--warmup", "0",
                           "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "results.json").read_text())

@@ -12,6 +12,7 @@ from capg_rec import CAPGLoss, VPGLoss
 from capg_rec.ann import ExactIndex
 from capg_rec.catalog import EmbeddingCatalog
 from capg_rec.sampled import InBatchSampler, MixedSampler, SampledCatalog, UniformSampler
+from tests.scripts import load_script
 from tests.stats import assert_counts_match
 
 
@@ -262,15 +263,7 @@ def test_errors():
 
 
 def _script(name):
-    import importlib.util
-    import pathlib
-    import sys
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(f"benchmarks/{name}.py")
 
 
 def test_benchmarks_run_and_write_their_files(tmp_path):

@@ -7,7 +7,6 @@ import importlib.util
 import json
 import math
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,6 +27,7 @@ from capg_rec.torchrec import (ContextBaseline, ShardedEmbeddingCatalog, TwoTowe
                                global_mean_baseline)
 from capg_rec.testing import count_host_syncs  # noqa: E402
 from capg_rec.torchrec._noise import BLOCK, BlockNoise, block_seed, draw_seed  # noqa: E402
+from tests.scripts import load_script  # noqa: E402
 from tests.stats import assert_counts_match  # noqa: E402
 
 
@@ -610,10 +610,7 @@ def test_bag_and_tower_set_up_errors():
 
 def test_sampling_benchmark_runs(tmp_path, monkeypatch):
     """The sampling benchmark runs (in this process, at a tiny size) and writes its results."""
-    path = Path(__file__).resolve().parents[1] / "integration" / "bench_sampling.py"
-    spec = importlib.util.spec_from_file_location("bench_sampling", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("integration/bench_sampling.py")
     monkeypatch.setattr(sys, "argv", ["bench_sampling.py", "--out", str(tmp_path), "--num-items", "300",
                                       "--batch", "4", "--candidates", "3", "--dim", "4", "--reps", "1"])
     bench.main()

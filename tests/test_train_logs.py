@@ -3,11 +3,8 @@ exact true values, OPE), resume and its conflicts, malformed and foreign logs, l
 the reader's row-group subsets and batch counts, the first off-policy CA-PG gradient on the logging
 policy's own logs against on-policy CA-PG, and the speed benchmark script."""
 
-import importlib.util
 import json
 import math
-import pathlib
-import sys
 
 import pyarrow.parquet as pq
 import pytest
@@ -23,6 +20,7 @@ from capg_rec.train import Trainer, policy_value
 from capg_rec.train.checkpoint import read_checkpoint
 from capg_rec.train.logged import LogTrainConfig, LogTrainer, logged_loss
 from capg_rec.train.model import TwoTowerMoE
+from tests.scripts import load_script
 
 K, L = 6, 2
 
@@ -251,11 +249,7 @@ def test_first_gradient_on_own_logs_is_on_policy_capg(tmp_path):
 
 
 def test_speed_benchmark_runs(tmp_path):
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "train_logs_speed.py"
-    spec = importlib.util.spec_from_file_location("train_logs_speed", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = load_script("benchmarks/train_logs_speed.py")
     result = module.main(["--rows", "300", "-K", "4", "-L", "1", "--batch-size", "64", "--steps", "3",
                           "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "train_logs_speed.json").read_text())

@@ -9,7 +9,6 @@ import json
 import math
 import re
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,15 +23,12 @@ from capg_rec.cli import main
 from capg_rec.validate import _stats
 from capg_rec.validate import cli as validate_cli
 from capg_rec.validate.cli import load_factory, register
+from tests.scripts import load_script
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load_example(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(f"examples/{name}.py")
 
 
 planted = _load_example("planted_bugs")
