@@ -13,6 +13,12 @@ from torch import Tensor
 _LOG_HALF = -math.log(2.0)
 
 
+def eager_cpu(x: Tensor) -> bool:
+    """Whether ``x`` lives on the CPU outside ``torch.compile`` and ``torch.func`` transforms: where a host
+    read is no device sync and numpy may run (the CPU fast paths)."""
+    return x.is_cpu and not torch.compiler.is_compiling() and not torch._C._functorch.is_functorch_wrapped_tensor(x)
+
+
 def select_experts(x: Tensor, experts: Sequence[int]) -> Tensor:
     """``x[:, experts]`` — a view (no copy) when the experts are consecutive."""
     idx = list(experts)
@@ -312,8 +318,7 @@ def suffix_log_masses(x: Tensor, index: Tensor) -> Tensor:
     ``2^p`` times the floored exps' worst error (p = mantissa bits), which a host read checks. Else,
     and on other devices, :func:`gather_with_rest` with its own maximum and
     :func:`reverse_logcumsumexp`."""
-    if x.is_cpu and index.numel() and not torch.compiler.is_compiling() \
-            and not torch._C._functorch.is_functorch_wrapped_tensor(x):
+    if index.numel() and eager_cpu(x):
         out, sums = _SuffixMasses.apply(x, index)[:2]
         floor_error = x.shape[2] * math.exp(exp_floor(x.dtype))
         if float(sums.amin()) >= floor_error / torch.finfo(x.dtype).eps:  # a CPU tensor: no device sync
@@ -439,8 +444,7 @@ def top_k(x: Tensor, k: int) -> Tensor:
     CPU tensors outside ``torch.compile`` and ``torch.func`` transforms this runs in numpy (a selection
     then a sort of the k: ``torch.topk`` on the CPU sorts each row serially, 5x slower at k = 50 of
     1000); elsewhere it is ``torch.topk`` with the same ties (:func:`_top_k_torch`)."""
-    if 0 < k <= x.shape[-1] and x.numel() and x.device.type == "cpu" and x.dtype in _NUMPY_TOP_K \
-            and not torch.compiler.is_compiling() and not torch._C._functorch.is_functorch_wrapped_tensor(x):
+    if 0 < k <= x.shape[-1] and x.numel() and x.dtype in _NUMPY_TOP_K and eager_cpu(x):
         return _top_k_numpy(x.detach(), k)
     return _top_k_torch(x, k)
 
@@ -550,8 +554,7 @@ def reverse_logcumsumexp(x: Tensor, dim: int) -> Tensor:
     sum of ``exp(x - max)`` is exact to float32 and ~10x faster. Otherwise (extreme spreads), on other
     devices, under ``torch.compile`` and under ``torch.func`` transforms, it is ``torch.logcumsumexp``
     with ``-inf`` entries held at the lowest finite value (its gradients are NaN at ``-inf``)."""
-    if x.device.type == "cpu" and x.numel() and not torch.compiler.is_compiling() \
-            and not torch._C._functorch.is_functorch_wrapped_tensor(x):  # no host read under vmap/grad
+    if x.numel() and eager_cpu(x):  # no host read under vmap/grad
         top = x.detach().amax(dim=dim, keepdim=True).nan_to_num_(neginf=0.0)
         shifted = x.double() - top  # -inf (masked) stays -inf: a term 0 with zero gradient
         spread = shifted.detach().nan_to_num(neginf=0.0).amin()  # over the finite entries

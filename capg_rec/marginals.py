@@ -37,7 +37,7 @@ from capg_rec._checks import check_count, check_items, check_positive, resolve_v
 from capg_rec._exact import DEFAULT_MEMORY_BUDGET, EXACT_NUM_POWERS, exact_log_inclusion
 from capg_rec._mean_field import mean_field_log_inclusion
 from capg_rec._head_tail import head_size_for, summarize
-from capg_rec._numerics import bound_once, filled_logsumexp, log1mexp, \
+from capg_rec._numerics import bound_once, eager_cpu, filled_logsumexp, log1mexp, \
     reverse_logcumsumexp, safe_logaddexp, safe_logsumexp, select_experts
 from capg_rec.catalog import CatalogScores, as_catalog
 from capg_rec.plackett_luce import check_enough_items, expert_runs
@@ -133,8 +133,7 @@ def _plugin_one_block(scores: Tensor, rest: Tensor, target: Tensor, left_out: Te
     On CPU tensors whose scores span less than :data:`_LINEAR_SPREAD` (read on the host), outside
     ``torch.compile`` and ``torch.func``, this is one node computed in float64 sums of ``exp(s - max)``
     (:class:`_OneBlockPlugIn`); otherwise log-space ops (:func:`_plugin_one_block_log_space`)."""
-    if scores.device.type == "cpu" and target.numel() and not torch.compiler.is_compiling() \
-            and not torch._C._functorch.is_functorch_wrapped_tensor(scores):
+    if target.numel() and eager_cpu(scores):
         with torch.no_grad():
             shift = torch.maximum(scores[:, :1], rest.unsqueeze(1))  # [B, 1]: the largest mass of a term
             # The smallest pool score, the rest and the targets, relative to it (-inf ones: nothing to lose).
