@@ -8,7 +8,8 @@ separate processes differ by up to 3x on this kind of machine (the allocator's s
 large buffers land), which swamps a 5% comparison. Forward+backward from a logits leaf, B=128,
 N=1000, L=1, one thread, the median of ``--reps`` calls each (a sixth for mean-field and plug-in at
 K=200, M=5, slow before). It uses only the API both versions share (``swr`` was the earlier name of
-``with_replacement``). Writes ``ab.json`` and ``ab.csv`` (old ms, new ms, new/old) to ``--out``.
+``with_replacement``). Logits are standard normal, or ``--logit-scale`` times that (a confident policy).
+Writes ``ab.json`` and ``ab.csv`` (old ms, new ms, new/old) to ``--out``.
 """
 
 from __future__ import annotations
@@ -54,13 +55,13 @@ def losses(module: ModuleType) -> dict[str, Callable[[int, bool], torch.nn.Modul
     }
 
 
-def compare(old: ModuleType, reps: int) -> list[dict]:
+def compare(old: ModuleType, reps: int, scale: float = 1.0) -> list[dict]:
     torch.set_num_threads(1)
     new_losses, old_losses = losses(capg_rec), losses(old)
     rows = []
     for k, m in CELLS:
         g = torch.Generator().manual_seed(0)
-        logits = torch.randn(128, m, 1000, generator=g).requires_grad_()
+        logits = (scale * torch.randn(128, m, 1000, generator=g)).requires_grad_()
         cand = capg_rec.sample_candidates(logits.detach(), k, generator=g)
         chosen, rewards = cand[:, :1], torch.rand(128, 1)
         for name in new_losses:
@@ -88,10 +89,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--old", type=Path, required=True, help="an earlier checkout of this repository")
     parser.add_argument("--reps", type=int, default=60)
+    parser.add_argument("--logit-scale", type=float, default=1.0,
+                        help="logits are this times standard normal (5: a confident policy, as after training)")
     parser.add_argument("--out", type=Path, default=Path("runs/ab"))
     args = parser.parse_args()
     print(f"{'K':>4s} {'M':>2s} {'loss':16s} {'':9s} {'old ms':>9s} {'new ms':>9s} {'new/old':>6s}")
-    rows = compare(import_renamed(args.old), args.reps)
+    rows = compare(import_renamed(args.old), args.reps, args.logit_scale)
     args.out.mkdir(parents=True, exist_ok=True)
     write_json(args.out / "ab.json", rows)
     write_csv(args.out / "ab.csv", rows)
