@@ -56,15 +56,14 @@ def _swr(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
     if len(runs) == 1:  # one expert draws all K
         (expert, count), = runs
         return log_softmax[:, expert] + math.log(count)
-    experts, log_counts = _run_tensors(tuple(runs), catalog.dtype, catalog.device)
-    return safe_logsumexp(log_softmax[:, experts] + log_counts, dim=1)
+    log_counts = _log_counts(tuple(runs), catalog.dtype, catalog.device)
+    return safe_logsumexp(select_experts(log_softmax, [m for m, _ in runs]) + log_counts, dim=1)
 
 
 @functools.lru_cache(maxsize=64)
-def _run_tensors(runs: tuple[tuple[int, int], ...], dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
-    """The runs' experts ``[R]`` and ``log n_m`` as ``[1, R, 1]`` (made once per runs, dtype and device)."""
-    experts = torch.tensor([m for m, _ in runs], device=device)
-    return experts, torch.tensor([math.log(n) for _, n in runs], dtype=dtype, device=device).view(1, -1, 1)
+def _log_counts(runs: tuple[tuple[int, int], ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The runs' ``log n_m`` as ``[1, R, 1]`` (made once per runs, dtype and device)."""
+    return torch.tensor([math.log(n) for _, n in runs], dtype=dtype, device=device).view(1, -1, 1)
 
 
 def _plugin(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:

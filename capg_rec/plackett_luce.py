@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from capg_rec._checks import check_count, check_flag, check_items, resolve_validate_args
-from capg_rec._numerics import reverse_logcumsumexp, suffix_log_masses
+from capg_rec._numerics import log_softmax_at, reverse_logcumsumexp, suffix_log_masses
 from capg_rec.catalog import CatalogScores, DenseCatalog, as_catalog
 
 __all__ = ["expert_of_position", "sample_candidates", "greedy_candidates", "candidate_log_prob"]
@@ -39,6 +39,29 @@ def expert_runs(num_candidates: int, num_experts: int) -> tuple[tuple[int, int],
     check_count("num_experts", num_experts)
     base, extra = divmod(num_candidates, num_experts)
     return tuple((e, base + (e < extra)) for e in range(num_experts) if base + (e < extra) > 0)
+
+
+def _expert_blocks(candidates: Tensor, num_candidates: int, num_experts: int) -> tuple[Tensor, Tensor | None]:
+    """The candidates of each expert's run ``[B, R, n]`` (n = the longest run) and, where runs differ in
+    length, which entries are real ``[R, n]`` (the short runs repeat their last candidate)."""
+    runs = expert_runs(num_candidates, num_experts)
+    longest = runs[0][1]  # the first runs take the remainder
+    if all(count == longest for _, count in runs):
+        return candidates.reshape(candidates.shape[0], len(runs), longest), None
+    make = _make_block_positions if torch.compiler.is_compiling() else _block_positions  # compile: no cache
+    positions, keep = make(runs, candidates.device)
+    return candidates[:, positions], keep
+
+
+def _make_block_positions(runs: tuple[tuple[int, int], ...], device: torch.device) -> tuple[Tensor, Tensor]:
+    """:func:`_expert_blocks`' positions ``[R, n]`` into the draw and its mask ``[R, n]``."""
+    longest, starts = runs[0][1], list(itertools.accumulate((n for _, n in runs), initial=0))
+    positions = [[start + min(j, count - 1) for j in range(longest)] for start, (_, count) in zip(starts, runs)]
+    keep = [[j < count for j in range(longest)] for _, count in runs]
+    return torch.tensor(positions, device=device), torch.tensor(keep, device=device)
+
+
+_block_positions = functools.lru_cache(maxsize=64)(_make_block_positions)
 
 
 def _checked(logits: Tensor | CatalogScores, num_candidates: int, temperature: float,
@@ -124,6 +147,13 @@ def _candidate_log_prob(catalog: CatalogScores, candidates: Tensor, with_replace
     experts = _expert_index(num_candidates, catalog.num_experts, catalog.device)
     idx = experts.view(1, 1, -1).expand(catalog.batch_size, 1, -1)
     if with_replacement:  # Σ_k log softmax_{m(k)}(a_k)
+        if isinstance(catalog, DenseCatalog):  # each position under its own expert only: K entries, not M·K
+            blocks, keep = _expert_blocks(candidates, num_candidates, catalog.num_experts)
+            scores = catalog.scores[:, :blocks.shape[1]]  # the runs' experts are the first R
+            log_softmax = log_softmax_at(scores, blocks, 2)  # [B, R, n]
+            if keep is not None:
+                log_softmax = torch.where(keep, log_softmax, 0.0)
+            return log_softmax.sum(dim=(1, 2))
         return catalog.log_softmax(candidates).gather(1, idx)[:, 0].sum(dim=1)
     if isinstance(catalog, DenseCatalog):  # one node over the logits
         picked = catalog.gather(candidates).gather(1, idx)[:, 0]  # [B, K]: s_{m(k)}(a_k)

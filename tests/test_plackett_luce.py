@@ -1,5 +1,7 @@
 """Sampling and ordered-draw log-probabilities against exact enumeration and Monte-Carlo."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -45,13 +47,30 @@ def test_candidate_log_prob_gradient_matches_enumeration(n, k, m):
     torch.testing.assert_close(torch.autograd.grad(got, scores)[0], torch.autograd.grad(ref, scores)[0])
 
 
-def test_candidate_log_prob_with_replacement_is_sum_of_softmaxes():
-    scores = _scores(6, 2, seed=3, batch=3)
-    cand = torch.tensor([[0, 1, 2], [5, 4, 3], [2, 0, 5]])
-    experts = expert_of_position(3, 2)
-    log_softmax = scores.log_softmax(2)
-    ref = torch.stack([log_softmax[b, experts, cand[b]].sum() for b in range(3)])
-    torch.testing.assert_close(candidate_log_prob(scores, cand, with_replacement=True), ref)
+@pytest.mark.parametrize(("k", "m"), [(3, 2), (4, 2), (2, 5), (5, 1), (7, 3), (8, 3)])
+def test_candidate_log_prob_with_replacement_is_sum_of_softmaxes(k, m):
+    """Each position under its own expert, for even and uneven runs and fewer positions than experts;
+    a masked item that is not drawn changes nothing but its own (zero) gradient."""
+    scores = _scores(9, m, seed=3 + k, batch=3)
+    scores[0, :, 8] = -math.inf
+    scores.requires_grad_()
+    cand = torch.stack([torch.randperm(8, generator=torch.Generator().manual_seed(b))[:k] for b in range(3)])
+    experts = expert_of_position(k, m)
+    ref = scores.log_softmax(2)[torch.arange(3).unsqueeze(1), experts, cand].sum(1)  # [B]
+    got = candidate_log_prob(scores, cand, with_replacement=True)
+    torch.testing.assert_close(got, ref)
+    weights = torch.tensor([1.0, -2.0, 0.5], dtype=scores.dtype)
+    grad, = torch.autograd.grad((got * weights).sum(), scores)
+    grad_ref, = torch.autograd.grad((ref * weights).sum(), scores)
+    torch.testing.assert_close(grad, grad_ref)
+    assert grad[0, :, 8].eq(0).all()
+
+
+@pytest.mark.parametrize(("k", "m"), [(3, 2), (2, 3)])
+def test_candidate_log_prob_with_replacement_gradgradcheck(k, m):
+    scores = _scores(5, m, seed=k, batch=2).requires_grad_()
+    cand = torch.tensor([[0, 3, 1], [4, 2, 0]])[:, :k]
+    assert torch.autograd.gradgradcheck(lambda s: candidate_log_prob(s, cand, with_replacement=True), (scores,))
 
 
 def test_candidate_log_prob_gradcheck():
