@@ -137,7 +137,7 @@ def check_items(name: str, items: object, *, batch_size: int, num_items: int, un
     if unique and items.shape[1] > 1:
         s = np.sort(host, axis=1) if host is not None else items.sort(dim=1).values  # numpy's: 20x at width 200
         if bool(((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any()):
-            raise ValueError(f"{name} must not repeat an item within a row")
+            raise ValueError(_repeat_message(name))
     return items
 
 
@@ -155,6 +155,10 @@ def _host_view(x: Tensor) -> np.ndarray | None:
     return x.detach().numpy()
 
 
+def _repeat_message(name: str) -> str:
+    return f"{name} must not repeat an item within a row"
+
+
 class DeferredChecks:
     """Value checks read back together: :meth:`run` raises ``ValueError`` with the first failing
     check's message.
@@ -165,6 +169,14 @@ class DeferredChecks:
 
     def __init__(self) -> None:
         self._checks: list[tuple[Tensor | bool, str]] = []
+        self._hosts: dict[int, tuple[Tensor, np.ndarray | None]] = {}
+
+    def _host(self, x: Tensor) -> np.ndarray | None:
+        """:func:`_host_view` of ``x``, made once per tensor (a tensor is often read by several checks)."""
+        seen = self._hosts.get(id(x))
+        if seen is None or seen[0] is not x:
+            seen = self._hosts[id(x)] = (x, _host_view(x))
+        return seen[1]
 
     def require(self, ok: Tensor | bool, message: str) -> None:
         self._checks.append((ok, message))  # a 0-dim tensor or a bool
@@ -178,9 +190,12 @@ class DeferredChecks:
             return False
         message = (f"{name} must be {'finite or -inf (masked)' if allow_masked else 'finite'} "
                    f"(no NaN or {'+inf' if allow_masked else 'inf'})")
-        host = _host_view(x)
+        host = self._host(x)
         if host is not None:
-            if not allow_masked:
+            if math.isfinite(x.detach().sum().numpy()):  # a finite sum has finite terms: one vectorised pass
+                self.require(True, message)
+                return False
+            if not allow_masked:  # else a NaN, an inf, or a sum that overflowed
                 self.require(bool(np.isfinite(host).all()), message)
                 return False
             self.require(bool(host.max() < math.inf), message)  # max: NaN propagates
@@ -198,27 +213,35 @@ class DeferredChecks:
 
     def all_above(self, x: Tensor, bound: float, message: str) -> None:
         """Requires every entry of ``x`` above ``bound``."""
-        host = _host_view(x)
+        host = self._host(x)
         self.require(bool((host > bound).all()) if host is not None else (x.detach() > bound).all(), message)
 
     def at_most(self, x: Tensor, bound: float, message: str) -> None:
         """Requires every entry of ``x`` at most ``bound`` (NaN fails)."""
-        host = _host_view(x)
+        host = self._host(x)
         self.require(bool((host <= bound).all()) if host is not None else (x.detach() <= bound).all(), message)
 
-    def ids_in_range(self, name: str, items: Tensor, num_items: int) -> Tensor:
-        """Requires ids in ``[0, num_items)``; returns ``items`` clamped into that range (safe to gather)."""
+    def ids_in_range(self, name: str, items: Tensor, num_items: int, *, distinct: bool = False) -> Tensor:
+        """Requires ids in ``[0, num_items)`` and, with ``distinct``, no id twice in a row of ``items [B, L]``
+        (on the host both from one sort of the rows); returns ``items`` clamped into that range (safe to
+        gather)."""
         if not items.numel():
             return items
         message = f"{name} must hold ids in [0, {num_items})"
-        host = _host_view(items)
-        if host is not None:
-            ok = bool(host.min() >= 0 and host.max() < num_items)
-            self.require(ok, message)
-            return items if ok else items.clamp(0, max(num_items - 1, 0))
-        inside = items.clamp(0, max(num_items - 1, 0))
-        self.require((inside == items).all(), message)
-        return inside
+        host = self._host(items)
+        if host is None:
+            inside = items.clamp(0, max(num_items - 1, 0))
+            self.require((inside == items).all(), message)
+            if distinct:
+                self.distinct(name, inside, num_items)  # clamped ids: out-of-range ones fail above
+            return inside
+        rows = np.sort(host, axis=1) if distinct and host.shape[1] > 1 else None
+        ok = bool(host.min() >= 0 and host.max() < num_items) if rows is None else \
+            bool(rows[:, 0].min() >= 0 and rows[:, -1].max() < num_items)
+        self.require(ok, message)
+        if rows is not None:
+            self.require(bool((rows[:, 1:] != rows[:, :-1]).all()), _repeat_message(name))
+        return items if ok else items.clamp(0, max(num_items - 1, 0))
 
     def distinct(self, name: str, items: Tensor, num_items: int | None = None) -> None:
         """Requires no id twice in a row of ``items [B, L]``: by a sort, or, for wide rows of ids known to
@@ -226,8 +249,8 @@ class DeferredChecks:
         slower; numpy's is not)."""
         if items.numel() == 0 or items.shape[1] < 2:
             return
-        message = f"{name} must not repeat an item within a row"
-        host = _host_view(items)
+        message = _repeat_message(name)
+        host = self._host(items)
         if host is not None:
             s = np.sort(host, axis=1)
             self.require(bool((s[:, 1:] != s[:, :-1]).all()), message)
@@ -243,7 +266,7 @@ class DeferredChecks:
         """Requires every id of a row of ``sub [B, L]`` in the same row of ``sup [B, K]``."""
         if not sub.numel():
             return
-        low, high = _host_view(sub), _host_view(sup)
+        low, high = self._host(sub), self._host(sup)
         if low is not None and high is not None:
             self.require(bool((low[:, :, None] == high[:, None, :]).any(2).all()), message)
         else:

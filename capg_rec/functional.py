@@ -227,9 +227,7 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
         masked = True  # other catalogs: a catalog call on every process (it may be collective)
         if isinstance(catalog, DenseCatalog):
             masked = checks.no_nan_or_inf("logits", catalog.scores, allow_masked=True)
-        inside = checks.ids_in_range("candidates", candidates, num_items)  # chosen ⊆ candidates covers chosen
-        if distinct:
-            checks.distinct("candidates", inside, num_items)  # clamped ids: out-of-range ones fail above
+        inside = checks.ids_in_range("candidates", candidates, num_items, distinct=distinct)  # chosen ⊆ candidates
         checks.distinct("chosen", chosen)
         checks.subset(chosen, candidates,
                       "chosen must be a subset of candidates in every row (the LSR picks among them)")

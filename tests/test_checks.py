@@ -93,6 +93,27 @@ def test_off_policy_logged_propensities_on_both_paths(path):
         loss(logits, cand, chosen, rewards, torch.full((4, 2), math.nan))
 
 
+def test_finite_values_whose_sum_overflows_pass_and_inf_pairs_fail(path):
+    """The host path's first test is that the sum is finite; a sum that overflows (or +inf and -inf that
+    cancel to NaN) must send it to the entry-wise checks, not to a wrong verdict."""
+    logits, cand, chosen, rewards = _inputs()
+    big = torch.finfo(torch.float32).max / 2
+    huge = logits.clone()
+    huge[:, :, 0] = big  # every row's sum overflows; candidates keep their scores
+    rewards_big = torch.full_like(rewards, big)
+    for loss in (CAPGLoss(5, method="with_replacement"), VPGLoss(5)):
+        loss(huge, cand, chosen, rewards_big)  # finite everywhere: valid
+    masked = huge.clone()
+    masked[0, 0, next(i for i in range(30) if i not in cand[0].tolist())] = -math.inf
+    CAPGLoss(5, method="with_replacement")(masked, cand, chosen, rewards)  # -inf masks an item: valid
+    both = logits.clone()
+    both[1, 0, 3], both[2, 1, 4] = math.inf, -math.inf  # sums to NaN
+    with pytest.raises(ValueError, match="logits must be finite or -inf"):
+        CAPGLoss(5, method="with_replacement")(both, cand, chosen, rewards)
+    with pytest.raises(ValueError, match="rewards must be finite"):
+        CAPGLoss(5, method="with_replacement")(logits, cand, chosen, torch.tensor([[big, -math.inf]] * 4))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
 def test_checks_read_every_dtype(path, dtype):
     """bfloat16 has no numpy dtype: its logits take the torch path inside the host one."""
