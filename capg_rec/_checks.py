@@ -120,7 +120,7 @@ def check_id_tensor(name: str, items: object, *, batch_size: int, width: int | N
         raise ValueError(f"{name} must have {width} columns, got {items.shape[1]}")
     if items.shape[1] == 0 and not allow_empty:
         raise ValueError(f"{name} must have at least one column")
-    return items.long()
+    return items if items.dtype == torch.int64 else items.long()
 
 
 def check_items(name: str, items: object, *, batch_size: int, num_items: int, unique: bool = True,

@@ -150,7 +150,8 @@ class DenseCatalog(CatalogScores):
                                     allow_masked=True)
         tau = check_positive("temperature", temperature)
         scores = logits.unsqueeze(1) if logits.dim() == 2 else logits
-        scores = scores.to(compute_dtype(scores.dtype))
+        if scores.dtype != compute_dtype(scores.dtype):
+            scores = scores.to(compute_dtype(scores.dtype))
         self.scores = scores / tau if tau != 1.0 else scores  # [B, M, N]
         self.batch_size, self.num_experts, self.num_items = self.scores.shape
         self.dtype, self.device = self.scores.dtype, self.scores.device

@@ -245,7 +245,7 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
                            f"{logged_name} must be <= {bound:.6g} (a logged log-propensity: a probability is at "
                            f"most 1, an expected count at most K)")
         checks.run(catalog.agree)
-    return catalog, candidates, chosen, advantage.to(catalog.dtype)
+    return catalog, candidates, chosen, advantage if advantage.dtype == catalog.dtype else advantage.to(catalog.dtype)
 
 
 def _drawing_scores(catalog: CatalogScores, candidates: Tensor) -> Tensor:
