@@ -3,6 +3,7 @@ tiny sizes and write their files."""
 
 from __future__ import annotations
 
+import copy
 import csv
 import json
 from types import SimpleNamespace
@@ -24,12 +25,13 @@ def test_study_writes_every_learner_and_its_estimates(tmp_path, capsys):
     out = tmp_path / "study"
     with pytest.raises(SystemExit) as done:
         main(["reproduce", "offpolicy", "--ks", "3", "--sizes", "256", "--seeds", "1", "--logging-steps", "2",
-              "--out", str(out)])
+              "--epochs", "2", "--out", str(out)])
     assert done.value.code == 0
     saved = json.loads((out / "results.json").read_text())
     assert {r["learner"] for r in saved["runs"]} == set(LEARNERS)
     for r in saved["runs"]:
         assert r["K"] == 3 and r["n"] == 256 and r["true_value"] > 0 and r["ope_ess"] >= 0
+        assert r["passes"] in ((1,) if r["learner"] == "capg_onpolicy" else (1, 2))
     with open(out / "results.csv", newline="") as f:
         assert len(list(csv.DictReader(f))) == len(LEARNERS)
     assert (out / "values.png").stat().st_size > 0 and (out / "ope.png").stat().st_size > 0
@@ -69,11 +71,44 @@ def test_each_learner_reads_its_logged_propensity(learner):
     torch.testing.assert_close(_offpolicy_loss(learner, k, num_outputs, 1, 100.0)(logits, batch), expected)
 
 
+@pytest.mark.parametrize(("epochs", "scores", "kept"), [(1, [], 1), (3, [0.1, 0.5, 0.2], 2), (3, [0.4, 0.4, 0.3], 1),
+                                                     (2, [0.1, 0.3], 2)])
+def test_several_passes_keep_the_pass_with_the_best_held_out_estimate(epochs, scores, kept):
+    """With E passes the learner ends with the parameters it had after the pass that ``select`` scored highest
+    (ties: the earlier pass); one pass asks ``select`` nothing."""
+    from capg_rec.train.model import TwoTowerMoE
+    from capg_rec.train.offpolicy import _train_offline
+
+    b, k, n = 64, 3, 12
+    g = torch.Generator().manual_seed(1)
+    model = TwoTowerMoE(4, n, dim=3, generator=g)
+    users = torch.randint(0, 4, (b,), generator=g)
+    candidates = sample_candidates(model(users).detach(), k, generator=g)
+    logs = _Logs(users=users.int(), candidates=candidates.int(), chosen=candidates[:, :1].int(),
+                 rewards=torch.rand(b, 1, generator=g), log_inclusion=-torch.rand(b, 1, generator=g),
+                 log_count=torch.zeros(b, 1), log_set=-torch.rand(b, generator=g))
+    seen, answers = [], iter(scores)
+
+    def select(m):
+        seen.append(copy.deepcopy(m.state_dict()))
+        return next(answers)
+
+    study = OffPolicyStudy(batch_size=16, sizes=(16,), epochs=epochs)
+    passes, skipped = _train_offline(model, logs, "capg_clip", study, k, torch.Generator().manual_seed(0), select)
+    assert (passes, skipped) == (kept, 0) and len(seen) == len(scores)
+    if seen:
+        for name, value in model.state_dict().items():
+            assert torch.equal(value, seen[kept - 1][name])
+            assert not torch.equal(seen[0][name], seen[-1][name])  # the passes did train
+
+
 def test_study_options_are_checked():
     with pytest.raises(ValueError, match="learners"):
         OffPolicyStudy(learners=("nope",))
     with pytest.raises(ValueError, match="sizes"):
         OffPolicyStudy(sizes=(10,))
+    with pytest.raises(ValueError, match="epochs"):
+        OffPolicyStudy(epochs=0)
 
 
 def test_speed_benchmark_writes_its_json(tmp_path):

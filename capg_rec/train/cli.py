@@ -102,6 +102,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--logging-steps", type=int, default=None, help="online steps of the logging ESR (default 1000)")
     g.add_argument("--logging-temperature", type=float, default=None, help="τ₀ of the logging ESR (default 2)")
     g.add_argument("--max-weight", type=float, default=None, help="importance-weight cap (default 100)")
+    g.add_argument("--epochs", type=int, default=None,
+                   help="passes over the logs at most; the pass with the best held-out SNIPS estimate is kept "
+                        "(default 1)")
     g.add_argument("--first-seed", type=int, default=0, help="seeds FIRST_SEED .. FIRST_SEED + SEEDS - 1")
     g.add_argument("--quick", action="store_true", help="a small setting: K=10, n=10^4, 1 seed, 200 logging steps")
     p.set_defaults(func=_reproduce)
@@ -287,7 +290,7 @@ def _offpolicy(args: argparse.Namespace, out: Path) -> int:
     for name in ("ks", "sizes", "learners"):
         if getattr(args, name) is not None:
             options[name] = tuple(getattr(args, name))
-    for name in ("logging_steps", "logging_temperature", "max_weight"):
+    for name in ("logging_steps", "logging_temperature", "max_weight", "epochs"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     print(run_offpolicy_study(OffPolicyStudy(**options), out))

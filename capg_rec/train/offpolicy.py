@@ -4,12 +4,14 @@ For each (K, seed): a logging ESR is partly trained online (CA-PG-SwR, ``logging
 and served at a softened temperature τ₀; it writes ``max(sizes)`` logged rows (user, ordered
 candidates, the LSR's picks, rewards, and its log-propensities: ``log π₀(a ∈ A^K)`` by the
 default inclusion method, the log expected count and ``log π₀(A^K)`` of the ordered draw), in
-memory. Every learner starts from the logging ESR's parameters (scored at τ = 1) and makes one
-pass over the first n rows in :class:`~capg_rec.logs.LoggedBatch` batches with the loss of its
-estimator in ``capg-rec train --logs``; on-policy CA-PG gets the same number of interactions
-(n / B online steps). Reported per learner: the true value of its
-greedy ESR (exact, from the environment, as the trainer evaluates) and the off-policy estimates
-(IPS, SNIPS) of that value from ``eval_rows`` held-out logged rows.
+memory. Every learner starts from the logging ESR's parameters (scored at τ = 1) and makes up to
+``epochs`` passes over the first n rows in :class:`~capg_rec.logs.LoggedBatch` batches with the
+loss of its estimator in ``capg-rec train --logs`` (one optimizer throughout); with more than one
+pass it keeps the parameters after the pass whose held-out SNIPS estimate is highest (selection by
+off-policy evaluation, as a user without the environment would select). On-policy CA-PG gets the
+same number of interactions (n / B online steps, each interaction used once). Reported per learner:
+the true value of its greedy ESR (exact, from the environment, as the trainer evaluates) and the
+off-policy estimates (IPS, SNIPS) of that value from ``eval_rows`` held-out logged rows.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from capg_rec._checks import all_finite, check_choice
+from capg_rec._checks import all_finite, check_choice, check_count
 from capg_rec.catalog import DenseCatalog
 from capg_rec.logs.propensity import log_propensities
 from capg_rec.logs.schema import LoggedBatch
@@ -68,9 +70,11 @@ class OffPolicyStudy:
     max_weight: float = 100.0
     eval_rows: int = 20_000
     lr: float = 1e-2
+    epochs: int = 1
 
     def __post_init__(self) -> None:
         check_choice("env", self.env, ("synthetic", "movielens"))
+        check_count("epochs", self.epochs)
         for name in ("ks", "sizes", "seeds"):
             if not getattr(self, name):
                 raise ValueError(f"{name} must not be empty")
@@ -136,25 +140,34 @@ def _offpolicy_loss(learner: str, num_candidates: int, num_outputs: int, num_exp
 
 
 def _train_offline(model: torch.nn.Module, logs: _Logs, learner: str, study: OffPolicyStudy, num_candidates: int,
-                   generator: torch.Generator) -> int:
-    """One pass over ``logs`` in shuffled batches → the number of skipped (non-finite) steps."""
+                   generator: torch.Generator, select: Callable[[torch.nn.Module], float]) -> tuple[int, int]:
+    """Up to ``study.epochs`` passes over ``logs`` in shuffled batches, one optimizer throughout; with more than
+    one, ``model`` ends with the parameters of the pass that ``select`` (a held-out estimate) scores highest →
+    (that pass, the number of skipped non-finite steps)."""
     loss_fn = _offpolicy_loss(learner, num_candidates, study.num_outputs, model.num_experts, study.max_weight)
     optimizer = torch.optim.Adagrad(model.parameters(), lr=_LR.get(_ESTIMATOR.get(learner, learner), study.lr))
-    order = torch.randperm(len(logs.users), generator=generator)
-    skipped = 0
-    for start in range(0, len(order) - study.batch_size + 1, study.batch_size):
-        batch = logs.batch(order[start:start + study.batch_size])
-        loss = loss_fn(model(batch.context), batch)
-        optimizer.zero_grad(set_to_none=True)
-        if not all_finite(loss.detach()):
-            skipped += 1
-            continue
-        loss.backward()
-        if not all(all_finite(p.grad) for p in model.parameters() if p.grad is not None):
-            skipped += 1
-            continue
-        optimizer.step()
-    return skipped
+    skipped, best, best_pass, best_state = 0, -math.inf, 1, None
+    for epoch in range(1, study.epochs + 1):
+        order = torch.randperm(len(logs.users), generator=generator)
+        for start in range(0, len(order) - study.batch_size + 1, study.batch_size):
+            batch = logs.batch(order[start:start + study.batch_size])
+            loss = loss_fn(model(batch.context), batch)
+            optimizer.zero_grad(set_to_none=True)
+            if not all_finite(loss.detach()):
+                skipped += 1
+                continue
+            loss.backward()
+            if not all(all_finite(p.grad) for p in model.parameters() if p.grad is not None):
+                skipped += 1
+                continue
+            optimizer.step()
+        if study.epochs > 1:
+            score = select(model)
+            if score > best:  # ties keep the earlier pass
+                best, best_pass, best_state = score, epoch, copy.deepcopy(model.state_dict())
+    if best_state is not None:
+        model.load_state_dict(best_state)
+    return best_pass, skipped
 
 
 @torch.no_grad()
@@ -207,7 +220,7 @@ def run_offpolicy_study(study: OffPolicyStudy, out: str | Path, *, progress: boo
                     bar.set_postfix_str(f"K={k} seed={seed} n={n}: {learner}")
                     model = copy.deepcopy(logging_model)
                     started = time.perf_counter()
-                    skipped = 0
+                    skipped, passes = 0, 1
                     if learner == "capg_onpolicy":
                         trainer = Trainer(env, config.replace(estimator="capg", steps=n // study.batch_size,
                                                               eval_every=n // study.batch_size,
@@ -216,13 +229,15 @@ def run_offpolicy_study(study: OffPolicyStudy, out: str | Path, *, progress: boo
                         trainer.run(progress=False)
                         model = trainer.model
                     else:
-                        skipped = _train_offline(model, train_logs, learner, study, k,
-                                                 torch.Generator().manual_seed(seed + n))
+                        passes, skipped = _train_offline(
+                            model, train_logs, learner, study, k, torch.Generator().manual_seed(seed + n),
+                            lambda m: _ope(m, env, held_out, k)["ope_snips"])
                     value = policy_value(model, env, OptimalLSR(), k, study.num_outputs)
                     runs.append({"env": env.name, "K": k, "n": n, "seed": seed, "learner": learner,
                                  "true_value": value, "logging_greedy_value": start_value,
                                  "logged_mean_reward": logged_mean, **_ope(model, env, held_out, k),
-                                 "skipped_steps": skipped, "seconds": round(time.perf_counter() - started, 2)})
+                                 "passes": passes, "skipped_steps": skipped,
+                                 "seconds": round(time.perf_counter() - started, 2)})
                     bar.update(n)
             write_json(out / "results.json", {"study": asdict(study), "env": env.name, "runs": runs})
     bar.close()
@@ -233,7 +248,7 @@ def _summarize(study: OffPolicyStudy, env: MatrixEnv, runs: Sequence[dict], out:
     write_csv(out / "results.csv", runs)
     write_json(out / "results.json", {"study": asdict(study), "env": env.name, "runs": list(runs)})
     header = ["K", "n", "learner", "true value (mean ± se)", "gain / on-policy gain", "OPE IPS", "OPE SNIPS",
-              "seeds"]
+              "passes", "seeds"]
     table, cells = [], {}
     for r in runs:
         cells.setdefault((r["K"], r["n"], r["learner"]), []).append(r)
@@ -247,8 +262,9 @@ def _summarize(study: OffPolicyStudy, env: MatrixEnv, runs: Sequence[dict], out:
             ratio = f"{(mean - start) / (on_mean - start):.2f}" if on_mean != start else "–"
         ips = sum(r["ope_ips"] for r in group) / len(group)
         snips = sum(r["ope_snips"] for r in group) / len(group)
+        passes = sum(r.get("passes", 1) for r in group) / len(group)
         table.append([k, n, LEARNERS[learner], f"{mean:.3f} ± {se:.3f}", ratio, f"{ips:.3f}", f"{snips:.3f}",
-                      len(group)])
+                      f"{passes:.3g}", len(group)])
     ranking = []
     for k in study.ks:
         for n in study.sizes:
@@ -265,7 +281,9 @@ def _summarize(study: OffPolicyStudy, env: MatrixEnv, runs: Sequence[dict], out:
             f"users, optimal LSR, L = {study.num_outputs}); best achievable "
             f"{env.optimal_value(study.num_outputs):.3f}. OPE: IPS / SNIPS estimates of the same greedy ESR from "
             f"{study.eval_rows} held-out logged rows (target: the value if the LSR showed items at the logging "
-            f"rate). Weights capped at {study.max_weight}.\n\n" + markdown_table(header, table)
+            f"rate). Weights capped at {study.max_weight}. Passes: over the n logged rows, up to {study.epochs}, "
+            f"the one with the best held-out SNIPS estimate kept (mean over seeds; on-policy: each interaction "
+            f"once).\n\n" + markdown_table(header, table)
             + "\nDo the OPE estimates rank the learned ESRs as their true values do? Spearman correlation across "
               "learners, mean over seeds:\n\n"
             + markdown_table(["K", "n", "IPS vs true", "SNIPS vs true", "seeds"], ranking)
