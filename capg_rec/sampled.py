@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from capg_rec._checks import check_count, check_float_tensor, check_items, check_positive, resolve_validate_args
-from capg_rec._numerics import gumbel_top_k, safe_logsumexp
+from capg_rec._numerics import gumbel_top_k, safe_logsumexp, select_experts, top_k
 from capg_rec.ann import ItemIndex
 from capg_rec.catalog import CatalogScores, available_given_masks, compute_dtype
 
@@ -214,16 +214,46 @@ def _first_copies(ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """For ``ids [..., T]``: the sorted ids with later copies (and ``-1``) set to ``-1``, the number
     of copies of each kept id (0 elsewhere) and the sorted ids themselves → three ``[..., T]``."""
     sorted_ids = ids.sort(dim=-1).values
-    first = torch.ones_like(sorted_ids, dtype=torch.bool)
-    first[..., 1:] = sorted_ids[..., 1:] != sorted_ids[..., :-1]
-    first &= sorted_ids >= 0
-    # copies of the run starting at i: the next run's start minus i
-    slot = torch.arange(ids.shape[-1], device=ids.device).expand_as(sorted_ids)
-    end = torch.where(first, slot, ids.shape[-1])
-    end = torch.cat([end[..., 1:], torch.full_like(end[..., :1], ids.shape[-1])], -1)
-    end = end.flip(-1).cummin(-1).values.flip(-1)
-    copies = torch.where(first, end - slot, 0)
+    first = _first_of_runs(sorted_ids)
+    # copies of the run starting at i: the end of its run (the insertion point right of its id) minus i
+    slot = torch.arange(ids.shape[-1], device=ids.device)
+    copies = torch.where(first, torch.searchsorted(sorted_ids, sorted_ids, right=True) - slot, 0)
     return torch.where(first, sorted_ids, -1), copies, sorted_ids
+
+
+def _first_of_runs(sorted_ids: Tensor) -> Tensor:
+    """Sorted ids ``[..., T]`` → bool ``[..., T]``: the first copy of each id ``>= 0``."""
+    first = sorted_ids >= 0
+    first[..., 1:] &= sorted_ids[..., 1:] != sorted_ids[..., :-1]
+    return first
+
+
+def _distinct(ids: Tensor) -> Tensor:
+    """``ids [B, T]`` sorted per row, with later copies (and ``-1``) set to ``-1`` → ``[B, T]``."""
+    sorted_ids = ids.sort(dim=-1).values
+    return torch.where(_first_of_runs(sorted_ids), sorted_ids, -1)
+
+
+def _log_sum_exp(head: Tensor, sample: Tensor) -> Tensor:
+    """``log Σ exp`` over the last dim of ``head [B, M, T]`` and ``sample [B, M, S]`` together → ``[B, M]``.
+
+    ``sample`` must be a tensor of the caller's own: it is overwritten with its exps, so that its
+    terms take one ``[B, M, S]`` buffer each way (the exps are also the backward's). ``-inf`` entries
+    add nothing; with no finite entry the result is ``-inf`` with zero gradient. The terms are taken
+    relative to the largest (a constant), so the result is shift invariant."""
+    parts = [x for x in (head, sample) if x.shape[-1]]
+    if not parts:
+        return safe_logsumexp(torch.cat([head, sample], -1), dim=-1)
+    top = parts[0].detach().amax(-1)
+    if len(parts) == 2:
+        top = torch.maximum(top, parts[1].detach().amax(-1))
+    top = top.clamp(min=torch.finfo(top.dtype).min).unsqueeze(-1)  # no finite entry: every term is 0
+    total = sample.sub_(top).exp_().sum(-1) if sample.shape[-1] else 0.0
+    if head.shape[-1]:
+        total = (head - top).exp().sum(-1) + total
+    top = top.squeeze(-1)
+    # total >= 1 (the largest term is 1) unless nothing was finite; the clamp keeps log's gradient finite
+    return torch.where(total > 0, total.clamp_min(torch.finfo(top.dtype).tiny).log() + top, -math.inf)
 
 
 ItemSource = Tensor | Callable[[Tensor], Tensor]
@@ -304,34 +334,49 @@ class SampledCatalog(CatalogScores):
                 parts.append(index.search(queries, self.head_size)[1].reshape(self.batch_size, -1))
             head = torch.cat(parts, 1) if parts else torch.zeros(self.batch_size, 0, dtype=torch.long,
                                                                  device=self.device)
-            self.head_ids = _first_copies(head.to(self.device))[0]  # [B, T]; -1: duplicate or unused
+            self.head_ids = _distinct(head.to(self.device)) if head.shape[1] else head  # [B, T]; -1: duplicate, unused
             sample = sampler.draw(self.num_items, batch_items, generator=generator, device=self.device)
             self.sample_ids, copies, self._sample_sorted = _first_copies(sample.to(self.device).long())  # [S]
             log_count = sampler.log_expected_count(self.sample_ids, self.num_items, batch_items)
             usable = (self.sample_ids >= 0) & (log_count > -math.inf)
             log_weight = torch.where(usable, copies.to(torch.float64).log() - log_count, -math.inf)
             self.sample_log_weight = log_weight.to(self.dtype)  # [S]
-            # Left out of every sum: unused slots (-1: unused or a later copy), ids in the head (scored
-            # exactly) and masked ids.
-            self.sample_drop = ~usable | self._sample_hits(self.head_ids)  # [B, S]
-            if self.masked_items is not None:
-                self.sample_drop |= self._sample_hits(self.masked_items)
-        self.head_scores = self.gather(self.head_ids.clamp(min=0)).masked_fill(
-            (self.head_ids < 0).unsqueeze(1), -math.inf)  # [B, M, T]
+            # The sample's terms are its scores plus this bias: log w_j, or -inf where left out of the sums:
+            # unused slots (-1: unused or a later copy), ids in the head (scored exactly) and masked ids.
+            # Without head or masks it is shared by the rows.
+            bias = self.sample_log_weight.masked_fill(~usable, -math.inf).view(1, 1, -1)  # [1, 1, S]
+            named = [ids for ids in (self.head_ids, self.masked_items) if ids is not None and ids.shape[1]]
+            self._sample_bias = self._without(bias, torch.cat(named, 1)) if named else bias  # [B | 1, 1, S]
+        self.head_scores = self.user.new_zeros(self.batch_size, self.num_experts, 0)  # [B, M, T]
+        if head.shape[1]:
+            self.head_scores = self.gather(self.head_ids.clamp(min=0)).masked_fill(
+                (self.head_ids < 0).unsqueeze(1), -math.inf)
         # The sample is shared by the rows: S lookups, one [B, M, D] × [S, M, D] product.
-        self.sample_scores = torch.einsum("bmd,smd->bms", self.user, self._vectors(self.sample_ids.clamp(min=0)))
+        vectors = self._vectors(self.sample_ids.clamp(min=0))
+        if self.num_experts == 1:
+            self.sample_scores = (self.user[:, 0] @ vectors[:, 0].T).unsqueeze(1)
+        else:
+            self.sample_scores = torch.matmul(self.user.transpose(0, 1), vectors.permute(1, 2, 0)).transpose(0, 1)
 
-    def _sample_hits(self, ids: Tensor) -> Tensor:
-        """Sample slots holding one of each row's ``ids [B, E]`` (``-1``: none) → bool ``[B, S]``.
+    @property
+    def sample_drop(self) -> Tensor:
+        """Sample slots left out of every sum, per row → bool ``[B, S]``: unused (``-1``: unused or a later
+        copy), in the row's head (scored exactly) or masked."""
+        return (self._sample_bias[:, 0] == -math.inf).expand(self.batch_size, -1)
 
-        A binary search of each id in the sorted sample finds its first copy, the slot that is kept."""
+    def _without(self, bias: Tensor, ids: Tensor) -> Tensor:
+        """``bias [B | 1, 1, S]`` with ``-inf`` at the sample slots holding one of each row's ``ids [B, E]``
+        (``-1``: none) → a new ``[B, 1, S]``.
+
+        A binary search of each id in the sorted sample finds its first copy, the slot that is kept;
+        the misses go to a spare last column, so that one scatter writes them all."""
         size = self._sample_sorted.shape[0]
         if size == 0 or ids.shape[1] == 0:
-            return torch.zeros(self.batch_size, size, dtype=torch.bool, device=self.device)
+            return bias.expand(self.batch_size, 1, size)
         pos = torch.searchsorted(self._sample_sorted, ids).clamp(max=size - 1)
         hit = (self._sample_sorted[pos] == ids) & (ids >= 0)
-        spare = torch.zeros(self.batch_size, size + 1, dtype=torch.bool, device=self.device)
-        return spare.scatter(1, torch.where(hit, pos, size), True)[:, :size]
+        out = torch.nn.functional.pad(bias.expand(self.batch_size, 1, size), (0, 1))
+        return out.scatter_(2, torch.where(hit, pos, size).unsqueeze(1), -math.inf)[..., :size]
 
     def _ids(self, name: str, ids: Tensor | None, any_batch: bool = False) -> Tensor | None:
         if ids is None:
@@ -351,8 +396,11 @@ class SampledCatalog(CatalogScores):
         return v.to(self.dtype)
 
     def _score(self, items: Tensor) -> Tensor:
-        """``items [B, L]`` → ``[B, M, L]`` (no mask applied)."""
-        return torch.einsum("bmd,blmd->bml", self.user, self._vectors(items))
+        """``items [B, L]`` → ``[B, M, L]`` (no mask applied).
+
+        A product and a sum rather than a batched matmul of B·M ``[L, D] × [D, 1]`` products, whose
+        backward is 3x slower at L = 10."""
+        return (self._vectors(items) * self.user.unsqueeze(1)).sum(-1).transpose(1, 2)
 
     def num_available(self) -> Tensor:
         if self.masked_items is None:
@@ -366,15 +414,15 @@ class SampledCatalog(CatalogScores):
         masked = (items.unsqueeze(2) == self.masked_items.unsqueeze(1)).any(2)  # [B, L]
         return scores.masked_fill(masked.unsqueeze(1), -math.inf)
 
-    def _dropped(self, exclude: Tensor | None) -> tuple[Tensor, Tensor]:
-        """Head slots ``[B, T]`` and sample slots ``[B, S]`` left out of the sums: unused, in the head
-        (sample), masked (already ``-inf``) or in ``exclude [B, E]``."""
-        head_drop, sample_drop = self.head_ids < 0, self.sample_drop
+    def _terms(self, exclude: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The head's scores ``[B, M, T]`` and the sample's bias ``[B | 1, 1, S]`` (``log w_j``) with ``-inf``
+        where left out of the sums: unused, in the head (sample), masked or in ``exclude [B, E]``."""
+        head, bias = self.head_scores, self._sample_bias
         if exclude is not None and exclude.numel():
             gone = exclude.sort(dim=1).values
-            head_drop = head_drop | _member(self.head_ids, gone)
-            sample_drop = sample_drop | self._sample_hits(exclude)
-        return head_drop, sample_drop
+            head = head.masked_fill(_member(self.head_ids, gone).unsqueeze(1), -math.inf)
+            bias = self._without(bias, exclude)
+        return head, bias
 
     def log_power_sums(self, exclude: Tensor | None = None, num_powers: int = 1) -> Tensor:
         """Estimated ``log Σ_{n ∉ exclude[b]} exp(p · s[b, m, n])``, ``p = 1..P ≤ 3`` → ``[B, M, P]``:
@@ -384,11 +432,9 @@ class SampledCatalog(CatalogScores):
             raise ValueError(f"num_powers must be <= {MAX_SAMPLED_POWERS} for a SampledCatalog, got {num_powers}: "
                              "it estimates power sums only up to p = 3, so the 'exact' method is not supported; "
                              "use 'with_replacement', 'mean_field' or 'plugin'")
-        head_drop, sample_drop = self._dropped(exclude)
-        head = self.head_scores.masked_fill(head_drop.unsqueeze(1), -math.inf)
-        sample = self.sample_scores.masked_fill(sample_drop.unsqueeze(1), -math.inf)
-        out = [safe_logsumexp(torch.cat([p * head, p * sample + self.sample_log_weight], 2), dim=2)
-               for p in range(1, num_powers + 1)]
+        head, bias = self._terms(exclude)
+        out = [_log_sum_exp(head, self.sample_scores + bias) if p == 1 else
+               _log_sum_exp(p * head, p * self.sample_scores + bias) for p in range(1, num_powers + 1)]
         return torch.stack(out, -1)
 
     def top_items(self, k: int, *, experts: Sequence[int] | None = None, exclude: Tensor | None = None,
@@ -396,20 +442,28 @@ class SampledCatalog(CatalogScores):
         """The k best of head ∪ sample (the catalog's best when the head holds them); with
         ``perturb=True`` a Gumbel top-k over head ∪ sample whose sample keys carry their logQ
         weights (exact when the head is the whole catalog; see the module doc)."""
-        pool = self.head_ids.shape[1] + self.sample_ids.shape[0]
+        size = self.head_ids.shape[1]
+        pool = size + self.sample_ids.shape[0]
         if k > pool:
             raise ValueError(f"k={k} exceeds the head and sample of this SampledCatalog ({pool} slots): "
                              "raise head_size or the number of negatives")
         with torch.no_grad():
-            head_drop, sample_drop = self._dropped(exclude)
-            head, sample = self.head_scores, self.sample_scores
-            if experts is not None:
-                idx = torch.tensor(list(experts), device=self.device)
-                head, sample = head.index_select(1, idx), sample.index_select(1, idx)
-            if perturb:
-                sample = sample + self.sample_log_weight
-            keys = torch.cat([head.masked_fill(head_drop.unsqueeze(1), -math.inf),
-                              sample.masked_fill(sample_drop.unsqueeze(1), -math.inf)], 2)
-            pos = gumbel_top_k(keys, k, generator=generator) if perturb else keys.topk(k, dim=2).indices
-            ids = torch.cat([self.head_ids, self.sample_ids.expand(self.batch_size, -1)], 1)
-            return ids.unsqueeze(1).expand(-1, keys.shape[1], -1).gather(2, pos)
+            head, bias = self._terms(exclude)
+            sample = self.sample_scores
+            if experts is not None:  # views for consecutive experts
+                head, sample = select_experts(head, experts), select_experts(sample, experts)
+            if size:  # one [B, M', T + S] buffer: the scores, then the sample's bias (or its -inf) in place
+                keys = torch.cat([head, sample], 2)
+                if perturb:
+                    keys[..., size:] += bias
+                else:
+                    keys[..., size:].masked_fill_(bias == -math.inf, -math.inf)
+            else:
+                keys = sample + bias if perturb else sample.masked_fill(bias == -math.inf, -math.inf)
+            pos = gumbel_top_k(keys, k, generator=generator) if perturb else top_k(keys, k)  # [B, M', k]
+            if not size:
+                return self.sample_ids[pos]
+            in_head = self.head_ids.unsqueeze(1).expand(-1, pos.shape[1], -1).gather(2, pos.clamp(max=size - 1))
+            if pool == size:
+                return in_head
+            return torch.where(pos < size, in_head, self.sample_ids[(pos - size).clamp(min=0)])

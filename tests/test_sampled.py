@@ -127,6 +127,57 @@ def test_masks_and_exclusion_remove_their_terms_exactly():
                 assert len(set(top[b, m].tolist())) == 20 and int(top[b, m].min()) >= 0
 
 
+def _sampled_sums(user, item, exclude, seed=3):
+    """log_power_sums (p = 1..3) of a catalog with a head, masked items and a fixed sample."""
+    masked = torch.tensor([[5, -1], [6, 7], [-1, -1]])
+    cat = SampledCatalog(user, item, sampler=UniformSampler(40), head_items=torch.tensor([[5, 1], [6, 3], [0, 9]]),
+                         masked_items=masked, generator=torch.Generator().manual_seed(seed))
+    return cat.log_power_sums(exclude, 3)
+
+
+def test_power_sums_twice_differentiable():
+    """gradcheck and gradgradcheck (float64) of the estimated power sums in both towers, with a head,
+    masked items and exclusions."""
+    user, item = _towers(m=2, n=20)
+    user.requires_grad_(True)
+    item.requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda u, i: _sampled_sums(u, i, EXCLUDE), (user, item))
+    assert torch.autograd.gradgradcheck(lambda u, i: _sampled_sums(u, i, EXCLUDE), (user, item))
+
+
+def test_row_with_every_term_left_out_is_minus_inf_with_zero_gradient():
+    """A row whose head and sample terms are all excluded or masked: -inf, no NaN in the gradient, and the
+    other rows' gradients are those of a catalog without it."""
+    user, item = _towers(n=10)
+    user.requires_grad_(True)
+    everything = torch.tensor([list(range(10)), [0, 1] + [-1] * 8, [-1] * 10])
+    out = _sampled_sums(user, item, everything)
+    assert bool((out[0] == -math.inf).all()) and bool(torch.isfinite(out[1:]).all())
+    torch.where(torch.isfinite(out), out, 0.0).sum().backward()
+    assert bool(torch.isfinite(user.grad).all()) and bool((user.grad[0] == 0).all())
+    assert bool((user.grad[1:] != 0).any())
+
+
+def test_reductions_leave_the_scores_unchanged_and_run_under_torch_func():
+    """The sums' in-place passes write only buffers of their own: repeated calls, draws and top items leave
+    the stored scores as they were and give the same sums; torch.func.grad matches autograd."""
+    user, item = _towers(m=2)
+    cat = SampledCatalog(user, item, sampler=UniformSampler(30), index=ExactIndex(item), head_size=3,
+                         head_items=EXCLUDE.clamp(min=0), generator=torch.Generator().manual_seed(6))
+    head, sample = cat.head_scores.clone(), cat.sample_scores.clone()
+    first = cat.log_power_sums(EXCLUDE, 3)
+    cat.top_items(5, exclude=EXCLUDE, perturb=True, generator=torch.Generator().manual_seed(0))
+    cat.top_items(5, experts=[1], perturb=False)
+    torch.testing.assert_close(cat.log_power_sums(EXCLUDE, 3), first, rtol=0, atol=0)
+    assert torch.equal(cat.head_scores, head) and torch.equal(cat.sample_scores, sample)
+
+    def total(u):
+        return _sampled_sums(u, item, EXCLUDE).sum()
+    u = user.clone().requires_grad_(True)
+    total(u).backward()
+    torch.testing.assert_close(torch.func.grad(total)(u.detach()), u.grad)
+
+
 def test_shift_invariance():
     """A constant c added to every score of a row (an extra coordinate) changes no probability."""
     user, item = _towers(d=3)
