@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from capg_rec._checks import check_count, check_float_tensor, check_items, check_positive, resolve_validate_args
-from capg_rec._numerics import gumbel_top_k, safe_logsumexp, select_experts, top_k
+from capg_rec._numerics import exp_floor, gumbel_top_k, safe_logsumexp, select_experts, top_k
 from capg_rec.ann import ItemIndex
 from capg_rec.catalog import CatalogScores, available_given_masks, compute_dtype
 
@@ -202,12 +202,15 @@ class MixedSampler(NegativeSampler):
         return f"MixedSampler({', '.join(map(repr, self.samplers))})"
 
 
-def _member(values: Tensor, sorted_set: Tensor) -> Tensor:
-    """``values [B, S]`` in each row of ``sorted_set [B, T]`` (sorted rows) → bool ``[B, S]``."""
-    if sorted_set.shape[1] == 0 or values.shape[1] == 0:
-        return torch.zeros(values.shape, dtype=torch.bool, device=values.device)
-    pos = torch.searchsorted(sorted_set, values).clamp(max=sorted_set.shape[1] - 1)
-    return sorted_set.gather(1, pos) == values
+def _found(sorted_ids: Tensor, ids: Tensor) -> Tensor:
+    """The slot of ``sorted_ids [W] | [B, W]`` (sorted, copies kept) holding the first copy of each of
+    ``ids [B, E]`` (``-1``: none), or ``W`` where it is absent → ``[B, E]``: a binary search each."""
+    width = sorted_ids.shape[-1]
+    if width == 0:
+        return torch.zeros_like(ids)
+    pos = torch.searchsorted(sorted_ids, ids).clamp(max=width - 1)
+    at = sorted_ids[pos] if sorted_ids.dim() == 1 else sorted_ids.gather(1, pos)
+    return torch.where((at == ids) & (ids >= 0), pos, width)
 
 
 def _first_copies(ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -228,32 +231,34 @@ def _first_of_runs(sorted_ids: Tensor) -> Tensor:
     return first
 
 
-def _distinct(ids: Tensor) -> Tensor:
-    """``ids [B, T]`` sorted per row, with later copies (and ``-1``) set to ``-1`` → ``[B, T]``."""
+def _distinct(ids: Tensor) -> tuple[Tensor, Tensor]:
+    """``ids [B, T]`` sorted per row, with later copies (and ``-1``) set to ``-1``, and the sorted ids
+    themselves → two ``[B, T]``."""
     sorted_ids = ids.sort(dim=-1).values
-    return torch.where(_first_of_runs(sorted_ids), sorted_ids, -1)
+    return torch.where(_first_of_runs(sorted_ids), sorted_ids, -1), sorted_ids
 
 
 def _log_sum_exp(head: Tensor, sample: Tensor) -> Tensor:
     """``log Σ exp`` over the last dim of ``head [B, M, T]`` and ``sample [B, M, S]`` together → ``[B, M]``.
 
     ``sample`` must be a tensor of the caller's own: it is overwritten with its exps, so that its
-    terms take one ``[B, M, S]`` buffer each way (the exps are also the backward's). ``-inf`` entries
-    add nothing; with no finite entry the result is ``-inf`` with zero gradient. The terms are taken
-    relative to the largest (a constant), so the result is shift invariant."""
+    terms take one ``[B, M, S]`` buffer each way (the exps are also the backward's). The terms are
+    taken relative to the largest (a constant), so the result is shift invariant, and raised to
+    :func:`~capg_rec._numerics.exp_floor` first: below it ``exp`` leaves the normal range, where it
+    is ~25x slower, for terms that vanish next to the largest one (1). ``-inf`` entries add nothing
+    and get zero gradient; with no finite entry the result is ``-inf``."""
     parts = [x for x in (head, sample) if x.shape[-1]]
     if not parts:
         return safe_logsumexp(torch.cat([head, sample], -1), dim=-1)
     top = parts[0].detach().amax(-1)
     if len(parts) == 2:
         top = torch.maximum(top, parts[1].detach().amax(-1))
-    top = top.clamp(min=torch.finfo(top.dtype).min).unsqueeze(-1)  # no finite entry: every term is 0
-    total = sample.sub_(top).exp_().sum(-1) if sample.shape[-1] else 0.0
+    ref = top.clamp(min=torch.finfo(top.dtype).min).unsqueeze(-1)  # a row with no finite entry: any reference
+    floor = exp_floor(top.dtype)
+    total = sample.sub_(ref).clamp_(min=floor).exp_().sum(-1) if sample.shape[-1] else 0.0
     if head.shape[-1]:
-        total = (head - top).exp().sum(-1) + total
-    top = top.squeeze(-1)
-    # total >= 1 (the largest term is 1) unless nothing was finite; the clamp keeps log's gradient finite
-    return torch.where(total > 0, total.clamp_min(torch.finfo(top.dtype).tiny).log() + top, -math.inf)
+        total = (head - ref).clamp(min=floor).exp().sum(-1) + total
+    return torch.where(top > -math.inf, total.log() + ref.squeeze(-1), -math.inf)  # total >= 1 where finite
 
 
 ItemSource = Tensor | Callable[[Tensor], Tensor]
@@ -334,7 +339,8 @@ class SampledCatalog(CatalogScores):
                 parts.append(index.search(queries, self.head_size)[1].reshape(self.batch_size, -1))
             head = torch.cat(parts, 1) if parts else torch.zeros(self.batch_size, 0, dtype=torch.long,
                                                                  device=self.device)
-            self.head_ids = _distinct(head.to(self.device)) if head.shape[1] else head  # [B, T]; -1: duplicate, unused
+            # [B, T] (-1: a later copy or unused) and the same sorted with its copies, for lookups
+            self.head_ids, self._head_sorted = _distinct(head.to(self.device)) if head.shape[1] else (head, head)
             sample = sampler.draw(self.num_items, batch_items, generator=generator, device=self.device)
             self.sample_ids, copies, self._sample_sorted = _first_copies(sample.to(self.device).long())  # [S]
             log_count = sampler.log_expected_count(self.sample_ids, self.num_items, batch_items)
@@ -368,15 +374,13 @@ class SampledCatalog(CatalogScores):
         """``bias [B | 1, 1, S]`` with ``-inf`` at the sample slots holding one of each row's ``ids [B, E]``
         (``-1``: none) → a new ``[B, 1, S]``.
 
-        A binary search of each id in the sorted sample finds its first copy, the slot that is kept;
-        the misses go to a spare last column, so that one scatter writes them all."""
+        The first copy of an id in the sorted sample is the slot that is kept; the misses go to a spare
+        last column, so that one scatter writes them all."""
         size = self._sample_sorted.shape[0]
         if size == 0 or ids.shape[1] == 0:
             return bias.expand(self.batch_size, 1, size)
-        pos = torch.searchsorted(self._sample_sorted, ids).clamp(max=size - 1)
-        hit = (self._sample_sorted[pos] == ids) & (ids >= 0)
         out = torch.nn.functional.pad(bias.expand(self.batch_size, 1, size), (0, 1))
-        return out.scatter_(2, torch.where(hit, pos, size).unsqueeze(1), -math.inf)[..., :size]
+        return out.scatter_(2, _found(self._sample_sorted, ids).unsqueeze(1), -math.inf)[..., :size]
 
     def _ids(self, name: str, ids: Tensor | None, any_batch: bool = False) -> Tensor | None:
         if ids is None:
@@ -419,8 +423,11 @@ class SampledCatalog(CatalogScores):
         where left out of the sums: unused, in the head (sample), masked or in ``exclude [B, E]``."""
         head, bias = self.head_scores, self._sample_bias
         if exclude is not None and exclude.numel():
-            gone = exclude.sort(dim=1).values
-            head = head.masked_fill(_member(self.head_ids, gone).unsqueeze(1), -math.inf)
+            size = self.head_ids.shape[1]
+            if size:  # the first copy of an id in the sorted head is its kept slot
+                spare = torch.zeros(self.batch_size, size + 1, dtype=torch.bool, device=self.device)
+                gone = spare.scatter_(1, _found(self._head_sorted, exclude), True)[:, :size]
+                head = head.masked_fill(gone.unsqueeze(1), -math.inf)
             bias = self._without(bias, exclude)
         return head, bias
 
