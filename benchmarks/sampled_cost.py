@@ -10,7 +10,7 @@ after the steps minus after building the tables). Steps:
 
 * ``in_batch``: logits of each user against the batch's positives ``[B, B]``, cross-entropy,
   backward, SGD step (the reference: what two-tower retrievers train with).
-* ``sampled_softmax_S1024``: each user's positive against S = 1024 uniform negatives, logQ-corrected
+* ``sampled_softmax_S``: each user's positive against S = 128 or 1024 uniform negatives, logQ-corrected
   (Yi et al. 2019's sampled softmax; the usual large-catalog objective).
 * ``sampled_swr_S`` / ``sampled_mf_S``: on-policy CA-PG-SwR / CA-PG (mean-field): draw K candidates
   from a ``SampledCatalog`` (S uniform negatives; no gradient), then a second ``SampledCatalog``
@@ -117,8 +117,8 @@ def _one(num_items: int, config: str, reps: int) -> dict:
 
 
 def _configs(num_items: int, ann_sizes: list[int]) -> list[str]:
-    out = ["in_batch", "sampled_softmax_S1024", "sampled_swr_S128", "sampled_swr_S1024", "sampled_swr_S4096",
-           "sampled_mf_S1024"]
+    out = ["in_batch", "sampled_softmax_S128", "sampled_softmax_S1024", "sampled_swr_S128", "sampled_swr_S1024",
+           "sampled_swr_S4096", "sampled_mf_S1024"]
     if num_items <= 100_000:
         out += ["full_swr", "full_mf"]
     if num_items in ann_sizes:
