@@ -208,7 +208,7 @@ def _found(sorted_ids: Tensor, ids: Tensor) -> Tensor:
     width = sorted_ids.shape[-1]
     if width == 0:
         return torch.zeros_like(ids)
-    pos = torch.searchsorted(sorted_ids, ids).clamp(max=width - 1)
+    pos = torch.searchsorted(sorted_ids, ids.contiguous()).clamp(max=width - 1)
     at = sorted_ids[pos] if sorted_ids.dim() == 1 else sorted_ids.gather(1, pos)
     return torch.where((at == ids) & (ids >= 0), pos, width)
 
@@ -459,15 +459,20 @@ class SampledCatalog(CatalogScores):
             sample = self.sample_scores
             if experts is not None:  # views for consecutive experts
                 head, sample = select_experts(head, experts), select_experts(sample, experts)
-            if size:  # one [B, M', T + S] buffer: the scores, then the sample's bias (or its -inf) in place
-                keys = torch.cat([head, sample], 2)
-                if perturb:
-                    keys[..., size:] += bias
-                else:
-                    keys[..., size:].masked_fill_(bias == -math.inf, -math.inf)
+            # One buffer of keys: the head's scores, the sample's plus its bias (or its -inf); for the Gumbel
+            # top-k padded with -inf to whole groups of gumbel_top_k's own group size, which spares it a copy.
+            width = size + sample.shape[2]
+            group = int(math.sqrt(width / k))
+            padded = -(-width // group) * group if perturb and group > 1 else width
+            keys = sample.new_empty(*sample.shape[:2], padded)
+            keys[..., :size] = head
+            if perturb:
+                torch.add(sample, bias, out=keys[..., size:width])
             else:
-                keys = sample + bias if perturb else sample.masked_fill(bias == -math.inf, -math.inf)
-            pos = gumbel_top_k(keys, k, generator=generator) if perturb else top_k(keys, k)  # [B, M', k]
+                keys[..., size:width] = sample
+                keys[..., size:width].masked_fill_(bias == -math.inf, -math.inf)
+            keys[..., width:] = -math.inf
+            pos = gumbel_top_k(keys, k, generator=generator, group_size=group) if perturb else top_k(keys, k)
             if not size:
                 return self.sample_ids[pos]
             in_head = self.head_ids.unsqueeze(1).expand(-1, pos.shape[1], -1).gather(2, pos.clamp(max=size - 1))
