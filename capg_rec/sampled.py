@@ -226,9 +226,8 @@ def _first_copies(ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 def _first_of_runs(sorted_ids: Tensor) -> Tensor:
     """Sorted ids ``[..., T]`` → bool ``[..., T]``: the first copy of each id ``>= 0``."""
-    first = sorted_ids >= 0
-    first[..., 1:] &= sorted_ids[..., 1:] != sorted_ids[..., :-1]
-    return first
+    before = torch.nn.functional.pad(sorted_ids[..., :-1], (1, 0), value=-1)  # each id's left neighbour
+    return (sorted_ids != before) & (sorted_ids >= 0)
 
 
 def _distinct(ids: Tensor) -> tuple[Tensor, Tensor]:
