@@ -242,10 +242,8 @@ def _log_sum_exp(head: Tensor, sample: Tensor) -> Tensor:
 
     ``sample`` must be a tensor of the caller's own: it is overwritten with its exps, so that its
     terms take one ``[B, M, S]`` buffer each way (the exps are also the backward's). The terms are
-    taken relative to the largest (a constant), so the result is shift invariant, and raised to
-    :func:`~capg_rec._numerics.exp_floor` first: below it ``exp`` leaves the normal range, where it
-    is ~25x slower, for terms that vanish next to the largest one (1). ``-inf`` entries add nothing
-    and get zero gradient; with no finite entry the result is ``-inf``."""
+    taken relative to the largest (a constant), so the result is shift invariant. ``-inf`` entries add
+    nothing and get zero gradient; with no finite entry the result is ``-inf``."""
     parts = [x for x in (head, sample) if x.shape[-1]]
     if not parts:
         return safe_logsumexp(torch.cat([head, sample], -1), dim=-1)
@@ -253,11 +251,20 @@ def _log_sum_exp(head: Tensor, sample: Tensor) -> Tensor:
     if len(parts) == 2:
         top = torch.maximum(top, parts[1].detach().amax(-1))
     ref = top.clamp(min=torch.finfo(top.dtype).min).unsqueeze(-1)  # a row with no finite entry: any reference
-    floor = exp_floor(top.dtype)
-    total = sample.sub_(ref).clamp_(min=floor).exp_().sum(-1) if sample.shape[-1] else 0.0
+    total = _exp_in_place(sample.sub_(ref)).sum(-1) if sample.shape[-1] else 0.0
     if head.shape[-1]:
-        total = (head - ref).clamp(min=floor).exp().sum(-1) + total
-    return torch.where(top > -math.inf, total.log() + ref.squeeze(-1), -math.inf)  # total >= 1 where finite
+        total = _exp_in_place(head - ref).sum(-1) + total
+    # total >= 1 where a term is finite; elsewhere 0, whose log's gradient the clamp keeps finite
+    return torch.where(top > -math.inf, total.clamp_min(torch.finfo(top.dtype).tiny).log() + ref.squeeze(-1),
+                       -math.inf)
+
+
+def _exp_in_place(x: Tensor) -> Tensor:
+    """``exp(x)`` of relative terms ``x <= 0``, in place, with terms below
+    :func:`~capg_rec._numerics.exp_floor` (which vanish next to the largest, 1) set to 0 with zero
+    gradient: their exps leave the normal range, where ``exp`` is ~25x slower. A mask fill keeps only
+    the mask for the backward (a clamp in place would keep a copy of ``x``)."""
+    return x.masked_fill_(x < exp_floor(x.dtype), -math.inf).exp_()
 
 
 ItemSource = Tensor | Callable[[Tensor], Tensor]
@@ -378,7 +385,8 @@ class SampledCatalog(CatalogScores):
         size = self._sample_sorted.shape[0]
         if size == 0 or ids.shape[1] == 0:
             return bias.expand(self.batch_size, 1, size)
-        out = torch.nn.functional.pad(bias.expand(self.batch_size, 1, size), (0, 1))
+        out = bias.new_empty(self.batch_size, 1, size + 1)  # the spare column is never read
+        out[..., :size] = bias
         return out.scatter_(2, _found(self._sample_sorted, ids).unsqueeze(1), -math.inf)[..., :size]
 
     def _ids(self, name: str, ids: Tensor | None, any_batch: bool = False) -> Tensor | None:
