@@ -447,8 +447,8 @@ class SampledCatalog(CatalogScores):
                              "it estimates power sums only up to p = 3, so the 'exact' method is not supported; "
                              "use 'with_replacement', 'mean_field' or 'plugin'")
         head, bias = self._terms(exclude)
-        out = [_log_sum_exp(head, self.sample_scores + bias) if p == 1 else
-               _log_sum_exp(p * head, p * self.sample_scores + bias) for p in range(1, num_powers + 1)]
+        out = [_log_sum_exp(head if p == 1 else p * head, torch.add(bias, self.sample_scores, alpha=p))
+               for p in range(1, num_powers + 1)]
         return torch.stack(out, -1)
 
     def top_items(self, k: int, *, experts: Sequence[int] | None = None, exclude: Tensor | None = None,
