@@ -9,6 +9,7 @@ from scipy import stats
 
 import capg_rec
 from capg_rec import CAPGLoss, VPGLoss
+from capg_rec._numerics import gumbel_top_k
 from capg_rec.ann import ExactIndex
 from capg_rec.catalog import EmbeddingCatalog
 from capg_rec.sampled import InBatchSampler, MixedSampler, SampledCatalog, UniformSampler
@@ -262,6 +263,23 @@ def test_exact_method_is_refused():
     cat = SampledCatalog(user, item, sampler=UniformSampler(2000), index=ExactIndex(item), head_size=50)
     with pytest.raises(ValueError, match="'exact' method is not supported"):
         capg_rec.inclusion_log_prob(cat, torch.tensor([[0], [1]]), 10, method="exact")
+
+
+@pytest.mark.parametrize("m", [None, 2])
+def test_draw_is_gumbel_top_k_of_the_keys(m):
+    """top_items(perturb=True) is gumbel_top_k of head ∪ sample keys (the sample's carrying log w, left-out
+    slots -inf) with the same generator: the same ids, also where the keys are laid out padded (width 43)."""
+    user, item = _towers(b=4, m=m)
+    cat = SampledCatalog(user, item, sampler=UniformSampler(38), head_items=torch.tensor([[1, 2, 3, 4, 5]] * 4),
+                         masked_items=torch.tensor([[7], [8], [-1], [9]]), generator=torch.Generator().manual_seed(2))
+    sample = (cat.sample_scores + cat.sample_log_weight).masked_fill(cat.sample_drop.unsqueeze(1), -math.inf)
+    keys = torch.cat([cat.head_scores, sample], 2)  # [B, M, 43]
+    ids = torch.cat([cat.head_ids, cat.sample_ids.expand(4, -1)], 1)
+    for expert in range(cat.num_experts):
+        for k in (1, 3, 10):
+            want = ids.gather(1, gumbel_top_k(keys[:, expert], k, generator=torch.Generator().manual_seed(k)))
+            got = cat.top_items(k, experts=[expert], perturb=True, generator=torch.Generator().manual_seed(k))
+            assert torch.equal(got[:, 0], want)
 
 
 def test_draw_is_exact_pl_when_head_holds_everything():
