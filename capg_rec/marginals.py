@@ -55,7 +55,8 @@ def _swr(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
     log_softmax = catalog.log_softmax(items)  # [B, M, L]
     if len(runs) == 1:  # one expert draws all K
         (expert, count), = runs
-        return log_softmax[:, expert] + math.log(count)
+        one = log_softmax.squeeze(1) if log_softmax.shape[1] == 1 else log_softmax[:, expert]  # a view's backward
+        return one + math.log(count)
     log_counts = _log_counts(tuple(runs), catalog.dtype, catalog.device)
     return safe_logsumexp(select_experts(log_softmax, [m for m, _ in runs]) + log_counts, dim=1)
 
