@@ -1,13 +1,12 @@
 """Train a TorchRec two-tower retriever with CA-PG, as the early stage of a two-stage recommender.
 
-The model has the shape of TorchRec's ``examples/retrieval`` two-tower: user features pooled by an
-``EmbeddingBagCollection`` and projected by an MLP, item embeddings projected by another MLP (the
-item tower, kept), tables built on the meta device and sharded by ``DistributedModelParallel``, a
-fused optimizer applied in backward to the tables, Adam on the towers, a train task whose forward
-returns ``(loss, outputs)``, and ``TrainPipelineSparseDist`` driving the steps. The item table is
-an ``EmbeddingCollection`` (its rows are looked up one by one) sharded row-wise. Each step the
-retriever draws K candidates from the whole catalog, a later-stage ranker (LSR) shows the best L,
-and the user's rewards for what was shown are the feedback (simulated by ``capg_rec.sim``).
+This is ``examples/torchrec_two_tower_inbatch.py`` (the shape of TorchRec's ``examples/retrieval``
+two-tower, trained with in-batch softmax) converted to CA-PG; the README shows the diff and
+explains it. The item table moves into an ``EmbeddingCollection`` (its rows are looked up one by
+one) sharded row-wise, and the tables and both towers into one ``TwoTowerRetriever``, whose forward
+scores the whole catalog. Each step the retriever draws K candidates from the whole catalog, a
+later-stage ranker (LSR) shows the best L, and the user's rewards for what was shown are the
+feedback (simulated by ``capg_rec.sim``).
 
     torchrun --nproc_per_node=2 examples/torchrec_two_tower.py --loss capg --out runs/two_tower
     python examples/torchrec_two_tower.py --loss vpg_swr          # one process
@@ -51,6 +50,9 @@ import capg_rec
 from capg_rec.sim import OptimalLSR, synthetic_env
 from capg_rec.torchrec import TwoTowerRetriever, global_mean_baseline
 
+# Tables start in [-1, 1], wider than TorchRec's default ±1/√N: the towers' outputs then start apart
+# (from nearly one common vector, the in-batch softmax's gradient nearly vanishes).
+INIT = {"weight_init_min": -1.0, "weight_init_max": 1.0}
 LOSSES = {"capg": lambda k: capg_rec.CAPGLoss(k), "capg_swr": lambda k: capg_rec.CAPGLoss(k, method="with_replacement"),
           "vpg_swr": lambda k: capg_rec.VPGLoss(k, with_replacement=True), "bce": lambda k: nn.BCEWithLogitsLoss()}
 
@@ -64,25 +66,23 @@ class UserBatch(Pipelineable):
     user_features: KeyedJaggedTensor
 
     def to(self, device: torch.device, non_blocking: bool = False) -> UserBatch:
-        return UserBatch(*(x.to(device=device, non_blocking=non_blocking)
-                           for x in (self.users, self.catalog, self.user_features)))
+        return UserBatch(*(x.to(device=device, non_blocking=non_blocking) for x in vars(self).values()))
 
     def record_stream(self, stream: torch.Stream) -> None:
-        for x in (self.users, self.catalog, self.user_features):
+        for x in vars(self).values():
             x.record_stream(stream)
 
     def pin_memory(self) -> UserBatch:
-        return UserBatch(self.users.pin_memory(), self.catalog.pin_memory(), self.user_features.pin_memory())
+        return UserBatch(*(x.pin_memory() for x in vars(self).values()))
 
 
 class Feedback(nn.Module):
     """Sampling, the LSR, the rewards and the loss: ``(catalog, users) -> (loss, mean reward)``. A
     submodule, so that the pipeline's trace of the task stops at it."""
 
-    def __init__(self, env, loss: str, num_candidates: int, num_shown: int) -> None:
+    def __init__(self, env, loss_fn: nn.Module, num_candidates: int, num_shown: int) -> None:
         super().__init__()
-        self.env, self.loss, self.num_candidates, self.num_shown = env, loss, num_candidates, num_shown
-        self.loss_fn = LOSSES[loss](num_candidates)
+        self.env, self.loss_fn, self.num_candidates, self.num_shown = env, loss_fn, num_candidates, num_shown
         self.generator = torch.Generator().manual_seed(0)  # the same seed on every rank
 
     def forward(self, catalog, users: Tensor) -> tuple[Tensor, Tensor]:
@@ -90,7 +90,7 @@ class Feedback(nn.Module):
         picks, _ = OptimalLSR()(self.env.ranking_scores(users, candidates), self.num_shown)
         chosen = candidates.gather(1, picks)  # what the LSR shows
         rewards = self.env.sample_reward(users, chosen, generator=self.generator)
-        if self.loss == "bce":
+        if isinstance(self.loss_fn, nn.BCEWithLogitsLoss):  # pointwise: the shown items' scores
             loss = self.loss_fn(catalog.gather(chosen)[:, 0], (rewards > rewards.median()).float())
         else:
             baseline = global_mean_baseline(rewards, dist.group.WORLD)  # the same at any world size
@@ -99,14 +99,10 @@ class Feedback(nn.Module):
 
 
 class UnitNorm(nn.Module):
-    """Each expert's vector scaled to length 1: ``[B, M·D]`` → ``[B, M·D]`` (scores become cosines / τ)."""
-
-    def __init__(self, num_experts: int) -> None:
-        super().__init__()
-        self.num_experts = num_experts
+    """Each vector scaled to length 1: ``[..., D]`` → ``[..., D]`` (scores become cosines / τ)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        return nn.functional.normalize(x.unflatten(1, (self.num_experts, -1)), dim=2).flatten(1)
+        return nn.functional.normalize(x, dim=-1)
 
 
 class TrainTask(nn.Module):
@@ -123,8 +119,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--loss", choices=sorted(LOSSES), default="capg")
     parser.add_argument("--num-items", type=int, default=1000)
-    parser.add_argument("--num-experts", type=int, default=2)
-    parser.add_argument("--embedding-dim", type=int, default=16, help="D per expert")
+    parser.add_argument("--embedding-dim", type=int, default=32, help="D of the tower outputs")
     parser.add_argument("--batch-size", type=int, default=64, help="users per rank and step")
     parser.add_argument("--candidates", type=int, default=10)
     parser.add_argument("--shown", type=int, default=1)
@@ -141,19 +136,19 @@ def main() -> None:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="localhost", MASTER_PORT="29511")
     dist.init_process_group("gloo")
     rank, world, device = dist.get_rank(), dist.get_world_size(), torch.device("cpu")
+    torch.manual_seed(0)  # the tables' and towers' initial weights: the same in every run
 
     env = synthetic_env(num_items=args.num_items)
-    width, meta = args.num_experts * args.embedding_dim, torch.device("meta")  # M experts side by side
+    width, meta = args.embedding_dim, torch.device("meta")
     items = EmbeddingCollection(device=meta, tables=[EmbeddingConfig(
-        name="item_table", embedding_dim=16, num_embeddings=args.num_items, feature_names=["catalog"])])
+        name="item_table", embedding_dim=16, num_embeddings=args.num_items, feature_names=["catalog"], **INIT)])
     users = EmbeddingBagCollection(device=meta, tables=[EmbeddingBagConfig(
-        name="user_table", embedding_dim=16, num_embeddings=env.num_users, feature_names=["user_id"])])
-    towers = [nn.Sequential(MLP(16, [64, width], device=meta), *([UnitNorm(args.num_experts)] * args.unit_norm))
+        name="user_table", embedding_dim=16, num_embeddings=env.num_users, feature_names=["user_id"], **INIT)])
+    towers = [nn.Sequential(MLP(16, [64, width], device=meta), *([UnitNorm()] * args.unit_norm))
               for _ in range(2)]  # the query and candidate towers
-    retriever = TwoTowerRetriever(items, item_table="item_table", num_experts=args.num_experts,
-                                  user_features=["user_id"], user_embeddings=users, user_tower=towers[0],
-                                  item_tower=towers[1], temperature=args.temperature)
-    task = TrainTask(retriever, Feedback(env, args.loss, args.candidates, args.shown))
+    retriever = TwoTowerRetriever(items, item_table="item_table", user_features=["user_id"], user_embeddings=users,
+                                  user_tower=towers[0], item_tower=towers[1], temperature=args.temperature)
+    task = TrainTask(retriever, Feedback(env, LOSSES[args.loss](args.candidates), args.candidates, args.shown))
     table_optimizer = torch.optim.SGD if args.table_optimizer == "sgd" else RowWiseAdagrad
     _apply_optimizer_in_backward(table_optimizer, [*items.parameters(), *users.parameters()], {"lr": args.table_lr})
     constraints = {"item_table": ParameterConstraints(sharding_types=["row_wise"], compute_kernels=["fused"]),
@@ -161,8 +156,8 @@ def main() -> None:
     sharders = [EmbeddingCollectionSharder(), EmbeddingBagCollectionSharder()]
     planner = EmbeddingShardingPlanner(topology=Topology(world_size=world, compute_device=device.type),
                                        constraints=constraints)
-    # static_graph=False: the catalog's own collectives run inside the loss's backward.
     plan = planner.collective_plan(task, sharders, dist.group.WORLD)
+    # static_graph=False: the catalog's own collectives run inside the loss's backward.
     model = DistributedModelParallel(task, device=device, plan=plan, sharders=sharders,
                                      data_parallel_wrapper=DefaultDataParallelWrapper(static_graph=False))
     optimizer = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())),
@@ -186,13 +181,13 @@ def main() -> None:
             tqdm.write(f"step {step + 1}: mean reward of shown items {sum(curve[-50:]) / 50:.3f} "
                        f"(best possible {env.optimal_value(args.shown):.3f})")
     if rank == 0 and args.out is not None:
-        _save(args, curve, env.optimal_value(args.shown), world)
+        _save(args, args.loss, curve, env.optimal_value(args.shown), world)
     dist.barrier()
     del model, pipeline
     dist.destroy_process_group()
 
 
-def _save(args: argparse.Namespace, curve: list[float], best: float, world: int) -> None:
+def _save(args: argparse.Namespace, label: str, curve: list[float], best: float, world: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -205,7 +200,7 @@ def _save(args: argparse.Namespace, curve: list[float], best: float, world: int)
     smooth = [sum(curve[max(0, i - 19): i + 1]) / len(curve[max(0, i - 19): i + 1]) for i in range(len(curve))]
     fig, ax = plt.subplots(figsize=(5, 3.2))
     ax.plot(curve, alpha=0.3)
-    ax.plot(smooth, label=f"{args.loss}, {world} rank(s)")
+    ax.plot(smooth, label=f"{label}, {world} rank(s)")
     ax.axhline(best, ls=":", c="k", label="best possible")
     ax.set_xlabel("step")
     ax.set_ylabel("mean reward of shown items")
