@@ -2,16 +2,16 @@
 
 The model has the shape of TorchRec's ``examples/retrieval`` two-tower: an
 ``EmbeddingBagCollection`` of user features and one of item features (as TorchRec's
-``TwoTowerRetrieval`` holds them), an MLP on the pooled user features (the query tower) and one on
-the item embeddings (the candidate tower), tables built on the meta
-device and sharded by ``DistributedModelParallel``, a fused optimizer applied in backward to the
-tables, Adam on the towers, a train task whose forward returns ``(loss, outputs)``, and
-``TrainPipelineSparseDist`` driving the steps. Each step every item goes through the candidate
-tower and the batch's users are served K candidates drawn from the softmax over the whole catalog
-(as a serving index would return them), a later-stage ranker (LSR) shows the best L, and the
-users' rewards are the feedback (simulated by ``capg_rec.sim``). The shown items whose reward is
-above the batch's median are the clicks: the loss is the in-batch softmax of the clicking users
-over the batch's shown items. ``examples/torchrec_two_tower.py`` is this file converted to CA-PG.
+``TwoTowerRetrieval`` holds them), an MLP on the pooled user features (the query tower) and one
+on the item embeddings (the candidate tower), tables built on the meta device and sharded by
+``DistributedModelParallel``, a fused optimizer applied in backward to the tables, Adam on the
+towers, a train task whose forward returns ``(loss, outputs)``, and ``TrainPipelineSparseDist``
+driving the steps. Each step every item goes through the candidate tower, and the batch's users
+are served K candidates drawn from the softmax over the whole catalog (standing in for the
+serving index whose logs such a model trains on); a later-stage ranker (LSR) shows the best L,
+and the users' rewards are the feedback (simulated by ``capg_rec.sim``). The users whose reward
+is at least the batch's median click: the loss is the in-batch softmax of the clicking users over
+their clicked items. ``examples/torchrec_two_tower.py`` is this file converted to CA-PG.
 
     torchrun --nproc_per_node=2 examples/torchrec_two_tower_inbatch.py --out runs/two_tower_inbatch
     python examples/torchrec_two_tower_inbatch.py                # one process
