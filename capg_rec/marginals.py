@@ -86,7 +86,7 @@ def _plugin(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
         return _plugin_one_block(scores[:, :size], rest[:, expert], scores[:, size:], _left_out(pool, items))
     denom = _plugin_denominators(select_experts(named, experts)[..., :size], select_experts(rest, experts), pool,
                                  items, runs, catalog.num_items)  # views when the blocks' experts are consecutive
-    position_expert = _position_index(runs, catalog.device, False)
+    position_expert = _position_index(tuple(runs), catalog.device, False)
     return _log_first_hit(named[..., size:].index_select(1, position_expert).transpose(1, 2) - denom)
 
 
@@ -101,19 +101,10 @@ def _log_first_hit(log_hazard: Tensor) -> Tensor:
     return safe_logsumexp(log_hazard + log_miss_before, dim=2)
 
 
-def _position_index(runs: Runs, device: torch.device, of_block: bool) -> Tensor:
-    """The expert (or, with ``of_block``, the block) of each position ``[K]``; made once per runs and device
-    (under ``torch.compile``, which does not trace through a cache, in the graph)."""
-    if torch.compiler.is_compiling():
-        return _make_position_index(tuple(runs), device, of_block)
-    return _cached_position_index(tuple(runs), device, of_block)
-
-
-def _make_position_index(runs: tuple[tuple[int, int], ...], device: torch.device, of_block: bool) -> Tensor:
+@functools.lru_cache(maxsize=64)
+def _position_index(runs: tuple[tuple[int, int], ...], device: torch.device, of_block: bool) -> Tensor:
+    """The expert (or, with ``of_block``, the block) of each position ``[K]``; made once per runs and device."""
     return torch.tensor([i if of_block else e for i, (e, n) in enumerate(runs) for _ in range(n)], device=device)
-
-
-_cached_position_index = functools.lru_cache(maxsize=64)(_make_position_index)
 
 
 def _left_out(pool: Tensor, items: Tensor) -> Tensor:
@@ -275,7 +266,7 @@ def _plugin_denominators(scores: Tensor, rest: Tensor, pool: Tensor, items: Tens
     later = reverse_logcumsumexp(pre, dim=3)  # [B, L, M', K-1]: the prefix from position k on
     later = torch.cat([later, later.new_full((*later.shape[:3], 1), -torch.inf)], dim=3)
     denom = safe_logaddexp(base.unsqueeze(3), later)  # [B, L, M', K]
-    block = _position_index(runs, pool.device, True)
+    block = _position_index(tuple(runs), pool.device, True)
     return denom.gather(2, block.view(1, 1, 1, -1).expand(batch, num_targets, 1, -1)).squeeze(2)
 
 

@@ -48,20 +48,17 @@ def _expert_blocks(candidates: Tensor, num_candidates: int, num_experts: int) ->
     longest = runs[0][1]  # the first runs take the remainder
     if all(count == longest for _, count in runs):
         return candidates.reshape(candidates.shape[0], len(runs), longest), None
-    make = _make_block_positions if torch.compiler.is_compiling() else _block_positions  # compile: no cache
-    positions, keep = make(runs, candidates.device)
+    positions, keep = _block_positions(runs, candidates.device)
     return candidates[:, positions], keep
 
 
-def _make_block_positions(runs: tuple[tuple[int, int], ...], device: torch.device) -> tuple[Tensor, Tensor]:
+@functools.lru_cache(maxsize=64)
+def _block_positions(runs: tuple[tuple[int, int], ...], device: torch.device) -> tuple[Tensor, Tensor]:
     """:func:`_expert_blocks`' positions ``[R, n]`` into the draw and its mask ``[R, n]``."""
     longest, starts = runs[0][1], list(itertools.accumulate((n for _, n in runs), initial=0))
     positions = [[start + min(j, count - 1) for j in range(longest)] for start, (_, count) in zip(starts, runs)]
     keep = [[j < count for j in range(longest)] for _, count in runs]
     return torch.tensor(positions, device=device), torch.tensor(keep, device=device)
-
-
-_block_positions = functools.lru_cache(maxsize=64)(_make_block_positions)
 
 
 def _checked(logits: Tensor | CatalogScores, num_candidates: int, temperature: float,
