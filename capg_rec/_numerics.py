@@ -389,6 +389,11 @@ def gumbel_like(shape: tuple[int, ...], *, generator: torch.Generator | None, dt
     return u.clamp_min_(torch.finfo(dtype).tiny).log_().neg_().log_().neg_()
 
 
+def gumbel_group_size(num_items: int, k: int) -> int:
+    """:func:`gumbel_top_k`'s default group size, ``√(N/k)`` (below 2: no groups)."""
+    return int(math.sqrt(num_items / k))
+
+
 def gumbel_top_k(scores: Tensor, k: int, *, generator: torch.Generator | None,
                  group_size: int | None = None) -> Tensor:
     """Indices of the k largest ``scores + Gumbel(0, 1)`` along the last dim, best first → ``[..., k]``:
@@ -403,7 +408,7 @@ def gumbel_top_k(scores: Tensor, k: int, *, generator: torch.Generator | None,
     numbers per row instead of N (and top-k over as many values).
     """
     n = scores.shape[-1]
-    size = int(math.sqrt(n / k)) if group_size is None else group_size
+    size = gumbel_group_size(n, k) if group_size is None else group_size
     if size < 2:
         return (scores + _gumbel(scores.shape, scores, generator)).topk(k, dim=-1).indices
     groups = -(-n // size)

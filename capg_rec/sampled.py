@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from capg_rec._checks import check_count, check_float_tensor, check_items, check_positive, resolve_validate_args
-from capg_rec._numerics import exp_floor, gumbel_top_k, safe_logsumexp, select_experts, top_k
+from capg_rec._numerics import exp_floor, gumbel_group_size, gumbel_top_k, safe_logsumexp, select_experts, top_k
 from capg_rec.ann import ItemIndex
 from capg_rec.catalog import CatalogScores, available_given_masks, compute_dtype
 
@@ -469,7 +469,7 @@ class SampledCatalog(CatalogScores):
             # One buffer of keys: the head's scores, the sample's plus its bias (or its -inf); for the Gumbel
             # top-k padded with -inf to whole groups of gumbel_top_k's own group size, which spares it a copy.
             width = size + sample.shape[2]
-            group = int(math.sqrt(width / k))
+            group = gumbel_group_size(width, k)
             padded = -(-width // group) * group if perturb and group > 1 else width
             keys = sample.new_empty(*sample.shape[:2], padded)
             keys[..., :size] = head
