@@ -146,21 +146,9 @@ def _train_offline(model: torch.nn.Module, logs: _Logs, learner: str, study: Off
     (that pass, the number of skipped non-finite steps)."""
     loss_fn = _offpolicy_loss(learner, num_candidates, study.num_outputs, model.num_experts, study.max_weight)
     optimizer = torch.optim.Adagrad(model.parameters(), lr=_LR.get(_ESTIMATOR.get(learner, learner), study.lr))
-    skipped, best, best_pass, best_state = 0, -math.inf, 1, None
+    skipped, best, best_pass, best_state = 0, -math.inf, study.epochs, None
     for epoch in range(1, study.epochs + 1):
-        order = torch.randperm(len(logs.users), generator=generator)
-        for start in range(0, len(order) - study.batch_size + 1, study.batch_size):
-            batch = logs.batch(order[start:start + study.batch_size])
-            loss = loss_fn(model(batch.context), batch)
-            optimizer.zero_grad(set_to_none=True)
-            if not all_finite(loss.detach()):
-                skipped += 1
-                continue
-            loss.backward()
-            if not all(all_finite(p.grad) for p in model.parameters() if p.grad is not None):
-                skipped += 1
-                continue
-            optimizer.step()
+        skipped += _one_pass(model, logs, loss_fn, optimizer, study.batch_size, generator)
         if study.epochs > 1:
             score = select(model)
             if score > best:  # ties keep the earlier pass
@@ -168,6 +156,26 @@ def _train_offline(model: torch.nn.Module, logs: _Logs, learner: str, study: Off
     if best_state is not None:
         model.load_state_dict(best_state)
     return best_pass, skipped
+
+
+def _one_pass(model: torch.nn.Module, logs: _Logs, loss_fn: Callable[[Tensor, LoggedBatch], Tensor],
+              optimizer: torch.optim.Optimizer, batch_size: int, generator: torch.Generator) -> int:
+    """One pass over ``logs`` in shuffled batches → the number of skipped (non-finite) steps."""
+    order = torch.randperm(len(logs.users), generator=generator)
+    skipped = 0
+    for start in range(0, len(order) - batch_size + 1, batch_size):
+        batch = logs.batch(order[start:start + batch_size])
+        loss = loss_fn(model(batch.context), batch)
+        optimizer.zero_grad(set_to_none=True)
+        if not all_finite(loss.detach()):
+            skipped += 1
+            continue
+        loss.backward()
+        if not all(all_finite(p.grad) for p in model.parameters() if p.grad is not None):
+            skipped += 1
+            continue
+        optimizer.step()
+    return skipped
 
 
 @torch.no_grad()
