@@ -155,6 +155,12 @@ def _host_view(x: Tensor) -> np.ndarray | None:
     return x.detach().numpy()
 
 
+def _host_in_range(host: np.ndarray, num_items: int) -> bool:
+    """Every id of an int64 array in ``[0, num_items)``: one reduction (negative ids read as unsigned are
+    above any catalog size)."""
+    return bool(host.view(f"u{host.itemsize}").max() < num_items)
+
+
 def _repeat_message(name: str) -> str:
     return f"{name} must not repeat an item within a row"
 
@@ -192,6 +198,9 @@ class DeferredChecks:
                    f"(no NaN or {'+inf' if allow_masked else 'inf'})")
         host = self._host(x)
         if host is not None:
+            if not allow_masked and x.numel() <= _SMALL:  # small: one numpy call
+                self.require(bool(np.isfinite(host).all()), message)
+                return False
             if math.isfinite(x.detach().sum().numpy()):  # a finite sum has finite terms: one vectorised pass
                 self.require(True, message)
                 return False
@@ -222,9 +231,8 @@ class DeferredChecks:
         self.require(bool((host <= bound).all()) if host is not None else (x.detach() <= bound).all(), message)
 
     def ids_in_range(self, name: str, items: Tensor, num_items: int, *, distinct: bool = False) -> Tensor:
-        """Requires ids in ``[0, num_items)`` and, with ``distinct``, no id twice in a row of ``items [B, L]``
-        (on the host both from one sort of the rows); returns ``items`` clamped into that range (safe to
-        gather)."""
+        """Requires ids in ``[0, num_items)`` and, with ``distinct``, no id twice in a row of ``items [B, L]``;
+        returns ``items`` clamped into that range (safe to gather)."""
         if not items.numel():
             return items
         message = f"{name} must hold ids in [0, {num_items})"
@@ -235,13 +243,29 @@ class DeferredChecks:
             if distinct:
                 self.distinct(name, inside, num_items)  # clamped ids: out-of-range ones fail above
             return inside
-        rows = np.sort(host, axis=1) if distinct and host.shape[1] > 1 else None
-        ok = bool(host.min() >= 0 and host.max() < num_items) if rows is None else \
-            bool(rows[:, 0].min() >= 0 and rows[:, -1].max() < num_items)
+        ok = _host_in_range(host, num_items)
         self.require(ok, message)
-        if rows is not None:
-            self.require(bool((rows[:, 1:] != rows[:, :-1]).all()), _repeat_message(name))
+        if distinct:
+            self.distinct(name, items)
         return items if ok else items.clamp(0, max(num_items - 1, 0))
+
+    def draw_and_picks(self, candidates: Tensor, chosen: Tensor, num_items: int, *, distinct: bool) -> Tensor:
+        """Requires ``candidates [B, K]`` ids in ``[0, num_items)`` (with ``distinct``, none twice in a row),
+        ``chosen [B, L]`` ids none twice in a row and each in its row of candidates; returns the candidates
+        clamped into range (safe to gather). In host memory: one pass over ``[B, L, K]`` for the last two."""
+        low, high = self._host(chosen), self._host(candidates)
+        subset = "chosen must be a subset of candidates in every row (the LSR picks among them)"
+        if low is None or high is None or not chosen.numel():
+            inside = self.ids_in_range("candidates", candidates, num_items, distinct=distinct)
+            self.distinct("chosen", chosen)
+            self.subset(chosen, candidates, subset)
+            return inside
+        inside = self.ids_in_range("candidates", candidates, num_items, distinct=distinct)
+        same = low[:, :, None] == high[:, None, :]  # [B, L, K]
+        # Each pick a candidate, and no candidate picked twice (then no pick repeats).
+        self.require(chosen.shape[1] < 2 or bool(same.sum(1).max() <= 1), _repeat_message("chosen"))
+        self.require(bool(same.any(2).all()), subset)
+        return inside
 
     def distinct(self, name: str, items: Tensor, num_items: int | None = None) -> None:
         """Requires no id twice in a row of ``items [B, L]``: by a sort, or, for wide rows of ids known to
@@ -274,11 +298,14 @@ class DeferredChecks:
 
     def run(self, agree: Callable[[Tensor], Tensor] | None = None) -> None:
         """Raise the first failing check; ``agree`` combines the results with other processes (e.g.
-        :meth:`capg_rec.CatalogScores.agree`), so that every process raises the same error or none."""
+        :meth:`capg_rec.CatalogScores.agree`; ``None``: one process), so that every process raises the same
+        error or none."""
         if not self._checks:
             return
         if all(isinstance(ok, bool) for ok, _ in self._checks):  # read on the host: no sync
             passed = [ok for ok, _ in self._checks]
+            if agree is None and all(passed):
+                return
             local = torch.tensor(passed)
             shared = local if agree is None else agree(local)
             both = [passed, passed if shared is local else shared.tolist()]

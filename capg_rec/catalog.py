@@ -98,6 +98,12 @@ class CatalogScores(abc.ABC):
         return self.gather(named), self.log_power_sums(items, 1)[..., 0]
 
 
+def agreement(catalog: CatalogScores) -> Callable[[Tensor], Tensor] | None:
+    """``catalog.agree`` where a subclass makes it collective, else None (one process: checks that all
+    passed need no tensor of results)."""
+    return None if type(catalog).agree is CatalogScores.agree else catalog.agree
+
+
 def as_catalog(scores: Tensor | CatalogScores, temperature: float = 1.0, *,
                validate_args: bool | None = None) -> CatalogScores:
     """Wrap logits ``[B, N]`` / ``[B, M, N]`` in a :class:`DenseCatalog`; pass catalogs through.

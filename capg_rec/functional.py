@@ -36,7 +36,7 @@ from torch import Tensor
 
 from capg_rec._checks import DeferredChecks, check_choice, check_count, check_flag, check_id_tensor, \
     check_positive, resolve_validate_args
-from capg_rec.catalog import CatalogScores, DenseCatalog, as_catalog
+from capg_rec.catalog import CatalogScores, DenseCatalog, agreement, as_catalog
 from capg_rec.marginals import DEFAULT_METHOD, InclusionMethod, WithReplacement, _inclusion_log_prob, \
     inclusion_method
 from capg_rec.plackett_luce import _candidate_log_prob, _expert_index
@@ -227,10 +227,7 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
         masked = True  # other catalogs: a catalog call on every process (it may be collective)
         if isinstance(catalog, DenseCatalog):
             masked = checks.no_nan_or_inf("logits", catalog.scores, allow_masked=True)
-        inside = checks.ids_in_range("candidates", candidates, num_items, distinct=distinct)  # chosen ⊆ candidates
-        checks.distinct("chosen", chosen)
-        checks.subset(chosen, candidates,
-                      "chosen must be a subset of candidates in every row (the LSR picks among them)")
+        inside = checks.draw_and_picks(candidates, chosen, num_items, distinct=distinct)
         if masked:  # only a masked (-inf) score fails this
             with torch.no_grad():  # on every process, empty batches included
                 checks.all_above(_drawing_scores(catalog, inside), -math.inf,
@@ -244,7 +241,7 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
             checks.at_most(log_propensity, bound + LOG_PROB_TOLERANCE,
                            f"{logged_name} must be <= {bound:.6g} (a logged log-propensity: a probability is at "
                            f"most 1, an expected count at most K)")
-        checks.run(catalog.agree)
+        checks.run(agreement(catalog))
     return catalog, candidates, chosen, advantage if advantage.dtype == catalog.dtype else advantage.to(catalog.dtype)
 
 

@@ -183,3 +183,32 @@ def test_masked_candidate_check_runs_only_where_a_mask_exists(monkeypatch):
     monkeypatch.setattr(capg_rec._checks, "_host_view", lambda x: None)
     CAPGLoss(5)(logits.clamp(min=-1e30), cand, chosen, rewards)
     assert calls == [1, 1]
+
+
+def test_picks_checked_against_candidates_that_may_repeat_on_both_paths(path):
+    """V-PG-SwR admits repeated candidates: a pick of an id drawn twice is one pick; a pick repeated is an
+    error whether or not its id is a candidate (then the subset check names it)."""
+    logits, cand, chosen, rewards = _inputs()
+    cand[:, 3] = cand[:, 0]  # every row draws its first id twice
+    chosen = cand[:, [0, 1]].clone()
+    loss = VPGLoss(5, with_replacement=True)
+    assert torch.isfinite(loss(logits, cand, chosen, rewards))
+    with pytest.raises(ValueError, match="chosen must not repeat"):
+        loss(logits, cand, cand[:, [0, 3]], rewards)  # the same id from its two slots
+    outside = next(i for i in range(30) if i not in cand[2].tolist())
+    chosen[2] = outside
+    with pytest.raises(ValueError, match="chosen must"):
+        loss(logits, cand, chosen, rewards)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.uint8])
+def test_ids_of_any_integer_dtype_are_range_checked_on_both_paths(path, dtype):
+    """The host range check reads ids as unsigned (negatives wrap above any catalog size)."""
+    logits, cand, chosen, rewards = _inputs()
+    loss = CAPGLoss(5, method="with_replacement")
+    assert torch.isfinite(loss(logits, cand.to(dtype), chosen.to(dtype), rewards))
+    if dtype != torch.uint8:
+        bad = cand.to(dtype)
+        bad[1, 2] = -3
+        with pytest.raises(ValueError, match="candidates must hold ids in"):
+            loss(logits, bad, chosen.to(dtype), rewards)

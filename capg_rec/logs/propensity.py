@@ -30,7 +30,8 @@ from torch import Tensor
 
 from capg_rec._checks import DeferredChecks, check_count, check_items, resolve_validate_args
 from capg_rec._numerics import safe_logaddexp
-from capg_rec.catalog import CatalogScores, DenseCatalog, EmbeddingCatalog, _exclusion_mask, as_catalog
+from capg_rec.catalog import CatalogScores, DenseCatalog, EmbeddingCatalog, _exclusion_mask, agreement, \
+    as_catalog
 from capg_rec.marginals import DEFAULT_METHOD, InclusionMethod, WithReplacement, _inclusion_log_prob, \
     inclusion_method
 from capg_rec.plackett_luce import _candidate_log_prob, _draw, check_enough_items, expert_runs
@@ -215,7 +216,7 @@ def log_propensities(logits: Tensor | CatalogScores, candidates: Tensor, shown: 
     checks = DeferredChecks()
     if validate and shown.numel():
         checks.subset(shown, candidates, "shown must hold only items of the row's candidates (shown ⊆ candidates)")
-        checks.run(catalog.agree)
+        checks.run(agreement(catalog))
         if epsilon < 1.0:
             check_enough_items(catalog, num_candidates)
         if epsilon > 0.0:
@@ -239,7 +240,7 @@ def log_propensities(logits: Tensor | CatalogScores, candidates: Tensor, shown: 
         drawable = DeferredChecks()
         drawable.all_above(draw, -math.inf, "candidates must be a draw the logging policy can make: "
                            "a row holds an item masked (scored -inf) for it")
-        drawable.run(catalog.agree)
+        drawable.run(agreement(catalog))
     return LoggedPropensities(inclusion, count, draw)
 
 
