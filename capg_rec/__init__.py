@@ -8,12 +8,13 @@ from capg_rec.marginals import (DEFAULT_METHOD, Exact, InclusionMethod, MeanFiel
                                 inclusion_log_prob, inclusion_method, inclusion_methods, register_inclusion_method)
 from capg_rec.plackett_luce import candidate_log_prob, expert_of_position, greedy_candidates, sample_candidates
 from capg_rec.rewards import dcg_weights, group_normalize
-from capg_rec.sampled import InBatchSampler, MixedSampler, NegativeSampler, SampledCatalog, UniformSampler
+from capg_rec.sampled import DrawnSample, InBatchSampler, MixedSampler, NegativeSampler, SampledCatalog, \
+    UniformSampler
 
 __all__ = [
     "CAPGLoss", "VPGLoss", "OffPolicyCAPGLoss", "OffPolicyVPGLoss", "TopKReinforceLoss", "functional",
     "CatalogScores", "DenseCatalog", "EmbeddingCatalog", "as_catalog",
-    "SampledCatalog", "NegativeSampler", "UniformSampler", "InBatchSampler", "MixedSampler",
+    "SampledCatalog", "NegativeSampler", "UniformSampler", "InBatchSampler", "MixedSampler", "DrawnSample",
     "InclusionMethod", "Exact", "MeanField", "PlugIn", "WithReplacement", "DEFAULT_METHOD",
     "inclusion_log_prob", "inclusion_method", "inclusion_methods", "register_inclusion_method",
     "candidate_log_prob", "expert_of_position", "greedy_candidates", "sample_candidates",

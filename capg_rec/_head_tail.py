@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from capg_rec.catalog import CatalogScores
+from capg_rec.catalog import CatalogScores, unpadded
 
 
 @dataclass
@@ -58,7 +58,7 @@ def summarize(catalog: CatalogScores, targets: Tensor, head_size: int, num_power
     first_slot = torch.where(first, slot, torch.zeros_like(slot)).cummax(dim=1).values
     inverse = order.argsort(dim=1)
     target_pos = first_slot.gather(1, inverse[:, ids.shape[1] - num_targets:])
-    scores = catalog.gather(head_ids.clamp(min=0))
+    scores = catalog.gather(unpadded(head_ids))
     head_scores = scores.masked_fill((head_ids < 0).unsqueeze(1), -torch.inf)
     if head_size >= catalog.num_items:
         tail = torch.full((batch, catalog.num_experts, num_powers), -torch.inf,

@@ -98,6 +98,13 @@ class CatalogScores(abc.ABC):
         return self.gather(named), self.log_power_sums(items, 1)[..., 0]
 
 
+def unpadded(ids: Tensor) -> Tensor:
+    """Id tensor ``ids`` with its ``-1`` pads replaced by the largest id present (0 if none): the ids to ask a
+    catalog for when the pads' scores are masked anyway, so that a catalog holding only some rows (a sampled
+    one's) is never asked for another."""
+    return torch.where(ids >= 0, ids, ids.amax().clamp(min=0)) if ids.numel() else ids
+
+
 def agreement(catalog: CatalogScores) -> Callable[[Tensor], Tensor] | None:
     """``catalog.agree`` where a subclass makes it collective, else None (one process: checks that all
     passed need no tensor of results)."""

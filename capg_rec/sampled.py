@@ -46,9 +46,9 @@ from torch import Tensor
 from capg_rec._checks import check_count, check_float_tensor, check_items, check_positive, resolve_validate_args
 from capg_rec._numerics import exp_floor, gumbel_group_size, gumbel_top_k, safe_logsumexp, select_experts, top_k
 from capg_rec.ann import ItemIndex
-from capg_rec.catalog import CatalogScores, available_given_masks, compute_dtype
+from capg_rec.catalog import CatalogScores, available_given_masks, compute_dtype, unpadded
 
-__all__ = ["SampledCatalog", "NegativeSampler", "UniformSampler", "InBatchSampler", "MixedSampler",
+__all__ = ["SampledCatalog", "NegativeSampler", "UniformSampler", "InBatchSampler", "MixedSampler", "DrawnSample",
            "MAX_SAMPLED_POWERS"]
 
 MAX_SAMPLED_POWERS = 3
@@ -200,6 +200,35 @@ class MixedSampler(NegativeSampler):
 
     def __repr__(self) -> str:
         return f"MixedSampler({', '.join(map(repr, self.samplers))})"
+
+
+class DrawnSample(NegativeSampler):
+    """A negative sample drawn in advance by ``sampler``: :meth:`draw` returns it, expected counts are the
+    sampler's. For samples drawn with the batch, so that their rows are looked up with it (as
+    :meth:`capg_rec.torchrec.TwoTowerRetriever.with_catalog` does).
+
+    Args:
+        ids: the sample ``[S]`` (int64 ids, ``-1``: unused), e.g. ``sampler.draw(num_items, batch_items,
+            generator=g, device=d)``.
+        sampler: the :class:`NegativeSampler` that drew it.
+    """
+
+    def __init__(self, ids: Tensor, sampler: NegativeSampler) -> None:
+        if not isinstance(sampler, NegativeSampler) or isinstance(sampler, DrawnSample):
+            raise TypeError(f"sampler must be the NegativeSampler that drew ids, got {type(sampler).__name__}")
+        if not isinstance(ids, Tensor) or ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise TypeError(f"ids must be a 1-d integer tensor [S], got {getattr(ids, 'shape', type(ids).__name__)}")
+        self.ids, self.sampler = ids.long(), sampler
+
+    def draw(self, num_items: int, batch_items: Tensor | None, *, generator: torch.Generator | None,
+             device: torch.device) -> Tensor:
+        return self.ids.to(device)
+
+    def log_expected_count(self, ids: Tensor, num_items: int, batch_items: Tensor | None) -> Tensor:
+        return self.sampler.log_expected_count(ids, num_items, batch_items)
+
+    def __repr__(self) -> str:
+        return f"DrawnSample({self.ids.shape[0]} ids, {self.sampler!r})"
 
 
 def _found(sorted_ids: Tensor, ids: Tensor) -> Tensor:
@@ -361,10 +390,10 @@ class SampledCatalog(CatalogScores):
             self._sample_bias = self._without(bias, torch.cat(named, 1)) if named else bias  # [B | 1, 1, S]
         self.head_scores = self.user.new_zeros(self.batch_size, self.num_experts, 0)  # [B, M, T]
         if head.shape[1]:
-            self.head_scores = self.gather(self.head_ids.clamp(min=0)).masked_fill(
+            self.head_scores = self.gather(unpadded(self.head_ids)).masked_fill(
                 (self.head_ids < 0).unsqueeze(1), -math.inf)
         # The sample is shared by the rows: S lookups, one [B, M, D] × [S, M, D] product.
-        vectors = self._vectors(self.sample_ids.clamp(min=0))
+        vectors = self._vectors(unpadded(self.sample_ids))
         if self.num_experts == 1:
             self.sample_scores = (self.user[:, 0] @ vectors[:, 0].T).unsqueeze(1)
         else:
