@@ -157,3 +157,20 @@ def test_step_cost_benchmark_runs(tmp_path):
                                                                for m in ("unsharded", "sharded")}
     assert all(r["step_s"] > 0 and r["step_over_in_batch"] > 0 for r in results)
     assert all(r["step_over_in_batch"] == 1.0 for r in results if r["estimator"] == "in_batch")
+
+
+def test_sampled_mode_matches_one_process(tmp_path):
+    """Each rank's sampled catalog (its own negatives and head, looked up through the sharded table) draws
+    the candidates, sums and losses of one process rebuilding that rank's batch, and one step updates
+    every row as that process does; a head id or a named item one rank did not list raises the same
+    error on every rank."""
+    run = launch("sampled.py", 2, tmp_path)
+    assert run.returncode == 0, run.stderr[-4000:]
+    reports = [json.loads((tmp_path / f"sampled_rank{r}.json").read_text()) for r in range(2)]
+    for report in reports:
+        assert max(report["errors"].values()) <= 1e-5, report["errors"]
+        assert sum("/update/" in key for key in report["errors"]) == 4
+        assert report["messages"] == reports[0]["messages"]
+    head, asked = reports[0]["messages"]
+    assert "every id of head_items must be listed" in head and "on rank 1" in head
+    assert "was not looked up" in asked and "rank(s) [0]" in asked

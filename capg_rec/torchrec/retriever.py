@@ -18,8 +18,9 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, Keyed
 from capg_rec._checks import check_count, check_flag, check_positive, resolve_validate_args
 from capg_rec.ann import ItemIndex
 from capg_rec.marginals import DEFAULT_METHOD, InclusionMethod
+from capg_rec.sampled import DrawnSample, SampledCatalog
 from capg_rec.serving import ServingRetriever
-from capg_rec.torchrec._collective import all_gather_rows, exchange
+from capg_rec.torchrec._collective import all_gather_rows, exchange, on_ranks, ranks_where
 from capg_rec.torchrec.catalog import ShardedEmbeddingCatalog
 
 __all__ = ["TwoTowerRetriever"]
@@ -162,16 +163,24 @@ class TwoTowerRetriever(nn.Module):
         offset, rows, _ = self._layout()
         return torch.arange(offset, offset + rows)
 
-    def with_catalog(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    def with_catalog(self, features: KeyedJaggedTensor, items: Tensor | None = None) -> KeyedJaggedTensor:
         """``features`` of B users plus one sample appended after them whose only feature is the
         catalog feature, listing this rank's rows: a KJT of stride ``B + 1`` (also for B = 0, which
-        TorchRec's sharded lookup cannot take as stride 0). ``features`` must not have the catalog feature."""
+        TorchRec's sharded lookup cannot take as stride 0). ``features`` must not have the catalog feature.
+
+        With ``items`` (global ids ``[S']``: a negative sample and the batch's named items) the last sample
+        lists those instead, looked up wherever their rows live: :meth:`forward` with ``sample`` then
+        scores against them (a sampled catalog, whose cost does not grow with the catalog)."""
         if self.catalog_feature in features.keys():
             raise ValueError(f"features already has the catalog feature {self.catalog_feature!r}: call "
                              f"with_catalog once per batch, on features without it")
         if features.variable_stride_per_key():
             raise ValueError("features must have one stride for every key (variable batch sizes are not supported)")
-        ids = self.catalog_ids().to(features.values().device)
+        if items is not None and (not isinstance(items, Tensor) or items.dim() != 1 or items.is_floating_point()
+                                  or items.dtype == torch.bool):
+            raise TypeError(f"items must be a 1-d tensor of item ids [S'], got "
+                            f"{getattr(items, 'shape', type(items).__name__)}")
+        ids = (self.catalog_ids() if items is None else items).to(features.values().device)
         batch, keys = features.stride(), features.keys()
         lengths = features.lengths().view(len(keys), batch)
         lengths = torch.cat([torch.nn.functional.pad(lengths, (0, 1)).flatten(),
@@ -183,8 +192,9 @@ class TwoTowerRetriever(nn.Module):
             features.values().dtype)]), weights=weights, lengths=lengths, stride=batch + 1)
 
     def forward(self, features: KeyedJaggedTensor, dense: Tensor | None = None, *,
-                masked_items: Tensor | None = None,
-                bag_features: KeyedJaggedTensor | None = None) -> ShardedEmbeddingCatalog:
+                masked_items: Tensor | None = None, bag_features: KeyedJaggedTensor | None = None,
+                sample: DrawnSample | None = None, head_items: Tensor | None = None
+                ) -> ShardedEmbeddingCatalog | SampledCatalog:
         """Catalog scores for the B users of ``features`` (built by :meth:`with_catalog`: stride B + 1).
 
         ``dense [B, F]`` goes to the user tower next to the pooled user features. ``masked_items
@@ -193,34 +203,48 @@ class TwoTowerRetriever(nn.Module):
         or B + 1 with an empty last sample: a rank without users passes stride 1). With several
         ranks, a mistake in the inputs of one rank is raised on every rank when validating.
 
+        With ``sample`` (a :class:`~capg_rec.DrawnSample` of negatives) the result is instead a
+        :class:`~capg_rec.SampledCatalog` for this rank's users alone: catalog-wide sums estimated from
+        the sample, ``head_items [B, H]`` (``-1`` pads: the candidates, logged or ANN items) scored
+        exactly. ``features`` must then list the sample's and the head's ids (:meth:`with_catalog` with
+        ``items``); any item the losses name (candidates, shown items) must be among them. Each rank's
+        cost is that of its sample and head, whatever the catalog's size; the only communication is
+        TorchRec's lookup, and the item rows' gradients go through it as usual.
+
         ``TrainPipelineSparseDist`` traces this forward with torch.fx: what it sees is the lookups of
         ``features`` (and ``bag_features``) and one call of a leaf module that builds the catalog (the
         checks run in the eager calls only, before the lookups).
         """
         offset, rows, group = self._layout()
         if not is_fx_symbolic_tracing():
-            self._check_collectively(features, dense, bag_features, offset, rows, group)
+            self._check_collectively(features, dense, bag_features, offset, rows, group, sample, head_items)
         bags = None if self.user_embeddings is None else self.user_embeddings(bag_features)
-        return self._scorer(features, self.embeddings(features), bags, dense, masked_items)
+        return self._scorer(features, self.embeddings(features), bags, dense, masked_items, sample, head_items)
 
     def _check_collectively(self, features: KeyedJaggedTensor, dense: Tensor | None,
                             bag_features: KeyedJaggedTensor | None, offset: int, rows: int,
-                            group: dist.ProcessGroup | None) -> None:
+                            group: dist.ProcessGroup | None, sample: DrawnSample | None,
+                            head_items: Tensor | None) -> None:
         """:meth:`_check_inputs` on every rank; one rank's error is raised on all (when validating)."""
         validate = resolve_validate_args(self.validate_args)
 
         def check() -> list[int]:
-            self._check_inputs(features, dense, bag_features, offset, rows, validate)
-            return []
+            self._check_inputs(features, dense, bag_features, offset, rows, validate, sample, head_items)
+            # sampled or not, and the head's width: the sampled catalogs' lookups are collective when validating
+            return [-2 if sample is None else -1 if head_items is None else head_items.shape[1]]
 
         if group is not None and validate:
             device = features.values().device if isinstance(features, KeyedJaggedTensor) else torch.device("cpu")
-            exchange(check, 0, group, device)
+            shapes = [entries[0] for entries in exchange(check, 1, group, device)]
+            if len(set(shapes)) > 1:
+                raise ValueError(f"sample and head_items must be given on every rank or none, with head_items of one "
+                                 f"width, got (-2: no sample, -1: no head_items, else the width) {shapes} by rank")
         else:
             check()
 
     def _scores(self, features: KeyedJaggedTensor, out: dict[str, JaggedTensor], bags: KeyedTensor | None,
-                dense: Tensor | None, masked_items: Tensor | None) -> ShardedEmbeddingCatalog:
+                dense: Tensor | None, masked_items: Tensor | None, sample: DrawnSample | None,
+                head_items: Tensor | None) -> ShardedEmbeddingCatalog | SampledCatalog:
         """The lookups' outputs ``out`` and ``bags`` → the catalog (see :class:`_Scorer`)."""
         offset, rows, group = self._layout()
         user = self._user(out, bags, dense, features.stride() - 1)
@@ -233,6 +257,13 @@ class TwoTowerRetriever(nn.Module):
             raise ValueError(f"the user side must give [B, num_experts·D = {width}] to match the item side, "
                              f"got {tuple(user.shape)}")
         dim = width // self.num_experts
+        if sample is not None:
+            listed = features[self.catalog_feature].values().long()
+            tower = _ListedRows(listed, item.view(-1, self.num_experts, dim), group,
+                                resolve_validate_args(self.validate_args))
+            return SampledCatalog(user.view(-1, self.num_experts, dim), tower, num_items=self.num_items,
+                                  sampler=sample, temperature=self.temperature, head_items=head_items,
+                                  masked_items=masked_items, validate_args=False)  # values checked collectively
         item = item.view(rows, self.num_experts, dim)
         return ShardedEmbeddingCatalog(user.view(-1, self.num_experts, dim), item, num_items=self.num_items,
                                        row_offset=offset, temperature=self.temperature, masked_items=masked_items,
@@ -305,9 +336,10 @@ class TwoTowerRetriever(nn.Module):
                                 temperature=self.temperature if temperature is None else temperature)
 
     def _check_inputs(self, features: KeyedJaggedTensor, dense: Tensor | None,
-                      bag_features: KeyedJaggedTensor | None, offset: int, rows: int, validate: bool) -> None:
-        """The catalog feature lists this rank's rows in the last sample (the values only when
-        ``validate``: a host sync); ``dense`` goes with a tower."""
+                      bag_features: KeyedJaggedTensor | None, offset: int, rows: int, validate: bool,
+                      sample: DrawnSample | None, head_items: Tensor | None) -> None:
+        """The catalog feature lists this rank's rows in the last sample, or with ``sample`` the sample's and
+        the head's ids (the values only when ``validate``: a host sync); ``dense`` goes with a tower."""
         if not isinstance(features, KeyedJaggedTensor):
             raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
         if self.catalog_feature not in features.keys() or features.stride() < 1:
@@ -315,7 +347,9 @@ class TwoTowerRetriever(nn.Module):
                              f"add this rank's item rows with retriever.with_catalog(features)")
         catalog = features[self.catalog_feature]
         ids, lengths = catalog.values(), catalog.lengths()
-        if ids.shape != (rows,) or (validate and not (
+        if sample is not None or head_items is not None:
+            self._check_listed(ids, lengths, sample, head_items, features.stride() - 1, validate)
+        elif ids.shape != (rows,) or (validate and not (
                 torch.equal(ids.long(), torch.arange(offset, offset + rows, device=ids.device))
                 and int(lengths[-1]) == rows)):
             raise ValueError(f"the catalog feature {self.catalog_feature!r} must list this rank's item rows "
@@ -331,6 +365,65 @@ class TwoTowerRetriever(nn.Module):
             batch = features.stride() - 1
             if bag_features.stride() not in (batch, batch + 1):
                 raise ValueError(f"bag_features must have stride B = {batch} (or B + 1), got {bag_features.stride()}")
+
+
+    def _check_listed(self, ids: Tensor, lengths: Tensor, sample: DrawnSample | None, head_items: Tensor | None,
+                      batch: int, validate: bool) -> None:
+        """Sampled mode: a :class:`DrawnSample`, a head ``[B, H]`` of ids, and (values, when ``validate``) the
+        catalog feature's ids in the last sample only, in range, listing every id of the sample and head."""
+        if not isinstance(sample, DrawnSample):
+            raise TypeError(f"sample must be a DrawnSample (head_items need one), got {type(sample).__name__}")
+        if head_items is not None and (not isinstance(head_items, Tensor) or head_items.dim() != 2
+                                       or head_items.shape[0] != batch or head_items.is_floating_point()):
+            raise ValueError(f"head_items must be an id tensor [B={batch}, H], got "
+                             f"{getattr(head_items, 'shape', type(head_items).__name__)}")
+        if not validate:
+            return
+        listed = ids.long()
+        if int(lengths[-1]) != listed.numel() or (listed.numel() and not (
+                int(listed.min()) >= 0 and int(listed.max()) < self.num_items)):
+            raise ValueError(f"the catalog feature {self.catalog_feature!r} must list item ids in [0, "
+                             f"{self.num_items}) in the last sample only: build it with "
+                             f"retriever.with_catalog(features, items)")
+        named = [sample.ids.to(listed.device)] + ([] if head_items is None else [head_items.to(listed.device)])
+        for name, part in zip(("sample", "head_items"), named):
+            part = part.reshape(-1)
+            part = part[part >= 0]
+            if part.numel() and not bool(torch.isin(part, listed).all()):
+                raise ValueError(f"every id of {name} must be listed by the catalog feature: build it with "
+                                 f"retriever.with_catalog(features, items) with items holding them")
+
+
+class _ListedRows:
+    """The item vectors of the ids a sampled batch listed: ``ids [...]`` → ``[..., M, D]``. With ``validate``,
+    an id that was not listed is a ``ValueError`` on every rank of ``group`` (one exchange per call; the
+    ranks call it alike, from the same estimator)."""
+
+    def __init__(self, listed: Tensor, vectors: Tensor, group: dist.ProcessGroup | None, validate: bool) -> None:
+        self.keys, self.order = listed.sort()
+        self.vectors, self.group, self.validate = vectors, group, validate
+
+    def __call__(self, ids: Tensor) -> Tensor:
+        flat = ids.reshape(-1)
+        if self.keys.numel() == 0:
+            pos = torch.zeros_like(flat)
+        else:
+            pos = torch.searchsorted(self.keys, flat).clamp(max=self.keys.numel() - 1)
+        if self.validate:
+            def unlisted() -> list[Tensor]:
+                if self.keys.numel() == 0:
+                    return [torch.tensor(flat.numel() > 0)]
+                return [(self.keys[pos] != flat).any()]
+
+            failed = ranks_where(exchange(unlisted, 1, self.group, flat.device), 0)
+            if failed:
+                raise ValueError("an item asked of the sampled catalog was not looked up: list it in "
+                                 "retriever.with_catalog(features, items) (candidates and shown items must be; "
+                                 "mean-field and plug-in read catalogs of up to 2048 items whole)"
+                                 + on_ranks(self.group, failed))
+        rows = self.vectors.new_zeros(0, *self.vectors.shape[1:]) if self.keys.numel() == 0 else \
+            self.vectors[self.order[pos]]
+        return rows.view(*ids.shape, *self.vectors.shape[1:])
 
 
 def _group_timeout(group: dist.ProcessGroup) -> timedelta | None:
@@ -355,13 +448,14 @@ class _Scorer(nn.Module):
     """Holds no parameters; calls the retriever's :meth:`TwoTowerRetriever._scores`. A module without
     sharded submodules is a leaf of TorchRec's pipeline trace, so the catalog is built outside it."""
 
-    def __init__(self, scores: Callable[..., ShardedEmbeddingCatalog]) -> None:
+    def __init__(self, scores: Callable[..., ShardedEmbeddingCatalog | SampledCatalog]) -> None:
         super().__init__()
         self.scores = scores
 
     def forward(self, features: KeyedJaggedTensor, out: dict[str, JaggedTensor], bags: KeyedTensor | None,
-                dense: Tensor | None, masked_items: Tensor | None) -> ShardedEmbeddingCatalog:
-        return self.scores(features, out, bags, dense, masked_items)
+                dense: Tensor | None, masked_items: Tensor | None, sample: DrawnSample | None = None,
+                head_items: Tensor | None = None) -> ShardedEmbeddingCatalog | SampledCatalog:
+        return self.scores(features, out, bags, dense, masked_items, sample, head_items)
 
 
 def _mean_pool(values: Tensor, lengths: Tensor, batch_size: int) -> Tensor:
