@@ -8,7 +8,9 @@ retriever row-wise sharded over W = 1 and 2 ranks (``torchrun``, gloo, one threa
 rank with B users per step. A step is: forward (one lookup), Gumbel top-K sampling from the whole
 catalog, the loss, backward with the fused SGD. The in-batch-softmax step (what a TorchRec two-tower
 trains with) looks up the B users and one positive item each and takes the cross-entropy of the
-[B, B] scores. Reported per rank: median step time and sampling time alone, peak RSS, its growth over
+[B, B] scores. The ``*_sampled`` estimators (``--estimators capg_sampled capg_swr_sampled``) score
+each rank's users against its own ``--negatives`` uniform negatives instead of the catalog (the
+retriever's sampled mode: only those rows are looked up) and draw the candidates among them. Reported per rank: median step time and sampling time alone, peak RSS, its growth over
 the process's footprint before the model was built, and the bytes of item rows the rank holds.
 Ratios are to the in-batch step of the same configuration. Results go to ``DIR/bench.json``/``.csv``.
 """
@@ -44,12 +46,14 @@ def worker(args: argparse.Namespace) -> None:
     import _harness as h
     from torchrec import KeyedJaggedTensor
 
-    from capg_rec import CAPGLoss, VPGLoss, sample_candidates
+    from capg_rec import CAPGLoss, DrawnSample, UniformSampler, VPGLoss, sample_candidates
 
     k = args.candidates
     losses = {"vpg": lambda: VPGLoss(k), "vpg_swr": lambda: VPGLoss(k, with_replacement=True),
               "capg": lambda: CAPGLoss(k), "capg_plugin": lambda: CAPGLoss(k, method="plugin"),
-              "capg_swr": lambda: CAPGLoss(k, method="with_replacement")}
+              "capg_swr": lambda: CAPGLoss(k, method="with_replacement"),
+              "capg_sampled": lambda: CAPGLoss(k), "capg_swr_sampled": lambda: CAPGLoss(k, method="with_replacement")}
+    sampler = UniformSampler(args.negatives)
 
     sharded = args.mode == "sharded"
     rank, world = h.init() if sharded else (0, 1)
@@ -78,7 +82,12 @@ def worker(args: argparse.Namespace) -> None:
             scores = out[h.USER_ID].values() @ out[h.CATALOG].values().T  # [B, B]
             loss = torch.nn.functional.cross_entropy(scores, torch.arange(args.batch))
         else:
-            catalog = model(retriever.with_catalog(h.user_batch(users)))
+            if args.estimator.endswith("_sampled"):  # this rank's negatives, looked up wherever their rows live
+                sample = DrawnSample(sampler.draw(args.num_items, None, generator=g, device=torch.device("cpu")),
+                                     sampler)
+                catalog = model(retriever.with_catalog(h.user_batch(users), items=sample.ids.unique()), sample=sample)
+            else:
+                catalog = model(retriever.with_catalog(h.user_batch(users)))
             drawn = time.perf_counter()
             candidates = sample_candidates(catalog, args.candidates, generator=torch.Generator().manual_seed(step))
             sampled = time.perf_counter() - drawn
@@ -108,6 +117,7 @@ def worker(args: argparse.Namespace) -> None:
 def driver(args: argparse.Namespace) -> None:
     here = Path(__file__).resolve()
     common = ["--out", str(args.out), "--num-items", str(args.num_items), "--dim", str(args.dim),
+              "--negatives", str(args.negatives),
               "--batch", str(args.batch), "--steps", str(args.steps), "--candidates", str(args.candidates),
               "--chunk-size", str(args.chunk_size)]
     path = os.pathsep.join(p for p in (str(here.parents[1]), os.environ.get("PYTHONPATH")) if p)  # this checkout
@@ -152,9 +162,10 @@ def main() -> None:
     parser.add_argument("--candidates", type=int, default=10)
     parser.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up step)")
     parser.add_argument("--chunk-size", type=int, default=16_384)
+    parser.add_argument("--negatives", type=int, default=1024, help="per rank, for the *_sampled estimators")
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--estimators", nargs="+", default=["vpg", "vpg_swr", "capg", "capg_plugin", "capg_swr"],
-                        choices=["vpg", "vpg_swr", "capg", "capg_plugin", "capg_swr"])
+                        choices=["vpg", "vpg_swr", "capg", "capg_plugin", "capg_swr", "capg_sampled", "capg_swr_sampled"])
     parser.add_argument("--estimator", default="capg", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=["unsharded", "sharded"], help=argparse.SUPPRESS)
