@@ -1,6 +1,7 @@
 """Learning with the sampled catalog against the full catalog, on the on-demand synthetic environment.
 
     OMP_NUM_THREADS=1 python benchmarks/sampled_learning.py [--num-items 100000] [--steps 200] [--seeds 0 1 2]
+    OMP_NUM_THREADS=1 python benchmarks/sampled_learning.py --env movielens [--negatives 256] ...
 
 An ESR two-tower (user and item embeddings, D = 10, N(0, 1) init as the paper's model) trained
 online: each step B users, K candidates drawn on-policy, the optimal LSR shows the best L of them
@@ -10,6 +11,9 @@ online: each step B users, K candidates drawn on-policy, the optimal LSR shows t
 * ``sampled``: the same losses on :class:`~capg_rec.SampledCatalog`: S uniform negatives, a head of
   each user's ``--head`` best items (an exact index over the current item table, standing in for a
   perfect-recall ANN) plus the candidates; the candidates are drawn from the sampled catalog.
+
+``--env movielens``: the MovieLens environment of ``capg-rec`` (610 users, 2,269 items; ``--num-items`` and
+``--num-users`` do not apply) instead of the on-demand synthetic one.
 
 Policy value: the greedy ESR's top-K for 256 fixed users, the optimal LSR's L picks, mean expected
 reward, divided by the best achievable value for those users. Writes JSON, CSV and a PNG to ``--out``.
@@ -28,12 +32,23 @@ from tqdm import tqdm
 
 from capg_rec import CAPGLoss, EmbeddingCatalog, SampledCatalog, UniformSampler, sample_candidates
 from capg_rec.ann import ExactIndex
+from capg_rec.sim.env import MatrixEnv
 from capg_rec.sim.ondemand import OnDemandSyntheticEnv
 
 K, SHOWN, DIM, EVAL_USERS = 10, 2, 10, 256
 
 
-def _policy_value(env: OnDemandSyntheticEnv, user_w: torch.Tensor, item_w: torch.Tensor, users: torch.Tensor,
+Env = OnDemandSyntheticEnv | MatrixEnv
+
+
+def _best(env: Env, users: torch.Tensor) -> float:
+    """The best achievable value for ``users``: the mean of each one's top-L expected rewards."""
+    if isinstance(env, MatrixEnv):
+        return float(env.q[users].topk(SHOWN, dim=1).values.mean())
+    return float(env.top_items(users, SHOWN)[0].mean())
+
+
+def _policy_value(env: Env, user_w: torch.Tensor, item_w: torch.Tensor, users: torch.Tensor,
                   best: float) -> float:
     with torch.no_grad():
         candidates = ExactIndex(item_w).search(user_w[users], K)[1]
@@ -41,7 +56,7 @@ def _policy_value(env: OnDemandSyntheticEnv, user_w: torch.Tensor, item_w: torch
         return float(env.expected_reward(users, candidates.gather(1, picks)).mean()) / best
 
 
-def run(env: OnDemandSyntheticEnv, *, method: str, catalog: str, seed: int, steps: int, batch: int, lr: float,
+def run(env: Env, *, method: str, catalog: str, seed: int, steps: int, batch: int, lr: float,
         negatives: int, head: int, eval_every: int, eval_users: torch.Tensor, best: float) -> dict:
     g = torch.Generator().manual_seed(seed)
     user_w = torch.randn(env.num_users, DIM, generator=g).requires_grad_()
@@ -92,14 +107,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--methods", nargs="+", default=["with_replacement", "mean_field"])
+    p.add_argument("--env", choices=("synthetic", "movielens"), default="synthetic")
     p.add_argument("--env-seed", type=int, default=0)
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("out/sampled_learning"))
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
-    env = OnDemandSyntheticEnv(args.env_seed, num_users=args.num_users, num_items=args.num_items)
-    eval_users = torch.arange(min(EVAL_USERS, args.num_users))
-    best = float(env.top_items(eval_users, SHOWN)[0].mean())
+    if args.env == "movielens":
+        from capg_rec.sim.movielens import movielens_env
+
+        env = movielens_env()
+    else:
+        env = OnDemandSyntheticEnv(args.env_seed, num_users=args.num_users, num_items=args.num_items)
+    eval_users = torch.arange(min(EVAL_USERS, env.num_users))
+    best = _best(env, eval_users)
     jobs = [(m, c, s) for s in args.seeds for m in args.methods for c in ("full", "sampled")]
     results = []
     for method, catalog, seed in tqdm(jobs, desc="runs"):
@@ -123,7 +144,8 @@ def main(argv: list[str] | None = None) -> None:
             ax.plot([h["step"] for h in r["history"]], [h["value"] for h in r["history"]], color=f"C{i}",
                     ls="-" if catalog == "full" else "--", alpha=0.8,
                     label=f"{method}, {catalog}" if r["seed"] == args.seeds[0] else None)
-    ax.set(xlabel="step", ylabel="policy value / best", title=f"on-demand synthetic, N={args.num_items}")
+    title = "MovieLens" if args.env == "movielens" else "on-demand synthetic"
+    ax.set(xlabel="step", ylabel="policy value / best", title=f"{title}, N={env.num_items}")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(args.out / "sampled_learning.png", dpi=110)
