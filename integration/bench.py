@@ -9,10 +9,11 @@ rank with B users per step. A step is: forward (one lookup), Gumbel top-K sampli
 catalog, the loss, backward with the fused SGD. The in-batch-softmax step (what a TorchRec two-tower
 trains with) looks up the B users and one positive item each and takes the cross-entropy of the
 [B, B] scores. The ``*_sampled`` estimators (``--estimators capg_sampled capg_swr_sampled``) use the
-retriever's sampled mode (only the listed rows are looked up): each rank draws its users' candidates from
-``--negatives`` uniform negatives of its own (forward and draw without gradient; "sampling" then times
-both) and takes the loss on a fresh sample whose head is the candidates. Reported per rank: median step time and sampling time alone, peak RSS, its growth over
-the process's footprint before the model was built, and the bytes of item rows the rank holds.
+retriever's sampled mode (only the listed rows are looked up): each rank draws its users' candidates
+from ``--negatives`` uniform negatives of its own (forward and draw without gradient; "sampling" then
+times both) and takes the loss on a fresh sample whose head is the candidates. Reported per rank:
+median step time and sampling time alone, peak RSS, its growth over the process's footprint before
+the model was built, and the bytes of item rows the rank holds.
 Ratios are to the in-batch step of the same configuration. Results go to ``DIR/bench.json``/``.csv``.
 """
 
@@ -176,7 +177,8 @@ def main() -> None:
     parser.add_argument("--negatives", type=int, default=1024, help="per rank, for the *_sampled estimators")
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--estimators", nargs="+", default=["vpg", "vpg_swr", "capg", "capg_plugin", "capg_swr"],
-                        choices=["vpg", "vpg_swr", "capg", "capg_plugin", "capg_swr", "capg_sampled", "capg_swr_sampled"])
+                        choices=["vpg", "vpg_swr", "capg", "capg_plugin", "capg_swr",
+                                 "capg_sampled", "capg_swr_sampled"])
     parser.add_argument("--estimator", default="capg", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=["unsharded", "sharded"], help=argparse.SUPPRESS)

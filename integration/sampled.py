@@ -4,10 +4,11 @@ Run with ``torchrun --nproc_per_node=W integration/sampled.py --out DIR``. Each 
 negative sample (uniform over the whole catalog) and head (its users' named items), lists them with
 ``with_catalog(features, items)`` so that TorchRec looks their rows up wherever they live, and gets a
 ``SampledCatalog`` for its users. Every rank also builds the retriever unsharded and, in one process,
-rebuilds every rank's batch, sample and head: the candidates drawn, the catalog's sums before the step,
-and every table row after one CA-PG step (fused SGD on the shards; in the reference the mean of the ranks'
-losses, since TorchRec averages the lookups' gradients over the ranks as DDP does) must agree. A head id that one rank did not list, and an id one rank asks of its catalog
-without having listed it, must raise the same ``ValueError`` on every rank. Writes
+rebuilds every rank's batch, sample and head: the candidates drawn, the catalog's sums before the
+step, and every table row after one CA-PG step (fused SGD on the shards; in the reference the mean of
+the ranks' losses, since TorchRec averages the lookups' gradients over the ranks as DDP does) must
+agree. A head id that one rank did not list, and an id one rank asks of its catalog without having
+listed it, must raise the same ``ValueError`` on every rank. Writes
 ``DIR/sampled_rank{r}.json``.
 """
 
@@ -19,7 +20,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 import _harness as h
 from capg_rec import CAPGLoss, DrawnSample, UniformSampler, sample_candidates
