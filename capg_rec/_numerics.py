@@ -230,7 +230,9 @@ class _LogSoftmaxAt(torch.autograd.Function):
     @staticmethod
     def forward(x: Tensor, index: Tensor, dim: int) -> tuple[Tensor, Tensor, Tensor]:
         top, terms, total = _softmax_terms(x, dim)
-        return (x.gather(dim, index) - top).sub_(total.log()), terms, total  # shifted first: exact near the top
+        # Shifted first: exact near the top. Out of place: torch 2.11's compile of an in-place update of
+        # a saved output gave wrong gradients.
+        return (x.gather(dim, index) - top) - total.log(), terms, total
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: tuple) -> None:

@@ -20,9 +20,10 @@ def _finite(t: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(t), t, torch.zeros_like(t))
 
 
-def _case(dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _case(dim: int, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 ``x`` of SHAPE with scattered ``-inf`` entries and one all-``-inf`` slice along ``dim``, and
-    ids along ``dim`` with a repeat in every slice; one slice names every entry (its rest is empty)."""
+    ids along ``dim`` with a repeat in every slice; one slice names every entry (its rest is empty).
+    Drawn on the CPU (the same case on every device), returned on ``device``."""
     gen = torch.Generator().manual_seed(seed)
     x = 2 * torch.randn(SHAPE, generator=gen, dtype=torch.float64)
     x[torch.rand(SHAPE, generator=gen) < 0.15] = -math.inf
@@ -32,7 +33,7 @@ def _case(dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
                           generator=gen)
     index.select(dim, 1).copy_(index.select(dim, 0))
     index.movedim(dim, -1)[-1, -1] = torch.cat([torch.arange(n), torch.zeros(1, dtype=torch.long)])
-    return x.requires_grad_(), index
+    return x.to(device).requires_grad_(), index.to(device)
 
 
 def _ours(name, x, index, dim):
@@ -66,7 +67,12 @@ def _loss(outputs, weights):
 
 def _weights(outputs, seed):
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(f.shape, generator=gen, dtype=f.dtype) for f in outputs]
+    return [torch.randn(f.shape, generator=gen, dtype=f.dtype).to(f.device) for f in outputs]
+
+
+def _randn(shape, seed: int, device: torch.device) -> torch.Tensor:
+    """float64 standard normals drawn on the CPU, on ``device``."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(device)
 
 
 FUNCTIONS = ["logsumexp", "log_softmax_at", "gather_with_rest"]
@@ -74,10 +80,10 @@ FUNCTIONS = ["logsumexp", "log_softmax_at", "gather_with_rest"]
 
 @pytest.mark.parametrize("name", FUNCTIONS)
 @pytest.mark.parametrize("dim", [0, 1, 2, -1])
-def test_gradcheck_and_gradgradcheck_with_masked_entries(name, dim):
+def test_gradcheck_and_gradgradcheck_with_masked_entries(name, dim, device):
     """First and second derivatives equal finite differences, with -inf entries, all-(-inf) slices,
     slices whose rest is empty and repeated ids."""
-    x, index = _case(dim, seed=10 + dim)
+    x, index = _case(dim, seed=10 + dim, device=device)
 
     def f(t):
         return tuple(_finite(o) for o in _ours(name, t, index, dim))
@@ -88,12 +94,12 @@ def test_gradcheck_and_gradgradcheck_with_masked_entries(name, dim):
 
 @pytest.mark.parametrize("name", FUNCTIONS)
 @pytest.mark.parametrize("dim", [0, 1, 2])
-def test_hvp_matches_plain_autograd(name, dim):
+def test_hvp_matches_plain_autograd(name, dim, device):
     """Hessian-vector products through a loss equal those of torch.logsumexp / log_softmax (masked
     entries and slices included)."""
-    x, index = _case(dim, seed=20 + dim)
+    x, index = _case(dim, seed=20 + dim, device=device)
     weights = _weights(_ours(name, x, index, dim), seed=dim)
-    v = torch.randn(SHAPE, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    v = _randn(SHAPE, 3, device)
     got = torch.autograd.functional.hvp(lambda t: _loss(_ours(name, t, index, dim), weights), x, v)
     ref = torch.autograd.functional.hvp(lambda t: _loss(_reference(name, t, index, dim), weights), x, v)
     assert float(ref[1].abs().max()) > 0.1  # a real second derivative
@@ -104,13 +110,13 @@ def test_hvp_matches_plain_autograd(name, dim):
 
 
 @pytest.mark.parametrize("name", FUNCTIONS)
-def test_masked_entries_have_zero_first_and_second_derivatives(name):
+def test_masked_entries_have_zero_first_and_second_derivatives(name, device):
     """-inf entries, all-(-inf) slices and empty rests: exactly zero gradient and Hessian rows, no NaN."""
-    x, index = _case(2, seed=30)
+    x, index = _case(2, seed=30, device=device)
     outputs = _ours(name, x, index, 2)
     weights = [1e8 * w for w in _weights(outputs, seed=1)]  # large upstream gradients
     (grad,) = torch.autograd.grad(_loss(outputs, weights), x, create_graph=True)
-    v = torch.randn(SHAPE, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    v = _randn(SHAPE, 4, device)
     (hvp,) = torch.autograd.grad(grad, x, v)
     masked = x.detach() == -math.inf
     assert bool(torch.isfinite(grad).all()) and bool(torch.isfinite(hvp).all())
@@ -122,9 +128,9 @@ def test_masked_entries_have_zero_first_and_second_derivatives(name):
 
 
 @pytest.mark.parametrize("name", FUNCTIONS)
-def test_torch_func_grad_vmap_and_jacrev(name):
+def test_torch_func_grad_vmap_and_jacrev(name, device):
     """torch.func.grad, vmap(grad) and jacrev agree with plain-autograd references."""
-    x, index = _case(1, seed=40)
+    x, index = _case(1, seed=40, device=device)
     x = x.detach()
     weights = _weights(_ours(name, x, index, 1), seed=2)
 
@@ -144,9 +150,9 @@ def test_torch_func_grad_vmap_and_jacrev(name):
                                torch.func.jacrev(torch.func.grad(loss(_reference)))(x))
 
 
-def test_the_fused_functions_compile_without_graph_breaks():
-    x = torch.randn(4, 6, requires_grad=True)
-    index = torch.tensor([[0, 0], [1, 2], [5, 3], [4, 4]])
+def test_the_fused_functions_compile_without_graph_breaks(device):
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(0)).to(device).requires_grad_()
+    index = torch.tensor([[0, 0], [1, 2], [5, 3], [4, 4]], device=device)
 
     def f(t):
         named, rest = gather_with_rest(t, index, 1)
@@ -164,17 +170,19 @@ N_ITEMS = 13
 EXCLUDE = torch.tensor([[0, 5, 12, -1, -1], [3, 3, 4, 7, -1], [-1, -1, -1, -1, -1]])  # padded, repeated ids
 
 
-def _embeddings(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _embeddings(seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float64 user ``[3, 2, 4]`` and item ``[N_ITEMS, 2, 4]`` leaves and EXCLUDE, on ``device``."""
     gen = torch.Generator().manual_seed(seed)
-    user = torch.randn(3, 2, 4, generator=gen, dtype=torch.float64).requires_grad_()
-    item = torch.randn(N_ITEMS, 2, 4, generator=gen, dtype=torch.float64).requires_grad_()
-    return user, item
+    user = torch.randn(3, 2, 4, generator=gen, dtype=torch.float64).to(device).requires_grad_()
+    item = torch.randn(N_ITEMS, 2, 4, generator=gen, dtype=torch.float64).to(device).requires_grad_()
+    return user, item, EXCLUDE.to(device)
 
 
 def _dense_power_sums(user, item, exclude, num_powers):
     s = torch.einsum("bmd,nmd->bmn", user, item)
     spare = torch.where(exclude >= 0, exclude, N_ITEMS)
-    excluded = torch.zeros(user.shape[0], N_ITEMS + 1, dtype=torch.bool).scatter(1, spare, True)[:, :N_ITEMS]
+    excluded = torch.zeros(user.shape[0], N_ITEMS + 1, dtype=torch.bool, device=user.device)
+    excluded = excluded.scatter(1, spare, True)[:, :N_ITEMS]
     s = s.masked_fill(excluded.unsqueeze(1), -math.inf)
     return torch.stack([torch.logsumexp(p * s, 2) for p in range(1, num_powers + 1)], -1)
 
@@ -185,12 +193,12 @@ def _chunked(user, item, exclude, num_powers, chunk_size):
 
 @pytest.mark.parametrize("num_powers", [1, 2, 4])
 @pytest.mark.parametrize("chunk_size", [1, 5, 20])
-def test_chunked_gradcheck_and_gradgradcheck(num_powers, chunk_size):
+def test_chunked_gradcheck_and_gradgradcheck(num_powers, chunk_size, device):
     """Chunks that do not divide N (and one chunk for all), exclusions with padding and repeats, and a
     row whose items are all excluded (-inf, zero derivatives)."""
-    user, item = _embeddings(50)
-    exclude = torch.cat([torch.nn.functional.pad(EXCLUDE, (0, N_ITEMS - EXCLUDE.shape[1]), value=-1),
-                         torch.arange(N_ITEMS).unsqueeze(0)])
+    user, item, exclude = _embeddings(50, device)
+    exclude = torch.cat([torch.nn.functional.pad(exclude, (0, N_ITEMS - exclude.shape[1]), value=-1),
+                         torch.arange(N_ITEMS, device=device).unsqueeze(0)])
     user = torch.cat([user, user[:1]]).detach().requires_grad_()
 
     def f(u, v):
@@ -202,18 +210,16 @@ def test_chunked_gradcheck_and_gradgradcheck(num_powers, chunk_size):
 
 @pytest.mark.parametrize("num_powers", [1, 2, 3, 4])
 @pytest.mark.parametrize("chunk_size", [3, 5])
-def test_chunked_hvp_matches_dense(num_powers, chunk_size):
-    user, item = _embeddings(60 + num_powers)
-    weights = _weights([torch.zeros(3, 2, num_powers, dtype=torch.float64)], seed=num_powers)
+def test_chunked_hvp_matches_dense(num_powers, chunk_size, device):
+    user, item, exclude = _embeddings(60 + num_powers, device)
+    weights = _weights([torch.zeros(3, 2, num_powers, dtype=torch.float64, device=device)], seed=num_powers)
 
     def loss(fn):
         return lambda u, v: _loss([fn(u, v)], weights)
 
-    ours = loss(lambda u, v: _chunked(u, v, EXCLUDE, num_powers, chunk_size))
-    ref = loss(lambda u, v: _dense_power_sums(u, v, EXCLUDE, num_powers))
-    gen = torch.Generator().manual_seed(5)
-    vecs = (torch.randn(user.shape, generator=gen, dtype=torch.float64),
-            torch.randn(item.shape, generator=gen, dtype=torch.float64))
+    ours = loss(lambda u, v: _chunked(u, v, exclude, num_powers, chunk_size))
+    ref = loss(lambda u, v: _dense_power_sums(u, v, exclude, num_powers))
+    vecs = (_randn(user.shape, 5, device), _randn(item.shape, 6, device))
     got = torch.autograd.functional.hvp(ours, (user, item), vecs)
     want = torch.autograd.functional.hvp(ref, (user, item), vecs)
     assert float(want[1][0].abs().max()) > 0.1
@@ -221,38 +227,38 @@ def test_chunked_hvp_matches_dense(num_powers, chunk_size):
     torch.testing.assert_close(torch.autograd.functional.vhp(ours, (user, item), vecs), want)
 
 
-def test_chunked_torch_func_grad_vmap_and_jacrev():
-    user, item = _embeddings(70)
+def test_chunked_torch_func_grad_vmap_and_jacrev(device):
+    user, item, exclude = _embeddings(70, device)
     user, item = user.detach(), item.detach()
-    weights = _weights([torch.zeros(3, 2, 3, dtype=torch.float64)], seed=7)
+    weights = _weights([torch.zeros(3, 2, 3, dtype=torch.float64, device=device)], seed=7)
 
     def loss(fn):
         return lambda u, v: _loss([fn(u, v)], weights)
 
-    ours = loss(lambda u, v: _chunked(u, v, EXCLUDE, 3, 5))
-    ref = loss(lambda u, v: _dense_power_sums(u, v, EXCLUDE, 3))
+    ours = loss(lambda u, v: _chunked(u, v, exclude, 3, 5))
+    ref = loss(lambda u, v: _dense_power_sums(u, v, exclude, 3))
     both = (0, 1)
     torch.testing.assert_close(torch.func.grad(ours, both)(user, item), torch.func.grad(ref, both)(user, item))
     users = torch.stack([user, 0.5 * user])
     torch.testing.assert_close(torch.func.vmap(torch.func.grad(ours, both), (0, None))(users, item),
                                torch.func.vmap(torch.func.grad(ref, both), (0, None))(users, item))
-    torch.testing.assert_close(torch.func.jacrev(lambda u, v: _chunked(u, v, EXCLUDE, 3, 5), both)(user, item),
-                               torch.func.jacrev(lambda u, v: _dense_power_sums(u, v, EXCLUDE, 3), both)(user, item))
+    torch.testing.assert_close(torch.func.jacrev(lambda u, v: _chunked(u, v, exclude, 3, 5), both)(user, item),
+                               torch.func.jacrev(lambda u, v: _dense_power_sums(u, v, exclude, 3), both)(user, item))
     torch.testing.assert_close(torch.func.jacrev(torch.func.grad(ours))(user, item),
                                torch.func.jacrev(torch.func.grad(ref))(user, item))
 
 
-def test_chunked_functions_compile_without_graph_breaks_when_not_checking():
+def test_chunked_functions_compile_without_graph_breaks_when_not_checking(device):
     """check_finite=False: no host sync, so the streamed reductions trace as one graph."""
-    user, item = _embeddings(80)
+    user, item, exclude = _embeddings(80, device)
 
     def f(u, v):
-        return _ChunkedLogPowerSums.apply(u, v, EXCLUDE, 2, 5, False).sum()
+        return _ChunkedLogPowerSums.apply(u, v, exclude, 2, 5, False).sum()
 
     out = torch.compile(f, fullgraph=True, backend="eager")(user, item)
     torch.testing.assert_close(torch.autograd.grad(out, (user, item)), torch.autograd.grad(f(user, item), (user, item)))
 
     def top(u, v):
-        return _chunked_top_k(u, v, 3, EXCLUDE, None, 5, check_finite=False)[1]
+        return _chunked_top_k(u, v, 3, exclude, None, 5, check_finite=False)[1]
 
     assert torch.equal(torch.compile(top, fullgraph=True, backend="eager")(user, item), top(user, item))
