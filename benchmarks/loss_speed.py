@@ -1,8 +1,10 @@
 """Forward + backward time of every capg_rec loss as a multiple of bare scoring, beside the paper's code.
 
     OMP_NUM_THREADS=1 python benchmarks/loss_speed.py [--reps 50] [--exact] [--large] [--paper-code PATH]
+    python benchmarks/loss_speed.py --device cuda --no-compile
 
-One process, one thread, B = 128, L = 1, (K, M) in (10, 1), (50, 1), (20, 2), (200, 5). The inputs are
+One process, one thread (on CPU; ``--device cuda`` runs the same problems on the GPU, each call timed to its
+end by a device synchronisation), B = 128, L = 1, (K, M) in (10, 1), (50, 1), (20, 2), (200, 5). The inputs are
 leaves: logits ``[B, N]`` / ``[B, M, N]`` at N = 1000, and with ``--large`` embeddings (D = 32) scored through
 ``EmbeddingCatalog`` at N = 1e5 and 1e6. A cell is the median of ``--reps`` forward + backward calls after
 ``--warmup`` calls (fewer at large N and for the exact method). "bare" is the normaliser alone,
@@ -108,26 +110,35 @@ def _draw(problem_scores: Tensor | EmbeddingCatalog, batch: int, k: int, gen: to
     return candidates, candidates.gather(1, shown), torch.rand(batch, NUM_SHOWN, generator=gen)
 
 
-def dense_problem(batch: int, num_items: int, k: int, m: int) -> Problem:
+def _on(device: torch.device, *tensors: Tensor) -> list[Tensor]:
+    """The tensors (drawn on the CPU, so that every device times the same problem) moved to ``device``."""
+    return [t.to(device) for t in tensors]
+
+
+def dense_problem(batch: int, num_items: int, k: int, m: int, device: torch.device = torch.device("cpu")) -> Problem:
     """Standard-normal logits leaf ``[B, N]`` (M = 1) or ``[B, M, N]``."""
     gen = torch.Generator().manual_seed(0)
     shape = (batch, num_items) if m == 1 else (batch, m, num_items)
-    logits = torch.randn(*shape, generator=gen).requires_grad_()
+    cpu_logits = torch.randn(*shape, generator=gen)
+    draw = _on(device, *_draw(cpu_logits, batch, k, gen))
+    logits = cpu_logits.to(device).requires_grad_()
     return Problem(num_items, k, m, [logits], lambda leaves, validate: leaves[0],
-                   lambda: torch.logsumexp(logits, -1).sum(), *_draw(logits.detach(), batch, k, gen))
+                   lambda: torch.logsumexp(logits, -1).sum(), *draw)
 
 
-def embedding_problem(batch: int, num_items: int, k: int, m: int, dim: int) -> Problem:
+def embedding_problem(batch: int, num_items: int, k: int, m: int, dim: int,
+                      device: torch.device = torch.device("cpu")) -> Problem:
     """User ``[B, M, D]`` and item ``[N, M, D]`` embedding leaves, scores ≈ standard normal."""
     gen = torch.Generator().manual_seed(0)
-    user = (torch.randn(batch, m, dim, generator=gen) / dim**0.5).requires_grad_()
-    item = torch.randn(num_items, m, dim, generator=gen).requires_grad_()
+    user = torch.randn(batch, m, dim, generator=gen) / dim**0.5
+    item = torch.randn(num_items, m, dim, generator=gen)
 
     def build(leaves: Sequence[Tensor], validate: bool | None) -> EmbeddingCatalog:
         return EmbeddingCatalog(*leaves, validate_args=validate)
 
     with torch.no_grad():
-        draw = _draw(EmbeddingCatalog(user, item), batch, k, gen)
+        draw = _on(device, *_draw(EmbeddingCatalog(user, item), batch, k, gen))
+    user, item = (t.to(device).requires_grad_() for t in (user, item))
     return Problem(num_items, k, m, [user, item], build,
                    lambda: build([user, item], False).log_normalizer().sum(), *draw)
 
@@ -139,9 +150,14 @@ def time_ms(step: Callable[[], Tensor], leaves: Sequence[Tensor], reps: int, war
 
 def _calls(step: Callable[[], Tensor], leaves: Sequence[Tensor], count: int) -> list[float]:
     times = []
+    cuda = leaves[0].is_cuda
     for _ in range(count):
+        if cuda:
+            torch.cuda.synchronize()
         start = time.perf_counter()
         step().backward()
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
         for leaf in leaves:
             leaf.grad = None
@@ -310,7 +326,7 @@ def plot(cells: Sequence[Cell], path: pathlib.Path) -> None:
                           rotation=25, ha="right", fontsize=7)
             ax.set_ylabel("× bare (log; dashes: targets)", fontsize=8)
     axes[0][-1].legend(fontsize=7)
-    fig.suptitle("forward + backward time ÷ bare scoring (normaliser alone); one thread", fontsize=10)
+    fig.suptitle("forward + backward time ÷ bare scoring (normaliser alone)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
@@ -347,11 +363,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--dim", type=int, default=32)
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
     parser.add_argument("--paper-code", default=None, help="a checkout of the paper authors' released code")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--out", default="runs/loss_speed")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     torch._logging.set_logs(dynamo=logging.ERROR, inductor=logging.ERROR)
     configs = [tuple(map(int, c.split(","))) for c in args.configs]
+    device = torch.device(args.device)
     paper = str(pathlib.Path(args.paper_code).resolve()) if args.paper_code else None
     variants = [v for v in VARIANTS if not (v == "compiled" and args.no_compile or v == "paper code" and not paper)]
     large_variants = [v for v in variants if v != "paper code"]
@@ -362,20 +380,20 @@ def main(argv: Sequence[str] | None = None) -> dict:
     extra = None
     with tqdm(total=total, unit="cell") as bar:
         for k, m in configs:
-            cells += measure(dense_problem(args.batch, args.items, k, m), args.estimators, variants, args.reps,
-                             args.warmup, paper, bar)
+            cells += measure(dense_problem(args.batch, args.items, k, m, device), args.estimators, variants,
+                             args.reps, args.warmup, paper, bar)
         for n in large:
             for k, m in configs:
-                cells += measure(embedding_problem(args.batch, n, k, m, args.dim), args.estimators, large_variants,
-                                 args.large_reps, 1, None, bar)
+                cells += measure(embedding_problem(args.batch, n, k, m, args.dim, device), args.estimators,
+                                 large_variants, args.large_reps, 1, None, bar)
         if args.exact:  # last, so that no other cell runs after an exact call
             k, m = max(configs)
             bar.set_description(f"CA-PG-SwR around one exact call, K={k} M={m}")
-            extra = after_exact(dense_problem(args.batch, args.items, k, m), args.reps, args.warmup)
+            extra = after_exact(dense_problem(args.batch, args.items, k, m, device), args.reps, args.warmup)
             bares = {(c.K, c.M): c for c in cells if (c.N, c.estimator) == (args.items, "bare")}
             for k, m in configs:
-                cells += measure(dense_problem(args.batch, args.items, k, m), ["capg_exact"], ["checks", "no checks"],
-                                 args.exact_reps, 1, None, bar, bare=bares[(k, m)])
+                cells += measure(dense_problem(args.batch, args.items, k, m, device), ["capg_exact"],
+                                 ["checks", "no checks"], args.exact_reps, 1, None, bar, bare=bares[(k, m)])
     table = markdown(cells, extra)
     print(table)
     print("allocator settings:", allocator())
@@ -383,6 +401,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     meta = {"argv": list(sys.argv[1:] if argv is None else argv), "torch": torch.__version__,
             "python": platform.python_version(), "machine": platform.machine(), "threads": torch.get_num_threads(),
+            "device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "batch": args.batch, "shown": NUM_SHOWN, "dim": args.dim, "paper_code": paper is not None,
             "allocator": allocator()}
     result = {"meta": meta, "cells": [dataclasses.asdict(c) for c in cells], "after_exact": extra}
