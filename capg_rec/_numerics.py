@@ -550,6 +550,7 @@ def _log_total(total: Tensor, top: Tensor) -> Tensor:
 
 
 _CUMSUM_SPREAD = 700.0  # float64 exps of arguments above -700 neither underflow nor lose the sum
+_PAIRS = 1 << 24  # entries of one slice of reverse_logcumsumexp's [..., K, K] triangle (64 MiB in float32)
 
 
 def reverse_logcumsumexp(x: Tensor, dim: int) -> Tensor:
@@ -559,17 +560,26 @@ def reverse_logcumsumexp(x: Tensor, dim: int) -> Tensor:
     On the CPU, ``torch.logcumsumexp`` is a serial log-add per element (1.9 ms fwd+bwd at
     ``[128, 1, 200]``); when every finite entry lies within 700 of its row's maximum, a float64 suffix
     sum of ``exp(x - max)`` is exact to float32 and ~10x faster. Otherwise (extreme spreads), on other
-    devices, under ``torch.compile`` and under ``torch.func`` transforms, it is ``torch.logcumsumexp``
-    with ``-inf`` entries held at the lowest finite value (its gradients are NaN at ``-inf``)."""
+    devices, under ``torch.compile`` and under ``torch.func`` transforms, it is one :func:`filled_logsumexp`
+    per position over the ``[K, K]`` upper triangle (in slices of at most ``_PAIRS`` entries): exact at
+    any spread and twice differentiable. (``torch.logcumsumexp`` is not: its backward takes the log of the
+    incoming gradient, so its second derivatives are NaN wherever that gradient is 0, e.g. at a position
+    sliced off afterwards.)"""
     if x.numel() and eager_cpu(x):  # no host read under vmap/grad
         top = x.detach().amax(dim=dim, keepdim=True).nan_to_num_(neginf=0.0)
         shifted = x.double() - top  # -inf (masked) stays -inf: a term 0 with zero gradient
         spread = shifted.detach().nan_to_num(neginf=0.0).amin()  # over the finite entries
         if float(spread) > -_CUMSUM_SPREAD:  # a host read of a CPU tensor: no device sync
             return _log_total(shifted.exp().flip(dim).cumsum(dim).flip(dim), top).to(x.dtype)
-    lowest = torch.finfo(x.dtype).min
-    out = torch.logcumsumexp(torch.where(x > -math.inf, x, lowest).flip(dim), dim).flip(dim)
-    return torch.where(out > lowest / 2, out, -math.inf)
+    x = x.movedim(dim, -1)
+    size = x.shape[-1]
+    pos = torch.arange(size, device=x.device)
+    step = max(1, _PAIRS // max(1, x.numel()))  # positions per slice: [..., step, K] entries at most _PAIRS
+    outs = []
+    for start in range(0, size, step):
+        later = pos >= pos[start:start + step].unsqueeze(1)  # [step, K]: j >= k
+        outs.append(filled_logsumexp(x.unsqueeze(-2).masked_fill(~later, -math.inf), -1))
+    return torch.cat(outs, -1).movedim(-1, dim)
 
 
 def safe_logaddexp(a: Tensor, b: Tensor) -> Tensor:

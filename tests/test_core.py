@@ -240,12 +240,16 @@ def _plain_log_softmax_score(logits: torch.Tensor, cand: torch.Tensor, with_repl
     return total
 
 
+@pytest.mark.parametrize("far", [None, -1000.0])
 @pytest.mark.parametrize("name", ["vpg", "vpg_swr", "with_replacement"])
-def test_hessian_vector_products_match_plain_autograd(name):
-    """hvp through the losses used to be exactly 0 (once-differentiable Functions)."""
+def test_hessian_vector_products_match_plain_autograd(name, far):
+    """hvp through the losses used to be exactly 0 (once-differentiable Functions), and NaN for V-PG where
+    the suffix masses leave the CPU's fast path (``far``: a last candidate 1000 nats down; always on CUDA)."""
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(3, 8, generator=g, dtype=torch.float64)
     cand = sample_candidates(logits, 3, generator=g)
+    if far is not None:
+        logits = logits.scatter(1, cand[:, -1:], far)
     rewards = torch.rand(3, 1, generator=g, dtype=torch.float64)
     v = torch.randn(3, 8, generator=g, dtype=torch.float64)
 
@@ -400,19 +404,59 @@ def test_nan_or_inf_logits_are_caught(name, bad):
         _loss(name, 4)(poisoned, cand, cand[:, :2], torch.rand(3, 2, dtype=torch.float64))
 
 
+def _reverse_logcumsumexp_float64(x: torch.Tensor) -> torch.Tensor:
+    """``log Σ_{j ≥ k} e^{x_j}`` along the last dim in float64 by plain ops (torch.logcumsumexp)."""
+    x64 = x.double()
+    return torch.logcumsumexp(x64.flip(-1), -1).flip(-1)
+
+
 @pytest.mark.parametrize("spread", [1.0, 300.0, 1e4])
-def test_reverse_logcumsumexp_matches_torch(spread):
-    """The CPU fast path (float64 suffix sums) and its fallback for spreads beyond 700 nats."""
+def test_reverse_logcumsumexp_matches_float64(spread, device):
+    """The CPU fast path (float64 suffix sums), and the path of other devices, torch.compile and torch.func
+    (also the CPU's for spreads beyond 700 nats), against float64 values and gradients."""
     from capg_rec._numerics import reverse_logcumsumexp
 
     g = torch.Generator().manual_seed(13)
-    x = (spread * torch.randn(4, 2, 30, generator=g)).requires_grad_()
+    x = (spread * torch.randn(4, 2, 30, generator=g)).to(device).requires_grad_()
     x.data[0, 0, 5] = -math.inf
-    got = reverse_logcumsumexp(x, 2)
-    want = torch.logcumsumexp(x.flip(2), 2).flip(2)
-    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-5 * spread)
-    v = torch.randn(4, 2, 30, generator=g)
-    torch.testing.assert_close(*(torch.autograd.grad(y, x, v)[0] for y in (got, want)), rtol=1e-4, atol=1e-6)
+    v = torch.randn(4, 2, 30, generator=g).to(device)
+    x64 = x.detach().double().requires_grad_()
+    want = _reverse_logcumsumexp_float64(x64)
+    (grad_want,) = torch.autograd.grad(want, x64, v.double())
+    for got in (reverse_logcumsumexp(x, 2), torch.func.vmap(lambda t: reverse_logcumsumexp(t, 1))(x)):
+        torch.testing.assert_close(got, want.float(), rtol=2e-6, atol=1e-5 * spread)
+        (grad,) = torch.autograd.grad(got, x, v)
+        torch.testing.assert_close(grad, grad_want.float(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("spread", [1.0, 1e4])
+def test_reverse_logcumsumexp_second_derivatives_where_a_position_gets_no_gradient(spread, device):
+    """Regression: torch.logcumsumexp's backward takes the log of the incoming gradient, so a position that
+    a loss slices off (as every PL suffix mass does) made the Hessian-vector products NaN on every path
+    but the CPU's eager fast path: on CUDA, under torch.func, and on the CPU beyond 700 nats."""
+    from capg_rec._numerics import reverse_logcumsumexp
+
+    g = torch.Generator().manual_seed(14)
+    x = (spread * torch.randn(3, 2, 6, generator=g, dtype=torch.float64)).to(device)
+    v = torch.randn(3, 2, 6, generator=g, dtype=torch.float64).to(device)
+
+    def loss(fn):
+        return lambda t: (fn(t)[..., :-1] ** 2).sum()
+
+    ours, plain = loss(lambda t: reverse_logcumsumexp(t, 2)), loss(_pairwise_reverse_logcumsumexp)
+    _, hvp = torch.autograd.functional.hvp(ours, x, v)
+    _, want = torch.autograd.functional.hvp(plain, x, v)
+    assert torch.isfinite(want).all() and want.abs().max() > 1e-3
+    torch.testing.assert_close(hvp, want)
+    hessian = [torch.func.jacrev(torch.func.grad(f))(x) for f in (ours, plain)]
+    torch.testing.assert_close(*hessian)
+
+
+def _pairwise_reverse_logcumsumexp(x: torch.Tensor) -> torch.Tensor:
+    """The reference of second derivatives: torch.logsumexp over the ``[K, K]`` upper triangle (no -inf)."""
+    size = x.shape[-1]
+    later = torch.arange(size, device=x.device) >= torch.arange(size, device=x.device).unsqueeze(1)
+    return torch.logsumexp(x.unsqueeze(-2).masked_fill(~later, -math.inf), -1)
 
 
 @pytest.mark.parametrize("spread", [1.0, 1e4])
