@@ -550,7 +550,7 @@ def _log_total(total: Tensor, top: Tensor) -> Tensor:
 
 
 _CUMSUM_SPREAD = 700.0  # float64 exps of arguments above -700 neither underflow nor lose the sum
-_PAIRS = 1 << 24  # entries of one slice of reverse_logcumsumexp's [..., K, K] triangle (64 MiB in float32)
+_PAIRS = 1 << 24  # entries of one slice of _ReverseLogCumSumExp's [..., K, K] triangle (64 MiB in float32)
 
 
 def reverse_logcumsumexp(x: Tensor, dim: int) -> Tensor:
@@ -560,26 +560,64 @@ def reverse_logcumsumexp(x: Tensor, dim: int) -> Tensor:
     On the CPU, ``torch.logcumsumexp`` is a serial log-add per element (1.9 ms fwd+bwd at
     ``[128, 1, 200]``); when every finite entry lies within 700 of its row's maximum, a float64 suffix
     sum of ``exp(x - max)`` is exact to float32 and ~10x faster. Otherwise (extreme spreads), on other
-    devices, under ``torch.compile`` and under ``torch.func`` transforms, it is one :func:`filled_logsumexp`
-    per position over the ``[K, K]`` upper triangle (in slices of at most ``_PAIRS`` entries): exact at
-    any spread and twice differentiable. (``torch.logcumsumexp`` is not: its backward takes the log of the
-    incoming gradient, so its second derivatives are NaN wherever that gradient is 0, e.g. at a position
-    sliced off afterwards.)"""
+    devices, under ``torch.compile`` and under ``torch.func`` transforms, it is :class:`_ReverseLogCumSumExp`."""
     if x.numel() and eager_cpu(x):  # no host read under vmap/grad
         top = x.detach().amax(dim=dim, keepdim=True).nan_to_num_(neginf=0.0)
         shifted = x.double() - top  # -inf (masked) stays -inf: a term 0 with zero gradient
         spread = shifted.detach().nan_to_num(neginf=0.0).amin()  # over the finite entries
         if float(spread) > -_CUMSUM_SPREAD:  # a host read of a CPU tensor: no device sync
             return _log_total(shifted.exp().flip(dim).cumsum(dim).flip(dim), top).to(x.dtype)
-    x = x.movedim(dim, -1)
+    return _ReverseLogCumSumExp.apply(x, dim)
+
+
+@bound_once
+class _ReverseLogCumSumExp(torch.autograd.Function):
+    """``torch.logcumsumexp`` along ``dim``, reversed, with a backward of its own. torch's backward takes
+    the log of the incoming gradient, so its second derivatives are NaN wherever that gradient is 0 (e.g.
+    at a position sliced off afterwards). Here a plain backward is ``grad_j = Σ_{k ≤ j} g_k e^{x_j - out_k}``
+    in log space and float64 (torch's, made exact at wide spreads), and a recorded one (a higher-order
+    gradient, or under ``torch.func``) is ``Σ_k g_k softmax_k`` over the ``[K, K]`` upper triangle in
+    differentiable ops, in slices of at most ``_PAIRS`` entries."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: Tensor, dim: int) -> Tensor:
+        lowest = torch.finfo(x.dtype).min  # torch.logcumsumexp's own gradient is NaN at -inf
+        out = torch.logcumsumexp(torch.where(x > -math.inf, x, lowest).flip(dim), dim).flip(dim)
+        return torch.where(out > lowest / 2, out, -math.inf)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: Tensor) -> None:
+        x, dim = inputs
+        ctx.save_for_backward(x, output)
+        ctx.dim = dim
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        x, out = ctx.saved_tensors
+        if torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
+            return _reverse_logcumsumexp_grad_pairs(x, grad, ctx.dim), None
+        x64, out64 = x.double(), out.double().masked_fill(out == -math.inf, 0.0)  # such suffixes hold no x
+        g = grad.double()
+        parts = [torch.exp(x64 + torch.logcumsumexp(torch.where(sign * g > 0, (sign * g).log(), -math.inf)
+                                                    - out64, ctx.dim)) for sign in (1.0, -1.0)]
+        return (parts[0] - parts[1]).to(x.dtype), None
+
+
+def _reverse_logcumsumexp_grad_pairs(x: Tensor, grad: Tensor, dim: int) -> Tensor:
+    """``Σ_k grad_k · softmax(x_{j ≥ k})_j`` along ``dim`` in differentiable ops (the gradient of
+    :class:`_ReverseLogCumSumExp` for a higher-order backward)."""
+    x, grad = x.movedim(dim, -1), grad.movedim(dim, -1)
     size = x.shape[-1]
     pos = torch.arange(size, device=x.device)
     step = max(1, _PAIRS // max(1, x.numel()))  # positions per slice: [..., step, K] entries at most _PAIRS
-    outs = []
+    total = torch.zeros_like(x)
     for start in range(0, size, step):
         later = pos >= pos[start:start + step].unsqueeze(1)  # [step, K]: j >= k
-        outs.append(filled_logsumexp(x.unsqueeze(-2).masked_fill(~later, -math.inf), -1))
-    return torch.cat(outs, -1).movedim(-1, dim)
+        p = _softmax(x.unsqueeze(-2).masked_fill(~later, -math.inf), -1)  # [..., step, K]
+        total = total + (grad[..., start:start + step].unsqueeze(-1) * p).sum(-2)
+    return total.movedim(-1, dim)
 
 
 def safe_logaddexp(a: Tensor, b: Tensor) -> Tensor:
