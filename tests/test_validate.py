@@ -132,6 +132,15 @@ def test_torchrec_two_tower_retriever_passes():
     assert "ordered_draws" in names(report, True)
 
 
+def test_passes_with_the_esr_and_torch_default_on_every_device(device):
+    """The validator counts draws on the host: with ``torch.set_default_device("cuda")`` (a
+    ``torch.device`` context here) its counts must not land on the GPU beside CPU draws."""
+    logits = randn(2, 6, seed=4).to(device)
+    with torch.device(device):
+        report = validate_esr(CatalogESR(logits, 2), num_samples=2_000, seed=2)
+    assert report.passed, report
+
+
 def test_every_item_drawn_passes():
     report = validate_esr(CatalogESR(randn(2, 3), 3), num_samples=200, progress=True)
     assert report.passed and report.samples_needed is None and np.all(report.claimed == 1.0)

@@ -55,7 +55,7 @@ def _all_sequences(num_items: int, k: int, with_replacement: bool) -> Tensor:
     """Every ordered draw → ``[S, K]`` (with repeats when ``with_replacement``)."""
     seqs = (itertools.product(range(num_items), repeat=k) if with_replacement
             else itertools.permutations(range(num_items), k))
-    return torch.tensor(list(seqs), dtype=torch.long).reshape(-1, k)
+    return torch.tensor(list(seqs), dtype=torch.long, device="cpu").reshape(-1, k)
 
 
 def _num_sequences(num_items: int, k: int, with_replacement: bool) -> int:
@@ -122,9 +122,10 @@ def validate_esr(esr: ESR, contexts: Any = None, *, num_samples: int = 20_000, a
     trials = k if with_replacement else 1  # Bernoulli trials per draw for one item
     enumerate_sets = callable(set_log_prob) and _num_sequences(num_items, k, with_replacement) <= max_enumerated_draws
 
-    counts = torch.zeros(batch, num_items, dtype=torch.float64)
-    seq_counts = torch.zeros(batch * num_items ** k if enumerate_sets else 0, dtype=torch.float64)
-    place = num_items ** torch.arange(k - 1, -1, -1)
+    # Counted on the host (explicitly: a default device set by the user must not move them).
+    counts = torch.zeros(batch, num_items, dtype=torch.float64, device="cpu")
+    seq_counts = torch.zeros(batch * num_items ** k if enumerate_sets else 0, dtype=torch.float64, device="cpu")
+    place = num_items ** torch.arange(k - 1, -1, -1, device="cpu")
     repeats = 0
     generator = torch.Generator(device=claims_log.device).manual_seed(seed)
     step = max(1, _DRAWS_PER_CHUNK // (batch * k))
@@ -139,12 +140,13 @@ def validate_esr(esr: ESR, contexts: Any = None, *, num_samples: int = 20_000, a
         for start in starts:
             size = min(step, n - start)
             draws = _check_draws(esr.sample(contexts, size, generator), batch, size, k, num_items).cpu()
-            counts.scatter_add_(1, draws.reshape(batch, -1), torch.ones(batch, size * k, dtype=torch.float64))
+            ones = torch.ones(batch, size * k, dtype=torch.float64, device="cpu")
+            counts.scatter_add_(1, draws.reshape(batch, -1), ones)
             if not with_replacement and k > 1:
                 ordered = draws.sort(dim=2).values
                 repeats += int((ordered[..., 1:] == ordered[..., :-1]).any(dim=2).sum())
             if enumerate_sets:
-                codes = (draws * place).sum(2) + torch.arange(batch).unsqueeze(1) * num_items ** k
+                codes = (draws * place).sum(2) + torch.arange(batch, device="cpu").unsqueeze(1) * num_items ** k
                 seq_counts += torch.bincount(codes.reshape(-1), minlength=seq_counts.numel()).double()
     empirical = counts.numpy() / n
 
@@ -214,15 +216,15 @@ def _check_sets(esr: ESR, contexts: Any, claimed: np.ndarray, seq_counts: Tensor
         set_log = esr.candidate_log_prob(contexts, seqs.expand(batch, -1, -1).to(device))
     set_log = _check_claims("esr.candidate_log_prob", set_log, (batch, seqs.shape[0]))
     probs = set_log.double().exp().cpu()
-    member = torch.zeros(seqs.shape[0], num_items, dtype=torch.float64)
-    member.scatter_add_(1, seqs, torch.ones(seqs.shape, dtype=torch.float64))
+    member = torch.zeros(seqs.shape[0], num_items, dtype=torch.float64, device="cpu")
+    member.scatter_add_(1, seqs, torch.ones(seqs.shape, dtype=torch.float64, device="cpu"))
     implied = (probs @ member).numpy()
     mass_dev = float((probs.sum(1) - 1).abs().max())
     incl_dev = float(np.abs(implied - claimed).max())
     consistent = Check("draw_claims", mass_dev <= tol and incl_dev <= tol,
                        f"claimed ordered-draw probabilities sum to 1 within {mass_dev:.2g} and imply the claimed "
                        f"inclusion values within {incl_dev:.2g} (allowed {tol:g})")
-    codes = (seqs * num_items ** torch.arange(k - 1, -1, -1)).sum(1)
+    codes = (seqs * num_items ** torch.arange(k - 1, -1, -1, device="cpu")).sum(1)
     observed = seq_counts[:, codes]  # [B, S]
     stray = seq_counts.sum(1) - observed.sum(1)  # draws outside the enumerated support
     p = [_stats.multinomial_p_value(np.append(observed[b].numpy(), stray[b].item()),
