@@ -8,6 +8,11 @@ trained by a plain loop, the other by ``TrainPipelineSparseDist.progress`` over 
 pipeline fx-traces the task; the task keeps what follows the retriever in a submodule (a leaf
 of that trace). Each rank writes ``DIR/pipeline_rank{r}.json``: the largest relative difference
 of the losses, rewards and candidates at every step and of every parameter shard at the end.
+
+With ``--sampled`` the task learns from logs through the retriever's sampled mode: each batch
+(:class:`LoggedBatch`) carries its users, logged candidates, shown items, rewards and propensities, and
+a negative sample drawn with it, whose rows and the candidates' are listed in its sparse features (one
+lookup, which the pipeline prefetches); the loss is off-policy CA-PG on the sampled catalog.
 """
 
 from __future__ import annotations
@@ -23,13 +28,16 @@ from torchrec.datasets.utils import Batch
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.optim.keyed import KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.streamable import Pipelineable
 
 import _harness as h
-from capg_rec import CAPGLoss, sample_candidates
+from capg_rec import CAPGLoss, DrawnSample, OffPolicyCAPGLoss, SampledCatalog, UniformSampler, sample_candidates
 from capg_rec.torchrec import ShardedEmbeddingCatalog, TwoTowerRetriever
 
-CANDIDATES, SHOWN, LR = 6, 2, 0.3
+CANDIDATES, SHOWN, LR, NEGATIVES = 6, 2, 0.3, 300
 SETUP = h.Setup(num_items=2_001, num_experts=2, dim=4, tower=True)
+SAMPLED_SETUP = h.Setup(num_items=20_001, num_experts=2, dim=4, tower=True)  # beyond what mean-field reads whole
 
 
 class Objective(nn.Module):
@@ -59,6 +67,67 @@ class Task(nn.Module):
         return self.objective(self.retriever(batch.sparse_features), batch.labels)
 
 
+class LoggedBatch(Pipelineable):
+    """Logged requests of B users and the negative sample drawn with them: ``sparse_features`` (the users,
+    with the sample's and the candidates' ids listed by ``with_catalog``), ``sample``, ``candidates [B, K]``,
+    ``chosen [B, L]``, ``rewards [B, L]``, ``log_propensity [B, L]``."""
+
+    def __init__(self, sparse_features: KeyedJaggedTensor, sample: DrawnSample, candidates: Tensor, chosen: Tensor,
+                 rewards: Tensor, log_propensity: Tensor) -> None:
+        self.sparse_features, self.sample, self.candidates = sparse_features, sample, candidates
+        self.chosen, self.rewards, self.log_propensity = chosen, rewards, log_propensity
+
+    def _tensors(self) -> list[Tensor]:
+        return [self.sample.ids, self.candidates, self.chosen, self.rewards, self.log_propensity]
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> LoggedBatch:
+        ids, *rest = (t.to(device, non_blocking=non_blocking) for t in self._tensors())
+        return LoggedBatch(self.sparse_features.to(device, non_blocking=non_blocking),
+                           DrawnSample(ids, self.sample.sampler), *rest)
+
+    def record_stream(self, stream: torch.Stream) -> None:
+        self.sparse_features.record_stream(stream)
+        for t in self._tensors():
+            t.record_stream(stream)
+
+
+class OffPolicyObjective(nn.Module):
+    """``(catalog, batch) -> (loss, (loss, candidates))``: off-policy CA-PG on the sampled catalog."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loss_fn = OffPolicyCAPGLoss(CANDIDATES)
+
+    def forward(self, catalog: SampledCatalog, batch: LoggedBatch) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        loss = self.loss_fn(catalog, batch.candidates, batch.chosen, batch.rewards, batch.log_propensity)
+        return loss, (loss.detach(), batch.candidates)
+
+
+class SampledTask(nn.Module):
+    """``forward(batch) -> (loss, outputs)`` from logs, through the retriever's sampled mode."""
+
+    def __init__(self, retriever: TwoTowerRetriever) -> None:
+        super().__init__()
+        self.retriever, self.objective = retriever, OffPolicyObjective()
+
+    def forward(self, batch: LoggedBatch) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        catalog = self.retriever(batch.sparse_features, sample=batch.sample, head_items=batch.candidates)
+        return self.objective(catalog, batch)
+
+
+def logged_batch(retriever: TwoTowerRetriever, batch: int, g: torch.Generator) -> LoggedBatch:
+    """B users' logged candidates (distinct), shown items, rewards and propensities, and a uniform sample."""
+    users = torch.randint(0, SAMPLED_SETUP.num_users, (batch,), generator=g)
+    candidates = torch.rand(batch, SAMPLED_SETUP.num_items, generator=g).argsort(1)[:, :CANDIDATES]
+    rewards = torch.rand(batch, SHOWN, generator=g)
+    log_propensity = torch.log(torch.rand(batch, SHOWN, generator=g) * 0.5 + 0.5)
+    sampler = UniformSampler(NEGATIVES)
+    sample = DrawnSample(sampler.draw(SAMPLED_SETUP.num_items, None, generator=g, device=torch.device("cpu")), sampler)
+    listed = torch.cat([sample.ids, candidates.flatten()]).unique()
+    return LoggedBatch(retriever.with_catalog(h.user_batch(users), items=listed), sample, candidates,
+                       candidates[:, :SHOWN], rewards, log_propensity)
+
+
 def rel(a: Tensor, b: Tensor) -> float:
     a, b = a.detach().double().cpu(), b.detach().double().cpu()
     if a.shape != b.shape:
@@ -80,12 +149,15 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--batch", type=int, default=4, help="users per rank and step")
+    parser.add_argument("--sampled", action="store_true", help="from logs, through the sampled mode")
     args = parser.parse_args()
+    setup, task, names = ((SAMPLED_SETUP, SampledTask, ("loss", "candidates")) if args.sampled
+                          else (SETUP, Task, ("rewards", "candidates")))
     rank, world = h.init()
-    state = h.full_state(SETUP, seed=4, grid=False)
+    state = h.full_state(setup, seed=4, grid=False)
     runs = {}
     for name in ("loop", "pipeline"):
-        model = h.shard(SETUP, lr=LR, wrap=Task)
+        model = h.shard(setup, lr=LR, wrap=task)
         h.load(model.module.retriever, state)
         optimizer = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())),
                                           lambda params: torch.optim.SGD(params, lr=LR))
@@ -95,6 +167,9 @@ def main() -> int:
     g = torch.Generator().manual_seed(100 + rank)
     batches = []
     for _ in range(args.steps):
+        if args.sampled:
+            batches.append(logged_batch(retriever, args.batch, g))
+            continue
         users = torch.randint(0, SETUP.num_users, (args.batch,), generator=g)
         batches.append(Batch(dense_features=torch.zeros(args.batch, 0), labels=users,
                              sparse_features=retriever.with_catalog(h.user_batch(users))))
@@ -102,21 +177,20 @@ def main() -> int:
     model, optimizer = runs["loop"]
     for batch in batches:
         optimizer.zero_grad()
-        loss, (rewards, candidates) = model(batch.to(h.device(), non_blocking=False))
+        loss, (first, candidates) = model(batch.to(h.device(), non_blocking=False))
         loss.backward()
         optimizer.step()
-        outputs["loop"].append((loss.detach(), rewards, candidates))
+        outputs["loop"].append((first, candidates))
     model, optimizer = runs["pipeline"]
     pipeline = TrainPipelineSparseDist(model, optimizer, h.device())
     it = iter(batches)
     for _ in batches:
-        rewards, candidates = pipeline.progress(it)
-        outputs["pipeline"].append((None, rewards, candidates))
+        outputs["pipeline"].append(pipeline.progress(it))
     pipelined = [type(m).__name__ for m in pipeline._pipelined_modules]
     errors: dict[str, float] = {}
     for t, (ref, got) in enumerate(zip(outputs["loop"], outputs["pipeline"])):
-        errors[f"step{t}/rewards"] = rel(got[1], ref[1])
-        errors[f"step{t}/candidates"] = 0.0 if torch.equal(got[2].cpu(), ref[2].cpu()) else float("inf")
+        errors[f"step{t}/{names[0]}"] = rel(got[0], ref[0])
+        errors[f"step{t}/{names[1]}"] = 0.0 if torch.equal(got[1].cpu(), ref[1].cpu()) else float("inf")
     loop_state, pipe_state = local_pieces(runs["loop"][0]), local_pieces(runs["pipeline"][0])
     for key, value in loop_state.items():
         errors[f"final/{key}"] = rel(pipe_state[key], value)

@@ -80,6 +80,21 @@ def test_train_pipeline_sparse_dist_equals_the_plain_loop(backend, tmp_path):
         assert sum(k.startswith("final/") for k in report["errors"]) == 6
 
 
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if worlds(2, backend=b)])
+def test_train_pipeline_sparse_dist_trains_from_logs_through_the_sampled_mode(backend, tmp_path):
+    """Off-policy CA-PG on the sampled catalog, with each batch's negative sample and logged candidates
+    listed in its sparse features: the pipeline prefetches that one lookup and gives the same losses and
+    parameters at every step as a plain loop, on 2 ranks."""
+    run = launch("pipeline.py", 2, tmp_path, "--steps", "4", "--sampled", backend=backend)
+    assert run.returncode == 0, run.stderr[-4000:]
+    for r in range(2):
+        report = json.loads((tmp_path / f"pipeline_rank{r}.json").read_text())
+        assert report["pipelined_modules"] == ["ShardedEmbeddingCollection"]
+        assert max(report["errors"].values()) <= 1e-6, report["errors"]
+        assert sum(k.startswith("step") and k.endswith("/loss") for k in report["errors"]) == 4
+        assert sum(k.startswith("final/") for k in report["errors"]) == 6
+
+
 @pytest.mark.parametrize("backend, world", [(b, w) for b in BACKENDS for w in worlds(1, 2, 3, backend=b)])
 def test_towers_and_bag_collections_match_one_process(backend, world, tmp_path):
     """Item tower (chunked, recomputed) + bag-collection user side + user tower: after one step of CA-PG
