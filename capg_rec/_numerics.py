@@ -599,10 +599,9 @@ class _ReverseLogCumSumExp(torch.autograd.Function):
         if torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
             return _reverse_logcumsumexp_grad_pairs(x, grad, ctx.dim), None
         x64, out64 = x.double(), out.double().masked_fill(out == -math.inf, 0.0)  # such suffixes hold no x
-        g = grad.double()
-        parts = [torch.exp(x64 + torch.logcumsumexp(torch.where(sign * g > 0, (sign * g).log(), -math.inf)
-                                                    - out64, ctx.dim)) for sign in (1.0, -1.0)]
-        return (parts[0] - parts[1]).to(x.dtype), None
+        pos, neg = (torch.exp(x64 + torch.logcumsumexp(torch.where(g > 0, g.log(), -math.inf) - out64, ctx.dim))
+                    for g in (grad.double(), -grad.double()))
+        return (pos - neg).to(x.dtype), None
 
 
 def _reverse_logcumsumexp_grad_pairs(x: Tensor, grad: Tensor, dim: int) -> Tensor:
