@@ -363,7 +363,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--dim", type=int, default=32)
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
     parser.add_argument("--paper-code", default=None, help="a checkout of the paper authors' released code")
-    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--out", default="runs/loss_speed")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)

@@ -104,3 +104,15 @@ def test_old_new_comparison_runs_in_one_process(tmp_path):
     rows = json.loads((tmp_path / "ab.json").read_text())
     assert len(rows) == 4 * 5 * 2 and all(r["old_ms"] > 0 and r["new_ms"] > 0 for r in rows)
     assert (tmp_path / "ab.csv").exists()
+
+
+def test_reverse_logcumsumexp_benchmark_runs_and_its_gradient_is_the_more_accurate(capsys):
+    """benchmarks/reverse_logcumsumexp.py: a timing row per shape; capg_rec's gradient error against float64
+    is finite and, at a spread of 10^4 in float32, below torch.logcumsumexp's."""
+    load_script("benchmarks/reverse_logcumsumexp.py").main(["--reps", "1"])
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    timings = [r for r in rows if r[0].strip().startswith("[")]
+    errors = {r[0].strip(): (float(r[1]), float(r[2])) for r in rows if r[0].strip() in ("1", "300", "10000")}
+    assert len(timings) == 4 and all(float(r[1]) > 0 and float(r[2]) > 0 for r in timings)
+    assert set(errors) == {"1", "300", "10000"}
+    assert errors["10000"][1] < errors["10000"][0] / 10
