@@ -12,7 +12,7 @@ from capg_rec import CAPGLoss, VPGLoss
 from capg_rec._numerics import gumbel_top_k
 from capg_rec.ann import ExactIndex
 from capg_rec.catalog import EmbeddingCatalog
-from capg_rec.sampled import InBatchSampler, MixedSampler, SampledCatalog, UniformSampler
+from capg_rec.sampled import DrawnSample, InBatchSampler, MixedSampler, SampledCatalog, UniformSampler
 from tests.scripts import load_script
 from tests.stats import assert_counts_match
 
@@ -354,3 +354,16 @@ def test_benchmarks_run_and_write_their_files(tmp_path):
     assert (tmp_path / "acc" / "sampled_accuracy.csv").exists()
     assert (tmp_path / "learn" / "sampled_learning.csv").exists()
     assert (tmp_path / "draw" / "sampled_draw_small.csv").exists()
+
+
+def test_drawn_sample_refuses_what_is_not_a_sample():
+    """DrawnSample names the argument: ids must be a 1-d integer tensor, sampler the NegativeSampler that drew them."""
+    sampler = UniformSampler(4)
+    ids = torch.tensor([3, 1, 4, 1])
+    assert torch.equal(DrawnSample(ids, sampler).draw(10, None, generator=None, device=torch.device("cpu")), ids)
+    for bad in (ids.float(), ids.bool(), ids.view(2, 2), [3, 1, 4, 1]):
+        with pytest.raises(TypeError, match="ids must be a 1-d integer tensor"):
+            DrawnSample(bad, sampler)
+    for bad in (None, DrawnSample(ids, sampler)):
+        with pytest.raises(TypeError, match="sampler must be the NegativeSampler"):
+            DrawnSample(ids, bad)
