@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from capg_rec._checks import check_count, check_flag, check_items, resolve_validate_args
-from capg_rec._numerics import log_softmax_at, reverse_logcumsumexp, suffix_log_masses
+from capg_rec._numerics import log_softmax_at, reverse_logcumsumexp, sequential_log_softmax
 from capg_rec.catalog import CatalogScores, DenseCatalog, as_catalog
 
 __all__ = ["expert_of_position", "sample_candidates", "greedy_candidates", "candidate_log_prob"]
@@ -153,9 +153,7 @@ def _candidate_log_prob(catalog: CatalogScores, candidates: Tensor, with_replace
             return log_softmax.sum(dim=(1, 2))
         return catalog.log_softmax(candidates).gather(1, idx)[:, 0].sum(dim=1)
     if isinstance(catalog, DenseCatalog):  # one node over the logits
-        picked = catalog.gather(candidates).gather(1, idx)[:, 0]  # [B, K]: s_{m(k)}(a_k)
-        remaining = suffix_log_masses(catalog.scores, candidates)  # [B, M, K]
-        return (picked - remaining.gather(1, idx)[:, 0]).sum(dim=1)
+        return sequential_log_softmax(catalog.scores, candidates).gather(1, idx)[:, 0].sum(dim=1)
     scores, outside = catalog.gather_with_rest(candidates)  # [B, M, K], [B, M]: items never drawn
     picked = scores.gather(1, idx)[:, 0]  # [B, K]: s_{m(k)}(a_k)
     # Σ_{j ≥ k} exp(s_j) + exp(outside): a suffix sum whose last term is the never-drawn mass

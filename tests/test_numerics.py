@@ -172,6 +172,23 @@ def test_exp_floor_stays_in_the_normal_range():
     assert exp_floor(torch.float16) == -math.inf  # fp16's normal range is too narrow to floor
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_floored_exps_err_below_the_bound(dtype):
+    """``exp_floored_`` (float32 on the CPU through ``exp2(x·log2 e)``) against float64: rounding log2(e)
+    to the dtype and rounding the product each move the exponent by up to ``|x|·log2(e)·eps/2``, i.e.
+    the result by a relative ``|x|·eps/2``; exp2 and the final rounding add at most 2 ulp. Below the
+    floor the value is the floor's."""
+    from capg_rec._numerics import exp_floored, exp_floored_
+
+    floor = exp_floor(dtype)
+    x = torch.linspace(floor - 20.0, 0.0, 100_001, dtype=torch.float64).to(dtype)
+    want = torch.exp(x.double().clamp(min=floor))
+    eps = torch.finfo(dtype).eps
+    bound = (x.double().clamp(min=floor).abs() + 2) * eps
+    for got in (exp_floored_(x.clone()), exp_floored(x)):
+        assert ((got.double() - want).abs() / want <= bound).all()
+
+
 def test_confident_catalog_power_sums_are_exact():
     """Powers of confident scores (3 × a spread of 60 in fp32) still match a float64 reference."""
     logits = 20.0 * torch.randn(4, 2, 500, generator=torch.Generator().manual_seed(1))
@@ -294,21 +311,22 @@ def test_chunked_reductions_raise_on_overflowing_scores_when_checking():
         _ChunkedLogPowerSums.apply(user[:1], item[2:3], None, 1, 1, True)
 
 
-def _suffix_reference(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``log(Σ_{n ∉ index} e^{x_n} + Σ_{j ≥ k} e^{x[index_j]})`` term by term, in float64."""
+def _sequential_reference(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x[index_k] - logsumexp(x[index_{k:}] ∪ rest)`` term by term, in float64."""
     x = x.double()
     idx = index.unsqueeze(1).expand(-1, x.shape[1], -1)
     rest = torch.logsumexp(x.scatter(2, idx, -math.inf), 2, keepdim=True)
     named = x.gather(2, idx)
-    return torch.stack([torch.logsumexp(torch.cat([named[..., k:], rest], 2), 2) for k in range(index.shape[1])], 2)
+    return named - torch.stack([torch.logsumexp(torch.cat([named[..., k:], rest], 2), 2)
+                                for k in range(index.shape[1])], 2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("scale", [1.0, 30.0, 400.0])
-def test_suffix_log_masses_match_the_term_by_term_sums(dtype, scale):
+def test_sequential_log_softmax_matches_the_term_by_term_sums(dtype, scale):
     """The one-node CPU path (typical spreads) and the composite one it falls back to (suffixes below the
     floored exps' error: spreads of hundreds) give the float64 value and gradient, masks included."""
-    from capg_rec._numerics import suffix_log_masses
+    from capg_rec._numerics import sequential_log_softmax
 
     gen = torch.Generator().manual_seed(3)
     x = scale * torch.randn(5, 2, 40, generator=gen, dtype=torch.float64)
@@ -316,39 +334,39 @@ def test_suffix_log_masses_match_the_term_by_term_sums(dtype, scale):
     index = torch.stack([torch.randperm(40, generator=gen)[:6] for _ in range(5)])
     index[0, 0], index[3, 0] = 8, 6  # named items stay unmasked
     x = x.to(dtype).requires_grad_()
-    out = suffix_log_masses(x, index)
-    want = _suffix_reference(x.detach(), index)
+    out = sequential_log_softmax(x, index)
+    want = _sequential_reference(x.detach(), index)
     tol = 64 * torch.finfo(dtype).eps * (1 + scale)
     torch.testing.assert_close(out.double(), want, rtol=0, atol=tol)
     g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
     (grad,) = torch.autograd.grad(out, x, g.to(dtype))
     ref = x.detach().double().requires_grad_()
-    (want_grad,) = torch.autograd.grad(_suffix_reference(ref, index), ref, g)
+    (want_grad,) = torch.autograd.grad(_sequential_reference(ref, index), ref, g)
     torch.testing.assert_close(grad.double(), want_grad, rtol=0, atol=tol)
     assert (grad[0, 1, 7] == 0) and (grad[3, 0, :5] == 0).all()
 
 
-def test_suffix_log_masses_fall_back_where_the_floored_rest_would_be_wrong():
+def test_sequential_log_softmax_falls_back_where_the_floored_rest_would_be_wrong():
     """The last named item 80 nats below the best and the rest 95 below: float32's floored exps
     (−86) would count the rest 6000x too large; the composite path sums it from its own maximum."""
-    from capg_rec._numerics import _SuffixMasses, suffix_log_masses
+    from capg_rec._numerics import _SequentialLogSoftmax, sequential_log_softmax
 
     x = torch.full((1, 1, 1000), -95.0)
     x[0, 0, 0], x[0, 0, 1] = 0.0, -80.0
     index = torch.tensor([[0, 1]])
-    fused = _SuffixMasses.apply(x, index)[0]
-    want = _suffix_reference(x, index)
+    fused = _SequentialLogSoftmax.apply(x, index)[0]
+    want = _sequential_reference(x, index)
     assert (fused[0, 0, 1].double() - want[0, 0, 1]).abs() > 1.0  # what the check guards against
-    torch.testing.assert_close(suffix_log_masses(x, index).double(), want, rtol=0, atol=1e-4)
+    torch.testing.assert_close(sequential_log_softmax(x, index).double(), want, rtol=0, atol=1e-4)
 
 
-def test_suffix_log_masses_second_derivatives():
-    from capg_rec._numerics import suffix_log_masses
+def test_sequential_log_softmax_second_derivatives():
+    from capg_rec._numerics import sequential_log_softmax
 
     x = torch.randn(2, 2, 9, dtype=torch.float64, requires_grad=True)
     index = torch.tensor([[1, 4, 2], [0, 8, 3]])
-    assert torch.autograd.gradcheck(lambda t: suffix_log_masses(t, index), (x,))
-    assert torch.autograd.gradgradcheck(lambda t: suffix_log_masses(t, index), (x,))
+    assert torch.autograd.gradcheck(lambda t: sequential_log_softmax(t, index), (x,))
+    assert torch.autograd.gradgradcheck(lambda t: sequential_log_softmax(t, index), (x,))
 
 
 def _stable_top_k(x: torch.Tensor, k: int) -> torch.Tensor:
