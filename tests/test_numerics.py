@@ -406,6 +406,31 @@ def test_top_k_numpy_and_torch_paths_give_the_tie_policy(dtype, k):
     assert torch.equal(compiled(x), _stable_top_k(x, 8))
 
 
+@pytest.mark.parametrize("k", [1, 10, 31, 125])
+def test_top_k_grouped_path_gives_the_tie_policy(k):
+    """The pruned float32 path (rows of at least 8k entries): group maxima bound the k-th value from below;
+    ties, -inf rows, -0.0, a remainder after the last full group, strided rows, and NaN (left to the
+    partition path) give the stable sort's positions."""
+    from capg_rec._numerics import _top_k_grouped
+
+    gen = torch.Generator().manual_seed(5)
+    plain = torch.randn(6, 1003, generator=gen)
+    ties = torch.randint(0, 3, (6, 1003), generator=gen).float()
+    masked = ties.clone()
+    masked[masked == 0] = -math.inf
+    masked[1, :] = -math.inf
+    masked[2, 7:] = -math.inf  # fewer finite entries than k
+    masked[..., ::5] = -0.0
+    nan = plain.clone()
+    nan[4, 900] = math.nan
+    for x in (plain, ties, masked, torch.randn(6, 2006, generator=gen)[:, ::2], nan):
+        ref = _stable_top_k(x, k)
+        assert torch.equal(_top_k_numpy(x, k), ref)
+        assert torch.equal(top_k(x, k), ref)
+    assert _top_k_grouped(plain.numpy(), k) is not None  # the path under test
+    assert _top_k_grouped(nan.numpy(), k) is None
+
+
 def test_catalog_top_items_break_ties_alike_dense_and_streamed():
     """Duplicate item vectors tie: the dense and the chunked catalog return the same ids (lower id first)."""
     gen = torch.Generator().manual_seed(4)
