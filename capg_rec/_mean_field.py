@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from capg_rec._head_tail import summarize
-from capg_rec._numerics import safe_logsumexp
+from capg_rec._numerics import exp_, safe_logsumexp
 from capg_rec.catalog import CatalogScores, DenseCatalog
 
 __all__ = ["mean_field_log_inclusion"]
@@ -292,7 +292,7 @@ def _solve(s: Tensor, top: Tensor, log_rho: Tensor | None, tail: Tensor | None, 
     finfo = torch.finfo(s.dtype)
     tol = finfo.eps ** (2.0 / 3.0) if tol is None else tol
     compiling = torch.compiler.is_compiling()
-    rho = None if log_rho is None else torch.exp(log_rho)
+    rho = None if log_rho is None else exp_(log_rho.clone())
     # Eager: each phase stops once converged. Compiled (no early exit): max_iter steps in all,
     # the last one (at least) in log-space, which every row then goes through.
     fast_iter = min(max_iter - 1 if compiling else max_iter, _FAST_ITER)
@@ -326,7 +326,7 @@ class _FastSolve:
                  count: int) -> None:
         self.s, self.top, self.rho, self.tail, self.lower, self.count = s, top, rho, tail, lower, count
         self.finfo = finfo = torch.finfo(s.dtype)
-        rate = (s - top.unsqueeze(1)).exp_()  # e^d ≤ 1, with max 1 unless the row is empty
+        rate = exp_(s - top.unsqueeze(1))  # e^d ≤ 1, with max 1 unless the row is empty
         self.em1 = torch.empty_like(rate)
         mass = rate.sum(dim=1) if rho is None else torch.mul(rho, rate, out=self.em1).sum(dim=1)  # Σ ρ e^d
         if tail is not None:
