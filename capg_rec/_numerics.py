@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -328,78 +330,117 @@ def gather_with_rest(x: Tensor, index: Tensor, dim: int, drop: Tensor | None = N
     return _GatherWithRest.apply(x, index, drop, dim)[:2]
 
 
-def sequential_log_softmax(x: Tensor, index: Tensor) -> Tensor:
-    """``x[index_k] - log(Σ_{n ∉ index} e^{x_n} + Σ_{j ≥ k} e^{x[index_j]})`` per expert: the log-probability
-    that a Plackett-Luce draw takes the k-th named item from what the first k - 1 left, for ``x [B, M, N]``
-    (``-inf`` masks) and ``index [B, K]`` (distinct ids) → ``[B, M, K]``.
+Runs = tuple[tuple[int, int], ...]
+
+
+def sequential_log_softmax(x: Tensor, index: Tensor, runs: Runs) -> Tensor:
+    """``x_{m(k)}[index_k] - log(Σ_{n ∉ index_{<k}} e^{x_{m(k), n}})``: the log-probability that a Plackett-Luce
+    draw takes its k-th item from what the first k - 1 left, under the expert m(k) that draws position k,
+    for ``x [B, M, N]`` (``-inf`` masks), ``index [B, K]`` (distinct ids) and ``runs`` the experts' blocks of
+    consecutive positions ``((expert, count), ...)`` (:func:`~capg_rec.plackett_luce.expert_runs`) → ``[B, K]``.
 
     On the CPU (eager, outside ``torch.func``) one node (:class:`_SequentialLogSoftmax`): one pass over ``x``
-    forward and one backward (one ``[B, M, N]`` gradient, the named entries' share added in it), float64
-    suffix sums; it is exact where every suffix holds more than ``2^p`` times the floored exps' worst
-    error (p = mantissa bits), which a host read checks. Else, and on other devices, the composite
-    :func:`_sequential_log_softmax` (:func:`gather_with_rest` with its own maximum and
-    :func:`reverse_logcumsumexp`)."""
+    forward and one backward, float64 suffix sums over ``[B, K]``; it is exact where every suffix holds more
+    than ``2^p`` times the floored exps' worst error (p = mantissa bits), which a host read checks. Else, and
+    on other devices, the composite :func:`_sequential_log_softmax`."""
     if index.numel() and eager_cpu(x):
-        out, sums = _SequentialLogSoftmax.apply(x, index)[:2]
+        out, sums = _SequentialLogSoftmax.apply(x, index, runs)[:2]
         floor_error = x.shape[2] * math.exp(exp_floor(x.dtype))
         if float(sums.amin()) >= floor_error / torch.finfo(x.dtype).eps:  # a CPU tensor: no device sync
             return out
-    return _sequential_log_softmax(x, index)
+    return _sequential_log_softmax(x, index, runs)
 
 
-def _sequential_log_softmax(x: Tensor, index: Tensor) -> Tensor:
-    """:func:`sequential_log_softmax` in composite differentiable ops."""
+def _sequential_log_softmax(x: Tensor, index: Tensor, runs: Runs) -> Tensor:
+    """:func:`sequential_log_softmax` in composite differentiable ops (every expert at every position, then
+    each position's own)."""
     named, rest = gather_with_rest(x, index.unsqueeze(1).expand(-1, x.shape[1], -1), 2)
-    return named - reverse_logcumsumexp(torch.cat([named, rest.unsqueeze(2)], 2), 2)[..., :-1]
+    every = named - reverse_logcumsumexp(torch.cat([named, rest.unsqueeze(2)], 2), 2)[..., :-1]  # [B, M, K]
+    experts = _run_positions(runs, x.device)
+    return every.gather(1, experts.view(1, 1, -1).expand(x.shape[0], 1, -1))[:, 0]
+
+
+@functools.lru_cache(maxsize=64)
+def _run_positions(runs: Runs, device: torch.device) -> Tensor:
+    """The expert of each position ``[K]`` (made once)."""
+    return torch.tensor([e for e, n in runs for _ in range(n)], device=device)
 
 
 @bound_once
 class _SequentialLogSoftmax(torch.autograd.Function):
-    """:func:`sequential_log_softmax` on the CPU: the floored exps ``terms = e^{x - top}`` with the named
-    entries zeroed give the rest ``R``; the named entries' exact float64 exps ``e`` their suffix sums
-    ``S_k = R + Σ_{j ≥ k} e_j``; the output is ``log e_k - log S_k``. Backward, with ``r_k = g_k / S_k``:
-    ``-terms · Σ_k r_k`` plus, at the named entries, ``g_j - e_j Σ_{k ≤ j} r_k``. A higher-order gradient
-    differentiates the composite path instead. Outputs ``(log e - log S, S)``; S is for the accuracy
-    check only."""
+    """:func:`sequential_log_softmax` on the CPU. Expert m's floored exps ``terms = e^{x - top}``, zeroed at
+    the items drawn before its block ends, give its rest ``R_m``; the drawn items' exact float64 exps
+    ``e_k`` (each under its own expert) the block's suffix sums ``S_k = R_{m(k)} + Σ_{j ≥ k, j in the block}
+    e_j``; the output is ``log e_k - log S_k``. Backward, with ``r_k = g_k / S_k``: ``-terms_m · Σ_{k in m's
+    block} r_k`` plus, at each drawn item under its expert, ``g_j - e_j Σ_{k ≤ j in its block} r_k``. A
+    higher-order gradient differentiates the composite path instead. Outputs ``(log e - log S, S)``; S is
+    for the accuracy check only."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x: Tensor, index: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        idx = index.unsqueeze(1).expand(-1, x.shape[1], -1)
+    def forward(x: Tensor, index: Tensor, runs: Runs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        batch, num_experts, num_items = x.shape
         top = x.amax(dim=2, keepdim=True).clamp_min_(torch.finfo(x.dtype).min)
         terms = exp_floored_(x - top)
-        if x.shape[1] == 1:
-            terms.scatter_(2, idx, 0.0)
-        else:  # zeros at the named items through a [B, 1, N] mask: B·K writes, not B·M·K (3x faster on the CPU)
-            terms.mul_(torch.ones_like(x[:, :1]).scatter_(2, index.unsqueeze(1), 0.0))
-        shifted = x.gather(2, idx).double() - top.double()
+        # Each expert's terms zeroed at the items drawn before its block ends: Σ ends ≤ M·K writes per row.
+        for (expert, _), end in zip(runs, itertools.accumulate(n for _, n in runs)):
+            terms[:, expert].scatter_(1, index[:, :end], 0.0)
+        if len(runs) == 1:  # one expert draws all: broadcasts rather than gathers
+            (expert, _), = runs
+            picked, top_of = x[:, expert].gather(1, index), top[:, expert]
+            rest = terms[:, expert].sum(1, keepdim=True)
+        else:
+            experts = _run_positions(runs, x.device)
+            picked = x.reshape(batch, -1).gather(1, experts * num_items + index)  # each under its own expert
+            top_of, rest = top[:, experts, 0], terms.sum(2)[:, experts]
+        shifted = picked.double() - top_of.double()  # [B, K]
         named = shifted.exp()
-        # The rest summed in x's dtype (torch's cascade sum): a float64 sum of [B, M, N] would convert a copy.
-        sums = named.flip(2).cumsum_(2).flip(2).add_(terms.sum(2, keepdim=True).double())
+        # The rests summed in x's dtype: a float64 sum of [B, M, N] would convert a copy.
+        sums = _block_suffix(named, runs, reverse=True).add_(rest.double())
         return shifted.sub_(sums.log()).to(x.dtype), sums, terms, named
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: tuple) -> None:
-        x, index = inputs
+        x, index, runs = inputs
         _, sums, terms, named = output
         ctx.mark_non_differentiable(sums, terms, named)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(x, index, sums, terms, named)
+        ctx.runs = runs
 
     @staticmethod
-    def backward(ctx, grad: Tensor | None, *_) -> tuple[Tensor | None, None]:
+    def backward(ctx, grad: Tensor | None, *_) -> tuple[Tensor | None, None, None]:
         if grad is None:
-            return None, None
+            return None, None, None
         x, index, sums, terms, named = ctx.saved_tensors
+        runs = ctx.runs
         if torch.is_grad_enabled():  # a recorded backward: through the composite path's ops
             with torch.enable_grad():
-                out = _sequential_log_softmax(x, index)
-            return torch.autograd.grad(out, x, grad, create_graph=True)[0], None
+                out = _sequential_log_softmax(x, index, runs)
+            return torch.autograd.grad(out, x, grad, create_graph=True)[0], None, None
+        batch, num_experts, num_items = x.shape
         ratio = grad.double() / sums  # S_k >= e_k > 0
-        grad_named = (grad.double() - named * ratio.cumsum(2)).to(x.dtype)
-        grad_x = scaled_terms(terms, -ratio.sum(2, keepdim=True).to(x.dtype))
-        return grad_x.scatter_add_(2, index.unsqueeze(1).expand(-1, x.shape[1], -1), grad_named), None
+        grad_named = (grad.double() - named * _block_suffix(ratio, runs, reverse=False)).to(x.dtype)
+        if num_experts == 1:
+            grad_x = scaled_terms(terms, ratio.sum(1).neg_().to(x.dtype).view(batch, 1, 1))
+            grad_x[:, 0].scatter_add_(1, index, grad_named)
+            return grad_x, None, None
+        coef = torch.zeros(batch, num_experts, 1, dtype=x.dtype, device=x.device)
+        block_sums = torch.stack([r.sum(1) for r in ratio.split([n for _, n in runs], 1)], 1)
+        coef[:, [e for e, _ in runs], 0] = block_sums.neg_().to(x.dtype)
+        grad_x = scaled_terms(terms, coef).contiguous()  # terms follow x's layout
+        experts = _run_positions(runs, x.device)
+        grad_x.view(batch, -1).scatter_add_(1, experts * num_items + index, grad_named)
+        return grad_x, None, None
+
+
+def _block_suffix(x: Tensor, runs: Runs, *, reverse: bool) -> Tensor:
+    """Cumulative sums of ``x [B, K]`` within each block of consecutive positions: from the block's end
+    (``reverse``) or from its start."""
+    parts = x.split([n for _, n in runs], 1) if len(runs) > 1 else (x,)
+    sums = [p.flip(1).cumsum(1).flip(1) if reverse else p.cumsum(1) for p in parts]
+    return torch.cat(sums, 1) if len(sums) > 1 else sums[0]
 
 
 def filled_logsumexp(x: Tensor, dim: int) -> Tensor:

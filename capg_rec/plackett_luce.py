@@ -153,7 +153,8 @@ def _candidate_log_prob(catalog: CatalogScores, candidates: Tensor, with_replace
             return log_softmax.sum(dim=(1, 2))
         return catalog.log_softmax(candidates).gather(1, idx)[:, 0].sum(dim=1)
     if isinstance(catalog, DenseCatalog):  # one node over the logits
-        return sequential_log_softmax(catalog.scores, candidates).gather(1, idx)[:, 0].sum(dim=1)
+        runs = expert_runs(num_candidates, catalog.num_experts)
+        return sequential_log_softmax(catalog.scores, candidates, runs).sum(dim=1)
     scores, outside = catalog.gather_with_rest(candidates)  # [B, M, K], [B, M]: items never drawn
     picked = scores.gather(1, idx)[:, 0]  # [B, K]: s_{m(k)}(a_k)
     # Σ_{j ≥ k} exp(s_j) + exp(outside): a suffix sum whose last term is the never-drawn mass

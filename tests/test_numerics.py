@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from capg_rec import CAPGLoss, DenseCatalog, EmbeddingCatalog, VPGLoss, sample_candidates
+from capg_rec.plackett_luce import expert_runs
 from capg_rec._numerics import (_top_k_numpy, _top_k_torch, exp_floor, filled_logsumexp, gather_with_rest,
                                log_softmax_at, masked_logsumexp, scaled_terms, top_k)
 from capg_rec.catalog import _chunked_top_k, _ChunkedLogPowerSums
@@ -311,39 +312,43 @@ def test_chunked_reductions_raise_on_overflowing_scores_when_checking():
         _ChunkedLogPowerSums.apply(user[:1], item[2:3], None, 1, 1, True)
 
 
-def _sequential_reference(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``x[index_k] - logsumexp(x[index_{k:}] ∪ rest)`` term by term, in float64."""
+def _sequential_reference(x: torch.Tensor, index: torch.Tensor, runs) -> torch.Tensor:
+    """``x_{m(k)}[index_k] - logsumexp_{n ∉ index_{<k}} x_{m(k), n}`` position by position, in float64."""
     x = x.double()
-    idx = index.unsqueeze(1).expand(-1, x.shape[1], -1)
-    rest = torch.logsumexp(x.scatter(2, idx, -math.inf), 2, keepdim=True)
-    named = x.gather(2, idx)
-    return named - torch.stack([torch.logsumexp(torch.cat([named[..., k:], rest], 2), 2)
-                                for k in range(index.shape[1])], 2)
+    experts = [e for e, n in runs for _ in range(n)]
+    out = []
+    for k, m in enumerate(experts):
+        left = x[:, m].scatter(1, index[:, :k], -math.inf) if k else x[:, m]
+        out.append(x[:, m].gather(1, index[:, k:k + 1])[:, 0] - torch.logsumexp(left, 1))
+    return torch.stack(out, 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("scale", [1.0, 30.0, 400.0])
-def test_sequential_log_softmax_matches_the_term_by_term_sums(dtype, scale):
+@pytest.mark.parametrize("num_experts, num_candidates", [(1, 6), (2, 6), (3, 7), (3, 2)])
+def test_sequential_log_softmax_matches_the_term_by_term_sums(dtype, scale, num_experts, num_candidates):
     """The one-node CPU path (typical spreads) and the composite one it falls back to (suffixes below the
-    floored exps' error: spreads of hundreds) give the float64 value and gradient, masks included."""
+    floored exps' error: spreads of hundreds) give the float64 value and gradient, masks included, for even
+    and uneven blocks and for experts without one."""
     from capg_rec._numerics import sequential_log_softmax
 
     gen = torch.Generator().manual_seed(3)
-    x = scale * torch.randn(5, 2, 40, generator=gen, dtype=torch.float64)
-    x[0, 1, 7] = x[3, 0, :5] = -math.inf
-    index = torch.stack([torch.randperm(40, generator=gen)[:6] for _ in range(5)])
+    runs = expert_runs(num_candidates, num_experts)
+    x = scale * torch.randn(5, num_experts, 40, generator=gen, dtype=torch.float64)
+    x[0, -1, 7] = x[3, 0, :5] = -math.inf
+    index = torch.stack([torch.randperm(40, generator=gen)[:num_candidates] for _ in range(5)])
     index[0, 0], index[3, 0] = 8, 6  # named items stay unmasked
     x = x.to(dtype).requires_grad_()
-    out = sequential_log_softmax(x, index)
-    want = _sequential_reference(x.detach(), index)
+    out = sequential_log_softmax(x, index, runs)
+    want = _sequential_reference(x.detach(), index, runs)
     tol = 64 * torch.finfo(dtype).eps * (1 + scale)
     torch.testing.assert_close(out.double(), want, rtol=0, atol=tol)
     g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
     (grad,) = torch.autograd.grad(out, x, g.to(dtype))
     ref = x.detach().double().requires_grad_()
-    (want_grad,) = torch.autograd.grad(_sequential_reference(ref, index), ref, g)
+    (want_grad,) = torch.autograd.grad(_sequential_reference(ref, index, runs), ref, g)
     torch.testing.assert_close(grad.double(), want_grad, rtol=0, atol=tol)
-    assert (grad[0, 1, 7] == 0) and (grad[3, 0, :5] == 0).all()
+    assert (grad[0, -1, 7] == 0) and (grad[3, 0, :5] == 0).all()
 
 
 def test_sequential_log_softmax_falls_back_where_the_floored_rest_would_be_wrong():
@@ -354,10 +359,11 @@ def test_sequential_log_softmax_falls_back_where_the_floored_rest_would_be_wrong
     x = torch.full((1, 1, 1000), -95.0)
     x[0, 0, 0], x[0, 0, 1] = 0.0, -80.0
     index = torch.tensor([[0, 1]])
-    fused = _SequentialLogSoftmax.apply(x, index)[0]
-    want = _sequential_reference(x, index)
-    assert (fused[0, 0, 1].double() - want[0, 0, 1]).abs() > 1.0  # what the check guards against
-    torch.testing.assert_close(sequential_log_softmax(x, index).double(), want, rtol=0, atol=1e-4)
+    runs = ((0, 2),)
+    fused = _SequentialLogSoftmax.apply(x, index, runs)[0]
+    want = _sequential_reference(x, index, runs)
+    assert (fused[0, 1].double() - want[0, 1]).abs() > 1.0  # what the check guards against
+    torch.testing.assert_close(sequential_log_softmax(x, index, runs).double(), want, rtol=0, atol=1e-4)
 
 
 def test_sequential_log_softmax_second_derivatives():
@@ -365,8 +371,9 @@ def test_sequential_log_softmax_second_derivatives():
 
     x = torch.randn(2, 2, 9, dtype=torch.float64, requires_grad=True)
     index = torch.tensor([[1, 4, 2], [0, 8, 3]])
-    assert torch.autograd.gradcheck(lambda t: sequential_log_softmax(t, index), (x,))
-    assert torch.autograd.gradgradcheck(lambda t: sequential_log_softmax(t, index), (x,))
+    runs = ((0, 2), (1, 1))
+    assert torch.autograd.gradcheck(lambda t: sequential_log_softmax(t, index, runs), (x,))
+    assert torch.autograd.gradgradcheck(lambda t: sequential_log_softmax(t, index, runs), (x,))
 
 
 def _stable_top_k(x: torch.Tensor, k: int) -> torch.Tensor:
