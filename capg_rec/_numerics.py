@@ -66,8 +66,9 @@ _LOG2_E = 1.0 / math.log(2.0)
 
 def exp_floored_(x: Tensor) -> Tensor:
     """:func:`exp_floored` in place. float32 on the CPU goes through ``exp2``: torch's CPU ``exp`` of
-    float32 is ~3x slower (a pass over ``[128, 1000]``: 105 against 38 µs). That costs a relative error of
-    at most ``|x|·eps`` (1e-5 at the floor), in terms far below the 1 that dominates their sums."""
+    float32 is ~3x slower than ``exp2``, ~1.6x with the multiply (``benchmarks/cpu_kernels.py``). That
+    costs a relative error of at most ``|x|·eps`` (1e-5 at the floor), in terms far below the 1 that
+    dominates their sums."""
     return exp_(x.clamp_min_(exp_floor(x.dtype)))
 
 
@@ -530,14 +531,20 @@ _NUMPY_TOP_K = (torch.float32, torch.float64)
 
 
 def _top_k_numpy(x: Tensor, k: int) -> Tensor:
-    """:func:`top_k` of a CPU tensor: for float32 rows much longer than k, :func:`_top_k_grouped`;
-    otherwise numpy's (vectorised) partition gives each row's k-th value; the entries above it, and the
-    lowest positions of those equal to it, are kept; one sort orders the k."""
+    """:func:`top_k` of a CPU tensor: :func:`_top_k_grouped` for float32 rows much longer than k, else
+    :func:`_top_k_partition`."""
+    n = x.shape[-1]
+    pos = _top_k_grouped(x.reshape(-1, n).numpy(), k) if x.dtype == torch.float32 else None
+    if pos is None:
+        return _top_k_partition(x, k)
+    return torch.from_numpy(pos).view(*x.shape[:-1], k)
+
+
+def _top_k_partition(x: Tensor, k: int) -> Tensor:
+    """:func:`top_k` of a CPU tensor: numpy's (vectorised) partition gives each row's k-th value; the
+    entries above it, and the lowest positions of those equal to it, are kept; one sort orders the k."""
     n = x.shape[-1]
     a = x.reshape(-1, n).numpy()
-    pos = _top_k_grouped(a, k) if a.dtype == np.float32 else None
-    if pos is not None:
-        return torch.from_numpy(pos).view(*x.shape[:-1], k)
     kth = np.partition(a, n - k, axis=1)[:, n - k:n - k + 1]
     kept = a >= kth
     flat = _rows_of(np.flatnonzero(kept), a.shape[0], k, n)
@@ -557,7 +564,8 @@ def _top_k_grouped(a: np.ndarray, k: int) -> np.ndarray | None:
     reduction) are entries of the row, so the k-th largest of them is at most the row's k-th largest, and
     every entry of the top k is at least it. Only the entries that reach it (typically a few times k)
     are sorted, in one ``(row, value descending)`` key whose stable order puts lower positions first among
-    equal values. About 3x faster than the partition at ``k = 10`` of 1000, 10x at 50 of 10^5."""
+    equal values. About 3x faster than the partition at ``k = 10`` of 1000, 8x at 50 of 10^5
+    (``benchmarks/cpu_kernels.py``)."""
     num_rows, n = a.shape
     size = n // (4 * k) if k else 0
     if size < 2 or num_rows == 0:

@@ -116,3 +116,11 @@ def test_reverse_logcumsumexp_benchmark_runs_and_its_gradient_is_the_more_accura
     assert len(timings) == 4 and all(float(r[1]) > 0 and float(r[2]) > 0 for r in timings)
     assert set(errors) == {"1", "300", "10000"}
     assert errors["10000"][1] < errors["10000"][0] / 10
+
+
+def test_cpu_kernels_benchmark_times_every_kernel(capsys):
+    """benchmarks/cpu_kernels.py: a row per kernel with positive times, printed as a table."""
+    rows = load_script("benchmarks/cpu_kernels.py").main(["--reps", "1"])
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert len(rows) == 7 and len(table) == 8
+    assert all(ours > 0 and old > 0 and (other is None or other > 0) for _, ours, old, other in rows)
