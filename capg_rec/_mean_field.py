@@ -300,14 +300,26 @@ def _solve(s: Tensor, top: Tensor, log_rho: Tensor | None, tail: Tensor | None, 
         fast = _FastSolve(s, top, rho, tail, lower, count)
         kappa, done = fast.run(fast_iter, tol, compiling)
         if not compiling:
-            all_done, large = torch.stack((done.all(), fast.large.any())).tolist()
+            all_done, some_done, large = torch.stack((done.all(), done.any(), (fast.large & done).any())).tolist()
             if all_done:
                 return fast.finish(kappa, survive, large)
+            if some_done:  # the log-space solve on the rows left alone (first: finish spends ρ's buffer)
+                rows = (~done).nonzero().squeeze(1)
+                part = [None if x is None else x.index_select(0, rows) for x in (s, top, rho, log_rho, tail, lower)]
+                left = _robust_solve(*part, count, kappa.index_select(0, rows), max_iter, tol, False, survive)
+                return tuple(o.index_copy_(0, rows, p) for o, p in zip(fast.finish(kappa, survive, large), left))
     else:
         kappa = torch.full_like(top, math.nan)  # the log-space solve starts from its own bound
+    return _robust_solve(s, top, rho, log_rho, tail, lower, count, kappa,
+                         max_iter - fast_iter if compiling else max_iter, tol, compiling, survive)
+
+
+def _robust_solve(s: Tensor, top: Tensor, rho: Tensor | None, log_rho: Tensor | None, tail: Tensor | None,
+                  lower: Tensor | None, count: int, kappa: Tensor, iters: int, tol: float, compiling: bool,
+                  survive: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:func:`_solve`'s outputs from :class:`_RobustSolve` started at ``kappa`` (NaN: its own bound)."""
     d = s - top.unsqueeze(1)  # relative scores, max 0
-    robust = _RobustSolve(d, rho, log_rho, tail, lower, count)
-    kappa, *shares = robust.run(kappa, max_iter - fast_iter if compiling else max_iter, tol, compiling)
+    kappa, *shares = _RobustSolve(d, rho, log_rho, tail, lower, count).run(kappa, iters, tol, compiling)
     neg_rate = -torch.exp((d - kappa.unsqueeze(1)).clamp(max=_log_max(d.dtype))) if survive else s[:, :0]
     return kappa, *shares, torch.ones_like(kappa), neg_rate
 
