@@ -357,14 +357,14 @@ def _sequential_log_softmax(x: Tensor, index: Tensor, runs: Runs) -> Tensor:
     each position's own)."""
     named, rest = gather_with_rest(x, index.unsqueeze(1).expand(-1, x.shape[1], -1), 2)
     every = named - reverse_logcumsumexp(torch.cat([named, rest.unsqueeze(2)], 2), 2)[..., :-1]  # [B, M, K]
-    experts = _run_positions(runs, x.device)
+    experts = position_index(runs, x.device)
     return every.gather(1, experts.view(1, 1, -1).expand(x.shape[0], 1, -1))[:, 0]
 
 
 @functools.lru_cache(maxsize=64)
-def _run_positions(runs: Runs, device: torch.device) -> Tensor:
-    """The expert of each position ``[K]`` (made once)."""
-    return torch.tensor([e for e, n in runs for _ in range(n)], device=device)
+def position_index(runs: Runs, device: torch.device, of_block: bool = False) -> Tensor:
+    """The expert (or, with ``of_block``, the block) of each position ``[K]``; made once per runs and device."""
+    return torch.tensor([i if of_block else e for i, (e, n) in enumerate(runs) for _ in range(n)], device=device)
 
 
 @bound_once
@@ -392,7 +392,7 @@ class _SequentialLogSoftmax(torch.autograd.Function):
             picked, top_of = x[:, expert].gather(1, index), top[:, expert]
             rest = terms[:, expert].sum(1, keepdim=True)
         else:
-            experts = _run_positions(runs, x.device)
+            experts = position_index(runs, x.device)
             picked = x.reshape(batch, -1).gather(1, experts * num_items + index)  # each under its own expert
             top_of, rest = top[:, experts, 0], terms.sum(2)[:, experts]
         shifted = picked.double() - top_of.double()  # [B, K]
@@ -431,7 +431,7 @@ class _SequentialLogSoftmax(torch.autograd.Function):
         block_sums = torch.stack([r.sum(1) for r in ratio.split([n for _, n in runs], 1)], 1)
         coef[:, [e for e, _ in runs], 0] = block_sums.neg_().to(x.dtype)
         grad_x = scaled_terms(terms, coef).contiguous()  # terms follow x's layout
-        experts = _run_positions(runs, x.device)
+        experts = position_index(runs, x.device)
         grad_x.view(batch, -1).scatter_add_(1, experts * num_items + index, grad_named)
         return grad_x, None, None
 
@@ -439,8 +439,7 @@ class _SequentialLogSoftmax(torch.autograd.Function):
 def _block_suffix(x: Tensor, runs: Runs, *, reverse: bool) -> Tensor:
     """Cumulative sums of ``x [B, K]`` within each block of consecutive positions: from the block's end
     (``reverse``) or from its start."""
-    parts = x.split([n for _, n in runs], 1) if len(runs) > 1 else (x,)
-    sums = [p.flip(1).cumsum(1).flip(1) if reverse else p.cumsum(1) for p in parts]
+    sums = [p.flip(1).cumsum(1).flip(1) if reverse else p.cumsum(1) for p in x.split([n for _, n in runs], 1)]
     return torch.cat(sums, 1) if len(sums) > 1 else sums[0]
 
 

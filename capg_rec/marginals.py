@@ -37,7 +37,7 @@ from capg_rec._checks import check_count, check_items, check_positive, resolve_v
 from capg_rec._exact import DEFAULT_MEMORY_BUDGET, EXACT_NUM_POWERS, exact_log_inclusion
 from capg_rec._mean_field import mean_field_log_inclusion
 from capg_rec._head_tail import head_size_for, summarize
-from capg_rec._numerics import bound_once, eager_cpu, filled_logsumexp, log1mexp, \
+from capg_rec._numerics import bound_once, eager_cpu, filled_logsumexp, log1mexp, position_index, \
     reverse_logcumsumexp, safe_logaddexp, safe_logsumexp, select_experts
 from capg_rec.catalog import CatalogScores, as_catalog
 from capg_rec.plackett_luce import check_enough_items, expert_runs
@@ -86,7 +86,7 @@ def _plugin(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
         return _plugin_one_block(scores[:, :size], rest[:, expert], scores[:, size:], _left_out(pool, items))
     denom = _plugin_denominators(select_experts(named, experts)[..., :size], select_experts(rest, experts), pool,
                                  items, runs, catalog.num_items)  # views when the blocks' experts are consecutive
-    position_expert = _position_index(tuple(runs), catalog.device, False)
+    position_expert = position_index(tuple(runs), catalog.device, False)
     return _log_first_hit(named[..., size:].index_select(1, position_expert).transpose(1, 2) - denom)
 
 
@@ -99,12 +99,6 @@ def _log_first_hit(log_hazard: Tensor) -> Tensor:
     log_miss = log1mexp(log_hazard)
     log_miss_before = torch.nn.functional.pad(torch.cumsum(log_miss, dim=2)[..., :-1], (1, 0))
     return safe_logsumexp(log_hazard + log_miss_before, dim=2)
-
-
-@functools.lru_cache(maxsize=64)
-def _position_index(runs: tuple[tuple[int, int], ...], device: torch.device, of_block: bool) -> Tensor:
-    """The expert (or, with ``of_block``, the block) of each position ``[K]``; made once per runs and device."""
-    return torch.tensor([i if of_block else e for i, (e, n) in enumerate(runs) for _ in range(n)], device=device)
 
 
 def _left_out(pool: Tensor, items: Tensor) -> Tensor:
@@ -266,7 +260,7 @@ def _plugin_denominators(scores: Tensor, rest: Tensor, pool: Tensor, items: Tens
     later = reverse_logcumsumexp(pre, dim=3)  # [B, L, M', K-1]: the prefix from position k on
     later = torch.cat([later, later.new_full((*later.shape[:3], 1), -torch.inf)], dim=3)
     denom = safe_logaddexp(base.unsqueeze(3), later)  # [B, L, M', K]
-    block = _position_index(tuple(runs), pool.device, True)
+    block = position_index(tuple(runs), pool.device, True)
     return denom.gather(2, block.view(1, 1, 1, -1).expand(batch, num_targets, 1, -1)).squeeze(2)
 
 
