@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> list[tuple[str, float, float, float |
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=200)
     args = parser.parse_args(argv)
+    if args.reps < 1:
+        parser.error(f"--reps must be >= 1, got {args.reps}")
     gen = torch.Generator().manual_seed(0)
     rows = []
     for shape in EXP_SHAPES:

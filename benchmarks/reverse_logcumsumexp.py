@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args(argv)
+    if args.reps < 1:
+        parser.error(f"--reps must be >= 1, got {args.reps}")
     torch.set_num_threads(1)
     device = torch.device(args.device)
     print("| shape | torch ms | capg_rec ms | ratio |\n|---|---|---|---|")

@@ -124,3 +124,11 @@ def test_cpu_kernels_benchmark_times_every_kernel(capsys):
     table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert len(rows) == 7 and len(table) == 8
     assert all(ours > 0 and old > 0 and (other is None or other > 0) for _, ours, old, other in rows)
+
+
+@pytest.mark.parametrize("script", ["benchmarks/cpu_kernels.py", "benchmarks/reverse_logcumsumexp.py"])
+def test_benchmarks_refuse_no_repetitions(script, capsys):
+    """--reps 0 is a usage error naming the option, not a failure to take the median of nothing."""
+    with pytest.raises(SystemExit) as raised:
+        load_script(script).main(["--reps", "0"])
+    assert raised.value.code == 2 and "--reps must be >= 1, got 0" in capsys.readouterr().err
