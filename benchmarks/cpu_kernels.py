@@ -5,6 +5,8 @@
 - exp of float32: ``torch.exp`` against ``exp_floored_`` (``exp2`` of ``x·log2 e`` on the CPU) of a copy
   (one new buffer each), on ``[128, 1000]`` and ``[128, 5, 1000]`` standard normals shifted to a maximum
   of 0;
+- expm1 of float32: ``torch.expm1`` against ``expm1_`` (numpy's vectorised ``expm1`` on the CPU) into a
+  buffer, on ``-e^x`` of the same (the arguments of mean-field's Newton steps);
 - top-k of float32 rows, best first with capg_rec's tie policy: ``top_k`` (the pruned path where rows hold
   at least 8k entries) against its partition path and ``torch.topk`` (which does not order ties alike).
 
@@ -21,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from capg_rec._numerics import _top_k_partition, exp_floored_, top_k
+from capg_rec._numerics import _top_k_partition, exp_floored_, expm1_, top_k
 
 EXP_SHAPES = [(128, 1000), (128, 5, 1000)]
 TOP_K = [(128, 1000, 10), (128, 1000, 50), (640, 1000, 200), (128, 16384, 100), (128, 100_000, 50)]
@@ -51,6 +53,11 @@ def main(argv: list[str] | None = None) -> list[tuple[str, float, float, float |
         x -= x.amax(-1, keepdim=True)
         rows.append((f"exp {list(shape)}", median_us(lambda: exp_floored_(x.clone()), args.reps),
                      median_us(lambda: torch.exp(x), args.reps), None))
+    for shape in EXP_SHAPES:
+        x = -torch.randn(shape, generator=gen).exp()
+        out = torch.empty_like(x)
+        rows.append((f"expm1 {list(shape)}", median_us(lambda: expm1_(x, out), args.reps),
+                     median_us(lambda: torch.expm1(x, out=out), args.reps), None))
     for num_rows, n, k in TOP_K:
         x = torch.randn(num_rows, n, generator=gen)
         reps = max(3, args.reps * 1000 // (num_rows * n // 128))

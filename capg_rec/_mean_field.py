@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from capg_rec._head_tail import summarize
-from capg_rec._numerics import exp_, safe_logsumexp
+from capg_rec._numerics import exp_, expm1_, safe_logsumexp
 from capg_rec.catalog import CatalogScores, DenseCatalog
 
 __all__ = ["mean_field_log_inclusion"]
@@ -388,7 +388,7 @@ class _FastSolve:
         target = math.sqrt(tol)  # the derivatives are corrected to first order: their error is its square
         eps4 = 4 * finfo.eps
         for it in range(iters):
-            torch.expm1(neg_rate, out=em1)  # -(1 - e^{-x})
+            expm1_(neg_rate, em1)  # -(1 - e^{-x})
             if rho is None:
                 neg_hit = em1.sum(dim=1)
                 torch.addcmul(neg_rate, neg_rate, em1, out=dens)  # -x e^{-x}
@@ -447,7 +447,7 @@ class _FastSolve:
         if exact:  # -ρ x e^{-x} = -ρ e^{d - κ - x} at κ, one exp pass: accurate at any rate
             self.neg_rate.addcmul_(self.neg_rate, r)
             dens = torch.sub(self.s, self.top.unsqueeze(1), out=self.dens).sub_(kappa.unsqueeze(1))
-            dens.add_(self.neg_rate).exp_()
+            exp_(dens.add_(self.neg_rate))
             self.dens = dens.mul_(self.rho).neg_() if self.rho is not None else dens.neg_()
         elif survive:  # ρ is spent: its buffer holds the rates' increments
             moved = torch.mul(self.neg_rate, r, out=self.rho) if self.rho is not None else self.neg_rate * r
@@ -535,7 +535,7 @@ class _RobustSolve:
             scale_q = torch.maximum(scale_q, tail_log[:, 0])
         scale_q = scale_q.clamp(min=finfo.min)
         c = torch.exp(arg - torch.addcmul(rest * scale_q.unsqueeze(1), sat, scale_p.unsqueeze(1)))
-        em1 = torch.expm1(-x)
+        em1 = expm1_(x.neg())
         miss = em1 + 1.0
         hit_per_x = (finfo.tiny - em1) / (x + finfo.tiny)  # (1 - e^{-x}) / x, 1 where x underflows
         saturated = sat.sum(dim=1) if self.rho is None else torch.linalg.vecdot(self.rho, sat)
