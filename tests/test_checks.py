@@ -14,11 +14,15 @@ import capg_rec._checks
 from capg_rec.testing import count_host_syncs
 
 
-@pytest.fixture(params=["host", "torch"])
+@pytest.fixture(params=["host", "host-sorted", "torch"])
 def path(request, monkeypatch):
-    """Run the checks through numpy ("host") or through torch ops and one read-back ("torch")."""
+    """Run the checks through numpy ("host": candidates marked in a [B, N] bitmap; "host-sorted": the sort
+    and [B, L, K] comparison that catalogs too large for the bitmap take) or through torch ops and one
+    read-back ("torch")."""
     if request.param == "torch":
         monkeypatch.setattr(capg_rec._checks, "_host_view", lambda x: None)
+    if request.param == "host-sorted":
+        monkeypatch.setattr(capg_rec._checks, "_COUNTS", 0)
     return request.param
 
 
@@ -129,7 +133,7 @@ def test_host_path_reads_nothing_back_and_torch_path_once(path):
     logits.requires_grad_()
     with count_host_syncs() as calls:
         CAPGLoss(5, method="with_replacement")(logits, cand, chosen, rewards)
-    if path == "host":
+    if path.startswith("host"):
         assert set(calls) <= {"numpy"}  # views of host memory, not read-backs
     else:
         assert calls == ["tolist"]
