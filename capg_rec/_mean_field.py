@@ -533,7 +533,9 @@ class _RobustSolve:
             coef, powers = _tail_coefficients(self.tail)
             tail_log = self.tail - powers * kappa.unsqueeze(1)
             scale_q = torch.maximum(scale_q, tail_log[:, 0])
-        scale_q = scale_q.clamp(min=finfo.min)
+        # With no rest term (every live item saturated; the others masked) Q is 0 and its scale would be
+        # the mask's: P's scale instead, so that the logs below stay comparable and nothing is absorbed.
+        scale_q = torch.where(scale_q > finfo.min / 8, scale_q, scale_p)
         c = torch.exp(arg - torch.addcmul(rest * scale_q.unsqueeze(1), sat, scale_p.unsqueeze(1)))
         em1 = expm1_(x.neg())
         miss = em1 + 1.0

@@ -3,13 +3,16 @@ construction, float32 against float64, masks, extreme inputs, second derivatives
 torch.func, and accuracy against the exact method."""
 
 import math
+import unittest.mock
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import capg_rec._mean_field as mean_field
-from capg_rec import DenseCatalog, EmbeddingCatalog, inclusion_log_prob
+from capg_rec import DenseCatalog, EmbeddingCatalog, inclusion_log_prob, testing
 from capg_rec._mean_field import mean_field_log_inclusion
 from capg_rec.plackett_luce import expert_runs
 from tests import references
@@ -321,6 +324,48 @@ def test_gradcheck_and_gradgradcheck(n, k, m):
         return _log_inclusion(x, items, k)
     assert torch.autograd.gradcheck(fn, (scores,))
     assert torch.autograd.gradgradcheck(fn, (scores,))
+
+
+@pytest.mark.parametrize(("row", "k"), [([300.0, 0.0, 0.0, -math.inf], 2), ([1000.0, 0, 0, 0, 0, 0], 4),
+                                        ([300.0, 0.0, 0.0, -20.0], 2)])
+def test_rows_whose_live_items_all_saturate_have_the_right_gradient(row, k):
+    """Regression: where every live item of a row is saturated (``x > ω``: score gaps in the hundreds,
+    K near the number of live items) the log-space solve took the empty rest group's scale from the
+    mask, a logaddexp absorbed the saturated items' mean rate, and the gradient came out multiplied
+    by it (0.226 for 0.173 in the first row, float32 and float64 alike). The values were right."""
+    scores = torch.tensor([[row]], dtype=torch.float64).expand(2, 1, -1).clone()
+    scores[1] -= 7.0  # and a shifted copy: the same answers
+    live = [i for i, v in enumerate(row) if math.isfinite(v)]
+    items = torch.tensor(live).expand(2, -1)
+    assert torch.autograd.gradcheck(lambda x: _log_inclusion(x, items, k), (scores.requires_grad_(),))
+    _, grad = _value_and_grad(scores, items, k)
+    torch.testing.assert_close(grad[0], grad[1], rtol=0.0, atol=1e-12)
+    torch.testing.assert_close(grad.sum(dim=2), torch.zeros(2, 1, dtype=torch.float64), rtol=0.0, atol=1e-12)
+
+
+@settings(max_examples=40)
+@given(data=st.data())
+def test_log_space_solve_passes_gradcheck(data):
+    """The log-space solve on every row (the fast one switched off), on tiny float64 catalogs (one expert
+    or two) with masks and ties: its derivatives are those of its values (finite differences).
+
+    Logits lie in [-5, 5], so rates stay below ``x ≲ 10`` and third derivatives below ``x² ≈ 100``:
+    central differences with step 1e-5 err by ``h²/6 · 100 ≈ 2e-9``, and κ, solved to ``tol = 1e-13``
+    (or 4 of its ulps, 1e-14 here), adds ``1e-13 / h = 1e-8``; ``atol = 1e-6`` is 100 times that. (Gaps
+    of thousands make derivatives of order ``x^n`` with ``x ~ e^{gap}``, beyond any finite difference:
+    the saturated rows above are checked one by one.)"""
+    scores = data.draw(testing.logits(max_batch=2, max_experts=2, min_items=2, max_items=6, masked=True,
+                                      extreme=False, dtype=torch.float64))
+    scores = scores if scores.dim() == 3 else scores.unsqueeze(1)
+    k = data.draw(st.integers(1, scores.shape[2] - 1))
+    items = torch.arange(scores.shape[2]).expand(scores.shape[0], -1)
+
+    def fn(x):
+        out = _log_inclusion(x, items, k, tol=1e-13)
+        return out.masked_fill(~torch.isfinite(out), 0.0)
+
+    with unittest.mock.patch.object(mean_field, "_FAST_ITER", 0):
+        assert torch.autograd.gradcheck(fn, (scores.requires_grad_(),), eps=1e-5, atol=1e-6)
 
 
 def test_gradcheck_through_the_tail():
