@@ -368,6 +368,7 @@ def _sequential_log_softmax(x: Tensor, index: Tensor, runs: Runs) -> Tensor:
     each position's own)."""
     named, rest = gather_with_rest(x, index.unsqueeze(1).expand(-1, x.shape[1], -1), 2)
     every = named - reverse_logcumsumexp(torch.cat([named, rest.unsqueeze(2)], 2), 2)[..., :-1]  # [B, M, K]
+    every = every.masked_fill(named == -math.inf, -math.inf)  # a masked draw with nothing left: not NaN
     experts = position_index(runs, x.device)
     return every.gather(1, experts.view(1, 1, -1).expand(x.shape[0], 1, -1))[:, 0]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 
 import torch
 from torch import Tensor
@@ -159,4 +160,5 @@ def _candidate_log_prob(catalog: CatalogScores, candidates: Tensor, with_replace
     picked = scores.gather(1, idx)[:, 0]  # [B, K]: s_{m(k)}(a_k)
     # Σ_{j ≥ k} exp(s_j) + exp(outside): a suffix sum whose last term is the never-drawn mass
     remaining = reverse_logcumsumexp(torch.cat([scores, outside.unsqueeze(2)], dim=2), dim=2)[..., :-1]
-    return (picked - remaining.gather(1, idx)[:, 0]).sum(dim=1)
+    log_probs = picked - remaining.gather(1, idx)[:, 0]
+    return log_probs.masked_fill(picked == -math.inf, -math.inf).sum(dim=1)  # a masked draw: not NaN

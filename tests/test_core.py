@@ -113,6 +113,27 @@ def test_the_sampler_never_draws_masked_items_and_counts_them():
         inclusion_log_prob(logits, torch.zeros(3, 1, dtype=torch.long), 8)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("num_items", "draw"), [(4, [0, 1, 3, 2]), (5, [0, 1, 3, 2]), (4, [2, 1, 3, 0])])
+def test_a_draw_holding_a_masked_item_has_log_prob_minus_inf_and_finite_gradients(dtype, num_items, draw):
+    """Regression: a masked item drawn where nothing unmasked is left gave NaN ((-inf) - (-inf)), not the
+    documented -inf, on dense logits and embedding catalogs alike; the gradient stays finite and a
+    constant shift of the row leaves it unchanged (it sums to 0)."""
+    logits = torch.tensor([[0.5, -1.0, -math.inf, 0.3, -math.inf][:num_items]], dtype=dtype, requires_grad=True)
+    out = candidate_log_prob(logits, torch.tensor([draw]))
+    assert out.item() == -math.inf
+    (grad,) = torch.autograd.grad(out.sum(), logits)
+    assert torch.isfinite(grad).all() and abs(grad.sum().item()) <= num_items * torch.finfo(dtype).eps  # N roundings
+    g = torch.Generator().manual_seed(3)
+    user = torch.randn(1, 3, generator=g, dtype=dtype)
+    item = torch.randn(num_items, 3, generator=g, dtype=dtype, requires_grad=True)
+    masked = torch.tensor([[i for i in range(num_items) if logits[0, i] == -math.inf]])
+    out = candidate_log_prob(EmbeddingCatalog(user, item, masked_items=masked), torch.tensor([draw]),
+                             validate_args=False)
+    assert out.item() == -math.inf
+    assert torch.isfinite(torch.autograd.grad(out.sum(), item)[0]).all()
+
+
 def test_embedding_catalog_masked_items_equal_minus_inf_logits():
     g = torch.Generator().manual_seed(2)
     user = torch.randn(3, 2, 4, generator=g, dtype=torch.float64, requires_grad=True)
