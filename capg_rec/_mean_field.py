@@ -430,7 +430,7 @@ class _FastSolve:
         ``survive``), in place: the solver and ρ are spent.
 
         The summands of ∂f/∂d and ∂f/∂log ρ move from the last evaluation to κ after its Newton
-        step (rates times ``1 + r``) to first order: ``x e^{-x}`` gains ``1 - r x``, ``1 - e^{-x}``
+        step (rates times ``1 + r``) to first order: ``x e^{-x}`` gains ``(1 + r)(1 - r x)``, ``1 - e^{-x}``
         gains ``r x e^{-x}``; with ``exact`` (some rate beyond the cap of :meth:`run`), that last step
         is taken to second order and ``x e^{-x}`` is computed anew at κ instead. → κ and the above."""
         ratio, step, neg_slope = self.last
@@ -455,6 +455,10 @@ class _FastSolve:
             self.neg_rate.add_(moved)
         else:
             self.dens.addcmul_(self.dens, self.neg_rate.mul_(r))
+        if not exact and (self.rho is not None or self.tail is not None):
+            # x e^{-x} at rates x(1 + r) also gains the factor 1 + r. Where x e^{-x} are the only terms of
+            # ∂f/∂κ it cancels in the derivatives; next to ∂f/∂log ρ or the tail's terms it does not.
+            self.dens.mul_(1.0 + r)
         neg_slope = self.dens.sum(dim=1)
         if self.tail is not None:
             _, powers = _tail_coefficients(self.tail)

@@ -445,8 +445,9 @@ def test_rows_the_fast_solve_leaves_are_solved_alone(monkeypatch, k, m, n):
     """A float32 batch mixing typical rows with confident ones (scores ×30, some of which the fast solve
     leaves unconverged): only those rows go to the log-space solve, and every row's value and gradient
     match that row computed alone, to the solver's tolerance ``eps^(2/3)`` (dense mixtures through the
-    survival factors). Through a 3000-item embedding catalog (the tail's power sums) the values match too;
-    its gradients already differed between a row in its batch and alone before this path existed."""
+    survival factors, and through a 3000-item embedding catalog, the tail's power sums). Regression: through
+    the tail a row's gradient alone and in its batch differed by 1e-4 relative in float32 (1e-7 in float64):
+    the last Newton step moved the head's terms of ∂f/∂κ without their factor 1 + r and the tail's with it."""
     calls = []
     robust = mean_field._robust_solve
     monkeypatch.setattr(mean_field, "_robust_solve", lambda s, *a: calls.append(s.shape[0]) or robust(s, *a))
@@ -470,6 +471,5 @@ def test_rows_the_fast_solve_leaves_are_solved_alone(monkeypatch, k, m, n):
     for b in range(batch):
         alone, alone_grad = value_and_grad(slice(b, b + 1))
         torch.testing.assert_close(out[b:b + 1], alone, rtol=tol, atol=tol)
-        if n <= 300:
-            torch.testing.assert_close(grad[b:b + 1], alone_grad, rtol=tol, atol=tol * float(alone_grad.abs().max()))
+        torch.testing.assert_close(grad[b:b + 1], alone_grad, rtol=tol, atol=tol * float(alone_grad.abs().max()))
     assert bool(torch.isfinite(grad).all())
