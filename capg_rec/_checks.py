@@ -255,9 +255,10 @@ class DeferredChecks:
         clamped into range (safe to gather). In host memory: one pass over ``[B, L, K]`` for the last two."""
         low, high = self._host(chosen), self._host(candidates)
         subset = "chosen must be a subset of candidates in every row (the LSR picks among them)"
-        if (low is not None and high is not None and chosen.numel() and high.shape[0] * num_items <= _COUNTS
-                and _host_in_range(high, num_items) and _host_in_range(low, num_items)):
-            self._marked_draw_and_picks(high, low, num_items, distinct=distinct, subset=subset)
+        if (distinct and low is not None and high is not None and chosen.numel()
+                and high.shape[0] * num_items <= _COUNTS and _host_in_range(high, num_items)
+                and _host_in_range(low, num_items)):
+            self._marked_draw_and_picks(high, low, num_items, subset=subset)
             return candidates
         if low is None or high is None or not chosen.numel():
             inside = self.ids_in_range("candidates", candidates, num_items, distinct=distinct)
@@ -271,18 +272,16 @@ class DeferredChecks:
         self.require(bool(same.any(2).all()), subset)
         return inside
 
-    def _marked_draw_and_picks(self, high: np.ndarray, low: np.ndarray, num_items: int, *, distinct: bool,
-                               subset: str) -> None:
-        """:meth:`draw_and_picks` of in-range ids in host memory by marking each row's candidates in a
-        ``[B, N]`` bitmap (a few passes over ``B·N`` bytes rather than a sort of every row): candidates are
-        distinct if ``B·K`` cells are marked, picks are candidates if their cells are, and are distinct if
-        clearing them unmarks ``B·L`` cells."""
+    def _marked_draw_and_picks(self, high: np.ndarray, low: np.ndarray, num_items: int, *, subset: str) -> None:
+        """:meth:`draw_and_picks` of distinct in-range ids in host memory by marking each row's candidates in a
+        ``[B, N]`` bitmap (a few passes over ``B·N`` bytes rather than a sort of every row and a ``[B, L, K]``
+        comparison): candidates are distinct if ``B·K`` cells are marked, picks are candidates if their cells
+        are, and are distinct if clearing them unmarks ``B·L`` cells."""
         offsets = np.arange(0, high.shape[0] * num_items, num_items)[:, None]
         marks = np.zeros(high.shape[0] * num_items, dtype=np.bool_)
         marks[(high + offsets).ravel()] = True
         marked = np.count_nonzero(marks)
-        if distinct:
-            self.require(bool(marked == high.size), _repeat_message("candidates"))
+        self.require(bool(marked == high.size), _repeat_message("candidates"))
         picks = (low + offsets).ravel()
         inside = bool(marks[picks].all())
         if low.shape[1] > 1:
