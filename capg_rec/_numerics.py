@@ -365,7 +365,8 @@ def sequential_log_softmax(x: Tensor, index: Tensor, runs: Runs) -> Tensor:
 
 def _sequential_log_softmax(x: Tensor, index: Tensor, runs: Runs) -> Tensor:
     """:func:`sequential_log_softmax` in composite differentiable ops (every expert at every position, then
-    each position's own)."""
+    each position's own), relative to each expert's best score (a constant: shift-invariant in any dtype)."""
+    x = x - x.detach().amax(dim=2, keepdim=True).clamp(min=torch.finfo(x.dtype).min)
     named, rest = gather_with_rest(x, index.unsqueeze(1).expand(-1, x.shape[1], -1), 2)
     every = named - reverse_logcumsumexp(torch.cat([named, rest.unsqueeze(2)], 2), 2)[..., :-1]  # [B, M, K]
     every = every.masked_fill(named == -math.inf, -math.inf)  # a masked draw with nothing left: not NaN

@@ -348,26 +348,35 @@ def _sequential_reference(x: torch.Tensor, index: torch.Tensor, runs) -> torch.T
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("scale", [1.0, 30.0, 400.0])
 @pytest.mark.parametrize("num_experts, num_candidates", [(1, 6), (2, 6), (3, 7), (3, 2)])
-def test_sequential_log_softmax_matches_the_term_by_term_sums(dtype, scale, num_experts, num_candidates):
+@pytest.mark.parametrize("shift", [0.0, 1e4])
+@pytest.mark.parametrize("node", [True, False], ids=["cpu-node", "composite"])
+def test_sequential_log_softmax_matches_the_term_by_term_sums(dtype, scale, num_experts, num_candidates, shift,
+                                                             node, monkeypatch):
     """The one-node CPU path (typical spreads) and the composite one it falls back to (suffixes below the
-    floored exps' error: spreads of hundreds) give the float64 value and gradient, masks included, for even
-    and uneven blocks and for experts without one."""
+    floored exps' error: spreads of hundreds; and every other device, forced here) give the float64 value and
+    gradient of the same inputs, masks included, for even and uneven blocks and for experts without one, and
+    under a constant shift of 1e4. Regression: the composite path summed absolute scores, off by K ulps of
+    1e4 (1e-3 in float32) after such a shift."""
+    import capg_rec._numerics
     from capg_rec._numerics import sequential_log_softmax
 
+    if not node:
+        monkeypatch.setattr(capg_rec._numerics, "eager_cpu", lambda x: False)
     gen = torch.Generator().manual_seed(3)
     runs = expert_runs(num_candidates, num_experts)
-    x = scale * torch.randn(5, num_experts, 40, generator=gen, dtype=torch.float64)
+    x = scale * torch.randn(5, num_experts, 40, generator=gen, dtype=torch.float64) + shift
     x[0, -1, 7] = x[3, 0, :5] = -math.inf
     index = torch.stack([torch.randperm(40, generator=gen)[:num_candidates] for _ in range(5)])
     index[0, 0], index[3, 0] = 8, 6  # named items stay unmasked
     x = x.to(dtype).requires_grad_()
     out = sequential_log_softmax(x, index, runs)
-    want = _sequential_reference(x.detach(), index, runs)
+    same = x.detach().double() - shift  # the same inputs (exactly), where float64 resolves the reference
+    want = _sequential_reference(same, index, runs)
     tol = 64 * torch.finfo(dtype).eps * (1 + scale)
     torch.testing.assert_close(out.double(), want, rtol=0, atol=tol)
     g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
     (grad,) = torch.autograd.grad(out, x, g.to(dtype))
-    ref = x.detach().double().requires_grad_()
+    ref = same.requires_grad_()
     (want_grad,) = torch.autograd.grad(_sequential_reference(ref, index, runs), ref, g)
     torch.testing.assert_close(grad.double(), want_grad, rtol=0, atol=tol)
     assert (grad[0, -1, 7] == 0) and (grad[3, 0, :5] == 0).all()
