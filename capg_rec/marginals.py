@@ -39,7 +39,7 @@ from capg_rec._mean_field import mean_field_log_inclusion
 from capg_rec._head_tail import head_size_for, summarize
 from capg_rec._numerics import bound_once, eager_cpu, filled_logsumexp, log1mexp, position_index, \
     reverse_logcumsumexp, safe_logaddexp, safe_logsumexp, select_experts
-from capg_rec.catalog import CatalogScores, as_catalog
+from capg_rec.catalog import CatalogScores, DenseCatalog, as_catalog
 from capg_rec.plackett_luce import check_enough_items, expert_runs
 
 __all__ = ["InclusionMethod", "Exact", "MeanField", "PlugIn", "WithReplacement", "Enumeration", "inclusion_log_prob",
@@ -76,6 +76,10 @@ def _plugin(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
     on ``[B, L, K]``-sized tensors."""
     num_candidates = sum(n for _, n in runs)
     experts = [e for e, _ in runs]
+    if isinstance(catalog, DenseCatalog):  # relative to each expert's best (a constant): shift-invariant in any dtype
+        scores = catalog.scores
+        top = scores.detach().amax(dim=2, keepdim=True).clamp(min=torch.finfo(scores.dtype).min)
+        catalog = DenseCatalog(scores - top, validate_args=False)
     pool = catalog.top_items(num_candidates, experts=experts).flatten(1)  # [B, P], P = len(runs)·K
     # The pool's and the targets' scores [B, M, P + L], and the mass outside the pool [B, M].
     named, rest = catalog.gather_with_rest(pool, also=items)

@@ -241,3 +241,25 @@ def test_one_block_node_second_derivatives_and_extreme_spreads():
     out = _plugin_one_block(*args)
     torch.testing.assert_close(out, _plugin_one_block_log_space(*args), rtol=1e-12, atol=0)
     assert torch.isfinite(out).all() and (out < -250).all()  # ~ -1800 + 1500: far below float64's exp range
+
+
+@pytest.mark.parametrize("case", ["mixture", "one expert, wide spread", "one expert"])
+def test_plugin_is_shift_invariant_in_float32(case):
+    """Regression: the mixture path and the one-expert log-space path (scores spanning more than 600) took
+    differences of raw scores, off by about one ulp of the scores after a constant shift of 1e4 (5e-4 in
+    log π in float32). On logits that stay exact after the shift (multiples of 1/4), the shifted row now
+    gives the unshifted one's value and gradient bit for bit, and both are within float32 of float64."""
+    if case == "mixture":
+        logits = torch.tensor([[[3.0, 1, 0.5, -1, 2, 0], [0, 2.5, 1, 0.25, -2, 1.5]]])
+        items, k = torch.arange(6).view(1, -1), 3
+    else:
+        logits = torch.tensor([[0.0, -1, -2, -3, -700 if "wide" in case else -7, -0.5, -1.5, -4]])
+        items, k = torch.tensor([[0, 1, 2, 3, 5, 6, 7]]), 4
+    want = inclusion_log_prob(logits.double(), items, k, method="plugin")
+    results = []
+    for shift in (0.0, 1e4):
+        x = (logits + shift).requires_grad_()
+        out = inclusion_log_prob(x, items, k, method="plugin")
+        results.append((out, torch.autograd.grad(out.sum(), x)[0]))
+        torch.testing.assert_close(out.double(), want, rtol=0, atol=16 * torch.finfo(torch.float32).eps)
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
