@@ -89,11 +89,20 @@ def off_policy_value(target_log_inclusion: Tensor, logged_log_inclusion: Tensor,
     w = weight.mean(1)  # [n]
     z = statistics.NormalDist().inv_cdf((1 + confidence) / 2)
     ips = float(y.mean())
-    ips_se = float(y.std()) / math.sqrt(num_samples)
+    ips_se = _std(y) / math.sqrt(num_samples)
     w_sum = float(w.sum())
     snips = float(y.sum()) / w_sum if w_sum > 0 else math.nan
-    snips_se = float((y - snips * w).std()) / math.sqrt(num_samples) / float(w.mean()) if w_sum > 0 else math.nan
-    ess = w_sum ** 2 / float((w * w).sum()) if w_sum > 0 else 0.0
+    snips_se = _std(y - snips * w) / math.sqrt(num_samples) / float(w.mean()) if w_sum > 0 else math.nan
+    # (Σ W)² / Σ W², of the weights over their largest: squares of weights near the cap overflow
+    unit = w / w.max() if w_sum > 0 else w
+    ess = float(unit.sum()) ** 2 / float((unit * unit).sum()) if w_sum > 0 else 0.0
     return OffPolicyEstimate(ips=ips, ips_ci_low=ips - z * ips_se, ips_ci_high=ips + z * ips_se, snips=snips,
                              snips_ci_low=snips - z * snips_se, snips_ci_high=snips + z * snips_se,
                              effective_sample_size=ess, num_samples=num_samples, confidence=float(confidence))
+
+
+def _std(x: Tensor) -> float:
+    """The sample standard deviation of ``x [n]``, of ``x`` over its largest magnitude (squares of values near
+    the weights' cap would overflow)."""
+    scale = float(x.abs().max())
+    return scale * float((x / scale).std()) if 0 < scale < math.inf else float(x.std())

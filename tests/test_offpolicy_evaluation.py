@@ -2,7 +2,9 @@
 by seeded Monte-Carlo, input checks."""
 
 import math
+import statistics
 
+import numpy as np
 import pytest
 import torch
 
@@ -118,3 +120,28 @@ def test_input_checks_name_the_argument():
         off_policy_value(x, x, x, confidence=1.0)
     with pytest.raises(ValueError, match="max_weight"):
         off_policy_value(x, x, x, max_weight=-1.0)
+
+
+def test_weights_at_the_overflow_cap_give_finite_estimates():
+    """Regression: log ratios beyond ~354 put the weights at their cap (√ of float64's max), and the
+    effective sample size squared their sum as a Python float: OverflowError. Equal capped weights give
+    n effective samples and SNIPS the mean reward; mixed ones match numpy on the weights over their largest."""
+    n = 6
+    rewards = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0], [1.0, 0.0], [0.5, 0.5]],
+                           dtype=torch.float64)
+    target = torch.zeros(n, 2, dtype=torch.float64)
+    est = off_policy_value(target, torch.full((n, 2), -400.0, dtype=torch.float64), rewards)
+    assert est.effective_sample_size == pytest.approx(n, rel=1e-12)
+    assert est.snips == pytest.approx(float(rewards.mean()), rel=1e-12)
+    assert math.isfinite(est.ips) and math.isfinite(est.ips_ci_high) and est.ips_ci_low <= est.ips <= est.ips_ci_high
+    logged = -torch.linspace(300.0, 420.0, 2 * n, dtype=torch.float64).view(n, 2)
+    est = off_policy_value(target, logged, rewards)
+    log_w = (target - logged).clamp(max=math.log(math.sqrt(np.finfo(np.float64).max))).numpy()
+    unit = np.exp(log_w - log_w.max())  # the weights over the largest
+    per_row = unit.mean(1)
+    assert est.effective_sample_size == pytest.approx(per_row.sum() ** 2 / (per_row ** 2).sum(), rel=1e-12)
+    y = (unit * rewards.numpy()).mean(1)
+    assert est.snips == pytest.approx(y.sum() / per_row.sum(), rel=1e-12)
+    assert est.ips == pytest.approx(float(np.exp(log_w.max())) * y.mean(), rel=1e-12)
+    se = float(np.exp(log_w.max())) * y.std(ddof=1) / math.sqrt(n)
+    assert est.ips_ci_high - est.ips == pytest.approx(statistics.NormalDist().inv_cdf(0.975) * se, rel=1e-9)
