@@ -32,8 +32,19 @@ def set_default_validate_args(value: bool) -> None:
 
 
 def resolve_validate_args(value: bool | None) -> bool:
-    """An entry point's ``validate_args``: the module default when ``None``."""
-    return _validate_default if value is None else check_flag("validate_args", value)
+    """An entry point's ``validate_args``: the module default when ``None``. The value checks read tensors'
+    values, which ``torch.func.vmap`` cannot: there they must be off (a clear error instead of vmap's own)."""
+    validate = _validate_default if value is None else check_flag("validate_args", value)
+    if validate and under_vmap():
+        raise RuntimeError("capg_rec's value checks read tensor values, which torch.func.vmap does not allow: pass "
+                           "validate_args=False inside vmap (or call capg_rec.set_default_validate_args(False))")
+    return validate
+
+
+def under_vmap() -> bool:
+    """Whether a ``torch.func.vmap`` transform is active (at any level)."""
+    stack = torch._C._functorch.get_interpreter_stack()
+    return bool(stack) and any(level.key() == torch._C._functorch.TransformType.Vmap for level in stack)
 
 
 def check_positive(name: str, value: float) -> float:

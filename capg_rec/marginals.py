@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from capg_rec._enumerate import inclusion_probs
-from capg_rec._checks import check_count, check_items, check_positive, resolve_validate_args
+from capg_rec._checks import check_count, check_items, check_positive, resolve_validate_args, under_vmap
 from capg_rec._exact import DEFAULT_MEMORY_BUDGET, EXACT_NUM_POWERS, exact_log_inclusion
 from capg_rec._mean_field import mean_field_log_inclusion
 from capg_rec._head_tail import head_size_for, summarize
@@ -354,6 +354,9 @@ class Exact(InclusionMethod):
         self.memory_budget = check_count("memory_budget", memory_budget)
 
     def log_inclusion(self, catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
+        if under_vmap():
+            raise RuntimeError("the exact method does not run under torch.func.vmap (the sizes of its work depend "
+                               "on the scores); use a loop, or another method")
         ht = summarize(catalog, items, head_size_for(catalog.num_items, sum(n for _, n in runs)), self.num_powers)
         return exact_log_inclusion(ht, runs, memory_budget=self.memory_budget)
 

@@ -262,3 +262,24 @@ def test_chunked_functions_compile_without_graph_breaks_when_not_checking(device
         return _chunked_top_k(u, v, 3, exclude, None, 5, check_finite=False)[1]
 
     assert torch.equal(torch.compile(top, fullgraph=True, backend="eager")(user, item), top(user, item))
+
+
+def test_vmap_with_checks_on_or_the_exact_method_says_why_it_cannot_run():
+    """Under torch.func.vmap the value checks (they read values) and the exact method (data-dependent sizes)
+    raise a RuntimeError that says so, instead of vmap's own error from deep inside; checks off, every
+    other method runs and equals the loop."""
+    import capg_rec
+
+    x = torch.randn(3, 4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    cand = torch.tensor([[0, 1], [2, 3], [1, 4], [5, 0]])
+    rewards = torch.ones(4, 1, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="validate_args=False inside vmap"):
+        torch.func.vmap(lambda row: capg_rec.CAPGLoss(2)(row, cand, cand[:, :1], rewards))(x)
+    with pytest.raises(RuntimeError, match="validate_args=False inside vmap"):
+        torch.func.vmap(lambda row: capg_rec.inclusion_log_prob(row, cand, 2))(x)
+    with pytest.raises(RuntimeError, match="exact method does not run under torch.func.vmap"):
+        torch.func.vmap(lambda row: capg_rec.inclusion_log_prob(row, cand, 2, method="exact", validate_args=False))(x)
+    for method in ("mean_field", "plugin", "with_replacement"):
+        loss = capg_rec.CAPGLoss(2, method=method, validate_args=False)
+        batched = torch.func.vmap(lambda row: loss(row, cand, cand[:, :1], rewards))(x)
+        torch.testing.assert_close(batched, torch.stack([loss(row, cand, cand[:, :1], rewards) for row in x]))
