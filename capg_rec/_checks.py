@@ -126,7 +126,8 @@ def check_id_tensor(name: str, items: object, *, batch_size: int, width: int | N
     if items.dtype.is_floating_point or items.dtype.is_complex or items.dtype == torch.bool:
         raise TypeError(f"{name} must have an integer dtype, got {items.dtype}")
     if items.dim() != 2 or items.shape[0] != batch_size:
-        raise ValueError(f"{name} must have shape [B={batch_size}, L], got {tuple(items.shape)}")
+        columns = "K" if name == "candidates" else "L"  # the draw's width, or the picks'
+        raise ValueError(f"{name} must have shape [B={batch_size}, {columns}], got {tuple(items.shape)}")
     if width is not None and items.shape[1] != width:
         raise ValueError(f"{name} must have {width} columns, got {items.shape[1]}")
     if items.shape[1] == 0 and not allow_empty:

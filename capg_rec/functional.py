@@ -177,7 +177,12 @@ def importance_weights(log_ratio: Tensor, *, max_weight: float | None = None,
                        self_normalize: bool = False) -> Tensor:
     """``exp(log_ratio)``, detached and capped at ``max_weight`` (``None``: ``sqrt`` of the dtype's
     largest value) → the shape of ``log_ratio``; ``-inf`` gives 0. With ``self_normalize`` the
-    capped weights are divided by their mean over all entries (a batch of zeros stays zero)."""
+    capped weights are divided by their mean over all entries (a batch of zeros stays zero). Values are not
+    checked (NaN gives NaN): the losses that call it check their inputs."""
+    if not isinstance(log_ratio, Tensor):
+        raise TypeError(f"log_ratio must be a torch.Tensor, got {type(log_ratio).__name__}")
+    if not log_ratio.is_floating_point():
+        raise TypeError(f"log_ratio must have a floating dtype, got {log_ratio.dtype}")
     max_weight, self_normalize = _weight_options(max_weight, self_normalize)
     log_ratio = log_ratio.detach()
     cap = math.log(torch.finfo(log_ratio.dtype).max) / 2

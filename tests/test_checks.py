@@ -216,3 +216,12 @@ def test_ids_of_any_integer_dtype_are_range_checked_on_both_paths(path, dtype):
         bad[1, 2] = -3
         with pytest.raises(ValueError, match="candidates must hold ids in"):
             loss(logits, bad, chosen.to(dtype), rewards)
+
+
+def test_shape_errors_name_the_width_of_each_argument():
+    """candidates are [B, K] (the draw), chosen [B, L] (the picks)."""
+    logits, cand, chosen, rewards = _inputs()
+    with pytest.raises(ValueError, match=r"candidates must have shape \[B=4, K\]"):
+        CAPGLoss(5)(logits, cand[:2], chosen, rewards)
+    with pytest.raises(ValueError, match=r"chosen must have shape \[B=4, L\]"):
+        CAPGLoss(5)(logits, cand, chosen[:2], rewards)

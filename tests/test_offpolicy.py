@@ -272,3 +272,11 @@ def test_catalog_objects_give_the_dense_losses():
         torch.testing.assert_close(streamed, dense)
         torch.testing.assert_close(torch.autograd.grad(streamed, user)[0],
                                    torch.autograd.grad(dense, user, retain_graph=True)[0])
+
+
+@pytest.mark.parametrize("bad, error", [([0.0, 1.0], TypeError), (torch.tensor([0, 1]), TypeError)])
+def test_importance_weights_name_a_wrong_type(bad, error):
+    """A list or an integer tensor: a TypeError naming log_ratio (before: an AttributeError, or a TypeError
+    from inside torch.finfo)."""
+    with pytest.raises(error, match="log_ratio must"):
+        F.importance_weights(bad)
