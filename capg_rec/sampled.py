@@ -97,12 +97,14 @@ _PRIME = 2_147_483_647  # 2^31 - 1: ids below 2^32 times a multiplier below it s
 class InBatchSampler(NegativeSampler):
     """The batch's own named items as negatives (``batch_items`` flattened), logQ-corrected.
 
-    ``E[count of j]`` per batch is either given (``frequency [N]``: the chance that one batch slot
-    holds item j; then ``E[count] = slots · q_j``) or estimated online as in Yi et al. (2019): per
-    hash bucket, the last step an item was seen and a moving average ``δ`` (rate ``alpha``) of the
-    steps between sightings; ``E[count] ≈ 1 / δ``, with ``δ`` the largest over ``num_hashes`` hash
-    functions (collisions only shorten it, as in a count-min sketch). An item's first sighting
-    sets ``δ`` to the steps so far. Each :meth:`draw` is one step: it records the batch first.
+    ``E[count of j]`` per batch is either given (``frequency [N]``, summing to 1: the chance that one
+    batch slot holds item j; then ``E[count] = slots · q_j``) or estimated online as in Yi et al. (2019):
+    per hash bucket, the last step an item was seen, a moving average ``δ`` (rate ``alpha``) of the
+    steps between sightings and one ``c`` of its copies in a batch where it is seen;
+    ``E[count] = E[copies | seen] · P(seen) ≈ c / δ``, with ``δ`` the largest and ``c`` the smallest over
+    ``num_hashes`` hash functions (collisions only shorten the one and raise the other, as in a count-min
+    sketch). An item's first sighting sets ``δ`` to the steps so far and ``c`` to its copies. Each
+    :meth:`draw` is one step: it records the batch first.
 
     In-batch negatives never reach items that are never named: the estimate is biased towards
     popular items unless the batch covers the catalog. :class:`MixedSampler` adds uniform negatives.
@@ -117,6 +119,10 @@ class InBatchSampler(NegativeSampler):
             frequency = check_float_tensor("frequency", frequency, ndims=(1,))
             if bool((frequency < 0).any()) or not bool(torch.isfinite(frequency).all()):
                 raise ValueError("frequency must hold finite probabilities >= 0")
+            total = float(frequency.double().sum())
+            if abs(total - 1.0) > frequency.shape[0] * torch.finfo(frequency.dtype).eps:  # N roundings of the sum
+                raise ValueError(f"frequency must sum to 1 (the chance that one batch slot holds each item), got "
+                                 f"{total:.6g}: normalise popularity counts first")
         self.frequency = frequency
         self.num_buckets = check_count("num_buckets", num_buckets)
         self.num_hashes = check_count("num_hashes", num_hashes)
@@ -127,8 +133,9 @@ class InBatchSampler(NegativeSampler):
         self._mult = torch.randint(1, _PRIME, (num_hashes, 1), generator=g)
         self._add = torch.randint(0, _PRIME, (num_hashes, 1), generator=g)
         self.step = 0
-        self._last: Tensor | None = None  # [h, buckets] float64: step of the last sighting (0: never)
-        self._interval: Tensor | None = None  # [h, buckets] float64: moving average of the gaps
+        self._last: Tensor | None = None  # [h, buckets + 1] float64: step of the last sighting (0: never)
+        self._interval: Tensor | None = None  # [h, buckets + 1] float64: moving average of the gaps
+        self._copies: Tensor | None = None  # [h, buckets + 1] float64: moving average of the copies when seen
 
     def _buckets(self, ids: Tensor) -> Tensor:
         mult, add = self._mult.to(ids.device), self._add.to(ids.device)
@@ -137,18 +144,19 @@ class InBatchSampler(NegativeSampler):
     def observe(self, batch_items: Tensor) -> None:
         """Record one step's named items ``[B, H]`` (``-1`` padded) in the frequency estimate."""
         ids = batch_items.reshape(-1)
-        if self._last is None or self._last.device != ids.device:
-            self._last = torch.zeros(self.num_hashes, self.num_buckets, dtype=torch.float64, device=ids.device)
-            self._interval = torch.zeros_like(self._last)
+        if self._last is None or self._last.device != ids.device:  # the last column: padding's spare bucket
+            self._last = torch.zeros(self.num_hashes, self.num_buckets + 1, dtype=torch.float64, device=ids.device)
+            self._interval, self._copies = torch.zeros_like(self._last), torch.zeros_like(self._last)
         self.step += 1
-        buckets = torch.where(ids >= 0, self._buckets(ids), self.num_buckets)  # padding: a spare bucket
-        last = torch.nn.functional.pad(self._last, (0, 1))
-        interval = torch.nn.functional.pad(self._interval, (0, 1))
-        seen_last, seen_gap = last.gather(1, buckets), interval.gather(1, buckets)
-        gap = self.step - seen_last
-        new_gap = torch.where(seen_last > 0, (1 - self.alpha) * seen_gap + self.alpha * gap, gap)
-        self._interval = interval.scatter(1, buckets, new_gap)[:, :-1].contiguous()
-        self._last = last.scatter(1, buckets, torch.full_like(new_gap, float(self.step)))[:, :-1].contiguous()
+        buckets = torch.where(ids >= 0, self._buckets(ids), self.num_buckets)  # [h, S]
+        for row, last, interval, copies in zip(buckets, self._last, self._interval, self._copies):
+            seen, count = torch.unique(row, return_counts=True)  # each bucket once, with its copies
+            before = last[seen]
+            first = before == 0
+            gap = self.step - before
+            interval[seen] = torch.where(first, gap, (1 - self.alpha) * interval[seen] + self.alpha * gap)
+            copies[seen] = torch.where(first, count.double(), (1 - self.alpha) * copies[seen] + self.alpha * count)
+            last[seen] = float(self.step)
 
     def draw(self, num_items: int, batch_items: Tensor | None, *, generator: torch.Generator | None,
              device: torch.device) -> Tensor:
@@ -170,8 +178,10 @@ class InBatchSampler(NegativeSampler):
             return torch.full(ids.shape, -math.inf, dtype=torch.float64, device=ids.device)
         buckets = self._buckets(ids)
         interval = self._interval.to(ids.device).gather(1, buckets).amax(0)
+        copies = self._copies.to(ids.device).gather(1, buckets).amin(0)
         seen = self._last.to(ids.device).gather(1, buckets).amin(0) > 0
-        return torch.where(seen, -torch.log(interval.clamp(min=1e-300)), -math.inf)
+        return torch.where(seen, torch.log(copies.clamp(min=1e-300)) - torch.log(interval.clamp(min=1e-300)),
+                           -math.inf)
 
     def __repr__(self) -> str:
         source = "given" if self.frequency is not None else f"streaming(alpha={self.alpha})"

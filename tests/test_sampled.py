@@ -367,3 +367,27 @@ def test_drawn_sample_refuses_what_is_not_a_sample():
     for bad in (None, DrawnSample(ids, sampler)):
         with pytest.raises(TypeError, match="sampler must be the NegativeSampler"):
             DrawnSample(ids, bad)
+
+
+def test_streaming_in_batch_count_estimates_the_expected_copies():
+    """Regression: the streaming estimate recorded whether an item was seen in a step (at most 1 per step)
+    while each of its copies in the sample is weighted by it, so popular items, named many times per batch,
+    were counted as rare (E[Ẑ]/Z near 1.8). Five items of chance 0.1 per slot, 256 slots per step, are in
+    every batch (missed with chance 0.9^256 = 2e-12), so their estimate is the moving average (rate α) of
+    Binomial(256, 0.1) copies: within 5 of its standard deviations, sqrt(α/(2-α)·256·0.1·0.9), of 25.6."""
+    num_items, slots, alpha = 200, 256, 0.01
+    q = torch.cat([torch.full((5,), 0.1), torch.full((num_items - 5,), 0.5 / (num_items - 5))]).double()
+    sampler = InBatchSampler(alpha=alpha)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2000):
+        sampler.observe(torch.multinomial(q, slots, replacement=True, generator=gen).view(8, 32))
+    est = sampler.log_expected_count(torch.arange(5), num_items, None).exp()
+    sd = math.sqrt(alpha / (2 - alpha) * slots * 0.1 * 0.9)
+    assert ((est - slots * 0.1).abs() <= 5 * sd).all(), est
+
+
+def test_given_frequency_must_sum_to_one():
+    """Popularity counts (or any vector not summing to 1) put log Ẑ off by the log of their sum: refused."""
+    with pytest.raises(ValueError, match="frequency must sum to 1"):
+        InBatchSampler(frequency=torch.ones(50))
+    InBatchSampler(frequency=torch.full((50,), 1 / 50))
