@@ -231,7 +231,9 @@ def log_propensities(logits: Tensor | CatalogScores, candidates: Tensor, shown: 
             shown_ok = _uniform_ok(catalog, shown)  # [B, L]
             log_share = torch.log(num_candidates / available).unsqueeze(1)  # log K/N_avail
             log_share = torch.where(shown_ok, log_share, -math.inf)
-            log_set = torch.lgamma(available - num_candidates + 1) - torch.lgamma(available + 1)
+            # log((N - K)! / N!): a difference of two large lgammas, taken in float64 (float32 lost 0.8 nats at 10^6)
+            wide = _uniform_available(catalog).double()
+            log_set = (torch.lgamma(wide - num_candidates + 1) - torch.lgamma(wide + 1)).to(catalog.dtype)
             log_set = torch.where(_uniform_ok(catalog, candidates).all(1), log_set, -math.inf)
             inclusion = _mix(inclusion, log_share, epsilon)
             count = _mix(count, log_share, epsilon)
