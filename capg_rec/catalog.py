@@ -76,6 +76,12 @@ class CatalogScores(abc.ABC):
         shares this catalog, so that all of them raise or none does (default: one process)."""
         return passed
 
+    @property
+    def exact_top(self) -> int:
+        """How many of each expert's best items :meth:`top_items` names exactly (default: all of them;
+        an estimated catalog, fewer). Methods that read the best items one by one check it."""
+        return self.num_items
+
     def num_available(self) -> Tensor:
         """Items not masked, per row and expert → ``LongTensor[B, M]`` (default: every item)."""
         return torch.full((self.batch_size, self.num_experts), self.num_items, dtype=torch.long,

@@ -1,6 +1,7 @@
 """SampledCatalog and negative samplers: unbiased sums, exact limits, masks, dtypes, losses, errors."""
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -391,3 +392,30 @@ def test_given_frequency_must_sum_to_one():
     with pytest.raises(ValueError, match="frequency must sum to 1"):
         InBatchSampler(frequency=torch.ones(50))
     InBatchSampler(frequency=torch.full((50,), 1 / 50))
+
+
+def test_methods_that_read_the_best_items_check_how_many_the_catalog_names_exactly():
+    """exact_top: every item on an exact catalog, the index head on a sampled one (all when the head holds
+    every item). Above 2048 items, mean-field with fewer exact best items than its head (8n + K - n) warns
+    that its probabilities are biased (it returned them silently), and the exact method is refused with a
+    ValueError before any lookup (it failed on top_items' 'exceeds the head and sample'); at most 2048
+    items, every method reads the whole catalog, exactly."""
+    user, item = _towers(b=2, n=3000, d=6, dtype=torch.float64)
+    items = torch.tensor([[0, 1], [3, 4]])
+    assert EmbeddingCatalog(user, item).exact_top == 3000
+    short = SampledCatalog(user, item, sampler=UniformSampler(64), index=ExactIndex(item), head_size=20)
+    assert short.exact_top == 20
+    with pytest.warns(UserWarning, match="best 80 items .* only its best 20 exactly"):
+        capg_rec.inclusion_log_prob(short, items, 10, method="mean_field")
+    with pytest.raises(ValueError, match="'exact' method is not supported"):
+        capg_rec.inclusion_log_prob(SampledCatalog(user, item, sampler=UniformSampler(8)), items, 10, method="exact")
+    wide = SampledCatalog(user, item, sampler=UniformSampler(64), index=ExactIndex(item), head_size=80)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        capg_rec.inclusion_log_prob(wide, items, 10, method="mean_field")
+    small_user, small_item = _towers(b=2, n=100, d=6, dtype=torch.float64)
+    small = SampledCatalog(small_user, small_item, sampler=UniformSampler(8))
+    assert small.exact_top == 0
+    torch.testing.assert_close(capg_rec.inclusion_log_prob(small, items, 10, method="exact"),
+                               capg_rec.inclusion_log_prob(EmbeddingCatalog(small_user, small_item), items, 10,
+                                                           method="exact"))
