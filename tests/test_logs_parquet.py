@@ -275,3 +275,20 @@ def test_reader_converts_without_row_loops(tmp_path):
     got = _cat(list(LoggedImpressions(path, 10)))  # batches of 10 out of one row group of 33
     _assert_same(got, written)
     assert np.array_equal(got.candidates.numpy(), written.candidates.numpy())
+
+
+def test_files_must_agree_on_the_catalog_and_method(tmp_path):
+    """Regression: with several files, ids were checked against the first file's catalog size only (none
+    at all if it recorded none), and a second file's method was ignored. The files must now agree on both,
+    unless the reader is given num_items, against which every file's ids are then checked."""
+    cols = _table()
+    _write_raw(tmp_path / "a.parquet", cols, meta=LogMetadata(K, L, "mean_field", 100, F))
+    _write_raw(tmp_path / "b.parquet", cols, meta=LogMetadata(K, L, "mean_field", N, F))
+    _write_raw(tmp_path / "c.parquet", cols, meta=LogMetadata(K, L, "plugin", 100, F))
+    with pytest.raises(ValueError, match=f"b.parquet: num_items = {N} differs"):
+        LoggedImpressions([tmp_path / "a.parquet", tmp_path / "b.parquet"], 2)
+    with pytest.raises(ValueError, match="c.parquet: method = plugin differs"):
+        LoggedImpressions([tmp_path / "a.parquet", tmp_path / "c.parquet"], 2)
+    both = LoggedImpressions([tmp_path / "a.parquet", tmp_path / "b.parquet"], 2, num_items=100)
+    assert both.num_rows == 2 * len(cols["shown"])
+    assert _cat(list(both)).candidates.shape[0] == 2 * len(cols["shown"])

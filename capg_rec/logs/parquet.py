@@ -334,7 +334,10 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
                 if meta is None:
                     meta = here
                 else:
-                    for name in ("num_candidates", "num_shown", "num_features"):
+                    # every file's ids are checked against one N: the reader's, or else the files' (which must agree)
+                    agreed = ("num_candidates", "num_shown", "num_features", "method",
+                              *(("num_items",) if num_items is None else ()))
+                    for name in agreed:
                         if getattr(here, name) != getattr(meta, name):
                             raise ValueError(f"log file {path}: {name} = {getattr(here, name)} differs from "
                                              f"{self.files[0]}'s {getattr(meta, name)}")
