@@ -292,3 +292,12 @@ def test_files_must_agree_on_the_catalog_and_method(tmp_path):
     both = LoggedImpressions([tmp_path / "a.parquet", tmp_path / "b.parquet"], 2, num_items=100)
     assert both.num_rows == 2 * len(cols["shown"])
     assert _cat(list(both)).candidates.shape[0] == 2 * len(cols["shown"])
+
+
+@pytest.mark.parametrize("num_items", ["20", 0, -5, True])
+def test_malformed_catalog_size_in_the_metadata_is_named(tmp_path, num_items):
+    """A recorded num_items that is not an int >= 1: a ValueError naming the file and the field (before: a
+    TypeError from a comparison, or a range check against [0, -5))."""
+    _write_raw(tmp_path / "bad.parquet", _table(), meta=LogMetadata(K, L, "mean_field", num_items, F))
+    with pytest.raises(ValueError, match="bad.parquet: metadata num_items must be an int >= 1"):
+        LoggedImpressions(tmp_path / "bad.parquet", 2)

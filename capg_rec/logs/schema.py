@@ -89,8 +89,10 @@ class LogMetadata:
         if meta.schema_version != SCHEMA_VERSION:
             raise ValueError(f"log file {path}: schema version {meta.schema_version}, this capg_rec reads "
                              f"version {SCHEMA_VERSION}")
-        for name in ("num_candidates", "num_shown"):
+        for name in ("num_candidates", "num_shown", "num_items", "num_features"):
             value = getattr(meta, name)
+            if value is None and name in ("num_items", "num_features"):
+                continue  # not recorded
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"log file {path}: metadata {name} must be an int >= 1, got {value!r}")
         return meta
