@@ -33,11 +33,14 @@ def _expert_index(num_candidates: int, num_experts: int, device: torch.device) -
     return expert_of_position(num_candidates, num_experts).to(device)
 
 
-@functools.lru_cache(maxsize=256)
 def expert_runs(num_candidates: int, num_experts: int) -> tuple[tuple[int, int], ...]:
     """The blocks of :func:`expert_of_position` as ``((expert, count), ...)``."""
-    check_count("num_candidates", num_candidates)
-    check_count("num_experts", num_experts)
+    # checked before the cache: True and 2.0 hash like 1 and 2, and would be served an int's entry
+    return _expert_runs(check_count("num_candidates", num_candidates), check_count("num_experts", num_experts))
+
+
+@functools.lru_cache(maxsize=256)
+def _expert_runs(num_candidates: int, num_experts: int) -> tuple[tuple[int, int], ...]:
     base, extra = divmod(num_candidates, num_experts)
     return tuple((e, base + (e < extra)) for e in range(num_experts) if base + (e < extra) > 0)
 

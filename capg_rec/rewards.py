@@ -2,25 +2,42 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
-from capg_rec._checks import check_count
+from capg_rec._checks import check_count, check_float_tensor, check_positive, resolve_validate_args
 
 __all__ = ["dcg_weights", "group_normalize"]
 
 
 def dcg_weights(length: int, *, dtype: torch.dtype = torch.float32) -> Tensor:
-    """DCG position weights ``α_l = 1 / log2(l + 1)`` for ``l = 1..L`` → ``[L]``."""
+    """DCG position weights ``α_l = 1 / log2(l + 1)`` for ``l = 1..L`` → ``[L]`` (a floating ``dtype``)."""
     check_count("length", length)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     return 1.0 / torch.log2(torch.arange(2, length + 2, dtype=dtype))
 
 
-def group_normalize(rewards: Tensor, *, offset: float = 0.0, dim: int = 0, eps: float = 1e-8) -> Tensor:
-    """GRPO-style normalisation: ``(r - mean) / std`` over ``dim`` (the group), plus ``offset``.
+def group_normalize(rewards: Tensor, *, offset: float = 0.0, dim: int = 0, eps: float = 1e-8,
+                    validate_args: bool | None = None) -> Tensor:
+    """GRPO-style normalisation: ``(r - mean) / (std + eps)`` over ``dim`` (the group), plus ``offset``.
 
-    CA-PG needs positive rewards (the paper's sufficient condition), hence the ``offset``.
+    CA-PG needs positive rewards (the paper's sufficient condition), hence the ``offset``. ``eps > 0``
+    keeps a constant group finite; with ``validate_args`` the rewards must be finite.
     """
+    rewards = check_float_tensor("rewards", rewards, ndims=tuple(range(1, 9)),
+                                 validate=resolve_validate_args(validate_args))
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim must be an int, got {type(dim).__name__}")
+    if not -rewards.dim() <= dim < rewards.dim():
+        raise ValueError(f"dim must be in [{-rewards.dim()}, {rewards.dim()}), got {dim}")
+    eps = check_positive("eps", eps)
+    if isinstance(offset, bool) or not isinstance(offset, (int, float)):
+        raise TypeError(f"offset must be a number, got {type(offset).__name__}")
+    if not math.isfinite(offset):
+        raise ValueError(f"offset must be finite, got {offset!r}")
     mean = rewards.mean(dim=dim, keepdim=True)
     std = rewards.std(dim=dim, keepdim=True, unbiased=False)
     return (rewards - mean) / (std + eps) + offset

@@ -274,3 +274,14 @@ def test_candidate_ids_are_checked():
         candidate_log_prob(logits, torch.tensor([[0, 1]]))
     with pytest.raises(TypeError, match="integer"):
         candidate_log_prob(logits, torch.tensor([[0.0, 1.0], [1.0, 2.0]]))
+
+
+@pytest.mark.parametrize("bad", [2.0, True])
+def test_expert_of_position_checks_types_even_after_an_int_call(bad):
+    """Regression: the runs were cached before the check, and 2.0 and True hash like 2 and 1, so after
+    an int call the same value as a float or bool was served the int's entry instead of a TypeError."""
+    expert_of_position(int(bad), 1)
+    with pytest.raises(TypeError, match="num_candidates must be an int"):
+        expert_of_position(bad, 1)
+    with pytest.raises(TypeError, match="num_experts must be an int"):
+        expert_of_position(2, bad if bad is True else 1.0)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
 import re
 
 import pytest
 import torch
 
+from capg_rec import dcg_weights, group_normalize
 from capg_rec.plackett_luce import greedy_candidates
 from capg_rec.sim import MatrixEnv, synthetic_env
 from capg_rec.train.cli import register
@@ -428,3 +430,33 @@ def test_package_ships_its_license_and_type_marker():
     project = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))
     assert project["project"]["license"] == {"text": "MIT"}
     assert "py.typed" in project["tool"]["setuptools"]["package-data"]["capg_rec"]
+
+
+@pytest.mark.parametrize(("kwargs", "error", "match"), [
+    ({"rewards": torch.tensor([[1.0, math.nan], [0.0, 1.0]])}, ValueError, "rewards must be finite"),
+    ({"rewards": [[1.0, 2.0]]}, TypeError, "rewards must be a torch.Tensor"),
+    ({"rewards": torch.tensor([[1, 2]])}, TypeError, "rewards must have a floating dtype"),
+    ({"eps": 0.0}, ValueError, "eps must be a finite number > 0"),
+    ({"eps": -0.0}, ValueError, "eps must be a finite number > 0"),
+    ({"offset": math.nan}, ValueError, "offset must be finite"),
+    ({"offset": "1"}, TypeError, "offset must be a number"),
+    ({"dim": 5}, ValueError, r"dim must be in \[-2, 2\)"),
+    ({"dim": 0.0}, TypeError, "dim must be an int"),
+])
+def test_group_normalize_names_bad_input(kwargs, error, match):
+    """Regression: group_normalize checked nothing (NaN rewards or eps = 0 on a constant group gave NaN;
+    a list, a bad dim or integer rewards failed inside torch)."""
+    args = {"rewards": torch.tensor([[1.0, 2.0], [1.0, 2.0]]), **kwargs}
+    rewards = args.pop("rewards")
+    with pytest.raises(error, match=match):
+        group_normalize(rewards, **args)
+
+
+def test_group_normalize_and_dcg_weights_values():
+    r = torch.tensor([[1.0, 5.0], [3.0, 5.0]], dtype=torch.float64)
+    torch.testing.assert_close(group_normalize(r, offset=2.0, eps=1e-12),
+                               torch.tensor([[1.0, 2.0], [3.0, 2.0]], dtype=torch.float64))
+    torch.testing.assert_close(dcg_weights(3, dtype=torch.float64),
+                               1.0 / torch.log2(torch.tensor([2.0, 3.0, 4.0], dtype=torch.float64)))
+    with pytest.raises(TypeError, match="dtype must be a floating torch.dtype"):
+        dcg_weights(3, dtype=torch.long)
