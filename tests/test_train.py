@@ -460,3 +460,19 @@ def test_group_normalize_and_dcg_weights_values():
                                1.0 / torch.log2(torch.tensor([2.0, 3.0, 4.0], dtype=torch.float64)))
     with pytest.raises(TypeError, match="dtype must be a floating torch.dtype"):
         dcg_weights(3, dtype=torch.long)
+
+
+@pytest.mark.parametrize(("extra", "named"), [
+    (("--checkpoint-every", "0"), "--checkpoint-every must be >= 1, got 0"),
+    (("--estimator", "capg_swr", "--capg-method", "exact"), "--capg-method: the inclusion method of --estimator capg"),
+    (("--estimator", "vpg", "--capg-method", "plugin"), "--capg-method: the inclusion method of --estimator capg"),
+    (("--data", "/nonexistent.csv"), "--data: the KuaiRec file of --env kuairec"),
+])
+def test_cli_refuses_options_that_would_be_ignored_or_fail_late(tmp_path, capsys, extra, named):
+    """Regression: online --checkpoint-every 0 ended in a traceback after the run had started; --capg-method
+    with an estimator that has none was ignored yet recorded in result.json; --data without --env kuairec was
+    ignored. Each now exits 2 before anything runs or is written."""
+    with pytest.raises(SystemExit) as exit_info:
+        _train_cli("--out", str(tmp_path / "run"), "--steps", "2", *extra)
+    assert exit_info.value.code == 2 and named in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

@@ -232,6 +232,8 @@ def _train(args: argparse.Namespace) -> int:
 
     given = {name: getattr(args, name) for name in _CONFIG_FIELDS if getattr(args, name, None) is not None}
     out = Path(args.out)
+    if args.checkpoint_every < 1:
+        _fail(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
     if args.logs is not None:
         return _train_logs(args, given, out)
     log_only = [f"--{name.replace('_', '-')}" for name in _LOG_ONLY if getattr(args, name) is not None]
@@ -239,6 +241,11 @@ def _train(args: argparse.Namespace) -> int:
         _fail(f"{', '.join(log_only)}: options of training from logs (--logs)")
     if given.get("estimator", "capg") not in ESTIMATORS:
         _fail(f"--estimator {given['estimator']}: an off-policy estimator, for --logs; online: {', '.join(ESTIMATORS)}")
+    if not args.resume and "capg_method" in given and given.get("estimator", "capg") != "capg":
+        _fail(f"--capg-method: the inclusion method of --estimator capg, not of {given['estimator']} "
+              "(capg_swr's is with_replacement; V-PG has none)")
+    if not args.resume and args.data is not None and (args.env or "synthetic") != "kuairec":
+        _fail(f"--data: the KuaiRec file of --env kuairec, not used by --env {args.env or 'synthetic'}")
     try:
         if args.resume:
             trainer = _resume(args, given, out)
