@@ -272,3 +272,17 @@ def test_supervised_loss_uses_the_mixture_single_draw_probability():
     single = softmax[:, expert_of_position(k, num_experts)].mean(1)  # average over the K positions
     expected = -(single.gather(1, shown).log() * (rewards > 0) / 2).sum(1).mean()
     torch.testing.assert_close(logged_loss(config, k, 2)(logits, batch), expected)
+
+
+def test_resume_refuses_other_logs_at_the_same_path(tmp_path, capsys):
+    """Regression: --resume compared only the row count, so logs rewritten at the same path with other rows
+    (here another seed, same K, L and size) were trained on as if they were the saved run's."""
+    path = tmp_path / "swap.parquet"
+    argv = ["log", "-n", "200", "-K", str(K), "-L", str(L), "--batch-size", "100", "--out", str(path), "--no-progress"]
+    assert _run([*argv, "--seed", "1"]) == 0
+    out = tmp_path / "run"
+    assert _train(path, out, "--epochs", "1", "--eval-every", "100", "--checkpoint-every", "1") == 0
+    assert _run([*argv, "--seed", "9"]) == 0
+    capsys.readouterr()
+    assert _train(path, out, "--resume", "--epochs", "2") == 2
+    assert "the logs changed since the checkpoint" in capsys.readouterr().err

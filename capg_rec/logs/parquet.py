@@ -10,6 +10,7 @@ row and the column it failed on; none is a silent skip.
 from __future__ import annotations
 
 import copy
+import hashlib
 import math
 import os
 from collections.abc import Iterator, Sequence
@@ -309,6 +310,21 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
     def num_rows(self) -> int:
         """Rows in all files (all ranks and workers together)."""
         return sum(group[2] for group in self.row_groups)
+
+    def fingerprint(self) -> str:
+        """A digest of the files' sizes and Parquet footers (their row groups' sizes, offsets and column
+        statistics, and the capg_rec metadata): it changes when a file is rewritten with other rows, and is read
+        without reading the rows."""
+        digest = hashlib.sha256()
+        for path in self.files:
+            with open(path, "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                f.seek(size - 8)
+                length = int.from_bytes(f.read(4), "little")  # the footer's, before the closing magic
+                f.seek(max(size - 8 - length, 0))
+                digest.update(f"{path.name}:{size}:".encode())
+                digest.update(f.read(length))
+        return digest.hexdigest()
 
     def set_epoch(self, epoch: int) -> None:
         """Reshuffle the row groups for this epoch (with ``shuffle_row_groups``), the same on every rank."""

@@ -334,6 +334,7 @@ class LogTrainer(Trainer):
     def state_dict(self) -> dict:
         return {"version": CHECKPOINT_VERSION, "kind": "logs", "config": self.config.to_dict(),
                 "env": None if self.env is None else self.env.name, "num_rows": self.train_data.num_rows,
+                "logs_fingerprint": self.train_data.fingerprint(),
                 "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step_count,
                 "epoch": self.epoch, "epoch_step": self.epoch_step, "interval_losses": self.interval_losses,
                 "result": self.result.to_dict() if self.result.history else None, "lr": self.result.lr}
@@ -361,6 +362,9 @@ class LogTrainer(Trainer):
         if trainer.train_data.num_rows != state["num_rows"]:
             raise ValueError(f"the logs changed since the checkpoint: {trainer.train_data.num_rows} training rows, "
                              f"the run had {state['num_rows']}")
+        if state.get("logs_fingerprint", trainer.train_data.fingerprint()) != trainer.train_data.fingerprint():
+            raise ValueError("the logs changed since the checkpoint: the files at these paths hold other rows "
+                             "(their Parquet footers differ)")
         if epochs is not None and trainer.num_steps <= state["step"]:
             raise ValueError(f"epochs = {epochs} ends at step {trainer.num_steps}, the saved run is at step "
                              f"{state['step']}; give more epochs to go on")
