@@ -114,6 +114,8 @@ def sample_candidates(logits: Tensor | CatalogScores, num_candidates: int, *, te
     vector shared by all blocks, as in the paper's appendix, is biased when experts differ).
     ``validate_args``: check the logits and the unmasked counts (``None``: the module default).
     """
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     catalog = _checked(logits, num_candidates, temperature, validate_args)
     return _draw(catalog, num_candidates, perturb=True, generator=generator)
 

@@ -285,3 +285,8 @@ def test_expert_of_position_checks_types_even_after_an_int_call(bad):
         expert_of_position(bad, 1)
     with pytest.raises(TypeError, match="num_experts must be an int"):
         expert_of_position(2, bad if bad is True else 1.0)
+
+
+def test_sample_candidates_names_a_generator_of_the_wrong_type():
+    with pytest.raises(TypeError, match="generator must be a torch.Generator or None"):
+        sample_candidates(torch.randn(2, 5), 2, generator=5)

@@ -416,7 +416,8 @@ def test_cli_help_documents_the_exit_codes(capsys):
 @pytest.mark.parametrize("kwargs,match", [
     ({"num_samples": 0}, "num_samples"),
     ({"alpha": 0.0}, "alpha"), ({"alpha": 1.0}, "alpha"), ({"power": 1.0}, "power"),
-    ({"seed": -1}, "seed"), ({"tolerance": -0.1}, "tolerance"), ({"sum_tolerance": math.inf}, "sum_tolerance"),
+    ({"seed": -1}, "seed"), ({"seed": 2**70}, "seed must be in"),
+    ({"tolerance": -0.1}, "tolerance"), ({"sum_tolerance": math.inf}, "sum_tolerance"),
     ({"rel_error": 0.0}, "rel_error"), ({"num_worst": -1}, "num_worst"),
     ({"max_enumerated_draws": -1}, "max_enumerated_draws"),
 ])
