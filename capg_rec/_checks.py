@@ -119,14 +119,14 @@ def all_finite(x: Tensor) -> bool:
 
 
 def check_id_tensor(name: str, items: object, *, batch_size: int, width: int | None = None,
-                    allow_empty: bool = False) -> Tensor:
-    """Structural checks of an id tensor ``[B, L]`` (integer dtype, shape); returns it as int64."""
+                    allow_empty: bool = False, columns: str = "L") -> Tensor:
+    """Structural checks of an id tensor ``[B, L]`` (integer dtype, shape; ``columns`` names its width in
+    messages, e.g. ``"K"`` for a draw); returns it as int64."""
     if not isinstance(items, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of item ids, got {type(items).__name__}")
     if items.dtype.is_floating_point or items.dtype.is_complex or items.dtype == torch.bool:
         raise TypeError(f"{name} must have an integer dtype, got {items.dtype}")
     if items.dim() != 2 or items.shape[0] != batch_size:
-        columns = "K" if name == "candidates" else "L"  # the draw's width, or the picks'
         raise ValueError(f"{name} must have shape [B={batch_size}, {columns}], got {tuple(items.shape)}")
     if width is not None and items.shape[1] != width:
         raise ValueError(f"{name} must have {width} columns, got {items.shape[1]}")
@@ -136,10 +136,10 @@ def check_id_tensor(name: str, items: object, *, batch_size: int, width: int | N
 
 
 def check_items(name: str, items: object, *, batch_size: int, num_items: int, unique: bool = True,
-                width: int | None = None, validate: bool = True, low: int = 0) -> Tensor:
+                width: int | None = None, validate: bool = True, low: int = 0, columns: str = "L") -> Tensor:
     """An id tensor ``[B, L]``; with ``validate``, ids in ``[low, num_items)`` (``low = -1`` admits
     padding) and, with ``unique``, no id twice in a row. Returns it as int64."""
-    items = check_id_tensor(name, items, batch_size=batch_size, width=width, allow_empty=low < 0)
+    items = check_id_tensor(name, items, batch_size=batch_size, width=width, allow_empty=low < 0, columns=columns)
     if not validate or items.numel() == 0:
         return items
     host = _host_view(items)

@@ -36,12 +36,11 @@ import torch
 from torch import Tensor
 
 from capg_rec._head_tail import summarize
-from capg_rec._numerics import exp_, expm1_, safe_logsumexp
+from capg_rec._numerics import Runs, exp_, expm1_, safe_logsumexp
 from capg_rec.catalog import CatalogScores, DenseCatalog
 
 __all__ = ["mean_field_log_inclusion"]
 
-Runs = tuple[tuple[int, int], ...]
 
 _MAX_ITER = 50
 _FULL_UP_TO = 2048  # catalogs up to this size are kept whole, item by item

@@ -213,7 +213,7 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
     validate = resolve_validate_args(validate_args)
     catalog = as_catalog(logits, temperature, validate_args=False)
     batch, num_items = catalog.batch_size, catalog.num_items
-    candidates = check_id_tensor("candidates", candidates, batch_size=batch)
+    candidates = check_id_tensor("candidates", candidates, batch_size=batch, columns="K")
     check_count("num_candidates (candidates.shape[1])", candidates.shape[1], high=num_items)
     chosen = check_id_tensor("chosen", chosen, batch_size=batch)
     length = chosen.shape[1]

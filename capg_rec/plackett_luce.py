@@ -140,7 +140,8 @@ def candidate_log_prob(logits: Tensor | CatalogScores, candidates: Tensor, *, te
     validate = resolve_validate_args(validate_args)
     catalog = as_catalog(logits, temperature, validate_args=validate)
     candidates = check_items("candidates", candidates, batch_size=catalog.batch_size, num_items=catalog.num_items,
-                             unique=not check_flag("with_replacement", with_replacement), validate=validate)
+                             unique=not check_flag("with_replacement", with_replacement), validate=validate,
+                             columns="K")
     return _candidate_log_prob(catalog, candidates, with_replacement)
 
 

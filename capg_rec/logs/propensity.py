@@ -205,7 +205,7 @@ def log_propensities(logits: Tensor | CatalogScores, candidates: Tensor, shown: 
                          "LoggedPropensities.log_expected_count already")
     validate = resolve_validate_args(validate_args)
     catalog = as_catalog(logits, temperature, validate_args=validate)
-    candidates = check_items("candidates", candidates, batch_size=catalog.batch_size,
+    candidates = check_items("candidates", candidates, batch_size=catalog.batch_size, columns="K",
                              num_items=catalog.num_items, validate=validate)
     num_candidates = check_count("num_candidates (candidates.shape[1])", candidates.shape[1],
                                  high=catalog.num_items)
