@@ -362,7 +362,8 @@ class LogTrainer(Trainer):
         if trainer.train_data.num_rows != state["num_rows"]:
             raise ValueError(f"the logs changed since the checkpoint: {trainer.train_data.num_rows} training rows, "
                              f"the run had {state['num_rows']}")
-        if state.get("logs_fingerprint", trainer.train_data.fingerprint()) != trainer.train_data.fingerprint():
+        saved = state.get("logs_fingerprint")  # absent in checkpoints written before it was kept
+        if saved is not None and saved != trainer.train_data.fingerprint():
             raise ValueError("the logs changed since the checkpoint: the files at these paths hold other rows "
                              "(their Parquet footers differ)")
         if epochs is not None and trainer.num_steps <= state["step"]:
