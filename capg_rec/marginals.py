@@ -359,10 +359,10 @@ class Exact(InclusionMethod):
                                "on the scores); use a loop, or another method")
         head = head_size_for(catalog.num_items, sum(n for _, n in runs))
         if catalog.exact_top < head < catalog.num_items:  # a head read through top_items
-            raise ValueError(f"the 'exact' method is not supported here: it reads each expert's best {head} items one "
-                             f"by one and the rest's power "
-                             f"sums up to p = {self.num_powers}, but this catalog names only its best "
-                             f"{catalog.exact_top} exactly (and a sampled catalog estimates power sums only to p = 3)")
+            raise ValueError(f"the 'exact' method is not supported here: it reads each expert's best {head} items "
+                             f"one by one and the rest's power sums up to p = {self.num_powers}, but this catalog "
+                             f"names only its best {catalog.exact_top} exactly (and a sampled catalog estimates "
+                             "power sums only to p = 3)")
         ht = summarize(catalog, items, head, self.num_powers)
         return exact_log_inclusion(ht, runs, memory_budget=self.memory_budget)
 

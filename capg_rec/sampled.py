@@ -26,9 +26,8 @@ What each inclusion method gets:
 * ``"plugin"``: the top-(K-1) prefix is taken from H ∪ S (exact when the head holds the true top).
 * ``"exact"``: refused for catalogs over 2048 items (it reads power sums up to ``p = 4`` whose
   importance estimates have a heavy tail, and more best items than the head names): a ``ValueError``.
-  Mean-field warns when the head is below its own (its probabilities are then biased). Up to 2048 items every
-  method reads the
-  whole catalog, exactly.
+  Mean-field warns when the head is below its own (its probabilities are then biased). Up to 2048
+  items every method reads the whole catalog, exactly.
 
 Candidate sampling (``top_items(perturb=True)``, hence :func:`~capg_rec.sample_candidates`) is a
 Gumbel top-K over H ∪ S with the sample's keys ``s_j + log w_j``: each drawn slot stands for the
@@ -377,7 +376,6 @@ class SampledCatalog(CatalogScores):
         self.head_size = check_count("head_size", head_size, low=0, high=self.num_items)
         if self.head_size and index is None:
             raise ValueError("head_size > 0 needs an index (an ItemIndex over the items)")
-        self._exact_top = self.head_size
         with torch.no_grad():
             parts = [] if head_items is None else [head_items]
             if self.head_size:
@@ -485,10 +483,10 @@ class SampledCatalog(CatalogScores):
     def exact_top(self) -> int:
         """The index head's size per expert: the best items named exactly (the whole catalog when the head
         holds every item of every row)."""
-        if self._exact_top < self.num_items and self.head_ids.shape[1] >= self.num_items:
+        if self.head_size < self.num_items and self.head_ids.shape[1] >= self.num_items:
             if int((self.head_ids >= 0).sum(1).amin()) >= self.num_items:
                 return self.num_items
-        return min(self._exact_top, self.num_items)
+        return self.head_size
 
     def log_power_sums(self, exclude: Tensor | None = None, num_powers: int = 1) -> Tensor:
         """Estimated ``log Σ_{n ∉ exclude[b]} exp(p · s[b, m, n])``, ``p = 1..P ≤ 3`` → ``[B, M, P]``:
