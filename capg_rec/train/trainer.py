@@ -223,7 +223,7 @@ class Trainer:
         rewards = self.env.sample_reward(users, chosen, self.generator)
         if cfg.group_size > 1:
             grouped = rewards.view(cfg.batch_size, cfg.group_size, cfg.num_outputs)
-            rewards = group_normalize(grouped, offset=cfg.group_offset, dim=1).view_as(rewards)
+            rewards = group_normalize(grouped, offset=cfg.group_offset, dim=1, validate_args=False).view_as(rewards)
         baseline = self._baseline(users, rewards)
         loss = self.loss_fn(logits, candidates, chosen, rewards, position_weights=self.position_weights,
                             baseline=baseline)
