@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from capg_rec._head_tail import summarize
-from capg_rec._numerics import Runs, exp_, expm1_, safe_logsumexp
+from capg_rec._numerics import Runs, bound_once, exp_, expm1_, safe_logsumexp
 from capg_rec.catalog import CatalogScores, DenseCatalog
 
 __all__ = ["mean_field_log_inclusion"]
@@ -137,6 +137,7 @@ def _summary(catalog: CatalogScores, runs: Runs, head: int) -> tuple[Tensor, Ten
     return ht.head_scores, ht.tail_log_power_sums, lower
 
 
+@bound_once
 class _LogHit(torch.autograd.Function):
     """``log(1 - exp(-e^y))`` elementwise (the log-probability that a clock of rate ``e^y`` has rung),
     accurate on the whole line; ``y = -inf`` gives ``-inf`` with zero gradient."""
@@ -171,6 +172,7 @@ def _log_max(dtype: torch.dtype) -> float:
     return math.log(torch.finfo(dtype).max) - 1.0
 
 
+@bound_once
 class _Root(torch.autograd.Function):
     """One block: κ as an implicit function of the block's scores ``s [B, T]`` (relative to
     ``top [B]``, a constant), ``log ρ [B, T]`` and the tail's relative log power sums ``[B, P]``
