@@ -30,9 +30,20 @@ class HeadTail:
     head_floor: Tensor
 
 
-def head_size_for(num_items: int, num_candidates: int, *, full_up_to: int = 2048, minimum: int = 1024) -> int:
+WHOLE_UP_TO = 2048
+"""Catalogs of at most this many items are read whole, item by item, by the methods that read the best items
+(mean-field, plug-in, exact), even where the catalog estimates its sums."""
+
+
+def read_whole(catalog: CatalogScores) -> bool:
+    """Whether a method that reads the best items should score every item of ``catalog`` one by one: a small
+    catalog that estimates its sums (names fewer best items exactly than it has)."""
+    return catalog.exact_top < catalog.num_items <= WHOLE_UP_TO
+
+
+def head_size_for(num_items: int, num_candidates: int, *, minimum: int = 1024) -> int:
     """Items per expert kept exactly: the whole catalog when small, else ``max(8K, minimum)``."""
-    if num_items <= full_up_to:
+    if num_items <= WHOLE_UP_TO:
         return num_items
     return min(num_items, max(8 * num_candidates, minimum))
 

@@ -35,7 +35,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from capg_rec._head_tail import summarize
+from capg_rec._head_tail import WHOLE_UP_TO, summarize
 from capg_rec._numerics import Runs, bound_once, exp_, expm1_, safe_logsumexp
 from capg_rec.catalog import CatalogScores, DenseCatalog
 
@@ -43,7 +43,6 @@ __all__ = ["mean_field_log_inclusion"]
 
 
 _MAX_ITER = 50
-_FULL_UP_TO = 2048  # catalogs up to this size are kept whole, item by item
 _FAST_ITER = 12  # Newton steps in t before the log-space solve takes over
 _TAIL_COEF = (1.0, -0.5, 1.0 / 6.0)  # 1 - e^{-x} = x - x²/2 + x³/6 - …: the tail's power sums
 _SATURATION = 40.0  # below κ = min(s) - 40 every item's clock has rung: 1 - exp(-e^{40}) = 1
@@ -114,7 +113,7 @@ def _head_size(num_items: int, runs: Runs) -> int:
     """Items per expert kept one by one: the whole catalog up to 2048 items, else the best
     ``8·n + (K - n)`` (n: the largest block), so that after any earlier blocks took their items a
     tail item's chance within its block stays below 1/8."""
-    if num_items <= _FULL_UP_TO:
+    if num_items <= WHOLE_UP_TO:
         return num_items
     num_candidates = sum(n for _, n in runs)
     block = max(n for _, n in runs)

@@ -36,7 +36,7 @@ from capg_rec._enumerate import inclusion_probs
 from capg_rec._checks import check_count, check_items, check_positive, resolve_validate_args, under_vmap
 from capg_rec._exact import DEFAULT_MEMORY_BUDGET, EXACT_NUM_POWERS, exact_log_inclusion
 from capg_rec._mean_field import mean_field_log_inclusion
-from capg_rec._head_tail import head_size_for, summarize
+from capg_rec._head_tail import head_size_for, read_whole, summarize
 from capg_rec._numerics import bound_once, eager_cpu, filled_logsumexp, log1mexp, position_index, \
     reverse_logcumsumexp, safe_logaddexp, safe_logsumexp, select_experts
 from capg_rec.catalog import CatalogScores, DenseCatalog, as_catalog
@@ -76,6 +76,9 @@ def _plugin(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
     on ``[B, L, K]``-sized tensors."""
     num_candidates = sum(n for _, n in runs)
     experts = [e for e, _ in runs]
+    if read_whole(catalog):  # a small catalog whose sums are estimated: read it whole, exactly
+        everything = torch.arange(catalog.num_items, device=catalog.device).expand(catalog.batch_size, -1)
+        catalog = DenseCatalog(catalog.gather(everything), validate_args=False)
     if isinstance(catalog, DenseCatalog):  # relative to each expert's best (a constant): shift-invariant in any dtype
         scores = catalog.scores
         top = scores.detach().amax(dim=2, keepdim=True).clamp(min=torch.finfo(scores.dtype).min)

@@ -26,8 +26,10 @@ What each inclusion method gets:
 * ``"plugin"``: the top-(K-1) prefix is taken from H ∪ S (exact when the head holds the true top).
 * ``"exact"``: refused for catalogs over 2048 items (it reads power sums up to ``p = 4`` whose
   importance estimates have a heavy tail, and more best items than the head names): a ``ValueError``.
-  Mean-field warns when the head is below its own (its probabilities are then biased). Up to 2048
-  items every method reads the whole catalog, exactly.
+  Mean-field warns when the head is below its own (its probabilities are then biased).
+
+Up to 2048 items, mean-field, plug-in and exact read the whole catalog, exactly; CA-PG-SwR and V-PG
+use the estimated normaliser at every size.
 
 Candidate sampling (``top_items(perturb=True)``, hence :func:`~capg_rec.sample_candidates`) is a
 Gumbel top-K over H ∪ S with the sample's keys ``s_j + log w_j``: each drawn slot stands for the
