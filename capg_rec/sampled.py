@@ -503,6 +503,23 @@ class SampledCatalog(CatalogScores):
                for p in range(1, num_powers + 1)]
         return torch.stack(out, -1)
 
+    def _check_usable(self, keys: Tensor, k: int, experts: Sequence[int] | None) -> None:
+        """Raise a ``ValueError`` (in every process that shares the catalog) where a row's head and sample
+        hold fewer than ``k`` usable items (``keys [B, M', T]``: ``-inf`` where unused, a later copy,
+        masked or excluded): the k best would name unused slots (``-1``) or masked items."""
+        usable = (keys > -math.inf).sum(-1)  # [B, M']
+        short = usable < k
+        if bool(self.agree((~short.any()).reshape(1))[0]):
+            return
+        if not bool(short.any()):
+            raise ValueError(f"k={k} exceeds the usable items of another process's SampledCatalog: raise "
+                             "head_size or the number of negatives")
+        row, column = (int(v) for v in short.nonzero()[0])
+        expert = column if experts is None else experts[column]
+        raise ValueError(f"k={k} exceeds the usable items (not masked, excluded or repeated) of this SampledCatalog's "
+                         f"head and sample: row {row} has {int(usable[row, column])} under expert {expert}; raise "
+                         "head_size or the number of negatives")
+
     def top_items(self, k: int, *, experts: Sequence[int] | None = None, exclude: Tensor | None = None,
                   generator: torch.Generator | None = None, perturb: bool = False) -> Tensor:
         """The k best of head ∪ sample (the catalog's best when the head holds them); with
@@ -531,6 +548,7 @@ class SampledCatalog(CatalogScores):
                 keys[..., size:width] = sample
                 keys[..., size:width].masked_fill_(bias == -math.inf, -math.inf)
             keys[..., width:] = -math.inf
+            self._check_usable(keys[..., :width], k, experts)
             pos = gumbel_top_k(keys, k, generator=generator, group_size=group) if perturb else top_k(keys, k)
             if not size:
                 return self.sample_ids[pos]

@@ -8,7 +8,8 @@ rebuilds every rank's batch, sample and head: the candidates drawn, the catalog'
 step, and every table row after one CA-PG step (fused SGD on the shards; in the reference the mean of
 the ranks' losses, since TorchRec averages the lookups' gradients over the ranks as DDP does) must
 agree. A head id that one rank did not list, and an id one rank asks of its catalog without having
-listed it, must raise the same ``ValueError`` on every rank. Writes
+listed it, must raise the same ``ValueError`` on every rank, and a draw that one rank's head and sample
+cannot fill must raise on every rank. Writes
 ``DIR/sampled_rank{r}.json``.
 """
 
@@ -109,11 +110,18 @@ def main() -> int:
         cat.gather(asked.to(h.device()))
     except ValueError as err:
         messages.append(str(err))
+    # a draw that one rank's head and sample cannot fill (all of them excluded there) raises on every rank
+    draws: list[str] = []
+    excluded = listed.expand(PER_RANK, -1) if rank == world - 1 else None
+    try:
+        cat.top_items(CANDIDATES, experts=[0], exclude=excluded, perturb=True)
+    except ValueError as err:
+        draws.append(str(err))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"sampled_rank{rank}.json").write_text(json.dumps(
-        {"world_size": world, "errors": errors, "messages": messages}, indent=1))
+        {"world_size": world, "errors": errors, "messages": messages, "draws": draws}, indent=1))
     h.teardown(model)
-    return 0 if max(errors.values()) <= 1e-5 and len(messages) == 2 else 1
+    return 0 if max(errors.values()) <= 1e-5 and len(messages) == 2 and len(draws) == 1 else 1
 
 
 if __name__ == "__main__":

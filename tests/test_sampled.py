@@ -421,6 +421,27 @@ def test_methods_that_read_the_best_items_check_how_many_the_catalog_names_exact
                                                            method="exact"))
 
 
+@pytest.mark.parametrize("draw", ["sample", "greedy"])
+def test_draws_refuse_more_candidates_than_the_head_and_sample_hold(draw):
+    """A head and sample holding fewer than K usable items (the rest masked, repeated or unused) is a
+    ValueError naming the row, never a draw holding a masked item or an unused slot's -1."""
+    user, item = _towers(b=2, n=30, d=4)
+    index = ExactIndex(item)
+    seen = index.search(user, 6)[1]  # each user's 6 nearest items are masked: 2 of the 8 head items stay usable
+    pick = (lambda c, k: capg_rec.sample_candidates(c, k, generator=torch.Generator().manual_seed(1))) \
+        if draw == "sample" else capg_rec.greedy_candidates
+    for seed in range(20):
+        cat = SampledCatalog(user, item, sampler=UniformSampler(3), index=index, head_size=8, masked_items=seen,
+                             generator=torch.Generator().manual_seed(seed))
+        slots = torch.cat([cat.head_ids, cat.sample_ids.expand(2, -1)], 1)
+        usable = [len(set(row.tolist()) - set(s.tolist()) - {-1}) for row, s in zip(slots, seen)]
+        if min(usable) >= 4:
+            drawn = pick(cat, 4)
+            assert not bool((drawn.unsqueeze(2) == seen.unsqueeze(1)).any()) and bool((drawn >= 0).all())
+        with pytest.raises(ValueError, match=f"row {int(np.argmin(usable))} has {min(usable)} under expert 0"):
+            pick(cat, min(usable) + 1)
+
+
 def test_the_plugin_reads_small_catalogs_whole():
     """Up to 2048 items the plug-in reads a sampled catalog whole, as mean-field does: the dense logits'
     values and gradients (it took its prefix and the mass left from head ∪ sample, off by nats)."""

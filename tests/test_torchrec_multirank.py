@@ -178,7 +178,7 @@ def test_sampled_mode_matches_one_process(tmp_path):
     """Each rank's sampled catalog (its own negatives and head, looked up through the sharded table) draws
     the candidates, sums and losses of one process rebuilding that rank's batch, and one step updates
     every row as that process does; a head id or a named item one rank did not list raises the same
-    error on every rank."""
+    error on every rank, and a draw that one rank's head and sample cannot fill raises on every rank."""
     run = launch("sampled.py", 2, tmp_path)
     assert run.returncode == 0, run.stderr[-4000:]
     reports = [json.loads((tmp_path / f"sampled_rank{r}.json").read_text()) for r in range(2)]
@@ -189,3 +189,6 @@ def test_sampled_mode_matches_one_process(tmp_path):
     head, asked = reports[0]["messages"]
     assert "every id of head_items must be listed" in head and "on rank 1" in head
     assert "was not looked up" in asked and "rank(s) [0]" in asked
+    # a draw that rank 1's head and sample cannot fill: both ranks raise (rank 0 naming the other process)
+    assert "row 0 has 0 under expert 0" in reports[1]["draws"][0]
+    assert "another process's SampledCatalog" in reports[0]["draws"][0]

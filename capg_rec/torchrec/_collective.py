@@ -106,6 +106,15 @@ def exchange(local: Callable[[], Sequence[int | Tensor]], size: int, group: dist
     return [entries[1:] for entries in table]
 
 
+def agree(passed: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """Checks' results ``passed [C]`` (bool) → True where every rank of ``group`` passed (one all-reduce)."""
+    if group is None:
+        return passed
+    everywhere = passed.to(torch.int32)
+    dist.all_reduce(everywhere, op=dist.ReduceOp.MIN, group=group)
+    return everywhere.bool()
+
+
 def ranks_where(table: list[list[int]], column: int) -> list[int]:
     """The ranks whose entry ``column`` of an :func:`exchange` table is non-zero."""
     return [r for r, entries in enumerate(table) if entries[column]]

@@ -22,7 +22,7 @@ from capg_rec._checks import check_count, check_float_tensor, check_id_tensor, c
 from capg_rec._numerics import safe_logsumexp
 from capg_rec.catalog import CatalogScores, _chunked_top_k, _ChunkedLogPowerSums, _expert_views, \
     available_given_masks, compute_dtype
-from capg_rec.torchrec._collective import all_gather_rows, exchange, gather_rows, on_ranks, ranks_where, \
+from capg_rec.torchrec._collective import agree, all_gather_rows, exchange, gather_rows, on_ranks, ranks_where, \
     reduce_rows
 from capg_rec.torchrec._noise import BLOCK, BlockNoise, draw_seed
 
@@ -199,11 +199,7 @@ class ShardedEmbeddingCatalog(CatalogScores):
 
     # -- the CatalogScores protocol ------------------------------------------------------------
     def agree(self, passed: Tensor) -> Tensor:
-        if self.group is None:
-            return passed
-        everywhere = passed.to(torch.int32)
-        dist.all_reduce(everywhere, op=dist.ReduceOp.MIN, group=self.group)
-        return everywhere.bool()
+        return agree(passed, self.group)
 
     def num_available(self) -> Tensor:
         if self._masked_sorted is None:

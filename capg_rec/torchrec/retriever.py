@@ -20,7 +20,7 @@ from capg_rec.ann import ItemIndex
 from capg_rec.marginals import DEFAULT_METHOD, InclusionMethod
 from capg_rec.sampled import DrawnSample, SampledCatalog
 from capg_rec.serving import ServingRetriever
-from capg_rec.torchrec._collective import all_gather_rows, exchange, on_ranks, ranks_where
+from capg_rec.torchrec._collective import agree, all_gather_rows, exchange, on_ranks, ranks_where
 from capg_rec.torchrec.catalog import ShardedEmbeddingCatalog
 
 __all__ = ["TwoTowerRetriever"]
@@ -261,9 +261,10 @@ class TwoTowerRetriever(nn.Module):
             listed = features[self.catalog_feature].values().long()
             tower = _ListedRows(listed, item.view(-1, self.num_experts, dim), group,
                                 resolve_validate_args(self.validate_args))
-            return SampledCatalog(user.view(-1, self.num_experts, dim), tower, num_items=self.num_items,
-                                  sampler=sample, temperature=self.temperature, head_items=head_items,
-                                  masked_items=masked_items, validate_args=False)  # values checked collectively
+            return _RankSampledCatalog(user.view(-1, self.num_experts, dim), tower, num_items=self.num_items,
+                                       sampler=sample, temperature=self.temperature, head_items=head_items,
+                                       masked_items=masked_items, validate_args=False,  # values checked collectively
+                                       group=group)
         item = item.view(rows, self.num_experts, dim)
         return ShardedEmbeddingCatalog(user.view(-1, self.num_experts, dim), item, num_items=self.num_items,
                                        row_offset=offset, temperature=self.temperature, masked_items=masked_items,
@@ -392,6 +393,17 @@ class TwoTowerRetriever(nn.Module):
             if part.numel() and not bool(torch.isin(part, listed).all()):
                 raise ValueError(f"every id of {name} must be listed by the catalog feature: build it with "
                                  f"retriever.with_catalog(features, items) with items holding them")
+
+
+class _RankSampledCatalog(SampledCatalog):
+    """A rank's :class:`SampledCatalog` of its own batch, whose checks every rank of ``group`` takes alike."""
+
+    def __init__(self, *args: object, group: dist.ProcessGroup | None, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.group = group
+
+    def agree(self, passed: Tensor) -> Tensor:
+        return agree(passed, self.group)
 
 
 class _ListedRows:
