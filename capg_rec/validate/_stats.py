@@ -1,12 +1,13 @@
 """Statistics behind :func:`~capg_rec.validate.validate_esr` (private).
 
-Exact binomial tests per item, Pearson chi-square over whole ordered draws, and normal-theory
-sample sizes. Every function works on NumPy arrays; SciPy is imported lazily.
+Exact binomial tests per item, Pearson chi-square over whole ordered draws, and sample sizes from
+the exact power of the binomial test. Every function works on NumPy arrays; SciPy is imported lazily.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -76,17 +77,71 @@ def z_scores(empirical: np.ndarray, claimed: np.ndarray, unit_variance: np.ndarr
     return np.where(se > 0, z, np.where(diff == 0, 0.0, np.copysign(np.inf, diff)))
 
 
-def detection_z(level: float, power: float) -> float:
-    """``z_{1−level/2} + z_{power}``: the standardised shift a two-sided test at ``level``
-    detects with probability ``power`` (normal approximation)."""
+def binomial_power(trials: int, low: float, high: float, truth: float, level: float) -> float:
+    """Exact probability that :func:`binomial_p_values` (``p ∈ [low, high]``) is at most ``level`` for a count
+    ``~ Binomial(trials, truth)``: the power of the two-sided test against ``truth``."""
     stats = scipy_stats()
-    return float(stats.norm.isf(level / 2) + stats.norm.ppf(power))
+    tail = level / 2  # rejected: P_low(X ≤ c) ≤ tail or P_high(X ≥ c) ≤ tail
+    below = stats.binom.ppf(tail, trials, low)  # the smallest c with P_low(X ≤ c) ≥ tail
+    if stats.binom.cdf(below, trials, low) > tail:
+        below -= 1  # the largest count rejected as too small (-1: none)
+    above = stats.binom.isf(tail, trials, high)  # the smallest c with P_high(X > c) ≤ tail
+    while above >= 0 and stats.binom.sf(above - 1, trials, high) <= tail:
+        above -= 1  # (isf rounds; counts above `above` are rejected as too large)
+    return float(stats.binom.cdf(below, trials, truth) + stats.binom.sf(above, trials, truth))
 
 
-def samples_needed(value: float, unit_variance: float, rel_error: float, z: float) -> int:
-    """Samples needed to detect a relative error ``rel_error`` in a mean ``value`` whose
-    per-sample variance is ``unit_variance``: ``⌈z² v / (r·value)²⌉``."""
-    return math.ceil(z * z * unit_variance / (rel_error * value) ** 2)
+def _alternatives(claim: float, rel_error: float) -> list[float]:
+    """The success probabilities off ``claim`` by a relative ``rel_error``, either way, that can be."""
+    return [claim * (1 - rel_error)] + ([claim * (1 + rel_error)] if claim * (1 + rel_error) <= 1 else [])
+
+
+def samples_needed(claim: float, low: float, high: float, trials: int, rel_error: float, power: float,
+                   level: float) -> int | None:
+    """Draws ``n`` at which the exact test of :func:`binomial_p_values` (``n·trials`` trials of success
+    probability ``claim``, accepted in ``[low, high]``) at ``level`` rejects a truth off by a relative
+    ``rel_error`` either way with probability at least ``power`` (exact binomial power, found by
+    doubling then bisection from the normal approximation). None where a truth lies within
+    ``[low, high]``: the test accepts it at any ``n``."""
+    stats = scipy_stats()
+    truths = _alternatives(claim, rel_error)
+    if any(low <= q <= high for q in truths):
+        return None
+
+    def enough(n: int) -> bool:
+        return min(binomial_power(n * trials, low, high, q, level) for q in truths) >= power
+
+    z_level, z_power = stats.norm.isf(level / 2), stats.norm.ppf(power)
+    guess = max(((z_level * math.sqrt(claim * (1 - claim)) + z_power * math.sqrt(q * (1 - q))) / (claim - q)) ** 2
+                for q in truths)
+    bad, good = 0, max(1, math.ceil(guess / trials))
+    while not enough(good):
+        bad, good = good, 2 * good
+    while good - bad > 1:
+        mid = (bad + good) // 2
+        bad, good = (bad, mid) if enough(mid) else (mid, good)
+    return good
+
+
+def detectable_rel_error(claim: float, low: float, high: float, trials: int, power: float, level: float) -> float:
+    """The smallest relative error ``r`` such that every truth ``claim·(1 ± r')``, ``r' ≥ r``, that is a
+    probability is rejected with probability at least ``power`` by the exact test over ``trials`` trials
+    (``inf`` if not even a truth of 0 is)."""
+
+    def threshold(truth_at: Callable[[float], float], largest: float) -> float:
+        """The least r in (0, largest] whose truth is rejected with ``power`` (the power grows with r)."""
+        if binomial_power(trials, low, high, truth_at(largest), level) < power:
+            return math.inf
+        lo, hi = 0.0, largest
+        for _ in range(50):
+            mid = 0.5 * (lo + hi)
+            lo, hi = (lo, mid) if binomial_power(trials, low, high, truth_at(mid), level) >= power else (mid, hi)
+        return hi
+
+    down = threshold(lambda r: claim * (1 - r), 1.0)
+    most_up = 1 / claim - 1  # the largest relative error upwards that is still a probability
+    up = threshold(lambda r: claim * (1 + r), most_up) if most_up > 0 else 0.0
+    return max(down, most_up if up == math.inf else up)
 
 
 def calibration(claimed: np.ndarray, empirical: np.ndarray, unit_variance: np.ndarray, num_samples: int,

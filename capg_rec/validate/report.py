@@ -44,7 +44,8 @@ class ValidationReport:
     ``claimed``, ``empirical`` and ``stderr`` are ``[B, N]`` arrays (probabilities, or expected
     counts for a with-replacement ESR; ``stderr`` is the claimed standard error of the empirical
     value). ``samples_needed`` is the number of draws per context that would detect a relative
-    error ``rel_error`` (with probability ``power``, at this report's per-item level) on the
+    error ``rel_error`` either way (with probability ``power``, the exact power of this report's
+    per-item binomial test at its per-item level; None where the tolerance accepts it) on the
     least likely of the items each context usually retrieves (``reference_claim``: the smallest
     K-th largest claim over contexts); ``detectable_rel_error`` is that relative error at the
     sample size used.

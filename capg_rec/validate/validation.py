@@ -188,14 +188,14 @@ def validate_esr(esr: ESR, contexts: Any = None, *, num_samples: int = 20_000, a
     cal_error, cal_noise = _stats.calibration(claimed.ravel(), empirical.ravel(), unit_var.ravel(), n)
 
     # Sample size: the least likely of the items each context usually retrieves.
-    z_detect = _stats.detection_z(level / family, power)
     top = np.sort(np.where(claimed < trials, claimed, -np.inf), axis=1)[:, ::-1][:, :min(k, num_items)]
     reference = float(top.min(axis=1).min()) if top.size else -math.inf
     needed = detectable = None
-    if reference > 0:
-        ref_var = reference * (1 - reference / trials)
-        needed = _stats.samples_needed(reference, ref_var, rel_error, z_detect)
-        detectable = z_detect * math.sqrt(ref_var / n) / reference
+    if reference > 0:  # the test of the inclusion check at that claim, per trial
+        claim, low, high = (min(max(x / trials, 0.0), 1.0) for x in (reference, reference - tolerance,
+                                                                     reference + tolerance))
+        needed = _stats.samples_needed(claim, low, high, trials, rel_error, power, level / family)
+        detectable = _stats.detectable_rel_error(claim, low, high, n * trials, power, level / family)
     return ValidationReport(
         passed=all(c.passed for c in checks), alpha=alpha, num_samples=n, num_contexts=batch,
         num_items=num_items, num_candidates=k, with_replacement=with_replacement, tolerance=float(tolerance),
