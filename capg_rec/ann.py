@@ -9,7 +9,9 @@ tower moved (every n training steps). Two implementations:
 * :class:`FaissIndex`: faiss-cpu, inner product; ``"flat"`` (exact), ``"hnsw"`` or ``"ivf"``
   (approximate: measure their recall with :func:`recall_at_k`).
 
-Another index plugs in by subclassing :class:`ItemIndex` (``_build`` and ``_search_one``).
+Another index plugs in by subclassing :class:`ItemIndex` (``_build`` and ``_search_one``). Item vectors and
+queries must be finite (a ``ValueError``; checked unless ``set_default_validate_args(False)``): a NaN item
+would be every query's best match in one index and silently dropped by another.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import abc
 import torch
 from torch import Tensor
 
-from capg_rec._checks import check_choice, check_count, check_float_tensor
+from capg_rec._checks import check_choice, check_count, check_float_tensor, resolve_validate_args
 from capg_rec.catalog import _chunked_top_k
 
 __all__ = ["ItemIndex", "ExactIndex", "FaissIndex", "recall_at_k"]
@@ -42,7 +44,7 @@ class ItemIndex(abc.ABC):
 
     def refresh(self, item_vectors: Tensor) -> None:
         """(Re)build the index from ``item_vectors [N, D] | [N, M, D]``."""
-        item_vectors = check_float_tensor("item_vectors", item_vectors, ndims=(2, 3), validate=False)
+        item_vectors = check_float_tensor("item_vectors", item_vectors, ndims=(2, 3), validate=resolve_validate_args(None))
         self.num_items = item_vectors.shape[0]
         self.num_experts = item_vectors.shape[1] if item_vectors.dim() == 3 else None
         self.dim = item_vectors.shape[-1]
@@ -53,7 +55,7 @@ class ItemIndex(abc.ABC):
 
     def search(self, queries: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """The k best items of each query: ``queries [B, D] | [B, M, D]`` → ``(scores, ids)`` ``[B, (M,) k]``."""
-        queries = check_float_tensor("queries", queries, ndims=(2, 3), validate=False)
+        queries = check_float_tensor("queries", queries, ndims=(2, 3), validate=resolve_validate_args(None))
         expected = 2 if self.num_experts is None else 3
         if queries.dim() != expected or queries.shape[-1] != self.dim or (
                 expected == 3 and queries.shape[1] != self.num_experts):

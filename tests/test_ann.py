@@ -65,3 +65,23 @@ def test_index_errors():
         ExactIndex(items.long())
     with pytest.raises(ValueError, match="kind"):
         FaissIndex(items, kind="lsh")
+
+
+@pytest.mark.parametrize("index_class", [ExactIndex, FaissIndex])
+def test_non_finite_vectors_are_refused(index_class):
+    """A NaN or inf item or query is a ValueError naming it (ExactIndex made a NaN item every query's best
+    match; FaissIndex dropped it silently); with validation off, nothing is read."""
+    import capg_rec
+    items, queries = _data()
+    for bad in (float("nan"), float("inf")):
+        broken = items.clone()
+        broken[2, 0] = bad
+        with pytest.raises(ValueError, match="item_vectors must be finite"):
+            index_class(broken)
+        with pytest.raises(ValueError, match="queries must be finite"):
+            index_class(items).search(torch.cat([queries[:1] * bad, queries[1:]]), 3)
+    capg_rec.set_default_validate_args(False)
+    try:
+        index_class(items).search(queries, 3)
+    finally:
+        capg_rec.set_default_validate_args(True)
