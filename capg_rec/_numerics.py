@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import itertools
@@ -46,6 +47,16 @@ def masked_logsumexp(x: Tensor, drop: Tensor, dim: int) -> Tensor:
     """``logsumexp`` over the entries where ``drop`` (broadcastable to ``x``) is False; ``-inf`` (with
     zero grad) where every entry is dropped."""
     return filled_logsumexp(x.masked_fill(drop, torch.finfo(x.dtype).min), dim)
+
+
+def no_autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """Autocast off on ``device``'s type where it is on, for the products that score a catalog: they are
+    computed in the catalog's own dtype (an autocast region would run them in half precision, with
+    ``finfo(float32)`` constants that half precision cannot hold, and unlike their recomputation in a
+    backward, which autocast does not reach)."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def exp_floor(dtype: torch.dtype) -> float:

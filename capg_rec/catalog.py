@@ -28,8 +28,8 @@ import torch
 from torch import Tensor
 
 from capg_rec._checks import check_count, check_float_tensor, check_items, check_positive, resolve_validate_args
-from capg_rec._numerics import (bound_once, exp_floored, filled_logsumexp, gather_with_rest, gumbel_like,
-                               gumbel_top_k, log_softmax_at, scaled_terms, select_experts, top_k)
+from capg_rec._numerics import (bound_once, exp_floored, filled_logsumexp, gather_with_rest, gumbel_like, gumbel_top_k,
+                               log_softmax_at, no_autocast, scaled_terms, select_experts, top_k)
 
 __all__ = ["CatalogScores", "DenseCatalog", "EmbeddingCatalog", "as_catalog"]
 
@@ -259,7 +259,8 @@ class _ChunkedLogPowerSums(torch.autograd.Function):
         finite = []  # per chunk: no score is +inf or NaN, and no row of a chunk overflowed to -inf
         for start in range(0, item.shape[0], chunk_size):
             stop = min(start + chunk_size, item.shape[0])
-            s = torch.einsum("bmd,nmd->bmn", user, item[start:stop])
+            with no_autocast(user.device):
+                s = torch.einsum("bmd,nmd->bmn", user, item[start:stop])
             mask = _exclusion_mask(exclude, batch, start, stop, user.device)
             if mask is not None:
                 s = s.masked_fill(mask.unsqueeze(1), lowest)
@@ -298,15 +299,17 @@ class _ChunkedLogPowerSums(torch.autograd.Function):
         for start in range(0, item.shape[0], ctx.chunk_size):
             stop = min(start + ctx.chunk_size, item.shape[0])
             v = item[start:stop]
-            s = torch.einsum("bmd,nmd->bmn", user, v)
+            with no_autocast(user.device):
+                s = torch.einsum("bmd,nmd->bmn", user, v)
             mask = _exclusion_mask(exclude, batch, start, stop, user.device)
             if mask is not None:  # their exps land on the floor, which scaled_terms turns into exact zeros
                 s = s.masked_fill(mask.unsqueeze(1), lowest)
             d = s - log_z  # log r
             grad_s = sum(scaled_terms(exp_floored(d if p == 1 else p * d), coef[..., p - 1:p])
                          for p in range(1, num_powers + 1))
-            grad_user = grad_user + torch.einsum("bmn,nmd->bmd", grad_s, v)
-            part = torch.einsum("bmn,bmd->nmd", grad_s, user)
+            with no_autocast(user.device):
+                grad_user = grad_user + torch.einsum("bmn,nmd->bmd", grad_s, v)
+                part = torch.einsum("bmn,bmd->nmd", grad_s, user)
             if grad_item is None:
                 parts.append(part)
             else:
@@ -334,7 +337,8 @@ def _chunked_top_k(user: Tensor, item: Tensor, k: int, exclude: Tensor | None,
     with torch.no_grad():
         for start in range(0, item.shape[0], chunk_size):
             stop = min(start + chunk_size, item.shape[0])
-            s = torch.einsum("bmd,nmd->bmn", user, item[start:stop])
+            with no_autocast(user.device):
+                s = torch.einsum("bmd,nmd->bmn", user, item[start:stop])
             if noise is not None:
                 s = s + noise(start, stop)
             mask = _exclusion_mask(exclude, batch, start, stop, user.device)
@@ -415,7 +419,8 @@ class EmbeddingCatalog(CatalogScores):
         return torch.cat([self.masked_items, exclude], dim=1)
 
     def gather(self, items: Tensor) -> Tensor:
-        scores = torch.einsum("bmd,blmd->bml", self.user, self.item[items])
+        with no_autocast(self.device):
+            scores = torch.einsum("bmd,blmd->bml", self.user, self.item[items])
         if self.masked_items is None:
             return scores
         masked = (items.unsqueeze(2) == self.masked_items.unsqueeze(1)).any(2)  # [B, L]

@@ -48,7 +48,8 @@ import torch
 from torch import Tensor
 
 from capg_rec._checks import check_count, check_float_tensor, check_items, check_positive, resolve_validate_args
-from capg_rec._numerics import exp_floor, gumbel_group_size, gumbel_top_k, safe_logsumexp, select_experts, top_k
+from capg_rec._numerics import exp_floor, gumbel_group_size, gumbel_top_k, no_autocast, safe_logsumexp, select_experts, \
+    top_k
 from capg_rec.ann import ItemIndex
 from capg_rec.catalog import CatalogScores, available_given_masks, compute_dtype, unpadded
 
@@ -408,10 +409,11 @@ class SampledCatalog(CatalogScores):
                 (self.head_ids < 0).unsqueeze(1), -math.inf)
         # The sample is shared by the rows: S lookups, one [B, M, D] × [S, M, D] product.
         vectors = self._vectors(unpadded(self.sample_ids))
-        if self.num_experts == 1:
-            self.sample_scores = (self.user[:, 0] @ vectors[:, 0].T).unsqueeze(1)
-        else:
-            self.sample_scores = torch.matmul(self.user.transpose(0, 1), vectors.permute(1, 2, 0)).transpose(0, 1)
+        with no_autocast(self.device):
+            if self.num_experts == 1:
+                self.sample_scores = (self.user[:, 0] @ vectors[:, 0].T).unsqueeze(1)
+            else:
+                self.sample_scores = torch.matmul(self.user.transpose(0, 1), vectors.permute(1, 2, 0)).transpose(0, 1)
 
     @property
     def sample_drop(self) -> Tensor:

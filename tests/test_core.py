@@ -580,3 +580,35 @@ def test_repeated_or_out_of_range_candidates_are_caught_at_any_width(num_candida
     outside[1, -1] = 300
     with pytest.raises(ValueError, match=r"candidates must hold ids in \[0, 300\)"):
         loss(logits, outside, chosen, rewards)
+
+
+@pytest.mark.parametrize("num_items", [300, 3000])  # read whole; streamed in chunks
+@pytest.mark.parametrize("placement", ["embedding", "sampled"])
+def test_catalogs_score_in_their_own_dtype_under_autocast(device, num_items, placement):
+    """An autocast region (mixed-precision training) does not change what a catalog computes: its products
+    run in its own dtype, so losses and gradients equal those outside the region (the chunked sums ran in
+    half precision and failed to mask with float32's lowest value; their backward, which autocast does not
+    reach, recomputed the scores in float32)."""
+    g = torch.Generator().manual_seed(0)
+    user = torch.randn(4, 2, 8, generator=g).to(device).requires_grad_()
+    item = torch.randn(num_items, 2, 8, generator=g).to(device).requires_grad_()
+    low = torch.float16 if device.type == "cuda" else torch.bfloat16
+
+    def catalog():
+        if placement == "embedding":
+            return capg_rec.EmbeddingCatalog(user, item, chunk_size=1000)
+        return capg_rec.SampledCatalog(user, item, sampler=capg_rec.UniformSampler(64),
+                                       head_items=cand, generator=torch.Generator(device=device).manual_seed(1))
+
+    cand = capg_rec.sample_candidates(capg_rec.EmbeddingCatalog(user.detach(), item.detach()), 6,
+                                      generator=torch.Generator(device=device).manual_seed(2))
+    chosen, rewards = cand[:, :2], torch.rand(4, 2, generator=g).to(device)
+    for loss_fn in (capg_rec.CAPGLoss(6), capg_rec.CAPGLoss(6, method="plugin"), capg_rec.VPGLoss(6),
+                    capg_rec.CAPGLoss(6, method="with_replacement")):
+        want = loss_fn(catalog(), cand, chosen, rewards)
+        with torch.autocast(device.type, dtype=low):
+            got = loss_fn(catalog(), cand, chosen, rewards)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        for a, b in zip(torch.autograd.grad(got, (user, item)), torch.autograd.grad(want, (user, item))):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from capg_rec._checks import check_count, check_float_tensor, check_id_tensor, check_positive, resolve_validate_args
-from capg_rec._numerics import safe_logsumexp
+from capg_rec._numerics import no_autocast, safe_logsumexp
 from capg_rec.catalog import CatalogScores, _chunked_top_k, _ChunkedLogPowerSums, _expert_views, \
     available_given_masks, compute_dtype
 from capg_rec.torchrec._collective import agree, all_gather_rows, exchange, gather_rows, on_ranks, ranks_where, \
@@ -216,7 +216,8 @@ class ShardedEmbeddingCatalog(CatalogScores):
         else:  # zeros that still depend on item and user_all: on every rank the backward reaches the
             # lookup's outputs, so every rank joins the lookup's backward collectives
             vec = self.item.sum(0).expand(*local.shape, -1, -1)
-        part = torch.einsum("bmd,blmd->bml", self.user_all, vec) * owned.unsqueeze(1)
+        with no_autocast(vec.device):
+            part = torch.einsum("bmd,blmd->bml", self.user_all, vec) * owned.unsqueeze(1)
         scores = part if self.group is None else reduce_rows(part, self._sizes, self._rank, self.group)
         if self._masked_sorted is None or self._masked_sorted.shape[1] == 0:
             return scores
