@@ -457,7 +457,9 @@ def _log_cdf(s: Tensor, rho: Tensor, log_z: Tensor, k: int, targets: Tensor | No
         # F_{-a} = -∂H/∂p_a with H = E[(k - C)_+] = Σ_i R_i Σ_{c ≤ k-1-i} P(tail ≤ c). The derivative is
         # taken inside (create_graph where p needs a gradient, so this stays differentiable to any order).
         outer = p.requires_grad or cdf.requires_grad
-        with torch.enable_grad():
+        with torch.inference_mode(False), torch.enable_grad():
+            if p.is_inference():  # made under torch.inference_mode: copies that autograd may record
+                p, cdf = p.clone(), cdf.clone()
             p_in = p if p.requires_grad else p.detach().requires_grad_()
             poly = _pb_poly(p_in, k, fft)
             weight = torch.cumsum(cdf, dim=-1).flip(-1)[..., :poly.shape[-1]]

@@ -613,3 +613,20 @@ def test_catalogs_score_in_their_own_dtype_under_autocast(device, num_items, pla
         torch.testing.assert_close(got, want, rtol=0, atol=0)
         for a, b in zip(torch.autograd.grad(got, (user, item)), torch.autograd.grad(want, (user, item))):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("loss_name", LOSSES)
+@pytest.mark.parametrize("experts", [1, 2])
+def test_losses_evaluate_under_no_grad_and_inference_mode(loss_name, experts):
+    """Evaluation without autograd (torch.no_grad, torch.inference_mode) gives the values with autograd (the
+    exact method's mixtures failed under inference_mode: their inner derivative was recorded on inference
+    tensors)."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, experts, 40, generator=g, dtype=torch.float64).squeeze(1)
+    cand = capg_rec.sample_candidates(logits, 5, generator=g)
+    chosen, rewards = cand[:, :2], torch.rand(4, 2, generator=g, dtype=torch.float64)
+    want = _loss(loss_name, 5)(logits.requires_grad_(), cand, chosen, rewards)
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            got = _loss(loss_name, 5)(logits.detach(), cand, chosen, rewards)
+        assert float(got) == float(want)
