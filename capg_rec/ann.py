@@ -44,7 +44,8 @@ class ItemIndex(abc.ABC):
 
     def refresh(self, item_vectors: Tensor) -> None:
         """(Re)build the index from ``item_vectors [N, D] | [N, M, D]``."""
-        item_vectors = check_float_tensor("item_vectors", item_vectors, ndims=(2, 3), validate=resolve_validate_args(None))
+        item_vectors = check_float_tensor("item_vectors", item_vectors, ndims=(2, 3),
+                                          validate=resolve_validate_args(None))
         self.num_items = item_vectors.shape[0]
         self.num_experts = item_vectors.shape[1] if item_vectors.dim() == 3 else None
         self.dim = item_vectors.shape[-1]

@@ -48,8 +48,8 @@ import torch
 from torch import Tensor
 
 from capg_rec._checks import check_count, check_float_tensor, check_items, check_positive, resolve_validate_args
-from capg_rec._numerics import exp_floor, gumbel_group_size, gumbel_top_k, no_autocast, safe_logsumexp, select_experts, \
-    top_k
+from capg_rec._numerics import (exp_floor, gumbel_group_size, gumbel_top_k, no_autocast, safe_logsumexp,
+                                select_experts, top_k)
 from capg_rec.ann import ItemIndex
 from capg_rec.catalog import CatalogScores, available_given_masks, compute_dtype, unpadded
 

@@ -245,7 +245,8 @@ def test_multinomial_p_value():
 def _brute_power(trials: int, low: float, high: float, truth: float, level: float) -> float:
     """The test's power by summing the truth's pmf over every count the p-values reject."""
     counts = np.arange(trials + 1)
-    rejected = _stats.binomial_p_values(counts, trials, np.full(counts.shape, low), np.full(counts.shape, high)) <= level
+    bounds = np.full(counts.shape, low), np.full(counts.shape, high)
+    rejected = _stats.binomial_p_values(counts, trials, *bounds) <= level
     return float(stats.binom.pmf(counts, trials, truth)[rejected].sum())
 
 
