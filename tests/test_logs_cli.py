@@ -96,3 +96,14 @@ def test_reader_benchmark_runs(tmp_path):
     saved = json.loads((tmp_path / "reader_speed.json").read_text())
     assert saved["rows"] == result["rows"] == 3000 and saved["reader_checked"]["rows_per_second"] > 0
     assert not (tmp_path / "synthetic_logs.parquet").exists()
+
+
+def test_a_refused_log_run_leaves_the_existing_logs(tmp_path, capsys):
+    """Options refused once logging has begun (ε, τ, the method) left a 0-row file where the logs were."""
+    out = tmp_path / "logs.parquet"
+    assert _run(["log", "-n", "40", "--batch-size", "20", "--out", str(out), "--no-progress"]) == 0
+    for argv in (["--epsilon", "1.5"], ["--temperature", "-1"], ["--method", "with_replacement"]):
+        assert _run(["log", "-n", "40", "--out", str(out), "--no-progress", *argv]) == 2
+        assert "capg-rec log: error:" in capsys.readouterr().err
+        assert LoggedImpressions(out, 16).num_rows == 40
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["logs.json", "logs.parquet"]

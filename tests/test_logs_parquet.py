@@ -301,3 +301,19 @@ def test_malformed_catalog_size_in_the_metadata_is_named(tmp_path, num_items):
     _write_raw(tmp_path / "bad.parquet", _table(), meta=LogMetadata(K, L, "mean_field", num_items, F))
     with pytest.raises(ValueError, match="bad.parquet: metadata num_items must be an int >= 1"):
         LoggedImpressions(tmp_path / "bad.parquet", 2)
+
+
+def test_a_writer_replaces_the_file_only_when_it_closes(tmp_path):
+    """The file appears at its path on close; a with block that raises leaves an existing file as it was and
+    no partial file behind."""
+    path = tmp_path / "logs.parquet"
+    first = _write(path, [7, 5])
+    with pytest.raises(RuntimeError, match="stop"), LogWriter(path, num_candidates=K, num_shown=L, num_items=N,
+                                                              num_features=F) as writer:
+        writer.write(_batch(3, 9))
+        assert LoggedImpressions(path, 4).num_rows == 12  # the old file, while the new one is written
+        raise RuntimeError("stop")
+    _assert_same(_cat(list(LoggedImpressions(path, 100))), _cat([_as_written(b) for b in first]))
+    assert [p.name for p in tmp_path.iterdir()] == ["logs.parquet"]
+    second = _write(path, [4])
+    _assert_same(_cat(list(LoggedImpressions(path, 100))), _cat([_as_written(b) for b in second]))

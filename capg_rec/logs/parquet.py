@@ -101,7 +101,9 @@ class LogWriter:
     ``row_group_size`` rows).
 
     Args:
-        path: the ``.parquet`` file to create (its directory must exist; an existing file is replaced).
+        path: the ``.parquet`` file to create (its directory must exist). It is written beside it, to a
+            hidden temporary file that replaces ``path`` when the writer closes; if the ``with`` block
+            raises, that file is removed and an existing ``path`` is left as it was.
         num_candidates: K, the width of ``candidates``.
         num_shown: L, the width of ``shown``, ``rewards`` and the per-item log-propensities.
         num_items: N, the catalog size the ids index (checked: ids in ``[0, N)``), or None.
@@ -148,19 +150,31 @@ class LogWriter:
         self.schema = file_schema(self.meta)
         self.rows_written = 0
         self.batches_written = 0
-        self._writer = pq.ParquetWriter(self.path, self.schema, compression=compression)
+        self._partial = self.path.with_name(f".{self.path.name}.{os.getpid()}.partial")
+        self._writer = pq.ParquetWriter(self._partial, self.schema, compression=compression)
 
     def __enter__(self) -> LogWriter:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self.discard()
 
     def close(self) -> None:
-        """Finish the file (idempotent)."""
+        """Finish the file and put it at ``path`` (idempotent)."""
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+            os.replace(self._partial, self.path)
+
+    def discard(self) -> None:
+        """Drop what was written, leaving ``path`` as it was (idempotent)."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+            self._partial.unlink(missing_ok=True)
 
     def write(self, batch: LoggedBatch) -> None:
         """Append ``batch`` (B rows) as one row group (or several of ``row_group_size`` rows)."""
