@@ -35,7 +35,8 @@ def _config(**kw) -> TrainConfig:
 @pytest.mark.parametrize("estimator", ["vpg_swr", "capg_swr", "vpg", "capg"])
 def test_trainer_learns_on_a_tiny_problem(env, estimator):
     steps = 60 if estimator == "capg" else 200
-    trainer = Trainer(env, _config(estimator=estimator, steps=steps, eval_every=steps, capg_method="plugin"))
+    method = dict(capg_method="plugin") if estimator == "capg" else {}
+    trainer = Trainer(env, _config(estimator=estimator, steps=steps, eval_every=steps, **method))
     result = trainer.run(progress=False)
     start, end = result.history[0]["policy_value"], result.history[-1]["policy_value"]
     assert [row["step"] for row in result.history] == [0, steps]
@@ -323,7 +324,8 @@ def test_adaptive_lr_factor(env):
 @pytest.mark.parametrize("bad", [dict(estimator="ppo"), dict(num_outputs=6), dict(num_experts=6),
                                  dict(lr=-1.0), dict(steps=0), dict(batch_size=1.5), dict(on_overflow="ignore"),
                                  dict(train_lsr="greedy"), dict(group_offset=-1.0), dict(baseline_decay=1.0),
-                                 dict(capg_method="magic"), dict(position_weights="linear"),
+                                 dict(capg_method="magic"), dict(capg_method="exact"),
+                                 dict(estimator="vpg", capg_method="plugin"), dict(position_weights="linear"),
                                  dict(temperature=0.0), dict(adaptive_lr="yes")])
 def test_bad_config_raises(bad):
     name = next(iter(bad))
@@ -466,6 +468,7 @@ def test_group_normalize_and_dcg_weights_values():
     (("--checkpoint-every", "0"), "--checkpoint-every must be >= 1, got 0"),
     (("--estimator", "capg_swr", "--capg-method", "exact"), "--capg-method: the inclusion method of --estimator capg"),
     (("--estimator", "vpg", "--capg-method", "plugin"), "--capg-method: the inclusion method of --estimator capg"),
+    (("--capg-method", "exact"), "not of capg_swr (the default)"),  # it trained CA-PG-SwR, silently
     (("--data", "/nonexistent.csv"), "--data: the KuaiRec file of --env kuairec"),
 ])
 def test_cli_refuses_options_that_would_be_ignored_or_fail_late(tmp_path, capsys, extra, named):

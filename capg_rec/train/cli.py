@@ -46,7 +46,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--env", choices=_ENVS, default=None, help="default synthetic (with --resume: the saved run's)")
     p.add_argument("--data", help="KuaiRec small_matrix.csv (for --env kuairec)")
     _option(p, "--estimator", choices=ESTIMATORS + tuple(e for e in LOG_ESTIMATORS if e not in ESTIMATORS),
-            help=f"online: {', '.join(ESTIMATORS)}; with --logs: {', '.join(LOG_ESTIMATORS)} (default capg)")
+            help=f"online: {', '.join(ESTIMATORS)} (default {TrainConfig.estimator}); with --logs: "
+                 f"{', '.join(LOG_ESTIMATORS)} (default {LogTrainConfig.estimator})")
     _option(p, "--capg-method", help="CA-PG inclusion method (exact, mean_field, plugin); default the library's")
     _option(p, "-K", "--num-candidates", type=int)
     _option(p, "-L", "--num-outputs", type=int)
@@ -239,11 +240,13 @@ def _train(args: argparse.Namespace) -> int:
     log_only = [f"--{name.replace('_', '-')}" for name in _LOG_ONLY if getattr(args, name) is not None]
     if log_only:
         _fail(f"{', '.join(log_only)}: options of training from logs (--logs)")
-    if given.get("estimator", "capg") not in ESTIMATORS:
-        _fail(f"--estimator {given['estimator']}: an off-policy estimator, for --logs; online: {', '.join(ESTIMATORS)}")
-    if not args.resume and "capg_method" in given and given.get("estimator", "capg") != "capg":
-        _fail(f"--capg-method: the inclusion method of --estimator capg, not of {given['estimator']} "
-              "(capg_swr's is with_replacement; V-PG has none)")
+    estimator = given.get("estimator", TrainConfig.estimator)
+    if estimator not in ESTIMATORS:
+        _fail(f"--estimator {estimator}: an off-policy estimator, for --logs; online: {', '.join(ESTIMATORS)}")
+    if not args.resume and "capg_method" in given and estimator != "capg":
+        _fail(f"--capg-method: the inclusion method of --estimator capg, not of {estimator}"
+              f"{' (the default)' if 'estimator' not in given else ''} (capg_swr's is with_replacement; V-PG has "
+              "none)")
     if not args.resume and args.data is not None and (args.env or "synthetic") != "kuairec":
         _fail(f"--data: the KuaiRec file of --env kuairec, not used by --env {args.env or 'synthetic'}")
     try:

@@ -103,6 +103,10 @@ class TrainConfig:
             raise ValueError(f"baseline_decay must be in [0, 1), got {self.baseline_decay}")
         if self.capg_method is not None:
             _choice("capg_method", self.capg_method, inclusion_methods())
+            if self.estimator != "capg" and (self.estimator, self.capg_method) != ("capg_swr", "with_replacement"):
+                raise ValueError(f"capg_method is the inclusion method of estimator 'capg' (capg_swr's is "
+                                 f"'with_replacement'; V-PG has none), got estimator {self.estimator!r} with "
+                                 f"capg_method {self.capg_method!r}")
         if not isinstance(self.adaptive_lr, bool):
             raise ValueError(f"adaptive_lr must be a bool, got {self.adaptive_lr!r}")
         _choice("optimizer", self.optimizer, _OPTIMIZERS)
