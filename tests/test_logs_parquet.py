@@ -317,3 +317,36 @@ def test_a_writer_replaces_the_file_only_when_it_closes(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["logs.parquet"]
     second = _write(path, [4])
     _assert_same(_cat(list(LoggedImpressions(path, 100))), _cat([_as_written(b) for b in second]))
+
+
+def test_file_level_gaps_in_the_schema_are_named(tmp_path):
+    """Malformed files that were read silently or with another error: a null policy version (never read,
+    so never checked), a column twice (a bare KeyError), a negative id in a file that records no catalog
+    size, metadata whose method or extra has the wrong type, and a corrupted data page (pyarrow's OSError,
+    naming no file)."""
+    cols = _table()
+    _write_raw(tmp_path / "pv.parquet", _set(_table(), "policy_version", 4, None))
+    with pytest.raises(ValueError, match="pv.parquet, row group 1: column 'policy_version' is missing"):
+        LoggedImpressions(tmp_path / "pv.parquet", 2)
+    assert LoggedImpressions(tmp_path / "pv.parquet", 2, validate_args=False).num_rows == 6
+    _write(tmp_path / "good.parquet", [6])
+    table = pq.read_table(tmp_path / "good.parquet")
+    twice = table.append_column(pa.field("candidates", pa.list_(pa.int64())), table.column("candidates"))
+    pq.write_table(twice.replace_schema_metadata(table.schema.metadata), tmp_path / "twice.parquet")
+    with pytest.raises(ValueError, match=r"twice.parquet: column\(s\) \['candidates'\] appear more than once"):
+        LoggedImpressions(tmp_path / "twice.parquet", 2)
+    for name in ("candidates", "shown"):  # shown read without the candidates: checked on its own
+        _write_raw(tmp_path / "neg.parquet", _set(_table(), name, 4, cols[name][4][:-1] + [-1]),
+                   meta=LogMetadata(K, L, "mean_field", None, F))
+        with pytest.raises(ValueError, match=f"row 1 \\(file row 4\\): column '{name}' holds a negative id"):
+            list(LoggedImpressions(tmp_path / "neg.parquet", 2, columns=[name]))
+    for meta in (LogMetadata(K, L, 3, N, F), LogMetadata(K, L, "mean_field", N, F, extra=[1, 2])):
+        _write_raw(tmp_path / "meta.parquet", cols, meta=meta)
+        with pytest.raises(ValueError, match="meta.parquet: metadata method must be a str and extra a dict"):
+            LoggedImpressions(tmp_path / "meta.parquet", 2)
+    flipped = bytearray((tmp_path / "good.parquet").read_bytes())
+    for i in range(200, 400):
+        flipped[i] ^= 0xFF
+    (tmp_path / "flipped.parquet").write_bytes(bytes(flipped))
+    with pytest.raises(ValueError, match="flipped.parquet, row group 0 cannot be read"):
+        list(LoggedImpressions(tmp_path / "flipped.parquet", 2))

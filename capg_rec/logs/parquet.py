@@ -60,6 +60,8 @@ def _value_problems(cols: dict[str, Tensor], meta: LogMetadata, num_items: int |
         if num_items is not None:
             yield "candidates", ((c < 0) | (c >= num_items)).any(1), f"holds an id outside [0, {num_items}) " \
                 "(an item the catalog does not have)"
+        else:
+            yield "candidates", (c < 0).any(1), "holds a negative id"
     if "shown" in cols:
         s = cols["shown"]
         if s.shape[1] > 1:
@@ -70,6 +72,8 @@ def _value_problems(cols: dict[str, Tensor], meta: LogMetadata, num_items: int |
                 "holds an item that is not among the row's candidates (shown ⊄ candidates)"
         elif num_items is not None:
             yield "shown", ((s < 0) | (s >= num_items)).any(1), f"holds an id outside [0, {num_items})"
+        else:
+            yield "shown", (s < 0).any(1), "holds a negative id"
     for name in ("rewards", "features"):
         if name in cols:
             yield name, ~torch.isfinite(cols[name]).all(1), "is not finite (NaN or inf)"
@@ -241,6 +245,27 @@ def write_logs(path: str | os.PathLike, batch: LoggedBatch, **kwargs: Any) -> No
         writer.write(batch)
 
 
+def _has_nulls(pf: pq.ParquetFile, group: int, name: str) -> bool:
+    """Whether column ``name`` of row group ``group`` holds a null: from the footer's statistics, else read."""
+    column = pf.metadata.row_group(group).column(pf.schema_arrow.get_field_index(name))
+    stats = column.statistics
+    if stats is not None and stats.has_null_count:
+        return stats.null_count > 0
+    return pf.read_row_group(group, columns=[name]).column(0).null_count > 0
+
+
+def _readable(batches: Iterator[pa.RecordBatch], where: str) -> Iterator[pa.RecordBatch]:
+    """``batches`` as read, with a failure to decode them (a corrupted page) a ``ValueError`` naming ``where``."""
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except (OSError, pa.ArrowException) as err:
+            raise ValueError(f"{where} cannot be read: {err}") from err
+        yield batch
+
+
 def _log_files(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
@@ -355,6 +380,9 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
             with pf:
                 schema = pf.schema_arrow
                 here = LogMetadata.from_arrow(schema.metadata, str(path))
+                twice = sorted({name for name in schema.names if schema.names.count(name) > 1})
+                if twice:
+                    raise ValueError(f"log file {path}: column(s) {twice} appear more than once")
                 for name in (*REQUIRED_COLUMNS, *(["features"] if here.num_features is not None else [])):
                     if name not in schema.names:
                         raise ValueError(f"log file {path}: missing column {name!r}")
@@ -374,6 +402,8 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
                 first = 0
                 for g in range(pf.num_row_groups):
                     rows = pf.metadata.row_group(g).num_rows
+                    if self.validate and _has_nulls(pf, g, "policy_version"):
+                        raise ValueError(f"log file {path}, row group {g}: column 'policy_version' is missing (null)")
                     groups.append((index, g, rows, first))
                     first += rows
         return meta, groups
@@ -439,10 +469,10 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
                         current[1].close()
                     current = (file_index, pq.ParquetFile(self.files[file_index]))
                 row0 = 0
-                for record_batch in current[1].iter_batches(batch_size=max(self.batch_size, _READ_ROWS),
-                                                            row_groups=[group],
-                                                            columns=self.columns, use_threads=False):
-                    where = f"log file {self.files[file_index]}, row group {group}"
+                where = f"log file {self.files[file_index]}, row group {group}"
+                for record_batch in _readable(current[1].iter_batches(
+                        batch_size=max(self.batch_size, _READ_ROWS), row_groups=[group], columns=self.columns,
+                        use_threads=False), where):
                     cols = self._tensors(record_batch, where, row0, first_row)
                     row0 += record_batch.num_rows
                     pending.append(cols)

@@ -89,6 +89,9 @@ class LogMetadata:
         if meta.schema_version != SCHEMA_VERSION:
             raise ValueError(f"log file {path}: schema version {meta.schema_version}, this capg_rec reads "
                              f"version {SCHEMA_VERSION}")
+        if not isinstance(meta.method, str) or not isinstance(meta.extra, dict):
+            raise ValueError(f"log file {path}: metadata method must be a str and extra a dict, got "
+                             f"{meta.method!r} and {type(meta.extra).__name__}")
         for name in ("num_candidates", "num_shown", "num_items", "num_features"):
             value = getattr(meta, name)
             if value is None and name in ("num_items", "num_features"):
