@@ -35,7 +35,9 @@ Candidate sampling (``top_items(perturb=True)``, hence :func:`~capg_rec.sample_c
 Gumbel top-K over H ∪ S with the sample's keys ``s_j + log w_j``: each drawn slot stands for the
 tail mass it estimates. The draw is exact when the head holds the whole catalog; otherwise only
 items of H ∪ S can be drawn, and a tail item's chance is right in expectation over the sample for
-the first position only (later positions condition on an estimated remaining mass).
+the first position only (later positions condition on an estimated remaining mass). Asking
+:meth:`~SampledCatalog.top_items` for more items than a row's head and sample hold usable (unmasked,
+not excluded, distinct) is a ``ValueError`` naming the row.
 """
 
 from __future__ import annotations
