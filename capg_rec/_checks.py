@@ -10,7 +10,7 @@ only when validation is on (:func:`set_default_validate_args`, or an entry point
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -76,6 +76,13 @@ def check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
     return value
+
+
+def check_distinct(name: str, values: Sequence[object]) -> None:
+    """``ValueError`` naming ``name`` where a value repeats (a grid that would run or count a cell twice)."""
+    repeated = sorted({v for v in values if list(values).count(v) > 1}, key=str)
+    if repeated:
+        raise ValueError(f"{name} must not repeat a value, got {list(values)} ({repeated} more than once)")
 
 
 def check_float_tensor(name: str, x: object, *, ndims: tuple[int, ...], validate: bool = True,

@@ -111,6 +111,11 @@ def test_kuairec_loader(tmp_path):
     torch.testing.assert_close(env.q, expected)
     torch.testing.assert_close(env.reward_std, 0.3 * expected)
     torch.testing.assert_close(env.lsr_scores, expected)
+    # the name carries the table: the same data elsewhere is the same env, other data another one (checkpoints
+    # and reused reproduce runs of one file were taken for the other's)
+    same = load_kuairec(_write_kuairec(tmp_path / "copy.csv", rows))
+    other = load_kuairec(_write_kuairec(tmp_path / "other.csv", [*rows[:-1], (21, 148, 1.25)]))
+    assert env.name == same.name != other.name and env.name.startswith("kuairec(table=")
 
 
 @pytest.mark.parametrize("case", ["header", "text", "nan", "empty", "no_file", "id"])

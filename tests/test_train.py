@@ -16,6 +16,7 @@ from capg_rec.plackett_luce import greedy_candidates
 from capg_rec.sim import MatrixEnv, synthetic_env
 from capg_rec.train.cli import register
 from capg_rec.train.config import TrainConfig
+from capg_rec.train.offpolicy import OffPolicyStudy
 from capg_rec.train.reproduce import TARGETS, Cell, build_target, run_cells
 from capg_rec.train.trainer import Trainer, policy_value
 from capg_rec.train.variance import gradient_variance
@@ -295,6 +296,30 @@ def test_reproduce_restarts_a_checkpoint_past_its_steps(env, tmp_path):
     assert result.steps_done == 10 and [row["step"] for row in result.history] == [0, 10]
 
 
+def test_reproduce_refuses_runs_of_another_environment_and_repeated_cells(env, tmp_path, capsys):
+    """A finished run is reused only for its own environment (the same config on another env or data file
+    was reported as this one's); a repeated K or estimator would count one run twice."""
+    cell = Cell("K=5", _config(steps=10, eval_every=10))
+    run_cells(env, [cell], [0], tmp_path, progress=False)
+    assert json.loads(next((tmp_path / "runs").glob("*/result.json")).read_text())["env"] == env.name
+    assert run_cells(env, [cell], [0], tmp_path, progress=False)[("CA-PG-SwR", "K=5")][0].steps_done == 10
+    other = MatrixEnv(env.q, env.reward_std, env.lsr_scores, name="another")
+    with pytest.raises(ValueError, match=f"holds a run on {re.escape(env.name)}, not on another"):
+        run_cells(other, [cell], [0], tmp_path, progress=False)
+    with pytest.raises(ValueError, match="ks must not repeat a value"):
+        build_target("table2", steps=10, ks=[5, 5])
+    with pytest.raises(ValueError, match="estimators must not repeat"):
+        build_target("table2", steps=10, estimators=["capg", "capg"])
+    with pytest.raises(ValueError, match="sizes must not repeat"):
+        OffPolicyStudy(sizes=(10_000, 10_000))
+    parser = argparse.ArgumentParser(prog="capg-rec")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["reproduce", "table2", "--ks", "5", "5", "--out", str(tmp_path / "t")])
+    with pytest.raises(SystemExit) as exit_info:
+        args.func(args)
+    assert exit_info.value.code == 2 and "ks must not repeat" in capsys.readouterr().err
+
+
 def test_group_normalisation_and_baseline_reach_the_loss(env):
     seen = {}
 
@@ -377,8 +402,9 @@ def test_targets_and_cli(tmp_path, capsys):
     with pytest.raises(ValueError, match="'capg' estimator"):
         build_target("table2", steps=10, capg_method="plugin")  # the default cells have no CA-PG
     args = parser.parse_args(["reproduce", "variance", "--capg-method", "plugin", "--out", str(tmp_path / "v")])
-    with pytest.raises(ValueError, match="variance"):
+    with pytest.raises(SystemExit) as exit_info:
         args.func(args)
+    assert exit_info.value.code == 2 and "variance" in capsys.readouterr().err
     args = parser.parse_args(["train", "--steps", "20", "--eval-every", "10", "-K", "5", "--out",
                               str(tmp_path / "tr"), "--checkpoint-every", "10"])
     assert args.func(args) == 0

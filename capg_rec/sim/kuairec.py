@@ -7,6 +7,7 @@ is the watch ratio clipped to ``[0, 10]``; observed rewards are ``q · (1 + N(0,
 
 from __future__ import annotations
 
+import hashlib
 import os
 import warnings
 
@@ -42,7 +43,9 @@ def load_kuairec(path: str | os.PathLike, *, relative_noise: float = 0.3) -> Mat
     The file must have exactly the header ``user_id,video_id,play_duration,video_duration,time,
     date,timestamp,watch_ratio``. Users and videos are re-numbered ``0..U-1`` / ``0..N-1`` in id
     order. A (user, video) pair seen twice is averaged; a missing pair (the matrix is 99.6%
-    dense) gets the video's mean watch ratio. Raises ``ValueError`` on a malformed file.
+    dense) gets the video's mean watch ratio. The environment's name, ``kuairec(table=…)``, carries a
+    digest of the table, so that checkpoints and reused runs of other data are refused. Raises
+    ``ValueError`` on a malformed file.
     """
     path = os.fspath(path)
     if not os.path.isfile(path):
@@ -67,4 +70,5 @@ def load_kuairec(path: str | os.PathLike, *, relative_noise: float = 0.3) -> Mat
         raise ValueError(f"{path}: user_id and video_id must be integers")
     table = _dense_mean(ids[:, 0], ids[:, 1], np.clip(data[:, 2], 0.0, _MAX_WATCH_RATIO))
     q = torch.from_numpy(table).float()
-    return MatrixEnv.from_table(q, relative_noise=relative_noise, name="kuairec")
+    digest = hashlib.sha256(q.numpy().tobytes()).hexdigest()[:12]  # runs on other data are told apart by name
+    return MatrixEnv.from_table(q, relative_noise=relative_noise, name=f"kuairec(table={digest})")

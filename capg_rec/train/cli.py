@@ -266,6 +266,15 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _reproduce(args: argparse.Namespace) -> int:
+    """``capg-rec reproduce``: a bad target, option or output folder exits 2 with the reason."""
+    try:
+        return _reproduce_target(args)
+    except ValueError as err:
+        print(f"capg-rec reproduce: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from err
+
+
+def _reproduce_target(args: argparse.Namespace) -> int:
     out = Path(args.out or f"runs/{args.target}")
     if args.target == "offpolicy":
         return _offpolicy(args, out)

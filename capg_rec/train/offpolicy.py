@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from capg_rec._checks import all_finite, check_choice, check_count
+from capg_rec._checks import all_finite, check_choice, check_count, check_distinct
 from capg_rec.catalog import DenseCatalog
 from capg_rec.logs.propensity import log_propensities
 from capg_rec.logs.schema import LoggedBatch
@@ -75,9 +75,10 @@ class OffPolicyStudy:
     def __post_init__(self) -> None:
         check_choice("env", self.env, ("synthetic", "movielens"))
         check_count("epochs", self.epochs)
-        for name in ("ks", "sizes", "seeds"):
+        for name in ("ks", "sizes", "seeds", "learners"):
             if not getattr(self, name):
                 raise ValueError(f"{name} must not be empty")
+            check_distinct(name, getattr(self, name))
         unknown = set(self.learners) - set(LEARNERS)
         if unknown:
             raise ValueError(f"learners must be among {tuple(LEARNERS)}, got {sorted(unknown)}")

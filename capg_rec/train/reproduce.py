@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from capg_rec._checks import check_distinct
 from capg_rec.sim.env import MatrixEnv
 from capg_rec.train.checkpoint import read_checkpoint
 from capg_rec.train.config import ESTIMATOR_LABELS, TrainConfig
@@ -69,6 +70,7 @@ class Cell:
 
 def _estimators(estimators: Sequence[str] | None, default: Sequence[str]) -> list[str]:
     chosen = list(estimators) if estimators else list(default)
+    check_distinct("estimators", chosen)
     for e in chosen:
         if e not in ESTIMATOR_LABELS:
             raise ValueError(f"estimators must be among {tuple(ESTIMATOR_LABELS)}, got {e!r}")
@@ -82,6 +84,8 @@ def build_target(target: str, *, steps: int, estimators: Sequence[str] | None = 
     """``(env factory, cells)`` of a target. ``lsr`` adds table2's LSR-alignment columns (K = 10,
     the train LSR is also the evaluation LSR, CA-PGs with the adaptive learning rate);
     ``capg_method`` sets the inclusion method of the CA-PG (``capg``) cells."""
+    if ks is not None:
+        check_distinct("ks", ks)
     factory, cells = _target_cells(target, steps=steps, estimators=estimators, data=data, lsr=lsr, ks=ks,
                                    eval_every=eval_every)
     if capg_method is not None:
@@ -170,7 +174,10 @@ def run_cells(env: MatrixEnv, cells: Sequence[Cell], seeds: Sequence[int], out: 
         done = run_dir / "result.json"
         if done.exists():
             saved = json.loads(done.read_text(encoding="utf-8"))
-            if saved["config"] == config.to_dict():
+            if saved.get("env", env.name) != env.name:
+                raise ValueError(f"{run_dir} holds a run on {saved['env']}, not on {env.name}: give each "
+                                 "environment (and data file) its own output folder")
+            if saved["config"] == config.to_dict() and "env" in saved:
                 result = TrainResult(config=saved["config"], history=saved["history"],
                                      overflow_steps=saved["overflow_steps"], stopped_at=saved["stopped_at"],
                                      steps_done=saved["steps_done"], lr=saved["lr"], seconds=saved["seconds"])

@@ -290,7 +290,9 @@ class Trainer:
         self.result.steps_done = self.step_count
         self.result.seconds += time.perf_counter() - started
         if out is not None:
-            _atomic_write_text(out / "result.json", json.dumps(self.result.to_dict(), indent=1))
+            # reproduce reuses a run of this env only (training from logs may have none)
+            record = dict(self.result.to_dict(), env=None if self.env is None else self.env.name)
+            _atomic_write_text(out / "result.json", json.dumps(record, indent=1))
         return self.result
 
     @property

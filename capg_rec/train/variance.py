@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from capg_rec._checks import check_count
+from capg_rec._checks import check_count, check_distinct
 from capg_rec.plackett_luce import sample_candidates
 from capg_rec.sim.env import MatrixEnv
 from capg_rec.sim.lsr import OptimalLSR
@@ -69,6 +69,7 @@ def gradient_variance_report(out: str | os.PathLike, *, ks: Sequence[int] | None
     from capg_rec.sim.synthetic import synthetic_env
 
     ks = list(ks or (2, 5, 10, 20, 50, 100))
+    check_distinct("ks", ks)
     estimators = list(estimators or ("vpg", "vpg_swr", "capg", "capg_swr"))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
