@@ -608,6 +608,51 @@ def test_bag_and_tower_set_up_errors():
             [], torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), stride=3)), bag_features=_bags())
 
 
+def _no_user_features(stride: int) -> KeyedJaggedTensor:
+    return KeyedJaggedTensor.from_lengths_sync([], torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long),
+                                               stride=stride)
+
+
+def _bags_of(ids: dict[str, list[list[int]]]) -> KeyedJaggedTensor:
+    keys = list(ids)
+    values = [i for key in keys for row in ids[key] for i in row]
+    lengths = [len(row) for key in keys for row in ids[key]]
+    return KeyedJaggedTensor.from_lengths_sync(keys, torch.tensor(values, dtype=torch.long), torch.tensor(lengths))
+
+
+def test_user_side_inputs_are_checked_before_torchrec_sees_them():
+    """A bag KJT of stride B + 1 whose last sample is not empty dropped that user silently (in forward and in
+    user_vectors, which checked nothing); a feature-name typo, an id beyond its table and a bag KJT of stride 0
+    failed inside TorchRec (KeyError, IndexError) naming neither the argument nor the feature."""
+    retriever = _bag_retriever()
+    users = [[1], [4], [4]]
+    good = _bags_of({"user_id": users, "history": [[3, 5], [], [7]]})
+    padded = _bags_of({"user_id": [*users, []], "history": [[3, 5], [], [7], []]})  # an empty last sample: fine
+    extra = _bags_of({"user_id": [*users, [2]], "history": [[3, 5], [], [7], [1]]})  # a 4th user: refused
+    torch.testing.assert_close(retriever(retriever.with_catalog(_no_user_features(3)), bag_features=padded)
+                               .log_normalizer(),
+                               retriever(retriever.with_catalog(_no_user_features(3)), bag_features=good)
+                               .log_normalizer())
+    for call in (lambda bags: retriever(retriever.with_catalog(_no_user_features(3)), bag_features=bags),
+                 lambda bags: retriever.user_vectors(_no_user_features(3), bag_features=bags)):
+        call(good)
+        with pytest.raises(ValueError, match="stride B \\+ 1 = 4 but its last sample is not empty"):
+            call(extra)
+        with pytest.raises(ValueError, match=r"bag_features must hold every feature of user_embeddings: \['user_id'\]"):
+            call(_bags_of({"userid": users, "history": [[3], [], [7]]}))
+        with pytest.raises(ValueError, match=r"bag_features feature 'history' must hold ids in \[0, 40\)"):
+            call(_bags_of({"user_id": users, "history": [[3], [40], [7]]}))
+        with pytest.raises(ValueError, match=r"bag_features feature 'user_id' must hold ids in \[0, 10\)"):
+            call(_bags_of({"user_id": [[1], [-1], [4]], "history": [[3], [], [7]]}))
+    with pytest.raises(ValueError, match="stride B = 0 \\(or B \\+ 1 with an empty last sample; at least 1\\), got 0"):
+        retriever(retriever.with_catalog(_no_user_features(0)), bag_features=_bags_of({"user_id": [], "history": []}))
+    plain = make_retriever()  # user ids looked up in the EmbeddingCollection
+    with pytest.raises(ValueError, match=r"features must hold every user feature of embeddings: \['user_id'\]"):
+        plain(plain.with_catalog(KeyedJaggedTensor.from_lengths_sync(["userid"], torch.tensor([1]), torch.tensor([1]))))
+    with pytest.raises(ValueError, match=r"features feature 'user_id' must hold ids in \[0, 10\)"):
+        plain(plain.with_catalog(user_batch([3, 10])))
+
+
 def test_sampling_benchmark_runs(tmp_path, monkeypatch):
     """The sampling benchmark runs (in this process, at a tiny size) and writes its results."""
     bench = load_script("integration/bench_sampling.py")

@@ -117,6 +117,8 @@ class TwoTowerRetriever(nn.Module):
                              f"got {sorted(features & bags)}")
         self._bag_features = bags
         self._other_features = sorted(features - {self.catalog_feature})  # the collection's user features
+        self._feature_rows = {f: c.num_embeddings for c in [*configs.values(), *(
+            [] if user_embeddings is None else user_embeddings.embedding_bag_configs())] for f in c.feature_names}
         if user_tower is None and not self.user_features:
             raise ValueError("give user_features, a user_tower, or both")
         self.embeddings = embeddings
@@ -319,6 +321,17 @@ class TwoTowerRetriever(nn.Module):
             raise ValueError(f"features must not have the catalog feature {self.catalog_feature!r}: "
                              "user_vectors looks up users only")
         batch = features.stride()
+        validate = resolve_validate_args(self.validate_args)
+
+        def check() -> list[int]:
+            self._check_user_features(features, bag_features, batch, validate)
+            return [0]
+
+        group = self._layout()[2]
+        if group is not None and validate:  # one rank's mistake raised on every rank
+            exchange(check, 1, group, features.values().device)
+        else:
+            check()
         with_empty_catalog = KeyedJaggedTensor(
             keys=[*features.keys(), self.catalog_feature], values=features.values(),
             weights=features.weights_or_none(),
@@ -358,14 +371,42 @@ class TwoTowerRetriever(nn.Module):
                              f"build it with retriever.with_catalog(features)")
         if dense is not None and self.user_tower is None:
             raise ValueError("dense features need a user_tower")
+        self._check_user_features(features, bag_features, features.stride() - 1, validate)
+
+    def _check_user_features(self, features: KeyedJaggedTensor, bag_features: KeyedJaggedTensor | None, batch: int,
+                             validate: bool) -> None:
+        """The user side of B = ``batch`` users: every user feature of ``embeddings`` in ``features``,
+        ``bag_features`` exactly with ``user_embeddings`` (all of its features; stride B, or B + 1 with an
+        empty last sample, which is dropped), and (values, when ``validate``: host syncs) every id within
+        its table."""
+        missing = [f for f in self._other_features if f not in features.keys()]
+        if missing:
+            raise ValueError(f"features must hold every user feature of embeddings: {missing} missing from "
+                             f"{features.keys()}")
         if (bag_features is None) != (self.user_embeddings is None):
             raise ValueError("bag_features must be given exactly when the retriever has user_embeddings")
         if bag_features is not None:
             if not isinstance(bag_features, KeyedJaggedTensor):
                 raise TypeError(f"bag_features must be a KeyedJaggedTensor, got {type(bag_features).__name__}")
-            batch = features.stride() - 1
-            if bag_features.stride() not in (batch, batch + 1):
-                raise ValueError(f"bag_features must have stride B = {batch} (or B + 1), got {bag_features.stride()}")
+            missing = sorted(self._bag_features - set(bag_features.keys()))
+            if missing:
+                raise ValueError(f"bag_features must hold every feature of user_embeddings: {missing} missing from "
+                                 f"{bag_features.keys()}")
+            stride = bag_features.stride()
+            if stride not in (batch, batch + 1) or stride < 1:
+                raise ValueError(f"bag_features must have stride B = {batch} (or B + 1 with an empty last sample; "
+                                 f"at least 1), got {stride}")
+            if validate and stride == batch + 1 and int(bag_features.lengths().view(-1, stride)[:, -1].sum()):
+                raise ValueError(f"bag_features has stride B + 1 = {stride} but its last sample is not empty: it "
+                                 f"would be dropped (B = {batch} users)")
+        if validate:
+            for name, kjt in (("features", features), ("bag_features", bag_features)):
+                for f in [] if kjt is None else kjt.keys():
+                    ids, rows = kjt[f].values(), self._feature_rows.get(f)
+                    if f != self.catalog_feature and rows is not None and ids.numel() and not (
+                            int(ids.min()) >= 0 and int(ids.max()) < rows):
+                        raise ValueError(f"{name} feature {f!r} must hold ids in [0, {rows}) (its table's rows), "
+                                         f"got ids in [{int(ids.min())}, {int(ids.max())}]")
 
 
     def _check_listed(self, ids: Tensor, lengths: Tensor, sample: DrawnSample | None, head_items: Tensor | None,
