@@ -20,6 +20,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -47,7 +48,8 @@ def logits(*, max_batch: int = 3, max_experts: int = 1, min_items: int = 1, max_
            dtype: torch.dtype = torch.float32):
     """Logits ``[B, N]`` (``max_experts == 1``) or ``[B, M, N]``, with ``1 ≤ B ≤ max_batch``.
 
-    Values are finite floats in ``[-scale, scale]``; with ``extreme`` about a quarter are
+    Values are float32 numbers in ``[-scale, scale]``, finite in ``dtype`` (the bound is lowered to
+    ``dtype``'s largest finite value and to a float32 number); with ``extreme`` about a quarter are
     ``±EXTREME_LOGIT``; with ``ties`` many entries repeat a small drawn pool of values; with
     ``masked`` some items of a row are ``-inf`` under every expert (masked out of that row's
     catalog), at least ``min_items`` of each row staying unmasked.
@@ -58,13 +60,14 @@ def logits(*, max_batch: int = 3, max_experts: int = 1, min_items: int = 1, max_
     check_count("min_items", min_items)
     check_count("max_items", max_items, low=min_items)
     check_positive("scale", scale)
+    bound = _float32_at_most(min(scale, torch.finfo(dtype).max))
 
     @st.composite
     def build(draw) -> Tensor:
         batch = draw(st.integers(1, max_batch))
         experts = draw(st.integers(1, max_experts))
         items = draw(st.integers(min_items, max_items))
-        element = st.floats(-scale, scale, allow_nan=False, allow_infinity=False, allow_subnormal=False,
+        element = st.floats(-bound, bound, allow_nan=False, allow_infinity=False, allow_subnormal=False,
                             width=32)
         if extreme:
             element = st.one_of(element, element, element, st.sampled_from([-EXTREME_LOGIT, EXTREME_LOGIT]))
@@ -84,6 +87,12 @@ def logits(*, max_batch: int = 3, max_experts: int = 1, min_items: int = 1, max_
         return out.reshape(shape)
 
     return build()
+
+
+def _float32_at_most(value: float) -> float:
+    """The largest float32 number that is at most ``value`` (> 0)."""
+    rounded = np.float32(value)
+    return float(rounded if float(rounded) <= value else np.nextafter(rounded, np.float32(0)))
 
 
 def num_candidates(num_items: int):

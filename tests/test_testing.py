@@ -26,6 +26,20 @@ def test_moe_logits_shape_and_values(x):
     assert bool((x.abs() <= 5.0).all())
 
 
+@pytest.mark.parametrize("scale,dtype", [(0.1, torch.float32), (2.2, torch.float64), (1e5, torch.float16),
+                                         (1e39, torch.bfloat16)])
+def test_logits_take_any_scale_and_stay_finite_in_their_dtype(scale, dtype):
+    """scale=0.1 or 2.2 raised Hypothesis's InvalidArgument (not float32 numbers), and scale=1e5 in float16 gave
+    infinities, which read as masked items."""
+
+    @settings(max_examples=40, database=None, derandomize=True)
+    @given(testing.logits(scale=scale, dtype=dtype, extreme=False, ties=False))
+    def check(x):
+        assert x.dtype == dtype and bool(torch.isfinite(x).all()) and float(x.abs().max()) <= scale
+
+    check()
+
+
 def test_logits_include_extremes_and_ties():
     extreme = find(testing.logits(min_items=2), lambda x: bool((x.abs() == EXTREME_LOGIT).any()))
     assert bool((extreme.abs() == EXTREME_LOGIT).any())
