@@ -4,7 +4,9 @@ For a fixed ESR (the initial two-tower model on the synthetic environment) and a
 users, draw R independent (candidates, LSR pick, reward) samples per user and take each
 sample's gradient of the loss with respect to the user's logits ``[N]``. Reported per K and
 estimator: the per-coordinate variance of that gradient, averaged over the N coordinates and
-the users, and the squared norm of its mean (the signal). All samples of one user run as one
+the users, and the squared norm of its mean (the signal: ``‖ḡ‖² - tr(S)/R``, an unbiased estimate of
+``‖E g‖²``, which ``‖ḡ‖²`` alone overstates by ``tr(Cov)/R``; it may come out slightly negative where
+the noise dominates). All samples of one user run as one
 batch of R rows with ``reduction="none"``, so the R gradients come from a single backward.
 """
 
@@ -55,8 +57,10 @@ def gradient_variance(env: MatrixEnv, ks: Sequence[int], estimators: Sequence[st
                 rewards = env.sample_reward(who, chosen, g)
                 loss_fn(logits, candidates, chosen, rewards).sum().backward()
                 grads = logits.grad.double()  # row r = sample r's gradient
-                variance += float(grads.var(dim=0).mean()) / num_users
-                signal += float(grads.mean(dim=0).pow(2).sum()) / num_users
+                spread = grads.var(dim=0)  # unbiased, per coordinate
+                variance += float(spread.mean()) / num_users
+                # ‖mean‖² overshoots ‖E g‖² by tr(Cov)/R on average: taken off, so the signal is unbiased
+                signal += float(grads.mean(dim=0).pow(2).sum() - spread.sum() / samples) / num_users
             rows.append({"estimator": ESTIMATOR_LABELS[estimator], "K": k, "variance": variance, "signal": signal})
     return rows
 
