@@ -286,3 +286,34 @@ def test_resume_refuses_other_logs_at_the_same_path(tmp_path, capsys):
     capsys.readouterr()
     assert _train(path, out, "--resume", "--epochs", "2") == 2
     assert "the logs changed since the checkpoint" in capsys.readouterr().err
+
+
+def test_a_log_file_named_twice_is_refused_and_the_holdout_is_the_share_asked(tmp_path, capsys):
+    """Naming one file twice (directly, or through its folder) put every held-out row into training too; a
+    holdout of 0.07 of 100 row groups held 8 out (0.07 · 100 = 7.000000000000001, rounded up); without an
+    environment and with --holdout 0 the console named a curves.png that was never written."""
+    path = tmp_path / "logs" / "serving.parquet"
+    path.parent.mkdir()
+    _bad_logs(path, extra={"team": "retrieval"})
+    for paths in ([path, path], [path.parent, path]):
+        with pytest.raises(ValueError, match="serving.parquet more than once"):
+            LoggedImpressions(paths, 16)
+        with pytest.raises(ValueError, match="more than once"):
+            LogTrainer(LogTrainConfig(tuple(paths), holdout=0.3))
+    many = tmp_path / "many.parquet"  # 100 row groups of one row
+    candidates = torch.arange(100 * K).view(100, K)
+    with LogWriter(many, num_candidates=K, num_shown=L, num_items=1000, extra={"team": "retrieval"},
+                   row_group_size=1) as writer:
+        writer.write(LoggedBatch(torch.arange(100), candidates, candidates[:, :L], torch.rand(100, L),
+                                 torch.full((100, L), -1.0, dtype=torch.float64),
+                                 torch.zeros(100, L, dtype=torch.float64),
+                                 torch.full((100,), -20.0, dtype=torch.float64)))
+    assert pq.ParquetFile(many).num_row_groups == 100
+    trainer = LogTrainer(LogTrainConfig((many,), holdout=0.07))
+    assert len(trainer.eval_data.row_groups) == 7 and len(trainer.train_data.row_groups) == 93
+    out = tmp_path / "run"
+    assert _run(["train", "--logs", str(path), "--batch-size", "16", "--holdout", "0", "--eval-every", "2",
+                 "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "nothing measured the ESR" in captured.err and "curves.png" not in captured.out
+    assert not (out / "curves.png").exists()

@@ -276,6 +276,11 @@ def _log_files(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[P
         files.extend(sorted(p.glob("*.parquet")) if p.is_dir() else [p])
     if not files:
         raise ValueError(f"path_or_paths: no .parquet file in {[str(p) for p in paths]}")
+    seen: dict[Path, Path] = {}
+    for f in files:  # a file named twice (directly, or through its directory) would be read twice
+        same = seen.setdefault(f.resolve(), f)
+        if same is not f:
+            raise ValueError(f"path_or_paths names the log file {f} more than once (as {same} too)")
     return files
 
 
@@ -288,7 +293,8 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
     Different ranks may get different numbers of rows (whole row groups).
 
     Args:
-        path_or_paths: a file, a directory of ``.parquet`` files, or a list of files.
+        path_or_paths: a file, a directory of ``.parquet`` files, or a list of them (naming a file twice,
+            directly or through its directory, is a ``ValueError``: its rows would be read twice).
         batch_size: rows per batch (the last one of each worker may be smaller).
         columns: the :class:`LoggedBatch` fields to read (default: all there are); the others are None.
         shuffle_row_groups: visit the row groups in a random order (seeded by ``seed`` and the epoch,

@@ -215,7 +215,7 @@ def _train_logs(args: argparse.Namespace, given: dict, out: Path) -> int:
         result = trainer.run(out_dir=out, checkpoint_every=args.checkpoint_every)
     except (ValueError, TypeError) as err:
         _fail(str(err))
-    write_log_reports(trainer, out)
+    written = write_log_reports(trainer, out)
     cfg, last = trainer.config, result.history[-1]
     value = "no environment" if env is None else f"policy value {last['policy_value']:.4f} (best achievable " \
         f"{env.optimal_value(cfg.num_outputs):.4f})"
@@ -223,8 +223,11 @@ def _train_logs(args: argparse.Namespace, given: dict, out: Path) -> int:
         f"{last['ope_ips']:.4f} [{last['ope_ips_low']:.4f}, {last['ope_ips_high']:.4f}], ESS {last['ope_ess']:.0f}"
     print(f"{cfg.label} from {trainer.train_data.num_rows} logged rows, {result.steps_done} steps "
           f"({cfg.epochs} epochs): {value}{ope}; {result.overflow_count} gradient overflows")
-    print(f"metrics: {out / 'metrics.jsonl'}, {out / 'metrics.csv'}, {out / 'curves.png'}, result: "
-          f"{out / 'result.json'}, checkpoint: {out / 'checkpoint.pt'}")
+    if env is None and last["ope_snips"] is None:
+        print("nothing measured the ESR: the logs name no environment and --holdout 0 keeps no rows out",
+              file=sys.stderr)
+    print(f"metrics: {', '.join(map(str, [out / 'metrics.jsonl', *written]))}, result: {out / 'result.json'}, "
+          f"checkpoint: {out / 'checkpoint.pt'}")
     return 0
 
 

@@ -240,7 +240,7 @@ class LogTrainer(Trainer):
             raise ValueError(f"num_experts must be <= the logs' K = {config.num_candidates}, "
                              f"got {config.num_experts}")
         groups = len(data.row_groups)
-        held = math.ceil(config.holdout * groups)
+        held = math.ceil(round(config.holdout * groups, 9))  # 0.07 · 100 is 7.000000000000001: 7, not 8
         if held >= groups:
             raise ValueError(f"holdout = {config.holdout} leaves no row group to train on: the logs have {groups} "
                              "row group(s) (write them in several, or pass holdout 0)")
@@ -380,9 +380,10 @@ class LogTrainer(Trainer):
         return trainer
 
 
-def write_log_reports(trainer: LogTrainer, out: str | os.PathLike) -> None:
+def write_log_reports(trainer: LogTrainer, out: str | os.PathLike) -> list[Path]:
     """``metrics.csv`` (the evaluations) and ``curves.png`` (the true value, else the SNIPS estimate, over the
-    steps) next to the trainer's ``metrics.jsonl`` and ``result.json``."""
+    steps; none when neither was measured: no environment and no held-out rows) next to the trainer's
+    ``metrics.jsonl`` and ``result.json`` → the files written."""
     out = Path(out)
     history = trainer.result.history
     write_csv(out / "metrics.csv", history)
@@ -393,3 +394,5 @@ def write_log_reports(trainer: LogTrainer, out: str | os.PathLike) -> None:
         optimum = trainer.env.optimal_value(trainer.config.num_outputs) if trainer.env is not None else None
         plot_curves({f"{trainer.config.label}, K={trainer.config.num_candidates}": {trainer.config.label: [curve]}},
                     out / "curves.png", optimum=optimum, ylabel=ylabel)
+        return [out / "metrics.csv", out / "curves.png"]
+    return [out / "metrics.csv"]
