@@ -9,6 +9,7 @@ only when validation is on (:func:`set_default_validate_args`, or an entry point
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections.abc import Callable, Sequence
 
@@ -75,6 +76,17 @@ def check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
         raise TypeError(f"{name} must be a str, got {type(value).__name__}")
     if value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type``: an integer >= 1 (argparse then exits 2 naming the option)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
     return value
 
 

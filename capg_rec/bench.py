@@ -23,6 +23,8 @@ import time
 import numpy as np
 import torch
 
+from capg_rec._checks import positive_int
+
 ESTIMATORS = ("bare", "vpg", "vpg_swr", "capg_exact", "capg_mean_field", "capg_plugin", "capg_swr")
 
 
@@ -118,6 +120,11 @@ def _format_cost(row: dict) -> str:
             f"{row['peak_mib']:8.1f} MiB  x{row['memory_ratio']:5.2f} memory")
 
 
+def _mean_or_none(x: np.ndarray) -> float | None:
+    """The mean, or None (JSON null) where no item was drawn often enough to compare (too few draws)."""
+    return float(np.mean(x)) if x.size else None
+
+
 def accuracy_table(num_samples: int, seed: int = 0) -> list[dict]:
     """Mean relative error of each method at N = 1000, standard-normal logits: against a
     Monte-Carlo estimate (items seen ≥ 100 times) and against the exact method (all items)."""
@@ -137,7 +144,7 @@ def accuracy_table(num_samples: int, seed: int = 0) -> list[dict]:
             p_mc = (counts / num_samples).numpy()
             seen = p_mc * num_samples >= 100
             row = {"tau": tau, "K": k, "mc_items": int(seen.sum()),
-                   "mc_se": float(np.mean(np.sqrt((1 - p_mc[seen]) / (p_mc[seen] * num_samples))))}
+                   "mc_se": _mean_or_none(np.sqrt((1 - p_mc[seen]) / (p_mc[seen] * num_samples)))}
             probs = {}
             methods = {"exact": Exact(), "mean_field": MeanField(), "plugin": PlugIn(),
                        "with_replacement": WithReplacement()}  # enumeration is for N <= 8 only
@@ -147,7 +154,7 @@ def accuracy_table(num_samples: int, seed: int = 0) -> list[dict]:
                     p = 1 - (1 - p / k) ** k
                 probs[name] = p.numpy()
             for name, p in probs.items():
-                row[f"{name}_vs_mc"] = float(np.mean(np.abs(p[seen] - p_mc[seen]) / p_mc[seen]))
+                row[f"{name}_vs_mc"] = _mean_or_none(np.abs(p[seen] - p_mc[seen]) / p_mc[seen])
                 if name != "exact":
                     row[f"{name}_vs_exact"] = float(np.mean(np.abs(p - probs["exact"]) / probs["exact"]))
             rows.append(row)
@@ -158,13 +165,13 @@ def accuracy_table(num_samples: int, seed: int = 0) -> list[dict]:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="cost and accuracy tables of every estimator")
-    p.add_argument("--sizes", type=int, nargs="+", default=[1_000, 100_000, 1_000_000])
-    p.add_argument("--batch", type=int, default=128)
-    p.add_argument("--dim", type=int, default=16)
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--sizes", type=positive_int, nargs="+", default=[1_000, 100_000, 1_000_000])
+    p.add_argument("--batch", type=positive_int, default=128)
+    p.add_argument("--dim", type=positive_int, default=16)
+    p.add_argument("--reps", type=positive_int, default=3)
     p.add_argument("--case-timeout", type=float, default=1800.0, help="seconds allowed per (estimator, size) case")
     p.add_argument("--memory-limit", type=float, default=16.0, help="GiB of address space allowed per case")
-    p.add_argument("--mc-samples", type=int, default=100_000)
+    p.add_argument("--mc-samples", type=positive_int, default=100_000)
     p.add_argument("--skip-cost", action="store_true")
     p.add_argument("--skip-accuracy", action="store_true")
     p.add_argument("--out", default="runs/bench.json", help="where the tables are written as JSON")
@@ -174,6 +181,10 @@ def register(subparsers) -> None:
 def _main(args: argparse.Namespace) -> None:
     import pathlib
 
+    out = pathlib.Path(args.out)
+    if out.is_dir():  # found before the tables are computed, not after
+        print(f"capg-rec bench: error: --out must be a file path, got the folder {out}", file=sys.stderr)
+        raise SystemExit(2)
     result = {}
     if not args.skip_cost:
         print("(a) cost: forward+backward of each loss, ratio to bare scoring (chunked logits + logsumexp)")
@@ -183,7 +194,6 @@ def _main(args: argparse.Namespace) -> None:
         print("(b) accuracy: mean relative error of inclusion probabilities vs Monte-Carlo "
               f"({args.mc_samples} draws; mc_se is its own relative standard error) and vs exact, N=1000")
         result["accuracy"] = accuracy_table(args.mc_samples)
-    out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"tables written to {out}")

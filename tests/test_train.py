@@ -540,3 +540,20 @@ def test_gradient_variance_signal_is_unbiased_against_enumeration():
     got = torch.tensor([gradient_variance(tiny, [k], ["vpg"], num_users=users, samples=samples, seed=seed)[0]["signal"]
                         for seed in range(seeds)], dtype=torch.float64)
     assert abs(float(got.mean()) - exact) <= 4.5 * float(got.std()) / seeds ** 0.5, (float(got.mean()), exact)
+
+
+@pytest.mark.parametrize("argv", [["demo", "-K", "0"], ["demo", "--steps", "-5"], ["demo", "--seeds", "0"],
+                                  ["demo", "-K", "2000"], ["bench", "--reps", "0"], ["bench", "--mc-samples", "0"],
+                                  ["bench", "--sizes", "300", "0"], ["bench", "--out", "."]])
+def test_demo_and_bench_refuse_bad_arguments_up_front(argv, tmp_path, capsys, monkeypatch):
+    """They raised tracebacks (demo), wrote empty tables before a KeyError (demo --seeds 0), ran every case to
+    NaN or 'no median' and exited 0 (bench), or failed on --out only after computing everything."""
+    from capg_rec.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    if argv[0] == "demo":
+        argv = [*argv, "--out", str(tmp_path / "demo")]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2 and "error" in capsys.readouterr().err
+    assert not (tmp_path / "demo").exists() and not (tmp_path / "runs").exists()

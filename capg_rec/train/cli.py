@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from capg_rec._checks import positive_int
 from capg_rec.sim.lsr import LSR_NAMES
 from capg_rec.train.config import ESTIMATORS, TrainConfig
 from capg_rec.train.logged import LOG_ESTIMATORS, LogTrainConfig
@@ -111,9 +112,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_reproduce)
 
     p = subparsers.add_parser("demo", help="a short V-PG-SwR vs CA-PG-SwR run (a few minutes on a laptop)")
-    p.add_argument("--steps", type=int, default=3000)
-    p.add_argument("-K", "--num-candidates", type=int, default=20)
-    p.add_argument("--seeds", type=int, default=1)
+    p.add_argument("--steps", type=positive_int, default=3000)
+    p.add_argument("-K", "--num-candidates", type=positive_int, default=20)
+    p.add_argument("--seeds", type=positive_int, default=1)
     p.add_argument("--out", default="runs/demo")
     p.set_defaults(func=_demo)
 
@@ -326,6 +327,10 @@ def _demo(args: argparse.Namespace) -> int:
     from capg_rec.train.reproduce import Cell, run_cells, summarize
 
     env = synthetic_env()
+    if args.num_candidates > env.num_items:
+        print(f"capg-rec demo: error: -K must be at most the {env.num_items} items, got {args.num_candidates}",
+              file=sys.stderr)
+        raise SystemExit(2)
     base = TrainConfig(num_candidates=args.num_candidates, steps=args.steps, eval_every=max(1, args.steps // 12))
     cells = [Cell(f"K={args.num_candidates}", base.replace(estimator=e)) for e in ("vpg_swr", "capg_swr")]
     out = Path(args.out)
