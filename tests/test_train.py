@@ -413,6 +413,10 @@ def test_targets_and_cli(tmp_path, capsys):
     assert args.func(args) == 0
     assert json.loads((tmp_path / "tr" / "result.json").read_text())["steps_done"] == 30
     assert "policy value" in capsys.readouterr().out
+    # the README's promise: metrics as CSV and a learning curve (only metrics.jsonl and result.json were written)
+    rows = (tmp_path / "tr" / "metrics.csv").read_text().splitlines()
+    assert rows[0].startswith("step,") and [r.split(",")[0] for r in rows[1:]] == ["0", "10", "20", "30"]
+    assert (tmp_path / "tr" / "curves.png").stat().st_size > 0
 
 
 def test_gradient_variance_grows_with_k_for_vpg_only(env):

@@ -233,6 +233,7 @@ def _train_logs(args: argparse.Namespace, given: dict, out: Path) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from capg_rec.train.report import plot_curves, write_csv
     from capg_rec.train.trainer import Trainer
 
     given = {name: getattr(args, name) for name in _CONFIG_FIELDS if getattr(args, name, None) is not None}
@@ -262,10 +263,14 @@ def _train(args: argparse.Namespace) -> int:
         _fail(str(err))
     env = trainer.env
     result = trainer.run(out_dir=out, checkpoint_every=args.checkpoint_every)
-    print(f"{trainer.config.label} on {env.name}: policy value {result.final_value:.4f} after "
-          f"{result.steps_done} steps (best achievable {env.optimal_value(trainer.config.num_outputs):.4f}); "
-          f"{result.overflow_count} gradient overflows")
-    print(f"metrics: {out / 'metrics.jsonl'}, result: {out / 'result.json'}, checkpoint: {out / 'checkpoint.pt'}")
+    cfg, best = trainer.config, env.optimal_value(trainer.config.num_outputs)
+    write_csv(out / "metrics.csv", result.history)
+    plot_curves({f"{cfg.label} on {env.name}, K={cfg.num_candidates}": {cfg.label: [result.history]}},
+                out / "curves.png", optimum=best)
+    print(f"{cfg.label} on {env.name}: policy value {result.final_value:.4f} after {result.steps_done} steps "
+          f"(best achievable {best:.4f}); {result.overflow_count} gradient overflows")
+    print(f"metrics: {out / 'metrics.jsonl'}, {out / 'metrics.csv'}, {out / 'curves.png'}, result: "
+          f"{out / 'result.json'}, checkpoint: {out / 'checkpoint.pt'}")
     return 0
 
 
