@@ -55,15 +55,16 @@ def accuracy(sizes: list[int], negatives: list[int], temperatures: list[float], 
                 exact = {"log_normalizer": full.log_normalizer()[:, 0]}
                 for method in METHODS:
                     exact[method] = inclusion_log_prob(full, targets, k, method=method, validate_args=False)
-                head_ids = torch.cat([index.search(user, head)[1], targets], 1)
             for s in tqdm(negatives, desc=f"N={n} tau={tau}", leave=False):
                 errors: dict[str, list[torch.Tensor]] = {name: [] for name in exact}
                 start = time.process_time()
                 for seed in range(seeds):
                     with torch.no_grad():
-                        cat = SampledCatalog(user, item, temperature=tau, sampler=UniformSampler(s),
-                                             head_items=head_ids, generator=torch.Generator().manual_seed(seed),
-                                             validate_args=False)
+                        # the head through the index, so that the catalog knows it names the best items
+                        # (as head_items it was the same ids, but mean-field warned that it could not tell)
+                        cat = SampledCatalog(user, item, temperature=tau, sampler=UniformSampler(s), index=index,
+                                             head_size=head, head_items=targets,
+                                             generator=torch.Generator().manual_seed(seed), validate_args=False)
                         errors["log_normalizer"].append(cat.log_normalizer()[:, 0] - exact["log_normalizer"])
                         for method in METHODS:
                             est = inclusion_log_prob(cat, targets, k, method=method, validate_args=False)
