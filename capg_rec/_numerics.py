@@ -18,8 +18,10 @@ _LOG_HALF = -math.log(2.0)
 
 def eager_cpu(x: Tensor) -> bool:
     """Whether ``x`` lives on the CPU outside ``torch.compile`` and ``torch.func`` transforms: where a host
-    read is no device sync and numpy may run (the CPU fast paths)."""
-    return x.is_cpu and not torch.compiler.is_compiling() and not torch._C._functorch.is_functorch_wrapped_tensor(x)
+    read is no device sync and numpy may run (the CPU fast paths). Under a transform ``x`` itself may be a
+    plain tensor while the tensors it meets are batched (vmap over the ids of shared logits): no fast path."""
+    return (x.is_cpu and not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active()
+            and not torch._C._functorch.is_functorch_wrapped_tensor(x))
 
 
 def select_experts(x: Tensor, experts: Sequence[int]) -> Tensor:
@@ -193,7 +195,13 @@ class _SoftmaxGrad(torch.autograd.Function):
     def forward(x: Tensor, coef: Tensor, named: Tensor | None, terms: Tensor, total: Tensor,
                 index: Tensor | None, dim: int, rest: bool, drop: Tensor | None) -> Tensor:
         grad = scaled_terms(terms, coef / total)
-        return grad if named is None else grad.scatter_add_(dim, index, named)
+        if named is None:
+            return grad
+        if torch._C._functorch.is_batchedtensor(named) and not torch._C._functorch.is_batchedtensor(grad):
+            raise RuntimeError("the gradient of a gather-with-rest (the plug-in's) does not run under torch.func.vmap "
+                               "over the ids of scores that are not batched themselves: expand the scores over the "
+                               "vmapped dimension")
+        return grad.scatter_add_(dim, index, named)
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: Tensor) -> None:

@@ -147,10 +147,10 @@ def _exclusion_mask(exclude: Tensor | None, batch_size: int, start: int, stop: i
         return None
     width = stop - start
     inside = (exclude >= start) & (exclude < stop)
-    # Ids outside [start, stop) land in a spare last column, so every write is the same True.
+    # Ids outside [start, stop) land in a spare last column, so every write is the same True. Out of place:
+    # under torch.func.vmap the ids may be batched while the fresh mask is not.
     mask = torch.zeros(batch_size, width + 1, dtype=torch.bool, device=device)
-    mask.scatter_(1, torch.where(inside, exclude - start, width), True)
-    return mask[:, :width].contiguous()
+    return mask.scatter(1, torch.where(inside, exclude - start, width), True)[:, :width].contiguous()
 
 
 class DenseCatalog(CatalogScores):

@@ -283,3 +283,41 @@ def test_vmap_with_checks_on_or_the_exact_method_says_why_it_cannot_run():
         loss = capg_rec.CAPGLoss(2, method=method, validate_args=False)
         batched = torch.func.vmap(lambda row: loss(row, cand, cand[:, :1], rewards))(x)
         torch.testing.assert_close(batched, torch.stack([loss(row, cand, cand[:, :1], rewards) for row in x]))
+
+
+def test_vmap_over_the_ids_of_shared_scores():
+    """vmap over several draws (or users) of scores that are not batched themselves: the CPU fast paths wrote
+    batched values in place into unbatched buffers (vmap's 'scatter_ is not possible'). Values and gradients
+    now equal the loop; the plug-in's gradient there says it does not run (once made to run, it counted the
+    softmax part once per vmapped draw)."""
+    import capg_rec
+
+    g = torch.Generator().manual_seed(0)
+    for experts in (1, 2):
+        logits = torch.randn(3, experts, 12, generator=g, dtype=torch.float64).squeeze(1)
+        draws = torch.stack([capg_rec.sample_candidates(logits, 4, generator=g) for _ in range(4)])  # [S, B, K]
+        rewards = torch.rand(4, 3, 2, generator=g, dtype=torch.float64)
+        losses = [capg_rec.VPGLoss(4, validate_args=False), capg_rec.VPGLoss(4, with_replacement=True,
+                                                                             validate_args=False),
+                  *(capg_rec.CAPGLoss(4, method=m, validate_args=False) for m in ("mean_field", "with_replacement",
+                                                                                   "plugin"))]
+        for loss in losses:
+            x = logits.clone().requires_grad_()
+            loop = torch.stack([loss(x, c, c[:, [3, 0]], r) for c, r in zip(draws, rewards)])
+            mapped = torch.func.vmap(lambda c, r: loss(x, c, c[:, [3, 0]], r))(draws, rewards)
+            torch.testing.assert_close(mapped, loop)
+            if isinstance(loss, capg_rec.CAPGLoss) and loss.method.__class__.__name__ == "PlugIn":
+                with pytest.raises(RuntimeError, match="expand the scores over the vmapped dimension"):
+                    torch.autograd.grad(mapped.sum(), x)
+                continue
+            torch.testing.assert_close(torch.autograd.grad(mapped.sum(), x)[0], torch.autograd.grad(loop.sum(), x)[0])
+    users = torch.randn(3, 2, 4, 5, generator=g, dtype=torch.float64)  # vmap over [B=2, M=4, D=5] user batches
+    item = torch.randn(2100, 4, 5, generator=g, dtype=torch.float64)  # streamed in chunks: the exclusion masks
+    cand = capg_rec.sample_candidates(torch.einsum("bmd,nmd->bmn", users[0], item), 6, generator=g)
+    for method in ("mean_field", "plugin", "with_replacement"):
+        loss = capg_rec.CAPGLoss(6, method=method, validate_args=False)
+
+        def one(u):
+            return loss(capg_rec.EmbeddingCatalog(u, item, validate_args=False), cand, cand[:, :2], torch.ones(2, 2))
+
+        torch.testing.assert_close(torch.func.vmap(one)(users), torch.stack([one(u) for u in users]))
