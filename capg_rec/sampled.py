@@ -35,9 +35,9 @@ Candidate sampling (``top_items(perturb=True)``, hence :func:`~capg_rec.sample_c
 Gumbel top-K over H ∪ S with the sample's keys ``s_j + log w_j``: each drawn slot stands for the
 tail mass it estimates. The draw is exact when the head holds the whole catalog; otherwise only
 items of H ∪ S can be drawn, and a tail item's chance is right in expectation over the sample for
-the first position only (later positions condition on an estimated remaining mass). Asking
-:meth:`~SampledCatalog.top_items` for more items than a row's head and sample hold usable (unmasked,
-not excluded, distinct) is a ``ValueError`` naming the row.
+the first position only (later positions condition on an estimated remaining mass). With
+``validate_args``, asking :meth:`~SampledCatalog.top_items` for more items than a row's head and sample
+hold usable (unmasked, not excluded, distinct) is a ``ValueError`` naming the row (a host sync).
 """
 
 from __future__ import annotations
@@ -348,6 +348,7 @@ class SampledCatalog(CatalogScores):
                  num_items: int | None = None, generator: torch.Generator | None = None,
                  validate_args: bool | None = None) -> None:
         self.validate = resolve_validate_args(validate_args)
+        self.check_draws = self.validate  # top_items checks each row holds k usable items (a host sync)
         user = check_float_tensor("user", user, ndims=(2, 3), validate=self.validate)
         if not isinstance(sampler, NegativeSampler):
             raise TypeError(f"sampler must be a NegativeSampler, got {type(sampler).__name__}")
@@ -490,7 +491,7 @@ class SampledCatalog(CatalogScores):
         """The index head's size per expert: the best items named exactly (the whole catalog when the head
         holds every item of every row)."""
         if self.head_size < self.num_items and self.head_ids.shape[1] >= self.num_items:
-            if int((self.head_ids >= 0).sum(1).amin()) >= self.num_items:
+            if self.batch_size == 0 or int((self.head_ids >= 0).sum(1).amin()) >= self.num_items:
                 return self.num_items
         return self.head_size
 
@@ -552,7 +553,8 @@ class SampledCatalog(CatalogScores):
                 keys[..., size:width] = sample
                 keys[..., size:width].masked_fill_(bias == -math.inf, -math.inf)
             keys[..., width:] = -math.inf
-            self._check_usable(keys[..., :width], k, experts)
+            if self.check_draws:
+                self._check_usable(keys[..., :width], k, experts)
             pos = gumbel_top_k(keys, k, generator=generator, group_size=group) if perturb else top_k(keys, k)
             if not size:
                 return self.sample_ids[pos]

@@ -91,7 +91,7 @@ def logits(*, max_batch: int = 3, max_experts: int = 1, min_items: int = 1, max_
 
 def _float32_at_most(value: float) -> float:
     """The largest float32 number that is at most ``value`` (> 0)."""
-    rounded = np.float32(value)
+    rounded = np.float32(min(value, float(np.finfo(np.float32).max)))
     return float(rounded if float(rounded) <= value else np.nextafter(rounded, np.float32(0)))
 
 

@@ -350,3 +350,35 @@ def test_file_level_gaps_in_the_schema_are_named(tmp_path):
     (tmp_path / "flipped.parquet").write_bytes(bytes(flipped))
     with pytest.raises(ValueError, match="flipped.parquet, row group 0 cannot be read"):
         list(LoggedImpressions(tmp_path / "flipped.parquet", 2))
+
+
+def test_writer_and_null_check_corner_cases(tmp_path):
+    """A struct column before policy_version shifted the null check onto another column (Parquet counts one
+    leaf column per field); a folder as path failed only at close and left a hidden file; a writer left open
+    published nothing when collected (pyarrow's own writer finishes its file)."""
+    import gc
+
+    _write(tmp_path / "good.parquet", [6])
+    table = pq.read_table(tmp_path / "good.parquet")
+    at = table.schema.get_field_index("policy_version")
+    note = pa.array([None] * 6, pa.struct([("a", pa.int64()), ("b", pa.int64())]))
+    for nulls in (False, True):
+        versions = pa.array([None if nulls and i == 4 else "v1" for i in range(6)], pa.string())
+        t = table.set_column(at, "policy_version", versions).add_column(at, "note", note)
+        pq.write_table(t.replace_schema_metadata(table.schema.metadata), tmp_path / "struct.parquet")
+        if nulls:
+            with pytest.raises(ValueError, match="column 'policy_version' is missing"):
+                LoggedImpressions(tmp_path / "struct.parquet", 4)
+        else:
+            assert LoggedImpressions(tmp_path / "struct.parquet", 4).num_rows == 6
+    with pytest.raises(ValueError, match="path must be a file to create, got the folder"):
+        LogWriter(tmp_path, num_candidates=K, num_shown=L)
+    open_writer = LogWriter(tmp_path / "open.parquet", num_candidates=K, num_shown=L, num_items=N, num_features=F)
+    other = LogWriter(tmp_path / "open.parquet", num_candidates=K, num_shown=L, num_items=N, num_features=F)
+    assert open_writer._partial != other._partial  # two writers of one path keep apart
+    other.discard()
+    open_writer.write(_batch(3, 0))
+    del open_writer
+    gc.collect()
+    assert LoggedImpressions(tmp_path / "open.parquet", 4).num_rows == 3
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]

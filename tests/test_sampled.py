@@ -455,3 +455,19 @@ def test_the_plugin_reads_small_catalogs_whole():
         torch.testing.assert_close(got, want)
         grads = [torch.autograd.grad(v.sum(), leaf)[0] for v, leaf in zip((got, want), leaves)]
         torch.testing.assert_close(*grads)
+
+
+def test_draw_checks_follow_validate_args_and_empty_batches_read_whole():
+    """The usable-items check of top_items is a host sync: off with validate_args=False (it ran every draw);
+    an empty batch whose head names every item is read whole (exact_top took amin over zero rows)."""
+    user, item = _towers(b=2, n=30, d=4)
+    cat = SampledCatalog(user, item, sampler=UniformSampler(3), validate_args=False,
+                         generator=torch.Generator().manual_seed(0))
+    assert not cat.check_draws
+    cat._check_usable = None  # would fail if called
+    cat.top_items(2, generator=torch.Generator().manual_seed(1), perturb=True)
+    empty_user = user[:0]
+    everything = torch.arange(12).expand(0, -1)
+    small = SampledCatalog(empty_user, item[:10], sampler=UniformSampler(3), head_items=everything)
+    for method in ("plugin", "mean_field"):
+        assert capg_rec.inclusion_log_prob(small, torch.zeros(0, 2, dtype=torch.long), 3, method=method).shape == (0, 2)

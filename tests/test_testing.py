@@ -106,3 +106,11 @@ def test_strategies_drive_a_validation(case):
     resolution = k * torch.finfo(x.dtype).eps * float(x.abs().max()) / tau
     assert_esr_valid(CatalogESR(x, k, temperature=tau, method="enumerate"), num_samples=2_000, alpha=1e-6,
                      seed=seed, sum_tolerance=max(1e-3, resolution))
+
+
+def test_logits_at_a_scale_beyond_float32_warn_nothing():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        testing.logits(scale=1e300, dtype=torch.float64)  # np.float32(1e300) warned of an overflow

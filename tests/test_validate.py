@@ -524,3 +524,10 @@ def test_empty_contexts_are_a_clear_error():
     """B = 0 used to end in a ZeroDivisionError deep in the sampler's chunking."""
     with pytest.raises(ValueError, match="at least one context"):
         validate_esr(CatalogESR(randn(0, 4), 2), num_samples=10)
+
+
+def test_sample_size_advice_for_a_relative_error_above_one():
+    """rel_error > 1 put the downward alternative below 0 (a math domain error after all the sampling)."""
+    report = validate_esr(CatalogESR(torch.tensor([[2.0, 1.8, 1.6, -3, -3, -3, -3, -3]]), 3), num_samples=200,
+                          rel_error=1.5)
+    assert report.samples_needed >= 1 and report.detectable_rel_error > 0

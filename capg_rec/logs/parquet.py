@@ -13,6 +13,7 @@ import copy
 import hashlib
 import math
 import os
+import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -154,7 +155,9 @@ class LogWriter:
         self.schema = file_schema(self.meta)
         self.rows_written = 0
         self.batches_written = 0
-        self._partial = self.path.with_name(f".{self.path.name}.{os.getpid()}.partial")
+        if self.path.is_dir():
+            raise ValueError(f"path must be a file to create, got the folder {self.path}")
+        self._partial = self.path.with_name(f".{self.path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.partial")
         self._writer = pq.ParquetWriter(self._partial, self.schema, compression=compression)
 
     def __enter__(self) -> LogWriter:
@@ -167,11 +170,20 @@ class LogWriter:
             self.discard()
 
     def close(self) -> None:
-        """Finish the file and put it at ``path`` (idempotent)."""
+        """Finish the file and put it at ``path`` (idempotent; also when a writer left open is collected, as
+        pyarrow's writer does)."""
         if self._writer is not None:
             self._writer.close()
             self._writer = None
-            os.replace(self._partial, self.path)
+            try:
+                os.replace(self._partial, self.path)
+            except OSError:
+                self._partial.unlink(missing_ok=True)
+                raise
+
+    def __del__(self) -> None:
+        if getattr(self, "_writer", None) is not None:
+            self.close()
 
     def discard(self) -> None:
         """Drop what was written, leaving ``path`` as it was (idempotent)."""
@@ -246,9 +258,11 @@ def write_logs(path: str | os.PathLike, batch: LoggedBatch, **kwargs: Any) -> No
 
 
 def _has_nulls(pf: pq.ParquetFile, group: int, name: str) -> bool:
-    """Whether column ``name`` of row group ``group`` holds a null: from the footer's statistics, else read."""
-    column = pf.metadata.row_group(group).column(pf.schema_arrow.get_field_index(name))
-    stats = column.statistics
+    """Whether the top-level, non-nested column ``name`` of row group ``group`` holds a null: from the footer's
+    statistics (its leaf column: nested columns count one leaf per field), else read."""
+    leaves = pf.metadata.schema
+    leaf = next(i for i in range(leaves.__len__()) if leaves.column(i).path == name)
+    stats = pf.metadata.row_group(group).column(leaf).statistics
     if stats is not None and stats.has_null_count:
         return stats.null_count > 0
     return pf.read_row_group(group, columns=[name]).column(0).null_count > 0

@@ -266,7 +266,7 @@ class TwoTowerRetriever(nn.Module):
             return _RankSampledCatalog(user.view(-1, self.num_experts, dim), tower, num_items=self.num_items,
                                        sampler=sample, temperature=self.temperature, head_items=head_items,
                                        masked_items=masked_items, validate_args=False,  # values checked collectively
-                                       group=group)
+                                       group=group, check_draws=tower.validate)
         item = item.view(rows, self.num_experts, dim)
         return ShardedEmbeddingCatalog(user.view(-1, self.num_experts, dim), item, num_items=self.num_items,
                                        row_offset=offset, temperature=self.temperature, masked_items=masked_items,
@@ -439,9 +439,9 @@ class TwoTowerRetriever(nn.Module):
 class _RankSampledCatalog(SampledCatalog):
     """A rank's :class:`SampledCatalog` of its own batch, whose checks every rank of ``group`` takes alike."""
 
-    def __init__(self, *args: object, group: dist.ProcessGroup | None, **kwargs: object) -> None:
+    def __init__(self, *args: object, group: dist.ProcessGroup | None, check_draws: bool, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
-        self.group = group
+        self.group, self.check_draws = group, check_draws
 
     def agree(self, passed: Tensor) -> Tensor:
         return agree(passed, self.group)

@@ -93,7 +93,7 @@ def binomial_power(trials: int, low: float, high: float, truth: float, level: fl
 
 def _alternatives(claim: float, rel_error: float) -> list[float]:
     """The success probabilities off ``claim`` by a relative ``rel_error``, either way, that can be."""
-    return [claim * (1 - rel_error)] + ([claim * (1 + rel_error)] if claim * (1 + rel_error) <= 1 else [])
+    return [max(claim * (1 - rel_error), 0.0)] + ([claim * (1 + rel_error)] if claim * (1 + rel_error) <= 1 else [])
 
 
 def samples_needed(claim: float, low: float, high: float, trials: int, rel_error: float, power: float,
