@@ -10,6 +10,7 @@ only when validation is on (:func:`set_default_validate_args`, or an entry point
 from __future__ import annotations
 
 import argparse
+import collections
 import math
 from collections.abc import Callable, Sequence
 
@@ -92,7 +93,7 @@ def positive_int(text: str) -> int:
 
 def check_distinct(name: str, values: Sequence[object]) -> None:
     """``ValueError`` naming ``name`` where a value repeats (a grid that would run or count a cell twice)."""
-    repeated = sorted({v for v in values if list(values).count(v) > 1}, key=str)
+    repeated = sorted((v for v, n in collections.Counter(values).items() if n > 1), key=str)
     if repeated:
         raise ValueError(f"{name} must not repeat a value, got {list(values)} ({repeated} more than once)")
 

@@ -257,15 +257,20 @@ def write_logs(path: str | os.PathLike, batch: LoggedBatch, **kwargs: Any) -> No
         writer.write(batch)
 
 
-def _has_nulls(pf: pq.ParquetFile, group: int, name: str) -> bool:
-    """Whether the top-level, non-nested column ``name`` of row group ``group`` holds a null: from the footer's
-    statistics (its leaf column: nested columns count one leaf per field), else read."""
+def _first_group_with_nulls(pf: pq.ParquetFile, name: str) -> int | None:
+    """The first row group whose top-level, non-nested column ``name`` holds a null, or None: from the footer's
+    statistics (of its leaf column: nested columns count one leaf per field), else read."""
     leaves = pf.metadata.schema
-    leaf = next(i for i in range(leaves.__len__()) if leaves.column(i).path == name)
-    stats = pf.metadata.row_group(group).column(leaf).statistics
-    if stats is not None and stats.has_null_count:
-        return stats.null_count > 0
-    return pf.read_row_group(group, columns=[name]).column(0).null_count > 0
+    leaf = next(i for i in range(len(leaves)) if leaves.column(i).path == name)
+    for group in range(pf.num_row_groups):
+        stats = pf.metadata.row_group(group).column(leaf).statistics
+        if stats is not None and stats.has_null_count:
+            nulls = stats.null_count > 0
+        else:
+            nulls = pf.read_row_group(group, columns=[name]).column(0).null_count > 0
+        if nulls:
+            return group
+    return None
 
 
 def _readable(batches: Iterator[pa.RecordBatch], where: str) -> Iterator[pa.RecordBatch]:
@@ -419,11 +424,12 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
                         if getattr(here, name) != getattr(meta, name):
                             raise ValueError(f"log file {path}: {name} = {getattr(here, name)} differs from "
                                              f"{self.files[0]}'s {getattr(meta, name)}")
+                bad = _first_group_with_nulls(pf, "policy_version") if self.validate else None
+                if bad is not None:
+                    raise ValueError(f"log file {path}, row group {bad}: column 'policy_version' is missing (null)")
                 first = 0
                 for g in range(pf.num_row_groups):
                     rows = pf.metadata.row_group(g).num_rows
-                    if self.validate and _has_nulls(pf, g, "policy_version"):
-                        raise ValueError(f"log file {path}, row group {g}: column 'policy_version' is missing (null)")
                     groups.append((index, g, rows, first))
                     first += rows
         return meta, groups

@@ -135,9 +135,9 @@ def _make_env(name: str, data: str | None):
     return load_kuairec(data)
 
 
-def _fail(message: str) -> NoReturn:
-    """Report a usage or input error of ``train`` and exit with status 2, as argparse does."""
-    print(f"capg-rec train: error: {message}", file=sys.stderr)
+def _fail(message: str, command: str = "train") -> NoReturn:
+    """Report a usage or input error of ``command`` and exit with status 2, as argparse does."""
+    print(f"capg-rec {command}: error: {message}", file=sys.stderr)
     raise SystemExit(2)
 
 
@@ -279,8 +279,7 @@ def _reproduce(args: argparse.Namespace) -> int:
     try:
         return _reproduce_target(args)
     except ValueError as err:
-        print(f"capg-rec reproduce: error: {err}", file=sys.stderr)
-        raise SystemExit(2) from err
+        _fail(str(err), "reproduce")
 
 
 def _reproduce_target(args: argparse.Namespace) -> int:
@@ -333,9 +332,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     env = synthetic_env()
     if args.num_candidates > env.num_items:
-        print(f"capg-rec demo: error: -K must be at most the {env.num_items} items, got {args.num_candidates}",
-              file=sys.stderr)
-        raise SystemExit(2)
+        _fail(f"-K must be at most the {env.num_items} items, got {args.num_candidates}", "demo")
     base = TrainConfig(num_candidates=args.num_candidates, steps=args.steps, eval_every=max(1, args.steps // 12))
     cells = [Cell(f"K={args.num_candidates}", base.replace(estimator=e)) for e in ("vpg_swr", "capg_swr")]
     out = Path(args.out)
