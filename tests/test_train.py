@@ -311,8 +311,13 @@ def test_reproduce_refuses_runs_of_another_environment_and_repeated_cells(env, t
         build_target("table2", steps=10, ks=[5, 5])
     with pytest.raises(ValueError, match="estimators must not repeat"):
         build_target("table2", steps=10, estimators=["capg", "capg"])
-    with pytest.raises(ValueError, match="sizes must not repeat"):
-        OffPolicyStudy(sizes=(10_000, 10_000))
+    for grid in (dict(sizes=(10_000, 10_000)), dict(ks=(10, 10)), dict(seeds=(0, 0)),
+                 dict(learners=("capg_clip", "capg_clip"))):
+        with pytest.raises(ValueError, match=f"{next(iter(grid))} must not repeat"):
+            OffPolicyStudy(**grid)
+    from capg_rec.train.variance import gradient_variance_report
+    with pytest.raises(ValueError, match="ks must not repeat"):
+        gradient_variance_report(tmp_path / "v", ks=[2, 2])
     parser = argparse.ArgumentParser(prog="capg-rec")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["reproduce", "table2", "--ks", "5", "5", "--out", str(tmp_path / "t")])
