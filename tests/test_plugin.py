@@ -176,7 +176,7 @@ def _one_block_inputs(dtype, seed, spread=3.0):
     """A logits leaf ``[B, N]`` and, from it, one expert's sorted top-K scores, the rest, targets in and out
     of the pool (one masked; a row whose last target is the only item left at the last position: h = 1),
     and their slots."""
-    from capg_rec.marginals import _left_out
+    from capg_rec._plugin import _left_out
     g = torch.Generator().manual_seed(seed)
     batch, k, n = 6, 8, 30
     logits = spread * torch.randn(batch, n, generator=g, dtype=torch.float64)
@@ -194,7 +194,7 @@ def _one_block_inputs(dtype, seed, spread=3.0):
 def test_one_block_node_matches_the_log_space_ops(dtype):
     """The one-node float64 path of a single expert and the log-space ops it stands for give the same
     values and gradients (masked targets: -inf and zero gradient; a row with nothing outside the pool)."""
-    from capg_rec.marginals import _OneBlockPlugIn, _plugin_one_block, _plugin_one_block_log_space
+    from capg_rec._plugin import _OneBlockPlugIn, _plugin_one_block, _plugin_one_block_log_space
     tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 2e-6, "atol": 2e-6}
     for seed in range(3):
         logits, (scores, rest, target), left_out = _one_block_inputs(dtype, seed)
@@ -214,7 +214,7 @@ def test_one_block_node_matches_the_log_space_ops(dtype):
 def test_one_block_node_second_derivatives_and_extreme_spreads():
     """The node's recorded backward (Hessian-vector products) is the log-space ops' one, and scores spread
     beyond float64's exp range take the log-space ops (finite, right values)."""
-    from capg_rec.marginals import _OneBlockPlugIn, _plugin_one_block, _plugin_one_block_log_space
+    from capg_rec._plugin import _OneBlockPlugIn, _plugin_one_block, _plugin_one_block_log_space
     _, parts, left_out = _one_block_inputs(torch.float64, 5)
     scores, rest, target = (t.detach().requires_grad_() for t in parts)
     target = target.detach()[3:, [0, 1]].requires_grad_()  # no masked target, no h = 1: a smooth function
