@@ -263,3 +263,95 @@ def test_plugin_is_shift_invariant_in_float32(case):
         results.append((out, torch.autograd.grad(out.sum(), x)[0]))
         torch.testing.assert_close(out.double(), want, rtol=0, atol=16 * torch.finfo(torch.float32).eps)
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def _many_block_inputs(dtype, seed, num_items, k, m, spread=2.0):
+    """The many-block node's inputs as the plug-in makes them, from a logits leaf ``[B, M, N]``: a masked item
+    (also a target), repeated targets, targets in and out of the pool; with ``num_items`` at most ``m·k`` the
+    pool may hold every item (nothing left outside it)."""
+    from capg_rec._numerics import position_index
+    from capg_rec._plugin import _greedy_prefixes
+    g = torch.Generator().manual_seed(seed)
+    logits = spread * torch.randn(4, m, num_items, generator=g, dtype=torch.float64)
+    logits[1, :, 3] = -torch.inf
+    logits = logits.to(dtype).requires_grad_()
+    items = torch.randint(0, num_items, (4, 5), generator=g)
+    items[:, 1] = items[:, 0]
+    items[1, 2] = 3
+    runs = expert_runs(k, m)
+    experts = [e for e, _ in runs]
+    catalog = DenseCatalog(logits, validate_args=False)
+    pool = catalog.top_items(k, experts=experts).flatten(1)
+    named, rest = catalog.gather_with_rest(pool, also=items)
+    size = pool.shape[1]
+    prefix, dropped = _greedy_prefixes(pool, items, runs, num_items)
+    target = named[..., size:].index_select(1, position_index(runs, logits.device)).transpose(1, 2)
+    block = position_index(runs, logits.device, True)
+    return logits, (named[:, experts, :size], rest[:, experts], target, prefix, dropped, block)
+
+
+@pytest.mark.parametrize(("num_items", "k", "m"), [(30, 6, 3), (10, 6, 2), (40, 12, 2)])
+@pytest.mark.parametrize(("dtype", "work"), [(torch.float64, torch.float64), (torch.float32, torch.float32),
+                                             (torch.float32, torch.float64)])
+def test_many_block_node_matches_the_log_space_ops(num_items, k, m, dtype, work):
+    """The one-node path of a mixture (linear sums in float32 or float64) and the log-space ops it stands for
+    give the same values and gradients: a masked target is -inf with zero gradient, as is a masked item."""
+    from capg_rec._plugin import _ManyBlockPlugIn, _plugin_many_blocks_log_space
+    tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 2e-5, "atol": 2e-5}
+    for seed in range(3):
+        logits, args = _many_block_inputs(dtype, seed, num_items, k, m)
+        scores, rest = args[:2]
+        shift = torch.maximum(scores.amax(2), rest).detach()
+        fast = _ManyBlockPlugIn.apply(*args, shift, work)[0]
+        ref = _plugin_many_blocks_log_space(*args)
+        assert fast.dtype == dtype and fast[1, 2] == -torch.inf
+        torch.testing.assert_close(fast, ref, **tol)
+        weights = torch.rand(fast.shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+        (got,) = torch.autograd.grad((fast.masked_fill(fast.isinf(), 0) * weights).sum(), logits, retain_graph=True)
+        (want,) = torch.autograd.grad((ref.masked_fill(ref.isinf(), 0) * weights).sum(), logits)
+        assert torch.isfinite(got).all() and (got[1, :, 3] == 0).all()
+        torch.testing.assert_close(got, want, **tol)
+
+
+def test_many_block_node_second_derivatives_and_the_paths_by_spread():
+    """The node's recorded backward is the log-space ops' one (gradgradcheck, Hessian-vector products); and
+    float32 scores take float32 sums within 80 of their expert's best, float64 ones within 600 and the
+    log-space ops beyond (each agreeing with float64's value)."""
+    from capg_rec._plugin import _ManyBlockPlugIn, _plugin_many_blocks, _plugin_many_blocks_log_space
+    _, (scores, rest, target, prefix, dropped, block) = _many_block_inputs(torch.float64, 0, 30, 6, 3)
+    keep = ~target.isinf().any(2)  # a smooth function: no masked target
+    inputs = (scores.detach().requires_grad_(), rest.detach().requires_grad_(), target.detach().requires_grad_())
+    shift = torch.maximum(scores.amax(2), rest).detach()
+
+    def fast(*x):
+        return _ManyBlockPlugIn.apply(*x, prefix, dropped, block, shift, torch.float64)[0][keep]
+
+    def ref(*x):
+        return _plugin_many_blocks_log_space(*x, prefix, dropped, block)[keep]
+
+    assert torch.autograd.gradgradcheck(fast, inputs)
+    v = tuple(torch.randn(x.shape, generator=torch.Generator().manual_seed(1), dtype=x.dtype) for x in inputs)
+    for a, b in zip(torch.autograd.functional.hvp(lambda *x: fast(*x).sum(), inputs, v)[1],
+                    torch.autograd.functional.hvp(lambda *x: ref(*x).sum(), inputs, v)[1]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    calls = []
+    original = _ManyBlockPlugIn.apply
+
+    def spy(*args):
+        calls.append(args[-1])
+        return original(*args)
+
+    for spread, path in ((10.0, torch.float32), (100.0, torch.float64), (700.0, None)):
+        # The pool's last entries pushed `spread` below the best: the prefixes stay, the sums' range grows.
+        wide = scores.detach().clone()
+        wide[..., -3:] -= spread
+        args = (wide, rest.detach(), target.detach(), prefix, dropped, block)
+        want = _plugin_many_blocks_log_space(*args)
+        calls.clear()
+        _ManyBlockPlugIn.apply = spy
+        try:
+            got = _plugin_many_blocks(*(x.float() if x.is_floating_point() else x for x in args))
+        finally:
+            _ManyBlockPlugIn.apply = original
+        assert calls == ([] if path is None else [path])
+        torch.testing.assert_close(got.double(), want, rtol=2e-5, atol=2e-5)
