@@ -340,7 +340,13 @@ class _ManyBlockPlugIn(torch.autograd.Function):
         num_blocks = scores.shape[1]
         grad_w_target = _first_hit_grad(grad, prob, hazard, miss, miss_before) / denom.clamp(
             min=torch.finfo(torch.float64).tiny)  # [B, L, K]
-        grad_denom = (-grad_w_target * hazard).to(w.dtype)
+        grad_denom = -grad_w_target * hazard  # float64: up to grad / w, beyond float32 at 80 nats
+        # Per row and block, relative to its largest (the sums in the work dtype stay within L·K of 1); the
+        # scale comes back in float64 once the terms are multiplied by their w.
+        largest = grad_denom.abs().amax(1)  # [B, K]
+        scale = largest.new_zeros(batch, num_blocks).scatter_reduce_(1, block.expand(batch, -1), largest, "amax")
+        scale = torch.where(scale > 0, scale, 1.0)  # [B, R]
+        grad_denom = (grad_denom / scale.index_select(1, block).unsqueeze(1)).to(w.dtype)
         grad_base = grad_denom.new_zeros(batch, num_targets, num_blocks).index_add_(2, block, grad_denom)
         at = block.view(1, 1, 1, -1).expand(batch, num_targets, 1, -1)
         grad_later = grad_denom.new_zeros(batch, num_targets, num_blocks, k).scatter_(2, at, grad_denom.unsqueeze(2))
@@ -349,6 +355,7 @@ class _ManyBlockPlugIn(torch.autograd.Function):
             grad_w = torch.bmm(grad_base.transpose(1, 2), keep)  # [B, R, P]
         grad_w.scatter_add_(2, prefix.reshape(batch, 1, -1).expand(-1, num_blocks, -1),
                             grad_pre.transpose(1, 2).reshape(batch, num_blocks, -1))
-        grad_rest = grad_base.sum(1).mul_(w_rest)
-        return (grad_w.mul_(w).to(scores.dtype), grad_rest.to(rest.dtype), (grad_w_target * w_target).to(target.dtype),
+        grad_scores = grad_w.mul_(w).double().mul_(scale.unsqueeze(2))
+        grad_rest = grad_base.sum(1).mul_(w_rest).double().mul_(scale)
+        return (grad_scores.to(scores.dtype), grad_rest.to(rest.dtype), (grad_w_target * w_target).to(target.dtype),
                 None, None, None, None, None)

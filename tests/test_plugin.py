@@ -355,3 +355,21 @@ def test_many_block_node_second_derivatives_and_the_paths_by_spread():
             _ManyBlockPlugIn.apply = original
         assert calls == ([] if path is None else [path])
         torch.testing.assert_close(got.double(), want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize(("num_targets", "loss_scale"), [(1, 65536.0), (60000, 1.0)])
+def test_many_block_float32_gradients_stay_finite_near_the_linear_paths_edge(num_targets, loss_scale):
+    """Regression: with scores 79.5 nats apart (the float32 sums' path), the node's backward summed d/dw,
+    which is about the gradient over a denominator as small as e^-80, in float32 before multiplying by w:
+    a loss scale of 65536, or 60,000 targets, overflowed it to inf, and the gradient came out NaN and -inf.
+    It now matches float64's."""
+    m, k, n = 2, 4, 5
+    scores = torch.zeros(1, m, n, dtype=torch.float64)
+    scores[..., k - 1:] = -79.5
+    items = torch.full((1, num_targets), n - 1)
+    grads = []
+    for dtype in (torch.float32, torch.float64):
+        x = scores.to(dtype).requires_grad_()
+        grads.append(torch.autograd.grad(_plugin(x, items, k).sum() * loss_scale, x)[0])
+    assert torch.isfinite(grads[0]).all()
+    torch.testing.assert_close(grads[0].double(), grads[1], rtol=0, atol=1e-5 * float(grads[1].abs().max()))
