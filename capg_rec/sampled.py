@@ -328,6 +328,9 @@ class SampledCatalog(CatalogScores):
         index: an :class:`~capg_rec.ann.ItemIndex` over the items (queried with the user vectors):
             each expert's ``head_size`` best items join the head.
         head_size: items per expert from ``index`` (0: no index head).
+        index_items: ``[B, M, H]`` (``[B, H]`` for one expert) ids: each expert's H best items, found
+            beforehand in an index (where the item rows must be looked up before the catalog is built, as in
+            TorchRec's sampled mode): the same head as ``index`` with ``head_size=H``, without the query.
         head_items: ``[B, H]`` ids scored exactly in every sum (the candidates, logged items), ``-1``
             padded. They are also the in-batch sampler's batch unless ``batch_items`` is given.
         batch_items: ``[B', H']`` ids for in-batch samplers (``-1`` padded).
@@ -343,10 +346,10 @@ class SampledCatalog(CatalogScores):
     """
 
     def __init__(self, user: Tensor, item: ItemSource, *, sampler: NegativeSampler, temperature: float = 1.0,
-                 index: ItemIndex | None = None, head_size: int = 0, head_items: Tensor | None = None,
-                 batch_items: Tensor | None = None, masked_items: Tensor | None = None,
-                 num_items: int | None = None, generator: torch.Generator | None = None,
-                 validate_args: bool | None = None) -> None:
+                 index: ItemIndex | None = None, head_size: int = 0, index_items: Tensor | None = None,
+                 head_items: Tensor | None = None, batch_items: Tensor | None = None,
+                 masked_items: Tensor | None = None, num_items: int | None = None,
+                 generator: torch.Generator | None = None, validate_args: bool | None = None) -> None:
         self.validate = resolve_validate_args(validate_args)
         self.check_draws = self.validate  # top_items checks each row holds k usable items (a host sync)
         user = check_float_tensor("user", user, ndims=(2, 3), validate=self.validate)
@@ -382,9 +385,13 @@ class SampledCatalog(CatalogScores):
         self.head_size = check_count("head_size", head_size, low=0, high=self.num_items)
         if self.head_size and index is None:
             raise ValueError("head_size > 0 needs an index (an ItemIndex over the items)")
+        found = self._index_items(index_items, index)
         with torch.no_grad():
             parts = [] if head_items is None else [head_items]
-            if self.head_size:
+            if found is not None:
+                self.head_size = found.shape[2]
+                parts.append(found.reshape(self.batch_size, -1))
+            elif self.head_size:
                 if (index.num_experts or 1) != self.num_experts or index.dim != self.user.shape[2]:
                     raise ValueError(f"index must be built on M={self.num_experts} experts of dim "
                                      f"D={self.user.shape[2]}, got M={index.num_experts or 1}, D={index.dim}")
@@ -436,6 +443,23 @@ class SampledCatalog(CatalogScores):
         out = bias.new_empty(self.batch_size, 1, size + 1)  # the spare column is never read
         out[..., :size] = bias
         return out.scatter_(2, _found(self._sample_sorted, ids).unsqueeze(1), -math.inf)[..., :size]
+
+    def _index_items(self, index_items: Tensor | None, index: ItemIndex | None) -> Tensor | None:
+        """``index_items`` checked, as ``[B, M, H]`` on the catalog's device (None if not given)."""
+        if index_items is None:
+            return None
+        if index is not None:
+            raise ValueError("give index (with head_size) or index_items, not both")
+        if isinstance(index_items, Tensor) and index_items.dim() == 2 and self.num_experts == 1:
+            index_items = index_items.unsqueeze(1)
+        if not isinstance(index_items, Tensor) or index_items.dim() != 3 or index_items.shape[1] != self.num_experts:
+            raise ValueError(f"index_items must be an id tensor [B, M={self.num_experts}, H]"
+                             f"{' (or [B, H])' if self.num_experts == 1 else ''}, got "
+                             f"{getattr(index_items, 'shape', type(index_items).__name__)}")
+        flat = check_items("index_items", index_items.flatten(1), batch_size=self.batch_size,
+                           num_items=self.num_items, unique=False, validate=self.validate, columns="M·H")
+        check_count("index_items.shape[2] (H)", index_items.shape[2], high=self.num_items)
+        return flat.view(index_items.shape).to(self.device)
 
     def _ids(self, name: str, ids: Tensor | None, any_batch: bool = False) -> Tensor | None:
         if ids is None:

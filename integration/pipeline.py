@@ -13,6 +13,12 @@ With ``--sampled`` the task learns from logs through the retriever's sampled mod
 (:class:`LoggedBatch`) carries its users, logged candidates, shown items, rewards and propensities, and
 a negative sample drawn with it, whose rows and the candidates' are listed in its sparse features (one
 lookup, which the pipeline prefetches); the loss is off-policy CA-PG on the sampled catalog.
+
+With ``--index-head`` the task learns on-policy through the sampled mode: each batch
+(:class:`SampledBatch`) carries its users, a negative sample and each expert's best items from an
+``IndexHead`` (an exact index over the item tower's output, rebuilt every other batch; the head is found
+before the step, as a data loader would), all listed in its sparse features; the task draws the
+candidates from the sampled catalog (head and sample), ranks them and takes CA-PG.
 """
 
 from __future__ import annotations
@@ -33,9 +39,10 @@ from torchrec.streamable import Pipelineable
 
 import _harness as h
 from capg_rec import CAPGLoss, DrawnSample, OffPolicyCAPGLoss, SampledCatalog, UniformSampler, sample_candidates
-from capg_rec.torchrec import ShardedEmbeddingCatalog, TwoTowerRetriever
+from capg_rec.torchrec import IndexHead, ShardedEmbeddingCatalog, TwoTowerRetriever
 
 CANDIDATES, SHOWN, LR, NEGATIVES = 6, 2, 0.3, 300
+INDEX_HEAD = 32  # mean-field reads each expert's best 8·3 + 3 = 27 items at K = 6, M = 2
 SETUP = h.Setup(num_items=2_001, num_experts=2, dim=4, tower=True)
 SAMPLED_SETUP = h.Setup(num_items=20_001, num_experts=2, dim=4, tower=True)  # beyond what mean-field reads whole
 
@@ -115,6 +122,48 @@ class SampledTask(nn.Module):
         return self.objective(catalog, batch)
 
 
+class SampledBatch(Pipelineable):
+    """B users, a negative sample and their index head ``[B, M, H]``, listed in ``sparse_features``."""
+
+    def __init__(self, sparse_features: KeyedJaggedTensor, sample: DrawnSample, index_items: Tensor,
+                 users: Tensor) -> None:
+        self.sparse_features, self.sample, self.index_items, self.users = sparse_features, sample, index_items, users
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> SampledBatch:
+        ids, found, users = (t.to(device, non_blocking=non_blocking)
+                             for t in (self.sample.ids, self.index_items, self.users))
+        return SampledBatch(self.sparse_features.to(device, non_blocking=non_blocking),
+                            DrawnSample(ids, self.sample.sampler), found, users)
+
+    def record_stream(self, stream: torch.Stream) -> None:
+        self.sparse_features.record_stream(stream)
+        for t in (self.sample.ids, self.index_items, self.users):
+            t.record_stream(stream)
+
+
+class OnPolicySampledTask(nn.Module):
+    """``forward(batch) -> (loss, outputs)``: candidates drawn from the sampled catalog, then CA-PG."""
+
+    def __init__(self, retriever: TwoTowerRetriever) -> None:
+        super().__init__()
+        self.retriever, self.objective = retriever, Objective()
+
+    def forward(self, batch: SampledBatch) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        catalog = self.retriever(batch.sparse_features, sample=batch.sample, index_items=batch.index_items)
+        return self.objective(catalog, batch.users)
+
+
+def sampled_batch(retriever: TwoTowerRetriever, head: IndexHead, batch: int, g: torch.Generator) -> SampledBatch:
+    """B users, a uniform sample and the users' index head (collective: every rank calls alike)."""
+    users = torch.randint(0, SAMPLED_SETUP.num_users, (batch,), generator=g)
+    features = h.user_batch(users)
+    found = head(features)
+    sampler = UniformSampler(NEGATIVES)
+    sample = DrawnSample(sampler.draw(SAMPLED_SETUP.num_items, None, generator=g, device=torch.device("cpu")), sampler)
+    listed = torch.cat([sample.ids, found.flatten()]).unique()
+    return SampledBatch(retriever.with_catalog(features, items=listed), sample, found, users)
+
+
 def logged_batch(retriever: TwoTowerRetriever, batch: int, g: torch.Generator) -> LoggedBatch:
     """B users' logged candidates (distinct), shown items, rewards and propensities, and a uniform sample."""
     users = torch.randint(0, SAMPLED_SETUP.num_users, (batch,), generator=g)
@@ -149,9 +198,12 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--batch", type=int, default=4, help="users per rank and step")
-    parser.add_argument("--sampled", action="store_true", help="from logs, through the sampled mode")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--sampled", action="store_true", help="from logs, through the sampled mode")
+    mode.add_argument("--index-head", action="store_true", help="on-policy, the sampled mode with an index head")
     args = parser.parse_args()
     setup, task, names = ((SAMPLED_SETUP, SampledTask, ("loss", "candidates")) if args.sampled
+                          else (SAMPLED_SETUP, OnPolicySampledTask, ("rewards", "candidates")) if args.index_head
                           else (SETUP, Task, ("rewards", "candidates")))
     rank, world = h.init()
     state = h.full_state(setup, seed=4, grid=False)
@@ -165,10 +217,14 @@ def main() -> int:
     initial = {k: v.clone() for k, v in local_pieces(runs["loop"][0]).items()}
     retriever = runs["loop"][0].module.retriever
     g = torch.Generator().manual_seed(100 + rank)
+    head = IndexHead(retriever, INDEX_HEAD, refresh_every=2)
     batches = []
     for _ in range(args.steps):
         if args.sampled:
             batches.append(logged_batch(retriever, args.batch, g))
+            continue
+        if args.index_head:  # found before training, from the initial weights: both runs get the same batches
+            batches.append(sampled_batch(retriever, head, args.batch, g))
             continue
         users = torch.randint(0, SETUP.num_users, (args.batch,), generator=g)
         batches.append(Batch(dense_features=torch.zeros(args.batch, 0), labels=users,

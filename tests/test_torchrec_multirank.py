@@ -95,6 +95,22 @@ def test_train_pipeline_sparse_dist_trains_from_logs_through_the_sampled_mode(ba
         assert sum(k.startswith("final/") for k in report["errors"]) == 6
 
 
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if worlds(2, backend=b)])
+def test_train_pipeline_sparse_dist_trains_on_policy_through_the_sampled_mode_with_an_index_head(backend, tmp_path):
+    """On-policy CA-PG on the sampled catalog: each batch lists a negative sample and its users' best items
+    from an IndexHead (found before the step, the index rebuilt every other batch, collectively); the task
+    draws the candidates from that catalog. The pipeline gives the same candidates, rewards and parameters at
+    every step as a plain loop, on 2 ranks."""
+    run = launch("pipeline.py", 2, tmp_path, "--steps", "4", "--index-head", backend=backend)
+    assert run.returncode == 0, run.stderr[-4000:]
+    for r in range(2):
+        report = json.loads((tmp_path / f"pipeline_rank{r}.json").read_text())
+        assert report["pipelined_modules"] == ["ShardedEmbeddingCollection"]
+        assert max(report["errors"].values()) <= 1e-6, report["errors"]
+        assert sum(k.startswith("step") and k.endswith("/candidates") for k in report["errors"]) == 4
+        assert sum(k.startswith("final/") for k in report["errors"]) == 6
+
+
 @pytest.mark.parametrize("backend, world", [(b, w) for b in BACKENDS for w in worlds(1, 2, 3, backend=b)])
 def test_towers_and_bag_collections_match_one_process(backend, world, tmp_path):
     """Item tower (chunked, recomputed) + bag-collection user side + user tower: after one step of CA-PG

@@ -125,3 +125,99 @@ def test_sampled_estimate_is_unbiased_through_the_retriever():
     values = torch.stack(values)
     mean, se = values.mean(0), values.std(0) / math.sqrt(len(values))
     assert bool(((mean - exact.exp()).abs() <= 4 * se).all()), (mean, exact.exp(), se)
+
+
+def test_index_head_names_each_experts_best_items_and_rebuilds_on_schedule():
+    """The head is each expert's exact top H of the user·item scores (an exact index); between rebuilds it
+    keeps the index it has, and every `refresh_every` calls it reads the item side anew."""
+    from capg_rec.torchrec import IndexHead
+    retriever = _retriever()
+    users = [3, 1, 7]
+    user_w, item_w = _tables(retriever)
+
+    def best(h):
+        scores = torch.einsum("bmd,nmd->bmn", user_w[torch.tensor(users)].view(-1, M, D), item_w.view(-1, M, D))
+        return scores.topk(h, dim=2).indices
+
+    head = IndexHead(retriever, 7, refresh_every=2)
+    first = head(_users(users))
+    assert first.shape == (3, M, 7) and torch.equal(first, best(7))
+    before = best(7)
+    with torch.no_grad():
+        item_w.mul_(-1.0)  # every expert's ranking reversed
+    assert torch.equal(head(_users(users)), before)  # the second call: the same index
+    assert torch.equal(head(_users(users)), best(7)) and not torch.equal(best(7), before)  # rebuilt
+
+
+def test_sampled_mode_with_an_index_head_equals_a_sampled_catalog_with_the_index():
+    """An index head listed in the batch (index_items) gives the catalog a SampledCatalog with the same index
+    gives: the sums, the head's size (mean-field reads it without a bias warning), CA-PG losses and the
+    tables' gradients."""
+    import warnings
+
+    from capg_rec.ann import ExactIndex
+    from capg_rec.torchrec import IndexHead
+    retriever = _retriever()
+    users = [3, 1, 7, 0]
+    h = 30  # mean-field's head at K = 6, M = 2: 8·3 + 3 = 27 best items per expert
+    found = IndexHead(retriever, h)(_users(users))
+    g = torch.Generator().manual_seed(0)
+    sampler = UniformSampler(200)
+    sample = DrawnSample(sampler.draw(NUM_ITEMS, None, generator=g, device=torch.device("cpu")), sampler)
+    listed = torch.cat([sample.ids, found.flatten()]).unique()
+    kjt = retriever.with_catalog(_users(users), items=listed)
+    user_w, item_w = _tables(retriever)
+    index = ExactIndex(item_w.detach().view(-1, M, D))
+
+    def reference():
+        return SampledCatalog(user_w[torch.tensor(users)].view(-1, M, D), item_w.view(-1, M, D), sampler=sample,
+                              index=index, head_size=h)
+
+    candidates = sample_candidates(reference(), 6, generator=torch.Generator().manual_seed(4))
+    chosen, rewards = candidates[:, :2], torch.rand(len(users), 2, generator=g)
+    for method in ("mean_field", "plugin", "with_replacement"):
+        grads = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "mean-field reads ... biased"
+            for catalog in (retriever(kjt, sample=sample, index_items=found), reference()):
+                assert catalog.exact_top == h
+                torch.testing.assert_close(catalog.log_power_sums(None, 3), reference().log_power_sums(None, 3))
+                for t in _tables(retriever):
+                    t.grad = None
+                CAPGLoss(6, method=method)(catalog, candidates, chosen, rewards).backward()
+                grads.append([t.grad.clone() for t in _tables(retriever)])
+        for mine, theirs in zip(*grads):
+            torch.testing.assert_close(mine, theirs)
+
+
+def test_index_head_and_index_items_refuse_bad_input():
+    from capg_rec.torchrec import IndexHead
+    retriever = _retriever()
+    with pytest.raises(TypeError, match="retriever must be a TwoTowerRetriever"):
+        IndexHead(retriever.embeddings, 3)
+    with pytest.raises(ValueError, match="size"):
+        IndexHead(retriever, 0)
+    with pytest.raises(ValueError, match="refresh_every"):
+        IndexHead(retriever, 3, refresh_every=0)
+    with pytest.raises(TypeError, match="index must be a callable"):
+        IndexHead(retriever, 3, index="flat")
+    with pytest.raises(TypeError, match="index must build an ItemIndex"):
+        IndexHead(retriever, 3, index=lambda items: items)(_users([1]))
+    kjt, sample, head = _batch(retriever, [1, 2])
+    found = IndexHead(retriever, 3)(_users([1, 2]))
+    with pytest.raises(ValueError, match="index_items must be an id tensor"):
+        retriever(kjt, sample=sample, index_items=found[:, 0])
+    with pytest.raises(ValueError, match="every id of index_items must be listed"):
+        retriever(kjt, sample=sample, index_items=found)
+    with pytest.raises(TypeError, match="head_items and index_items need one"):
+        retriever(kjt, index_items=found)
+    user_w, item_w = _tables(retriever)
+    from capg_rec.ann import ExactIndex
+    index = ExactIndex(item_w.detach().view(-1, M, D))
+    with pytest.raises(ValueError, match="index .with head_size. or index_items, not both"):
+        SampledCatalog(user_w[:2].view(-1, M, D), item_w.view(-1, M, D), sampler=sample, index=index, head_size=3,
+                       index_items=found)
+    with pytest.raises(ValueError, match="index_items must be an id tensor"):
+        SampledCatalog(user_w[:2].view(-1, M, D), item_w.view(-1, M, D), sampler=sample, index_items=found[:, :1])
+    with pytest.raises(ValueError, match="index_items must hold ids"):
+        SampledCatalog(user_w[:2].view(-1, M, D), item_w.view(-1, M, D), sampler=sample, index_items=found - NUM_ITEMS)

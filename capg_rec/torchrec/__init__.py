@@ -19,6 +19,7 @@ except ImportError as err:  # pragma: no cover - depends on the environment
 
 from capg_rec.torchrec.baselines import ContextBaseline, global_mean_baseline
 from capg_rec.torchrec.catalog import ShardedEmbeddingCatalog
+from capg_rec.torchrec.index_head import IndexHead
 from capg_rec.torchrec.retriever import TwoTowerRetriever
 
-__all__ = ["ContextBaseline", "ShardedEmbeddingCatalog", "TwoTowerRetriever", "global_mean_baseline"]
+__all__ = ["ContextBaseline", "IndexHead", "ShardedEmbeddingCatalog", "TwoTowerRetriever", "global_mean_baseline"]

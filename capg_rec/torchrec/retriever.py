@@ -195,8 +195,8 @@ class TwoTowerRetriever(nn.Module):
 
     def forward(self, features: KeyedJaggedTensor, dense: Tensor | None = None, *,
                 masked_items: Tensor | None = None, bag_features: KeyedJaggedTensor | None = None,
-                sample: DrawnSample | None = None, head_items: Tensor | None = None
-                ) -> ShardedEmbeddingCatalog | SampledCatalog:
+                sample: DrawnSample | None = None, head_items: Tensor | None = None,
+                index_items: Tensor | None = None) -> ShardedEmbeddingCatalog | SampledCatalog:
         """Catalog scores for the B users of ``features`` (built by :meth:`with_catalog`: stride B + 1).
 
         ``dense [B, F]`` goes to the user tower next to the pooled user features. ``masked_items
@@ -207,9 +207,11 @@ class TwoTowerRetriever(nn.Module):
 
         With ``sample`` (a :class:`~capg_rec.DrawnSample` of negatives) the result is instead a
         :class:`~capg_rec.SampledCatalog` for this rank's users alone: catalog-wide sums estimated from
-        the sample, ``head_items [B, H]`` (``-1`` pads: the candidates, logged or ANN items) scored
-        exactly. ``features`` must then list the sample's and the head's ids (:meth:`with_catalog` with
-        ``items``); any item the losses name (candidates, shown items) must be among them. Each rank's
+        the sample, ``head_items [B, H]`` (``-1`` pads: the candidates, logged items) and ``index_items
+        [B, M, H']`` (each expert's best H' items in a nearest-neighbour index, found before the lookup:
+        :class:`~capg_rec.torchrec.IndexHead`) scored exactly. ``features`` must then list the sample's and
+        the head's ids (:meth:`with_catalog` with ``items``); any item the losses name (candidates, shown
+        items) must be among them. Each rank's
         cost is that of its sample and head, whatever the catalog's size; the only communication is
         TorchRec's lookup, and the item rows' gradients go through it as usual.
 
@@ -219,34 +221,38 @@ class TwoTowerRetriever(nn.Module):
         """
         offset, rows, group = self._layout()
         if not is_fx_symbolic_tracing():
-            self._check_collectively(features, dense, bag_features, offset, rows, group, sample, head_items)
+            self._check_collectively(features, dense, bag_features, offset, rows, group, sample, head_items,
+                                     index_items)
         bags = None if self.user_embeddings is None else self.user_embeddings(bag_features)
-        return self._scorer(features, self.embeddings(features), bags, dense, masked_items, sample, head_items)
+        return self._scorer(features, self.embeddings(features), bags, dense, masked_items, sample, head_items,
+                            index_items)
 
     def _check_collectively(self, features: KeyedJaggedTensor, dense: Tensor | None,
                             bag_features: KeyedJaggedTensor | None, offset: int, rows: int,
                             group: dist.ProcessGroup | None, sample: DrawnSample | None,
-                            head_items: Tensor | None) -> None:
+                            head_items: Tensor | None, index_items: Tensor | None) -> None:
         """:meth:`_check_inputs` on every rank; one rank's error is raised on all (when validating)."""
         validate = resolve_validate_args(self.validate_args)
 
         def check() -> list[int]:
-            self._check_inputs(features, dense, bag_features, offset, rows, validate, sample, head_items)
-            # sampled or not, and the head's width: the sampled catalogs' lookups are collective when validating
-            return [-2 if sample is None else -1 if head_items is None else head_items.shape[1]]
+            self._check_inputs(features, dense, bag_features, offset, rows, validate, sample, head_items, index_items)
+            # sampled or not, and the heads' widths: the sampled catalogs' lookups are collective when validating
+            return [-2 if sample is None else -1 if head_items is None else head_items.shape[1],
+                    -1 if index_items is None else index_items.shape[-1]]
 
         if group is not None and validate:
             device = features.values().device if isinstance(features, KeyedJaggedTensor) else torch.device("cpu")
-            shapes = [entries[0] for entries in exchange(check, 1, group, device)]
+            shapes = [tuple(entries) for entries in exchange(check, 2, group, device)]
             if len(set(shapes)) > 1:
-                raise ValueError(f"sample and head_items must be given on every rank or none, with head_items of one "
-                                 f"width, got (-2: no sample, -1: no head_items, else the width) {shapes} by rank")
+                raise ValueError(f"sample, head_items and index_items must be given on every rank or none, each head "
+                                 f"of one width, got (sample: -2 if none, else head_items' width or -1; index_items' "
+                                 f"width or -1) {shapes} by rank")
         else:
             check()
 
     def _scores(self, features: KeyedJaggedTensor, out: dict[str, JaggedTensor], bags: KeyedTensor | None,
                 dense: Tensor | None, masked_items: Tensor | None, sample: DrawnSample | None,
-                head_items: Tensor | None) -> ShardedEmbeddingCatalog | SampledCatalog:
+                head_items: Tensor | None, index_items: Tensor | None) -> ShardedEmbeddingCatalog | SampledCatalog:
         """The lookups' outputs ``out`` and ``bags`` → the catalog (see :class:`_Scorer`)."""
         offset, rows, group = self._layout()
         user = self._user(out, bags, dense, features.stride() - 1)
@@ -265,7 +271,8 @@ class TwoTowerRetriever(nn.Module):
                                 resolve_validate_args(self.validate_args))
             return _RankSampledCatalog(user.view(-1, self.num_experts, dim), tower, num_items=self.num_items,
                                        sampler=sample, temperature=self.temperature, head_items=head_items,
-                                       masked_items=masked_items, validate_args=False,  # values checked collectively
+                                       index_items=index_items, masked_items=masked_items,
+                                       validate_args=False,  # values checked collectively
                                        group=group, check_draws=tower.validate)
         item = item.view(rows, self.num_experts, dim)
         return ShardedEmbeddingCatalog(user.view(-1, self.num_experts, dim), item, num_items=self.num_items,
@@ -351,9 +358,9 @@ class TwoTowerRetriever(nn.Module):
 
     def _check_inputs(self, features: KeyedJaggedTensor, dense: Tensor | None,
                       bag_features: KeyedJaggedTensor | None, offset: int, rows: int, validate: bool,
-                      sample: DrawnSample | None, head_items: Tensor | None) -> None:
+                      sample: DrawnSample | None, head_items: Tensor | None, index_items: Tensor | None) -> None:
         """The catalog feature lists this rank's rows in the last sample, or with ``sample`` the sample's and
-        the head's ids (the values only when ``validate``: a host sync); ``dense`` goes with a tower."""
+        the heads' ids (the values only when ``validate``: a host sync); ``dense`` goes with a tower."""
         if not isinstance(features, KeyedJaggedTensor):
             raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
         if self.catalog_feature not in features.keys() or features.stride() < 1:
@@ -361,8 +368,8 @@ class TwoTowerRetriever(nn.Module):
                              f"add this rank's item rows with retriever.with_catalog(features)")
         catalog = features[self.catalog_feature]
         ids, lengths = catalog.values(), catalog.lengths()
-        if sample is not None or head_items is not None:
-            self._check_listed(ids, lengths, sample, head_items, features.stride() - 1, validate)
+        if sample is not None or head_items is not None or index_items is not None:
+            self._check_listed(ids, lengths, sample, head_items, index_items, features.stride() - 1, validate)
         elif ids.shape != (rows,) or (validate and not (
                 torch.equal(ids.long(), torch.arange(offset, offset + rows, device=ids.device))
                 and int(lengths[-1]) == rows)):
@@ -410,15 +417,22 @@ class TwoTowerRetriever(nn.Module):
 
 
     def _check_listed(self, ids: Tensor, lengths: Tensor, sample: DrawnSample | None, head_items: Tensor | None,
-                      batch: int, validate: bool) -> None:
-        """Sampled mode: a :class:`DrawnSample`, a head ``[B, H]`` of ids, and (values, when ``validate``) the
-        catalog feature's ids in the last sample only, in range, listing every id of the sample and head."""
+                      index_items: Tensor | None, batch: int, validate: bool) -> None:
+        """Sampled mode: a :class:`DrawnSample`, heads ``[B, H]`` and ``[B, M, H']`` of ids, and (values, when
+        ``validate``) the catalog feature's ids in the last sample only, in range, listing every id of the
+        sample and heads."""
         if not isinstance(sample, DrawnSample):
-            raise TypeError(f"sample must be a DrawnSample (head_items need one), got {type(sample).__name__}")
+            raise TypeError(f"sample must be a DrawnSample (head_items and index_items need one), got "
+                            f"{type(sample).__name__}")
         if head_items is not None and (not isinstance(head_items, Tensor) or head_items.dim() != 2
                                        or head_items.shape[0] != batch or head_items.is_floating_point()):
             raise ValueError(f"head_items must be an id tensor [B={batch}, H], got "
                              f"{getattr(head_items, 'shape', type(head_items).__name__)}")
+        if index_items is not None and (not isinstance(index_items, Tensor) or index_items.dim() != 3
+                                        or index_items.shape[:2] != (batch, self.num_experts)
+                                        or index_items.is_floating_point()):
+            raise ValueError(f"index_items must be an id tensor [B={batch}, M={self.num_experts}, H'], got "
+                             f"{getattr(index_items, 'shape', type(index_items).__name__)}")
         if not validate:
             return
         listed = ids.long()
@@ -427,9 +441,11 @@ class TwoTowerRetriever(nn.Module):
             raise ValueError(f"the catalog feature {self.catalog_feature!r} must list item ids in [0, "
                              f"{self.num_items}) in the last sample only: build it with "
                              f"retriever.with_catalog(features, items)")
-        named = [sample.ids.to(listed.device)] + ([] if head_items is None else [head_items.to(listed.device)])
-        for name, part in zip(("sample", "head_items"), named):
-            part = part.reshape(-1)
+        named = {"sample": sample.ids, "head_items": head_items, "index_items": index_items}
+        for name, part in named.items():
+            if part is None:
+                continue
+            part = part.to(listed.device).reshape(-1)
             part = part[part >= 0]
             if part.numel() and not bool(torch.isin(part, listed).all()):
                 raise ValueError(f"every id of {name} must be listed by the catalog feature: build it with "
@@ -457,7 +473,7 @@ class _ListedRows:
         self.vectors, self.group, self.validate = vectors, group, validate
 
     def __call__(self, ids: Tensor) -> Tensor:
-        flat = ids.reshape(-1)
+        flat = ids.reshape(-1).contiguous()  # searchsorted copies (and warns about) a strided one
         if self.keys.numel() == 0:
             pos = torch.zeros_like(flat)
         else:
@@ -507,8 +523,9 @@ class _Scorer(nn.Module):
 
     def forward(self, features: KeyedJaggedTensor, out: dict[str, JaggedTensor], bags: KeyedTensor | None,
                 dense: Tensor | None, masked_items: Tensor | None, sample: DrawnSample | None = None,
-                head_items: Tensor | None = None) -> ShardedEmbeddingCatalog | SampledCatalog:
-        return self.scores(features, out, bags, dense, masked_items, sample, head_items)
+                head_items: Tensor | None = None, index_items: Tensor | None = None
+                ) -> ShardedEmbeddingCatalog | SampledCatalog:
+        return self.scores(features, out, bags, dense, masked_items, sample, head_items, index_items)
 
 
 def _mean_pool(values: Tensor, lengths: Tensor, batch_size: int) -> Tensor:

@@ -1,0 +1,90 @@
+"""The head of the retriever's sampled mode from a nearest-neighbour index over its item side.
+
+The sampled mode scores exactly the ids a batch lists and estimates the rest of the catalog from a
+negative sample. A confident policy's mass sits in a few items per user, which the sample rarely holds:
+an index over the item vectors names them. Their rows must be looked up in the same lookup as the
+sample's (the one TorchRec's train pipeline prefetches), so the index is queried before the forward,
+with the user side computed without gradient, and its ids listed in the batch's features.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+from torchrec import KeyedJaggedTensor
+
+from capg_rec._checks import check_count
+from capg_rec.ann import ExactIndex, ItemIndex
+from capg_rec.torchrec.retriever import TwoTowerRetriever
+
+__all__ = ["IndexHead"]
+
+
+class IndexHead:
+    """Each user's best items under every expert, from an index of the retriever's item side, rebuilt every
+    ``refresh_every`` calls (the first included).
+
+    A call looks the batch's users up (:meth:`TwoTowerRetriever.user_vectors`, no gradient) and searches the
+    index; a rebuild passes every item through the item side (:meth:`TwoTowerRetriever.item_vectors`). Both
+    are collective when the tables are sharded: every rank calls alike, once per batch. List the ids with the
+    negative sample (:meth:`TwoTowerRetriever.with_catalog` ``items``) and pass them to the forward as
+    ``index_items``: the catalog then knows that they are each expert's best H (mean-field's and the
+    plug-in's head). Between rebuilds the item side has moved on, and under ``TrainPipelineSparseDist`` the
+    user side is one step behind (the batch is prepared while the previous one trains): the head is the
+    best items of a slightly older model, scored exactly with the current one.
+
+    Each rank holds an index of every item (``N × M × D`` floats on ``device``).
+
+    Args:
+        retriever: the retriever (its embeddings sharded or not).
+        size: items per expert, H.
+        index: builds an :class:`~capg_rec.ann.ItemIndex` from the item vectors ``[N, M, D]`` (default
+            :class:`~capg_rec.ann.ExactIndex`; e.g. ``functools.partial(FaissIndex, kind="hnsw")``).
+        refresh_every: calls between rebuilds.
+        device: where the index lives and is searched.
+
+    Shape:
+        ``features`` of B users (stride B, without the catalog feature) → ids ``[B, M, H]`` on the features'
+        device.
+
+    Example:
+        >>> head = IndexHead(retriever, 100, refresh_every=50)
+        >>> found = head(user_features)                                   # [B, M, H]
+        >>> listed = torch.cat([sample.ids, found.flatten()]).unique()
+        >>> catalog = retriever(retriever.with_catalog(user_features, items=listed), sample=sample,
+        ...                     index_items=found)
+    """
+
+    def __init__(self, retriever: TwoTowerRetriever, size: int, *,
+                 index: Callable[[Tensor], ItemIndex] = ExactIndex, refresh_every: int = 100,
+                 device: torch.device | str = "cpu") -> None:
+        if not isinstance(retriever, TwoTowerRetriever):
+            raise TypeError(f"retriever must be a TwoTowerRetriever, got {type(retriever).__name__}")
+        if not callable(index):
+            raise TypeError(f"index must be a callable building an ItemIndex from item vectors, got "
+                            f"{type(index).__name__}")
+        self.retriever = retriever
+        self.size = check_count("size", size, high=retriever.num_items)
+        self.refresh_every = check_count("refresh_every", refresh_every)
+        self.device = torch.device(device)
+        self._make_index = index
+        self.index: ItemIndex | None = None
+        self.calls = 0
+
+    def refresh(self) -> None:
+        """Rebuild the index from the item side now (collective when sharded)."""
+        items = self.retriever.item_vectors(self.device)
+        index = self._make_index(items)
+        if not isinstance(index, ItemIndex):
+            raise TypeError(f"index must build an ItemIndex, got {type(index).__name__}")
+        self.index = index
+
+    def __call__(self, features: KeyedJaggedTensor, dense: Tensor | None = None, *,
+                 bag_features: KeyedJaggedTensor | None = None) -> Tensor:
+        if self.calls % self.refresh_every == 0:
+            self.refresh()
+        self.calls += 1
+        user = self.retriever.user_vectors(features, dense, bag_features=bag_features)
+        return self.index.search(user.to(self.device), self.size)[1].to(user.device)
