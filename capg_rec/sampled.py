@@ -43,6 +43,7 @@ hold usable (unmasked, not excluded, distinct) is a ``ValueError`` naming the ro
 from __future__ import annotations
 
 import abc
+import copy
 import math
 from collections.abc import Callable, Sequence
 
@@ -352,6 +353,7 @@ class SampledCatalog(CatalogScores):
                  generator: torch.Generator | None = None, validate_args: bool | None = None) -> None:
         self.validate = resolve_validate_args(validate_args)
         self.check_draws = self.validate  # top_items checks each row holds k usable items (a host sync)
+        self._source = (user, item, temperature, num_items)  # for resampled()
         user = check_float_tensor("user", user, ndims=(2, 3), validate=self.validate)
         if not isinstance(sampler, NegativeSampler):
             raise TypeError(f"sampler must be a NegativeSampler, got {type(sampler).__name__}")
@@ -388,15 +390,16 @@ class SampledCatalog(CatalogScores):
         found = self._index_items(index_items, index)
         with torch.no_grad():
             parts = [] if head_items is None else [head_items]
-            if found is not None:
-                self.head_size = found.shape[2]
-                parts.append(found.reshape(self.batch_size, -1))
-            elif self.head_size:
+            if self.head_size and found is None:
                 if (index.num_experts or 1) != self.num_experts or index.dim != self.user.shape[2]:
                     raise ValueError(f"index must be built on M={self.num_experts} experts of dim "
                                      f"D={self.user.shape[2]}, got M={index.num_experts or 1}, D={index.dim}")
                 queries = self.user if index.num_experts is not None else self.user[:, 0]
-                parts.append(index.search(queries, self.head_size)[1].reshape(self.batch_size, -1))
+                found = index.search(queries, self.head_size)[1].view(self.batch_size, self.num_experts, -1)
+            self.index_items = found  # [B, M, H] or None
+            if found is not None:
+                self.head_size = found.shape[2]
+                parts.append(found.reshape(self.batch_size, -1))
             head = torch.cat(parts, 1) if parts else torch.zeros(self.batch_size, 0, dtype=torch.long,
                                                                  device=self.device)
             # [B, T] (-1: a later copy or unused) and the same sorted with its copies, for lookups
@@ -443,6 +446,28 @@ class SampledCatalog(CatalogScores):
         out = bias.new_empty(self.batch_size, 1, size + 1)  # the spare column is never read
         out[..., :size] = bias
         return out.scatter_(2, _found(self._sample_sorted, ids).unsqueeze(1), -math.inf)[..., :size]
+
+    def resampled(self, sampler: NegativeSampler, *, head_items: Tensor | None = None,
+                  batch_items: Tensor | None = None, generator: torch.Generator | None = None) -> SampledCatalog:
+        """This catalog's users, item side, temperature, masks and index head with a fresh negative sample
+        (``sampler`` draws it, through ``generator``; a :class:`DrawnSample` gives one drawn already) and
+        ``head_items``: e.g. the loss's catalog once candidates are drawn from this one, whose sample they
+        come from (the sums of a catalog whose head was chosen from its own sample are biased). The item side
+        is called again for the new ids (in TorchRec's sampled mode they must have been listed too).
+
+        Example:
+            >>> candidates = sample_candidates(catalog, K)
+            >>> loss = CAPGLoss(K)(catalog.resampled(UniformSampler(4096), head_items=candidates), candidates,
+            ...                    chosen, rewards)
+        """
+        user, item, temperature, num_items = self._source
+        new = copy.copy(self)  # a subclass's own attributes come along
+        SampledCatalog.__init__(new, user, item, sampler=sampler, temperature=temperature,
+                                index_items=self.index_items, head_items=head_items, batch_items=batch_items,
+                                masked_items=self.masked_items, num_items=num_items, generator=generator,
+                                validate_args=self.validate)
+        new.check_draws = self.check_draws
+        return new
 
     def _index_items(self, index_items: Tensor | None, index: ItemIndex | None) -> Tensor | None:
         """``index_items`` checked, as ``[B, M, H]`` on the catalog's device (None if not given)."""

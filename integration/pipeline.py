@@ -15,10 +15,11 @@ a negative sample drawn with it, whose rows and the candidates' are listed in it
 lookup, which the pipeline prefetches); the loss is off-policy CA-PG on the sampled catalog.
 
 With ``--index-head`` the task learns on-policy through the sampled mode: each batch
-(:class:`SampledBatch`) carries its users, a negative sample and each expert's best items from an
-``IndexHead`` (an exact index over the item tower's output, rebuilt every other batch; the head is found
-before the step, as a data loader would), all listed in its sparse features; the task draws the
-candidates from the sampled catalog (head and sample), ranks them and takes CA-PG.
+(:class:`SampledBatch`) carries its users, two negative samples and each expert's best items from an
+``IndexHead`` (an exact index over the item side, rebuilt every other batch; the head is found before the
+step, as a data loader would), all listed in its sparse features: one lookup. The task draws the
+candidates from the sampled catalog of the index head and the first sample, ranks them, and takes CA-PG
+on the catalog ``resampled`` with the second sample and the candidates as its head.
 """
 
 from __future__ import annotations
@@ -57,10 +58,15 @@ class Objective(nn.Module):
 
     def forward(self, catalog: ShardedEmbeddingCatalog, users: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         candidates = sample_candidates(catalog, CANDIDATES, generator=self.generator)
-        utility = torch.sin(users.unsqueeze(1) * 12.9898 + candidates * 78.233) * 0.5 + 0.5  # on their device
-        top = utility.topk(SHOWN, dim=1)
-        chosen, rewards = candidates.gather(1, top.indices), top.values
+        chosen, rewards = rank(users, candidates)
         return self.loss_fn(catalog, candidates, chosen, rewards), (rewards, candidates)
+
+
+def rank(users: Tensor, candidates: Tensor) -> tuple[Tensor, Tensor]:
+    """A fixed ranker: the SHOWN candidates of highest utility and their rewards (the utilities)."""
+    utility = torch.sin(users.unsqueeze(1) * 12.9898 + candidates * 78.233) * 0.5 + 0.5  # on their device
+    top = utility.topk(SHOWN, dim=1)
+    return candidates.gather(1, top.indices), top.values
 
 
 class Task(nn.Module):
@@ -123,45 +129,66 @@ class SampledTask(nn.Module):
 
 
 class SampledBatch(Pipelineable):
-    """B users, a negative sample and their index head ``[B, M, H]``, listed in ``sparse_features``."""
+    """B users, negative samples to draw from and for the loss, and the users' index head ``[B, M, H]``, all
+    listed in ``sparse_features``."""
 
-    def __init__(self, sparse_features: KeyedJaggedTensor, sample: DrawnSample, index_items: Tensor,
-                 users: Tensor) -> None:
-        self.sparse_features, self.sample, self.index_items, self.users = sparse_features, sample, index_items, users
+    def __init__(self, sparse_features: KeyedJaggedTensor, sample: DrawnSample, loss_sample: DrawnSample,
+                 index_items: Tensor, users: Tensor) -> None:
+        self.sparse_features, self.sample, self.loss_sample = sparse_features, sample, loss_sample
+        self.index_items, self.users = index_items, users
+
+    def _tensors(self) -> list[Tensor]:
+        return [self.sample.ids, self.loss_sample.ids, self.index_items, self.users]
 
     def to(self, device: torch.device, non_blocking: bool = False) -> SampledBatch:
-        ids, found, users = (t.to(device, non_blocking=non_blocking)
-                             for t in (self.sample.ids, self.index_items, self.users))
+        ids, loss_ids, found, users = (t.to(device, non_blocking=non_blocking) for t in self._tensors())
         return SampledBatch(self.sparse_features.to(device, non_blocking=non_blocking),
-                            DrawnSample(ids, self.sample.sampler), found, users)
+                            DrawnSample(ids, self.sample.sampler), DrawnSample(loss_ids, self.loss_sample.sampler),
+                            found, users)
 
     def record_stream(self, stream: torch.Stream) -> None:
         self.sparse_features.record_stream(stream)
-        for t in (self.sample.ids, self.index_items, self.users):
+        for t in self._tensors():
             t.record_stream(stream)
 
 
+class SampledObjective(nn.Module):
+    """``(catalog, batch) -> (loss, (rewards, candidates))``: candidates drawn from the sampled catalog, ranked;
+    CA-PG on that catalog resampled (the loss's sample, the candidates as its head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator, self.loss_fn = torch.Generator().manual_seed(0), CAPGLoss(CANDIDATES)
+
+    def forward(self, catalog: SampledCatalog, batch: SampledBatch) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        candidates = sample_candidates(catalog, CANDIDATES, generator=self.generator)
+        chosen, rewards = rank(batch.users, candidates)
+        loss = self.loss_fn(catalog.resampled(batch.loss_sample, head_items=candidates), candidates, chosen, rewards)
+        return loss, (rewards, candidates)
+
+
 class OnPolicySampledTask(nn.Module):
-    """``forward(batch) -> (loss, outputs)``: candidates drawn from the sampled catalog, then CA-PG."""
+    """``forward(batch) -> (loss, outputs)`` on-policy, through the sampled mode with an index head."""
 
     def __init__(self, retriever: TwoTowerRetriever) -> None:
         super().__init__()
-        self.retriever, self.objective = retriever, Objective()
+        self.retriever, self.objective = retriever, SampledObjective()
 
     def forward(self, batch: SampledBatch) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         catalog = self.retriever(batch.sparse_features, sample=batch.sample, index_items=batch.index_items)
-        return self.objective(catalog, batch.users)
+        return self.objective(catalog, batch)
 
 
 def sampled_batch(retriever: TwoTowerRetriever, head: IndexHead, batch: int, g: torch.Generator) -> SampledBatch:
-    """B users, a uniform sample and the users' index head (collective: every rank calls alike)."""
+    """B users, two uniform samples and the users' index head (collective: every rank calls alike)."""
     users = torch.randint(0, SAMPLED_SETUP.num_users, (batch,), generator=g)
     features = h.user_batch(users)
     found = head(features)
     sampler = UniformSampler(NEGATIVES)
-    sample = DrawnSample(sampler.draw(SAMPLED_SETUP.num_items, None, generator=g, device=torch.device("cpu")), sampler)
-    listed = torch.cat([sample.ids, found.flatten()]).unique()
-    return SampledBatch(retriever.with_catalog(features, items=listed), sample, found, users)
+    samples = [DrawnSample(sampler.draw(SAMPLED_SETUP.num_items, None, generator=g, device=torch.device("cpu")),
+                           sampler) for _ in range(2)]
+    listed = torch.cat([samples[0].ids, samples[1].ids, found.flatten()]).unique()
+    return SampledBatch(retriever.with_catalog(features, items=listed), *samples, found, users)
 
 
 def logged_batch(retriever: TwoTowerRetriever, batch: int, g: torch.Generator) -> LoggedBatch:

@@ -471,3 +471,28 @@ def test_draw_checks_follow_validate_args_and_empty_batches_read_whole():
     small = SampledCatalog(empty_user, item[:10], sampler=UniformSampler(3), head_items=everything)
     for method in ("plugin", "mean_field"):
         assert capg_rec.inclusion_log_prob(small, torch.zeros(0, 2, dtype=torch.long), 3, method=method).shape == (0, 2)
+
+
+def test_resampled_keeps_users_items_masks_and_index_head_with_a_new_sample_and_head():
+    """resampled() is the catalog built anew with the new sampler, head and generator: sums, scores and
+    gradients; the index head is not queried again (its ids are kept)."""
+    g = torch.Generator().manual_seed(0)
+    user = torch.randn(3, 2, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    item = torch.randn(4000, 2, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    masked = torch.tensor([[4, -1], [7, 9], [-1, -1]])
+    index = ExactIndex(item.detach())
+    first = SampledCatalog(user, item, sampler=UniformSampler(50), index=index, head_size=20, temperature=0.7,
+                           masked_items=masked, generator=torch.Generator().manual_seed(1))
+    head = torch.tensor([[1, 2], [3, -1], [5, 6]])
+    again = first.resampled(UniformSampler(80), head_items=head, generator=torch.Generator().manual_seed(2))
+    fresh = SampledCatalog(user, item, sampler=UniformSampler(80), index=index, head_size=20, temperature=0.7,
+                           masked_items=masked, head_items=head, generator=torch.Generator().manual_seed(2))
+    assert again.exact_top == fresh.exact_top == 20 and again.sample_ids.shape == (80,)
+    assert torch.equal(again.index_items, first.index_items)
+    torch.testing.assert_close(again.log_power_sums(None, 3), fresh.log_power_sums(None, 3), rtol=0, atol=0)
+    ids = torch.tensor([[4, 0], [7, 1], [2, 3]])
+    torch.testing.assert_close(again.gather(ids), fresh.gather(ids), rtol=0, atol=0)
+    got = torch.autograd.grad(again.log_normalizer().sum(), (user, item))
+    want = torch.autograd.grad(fresh.log_normalizer().sum(), (user, item))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

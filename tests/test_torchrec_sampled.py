@@ -221,3 +221,38 @@ def test_index_head_and_index_items_refuse_bad_input():
         SampledCatalog(user_w[:2].view(-1, M, D), item_w.view(-1, M, D), sampler=sample, index_items=found[:, :1])
     with pytest.raises(ValueError, match="index_items must hold ids"):
         SampledCatalog(user_w[:2].view(-1, M, D), item_w.view(-1, M, D), sampler=sample, index_items=found - NUM_ITEMS)
+
+
+def test_resampled_catalog_of_the_sampled_mode_equals_a_fresh_one():
+    """The loss's catalog of an on-policy step, drawn candidates as its head and a second sample listed in the
+    same lookup, is the SampledCatalog built on the full tables with that sample, head and index head; an id
+    of the new sample that was not listed raises."""
+    from capg_rec.torchrec import IndexHead
+    retriever = _retriever()
+    users = [3, 1, 7]
+    found = IndexHead(retriever, 30)(_users(users))
+    g = torch.Generator().manual_seed(0)
+    sampler = UniformSampler(150)
+    first, second = (DrawnSample(sampler.draw(NUM_ITEMS, None, generator=g, device=torch.device("cpu")), sampler)
+                     for _ in range(2))
+    kjt = retriever.with_catalog(_users(users), items=torch.cat([first.ids, second.ids, found.flatten()]).unique())
+    catalog = retriever(kjt, sample=first, index_items=found)
+    candidates = sample_candidates(catalog, 6, generator=torch.Generator().manual_seed(3))
+    chosen, rewards = candidates[:, :2], torch.rand(len(users), 2, generator=g)
+    user_w, item_w = _tables(retriever)
+    ref = SampledCatalog(user_w[torch.tensor(users)].view(-1, M, D), item_w.view(-1, M, D), sampler=second,
+                         index_items=found, head_items=candidates)
+    grads = []
+    for c in (catalog.resampled(second, head_items=candidates), ref):
+        assert c.exact_top == 30
+        torch.testing.assert_close(c.log_power_sums(None, 3), ref.log_power_sums(None, 3))
+        for t in _tables(retriever):
+            t.grad = None
+        CAPGLoss(6)(c, candidates, chosen, rewards).backward()
+        grads.append([t.grad.clone() for t in _tables(retriever)])
+    for mine, theirs in zip(*grads):
+        torch.testing.assert_close(mine, theirs)
+    listed = set(kjt["catalog"].values().tolist())
+    unlisted = torch.tensor([next(i for i in range(NUM_ITEMS) if i not in listed)])
+    with pytest.raises(ValueError, match="was not looked up"):
+        catalog.resampled(DrawnSample(unlisted, UniformSampler(1)))
