@@ -9,9 +9,10 @@ rank with B users per step. A step is: forward (one lookup), Gumbel top-K sampli
 catalog, the loss, backward with the fused SGD. The in-batch-softmax step (what a TorchRec two-tower
 trains with) looks up the B users and one positive item each and takes the cross-entropy of the
 [B, B] scores. The ``*_sampled`` estimators (``--estimators capg_sampled capg_swr_sampled``) use the
-retriever's sampled mode (only the listed rows are looked up): each rank draws its users' candidates
-from ``--negatives`` uniform negatives of its own (forward and draw without gradient; "sampling" then
-times both) and takes the loss on a fresh sample whose head is the candidates. Reported per rank:
+retriever's sampled mode (only the listed rows are looked up): each rank lists two samples of
+``--negatives`` uniform negatives of its own in one lookup, draws its users' candidates from the first
+("sampling" then times the forward and the draw) and takes the loss on the catalog resampled with the
+second, whose head is the candidates. Reported per rank:
 median step time and sampling time alone, peak RSS, its growth over the process's footprint before
 the model was built, and the bytes of item rows the rank holds.
 Ratios are to the in-batch step of the same configuration. Results go to ``DIR/bench.json``/``.csv``.
@@ -86,18 +87,15 @@ def worker(args: argparse.Namespace) -> None:
         else:
             drawn = time.perf_counter()
             if args.estimator.endswith("_sampled"):
-                # this rank's negatives, looked up wherever their rows live: one sample to draw the candidates
-                # from, a fresh one (and the candidates, exactly) for the loss
+                # this rank's negatives, looked up wherever their rows live, in one lookup: one sample to draw
+                # the candidates from, a fresh one (and the candidates, exactly) for the loss
                 draw, fresh = (DrawnSample(sampler.draw(args.num_items, None, generator=g, device=torch.device("cpu")),
                                            sampler) for _ in range(2))
-                with torch.no_grad():
-                    catalog = model(retriever.with_catalog(h.user_batch(users), items=draw.ids.unique()), sample=draw)
-                    candidates = sample_candidates(catalog, args.candidates,
-                                                   generator=torch.Generator().manual_seed(step))
+                listed = torch.cat([draw.ids, fresh.ids]).unique()
+                catalog = model(retriever.with_catalog(h.user_batch(users), items=listed), sample=draw)
+                candidates = sample_candidates(catalog, args.candidates, generator=torch.Generator().manual_seed(step))
                 sampled = time.perf_counter() - drawn
-                listed = torch.cat([fresh.ids, candidates.flatten()]).unique()
-                catalog = model(retriever.with_catalog(h.user_batch(users), items=listed), sample=fresh,
-                                head_items=candidates)
+                catalog = catalog.resampled(fresh, head_items=candidates)
             else:
                 catalog = model(retriever.with_catalog(h.user_batch(users)))
                 drawn = time.perf_counter()
