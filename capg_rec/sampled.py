@@ -332,6 +332,7 @@ class SampledCatalog(CatalogScores):
         index_items: ``[B, M, H]`` (``[B, H]`` for one expert) ids: each expert's H best items, found
             beforehand in an index (where the item rows must be looked up before the catalog is built, as in
             TorchRec's sampled mode): the same head as ``index`` with ``head_size=H``, without the query.
+            ``-1`` pads the slots of an approximate index that found fewer; no id twice per row and expert.
         head_items: ``[B, H]`` ids scored exactly in every sum (the candidates, logged items), ``-1``
             padded. They are also the in-batch sampler's batch unless ``batch_items`` is given.
         batch_items: ``[B', H']`` ids for in-batch samplers (``-1`` padded).
@@ -395,11 +396,12 @@ class SampledCatalog(CatalogScores):
                     raise ValueError(f"index must be built on M={self.num_experts} experts of dim "
                                      f"D={self.user.shape[2]}, got M={index.num_experts or 1}, D={index.dim}")
                 queries = self.user if index.num_experts is not None else self.user[:, 0]
-                found = index.search(queries, self.head_size)[1].view(self.batch_size, self.num_experts, -1)
-            self.index_items = found  # [B, M, H] or None
+                found = index.search(queries, self.head_size)[1].reshape(self.batch_size, self.num_experts,
+                                                                          self.head_size)
+            self.index_items, self._exact_top = found, None  # [B, M, H] or None
             if found is not None:
                 self.head_size = found.shape[2]
-                parts.append(found.reshape(self.batch_size, -1))
+                parts.append(found.flatten(1))
             head = torch.cat(parts, 1) if parts else torch.zeros(self.batch_size, 0, dtype=torch.long,
                                                                  device=self.device)
             # [B, T] (-1: a later copy or unused) and the same sorted with its copies, for lookups
@@ -475,16 +477,19 @@ class SampledCatalog(CatalogScores):
             return None
         if index is not None:
             raise ValueError("give index (with head_size) or index_items, not both")
-        if isinstance(index_items, Tensor) and index_items.dim() == 2 and self.num_experts == 1:
+        if not isinstance(index_items, Tensor):
+            raise TypeError(f"index_items must be a torch.Tensor of item ids, got {type(index_items).__name__}")
+        if index_items.dim() == 2 and self.num_experts == 1:
             index_items = index_items.unsqueeze(1)
-        if not isinstance(index_items, Tensor) or index_items.dim() != 3 or index_items.shape[1] != self.num_experts:
-            raise ValueError(f"index_items must be an id tensor [B, M={self.num_experts}, H]"
-                             f"{' (or [B, H])' if self.num_experts == 1 else ''}, got "
-                             f"{getattr(index_items, 'shape', type(index_items).__name__)}")
-        flat = check_items("index_items", index_items.flatten(1), batch_size=self.batch_size,
-                           num_items=self.num_items, unique=False, validate=self.validate, columns="M·H")
+        if index_items.dim() != 3 or index_items.shape[:2] != (self.batch_size, self.num_experts):
+            raise ValueError(f"index_items must be an id tensor [B={self.batch_size}, M={self.num_experts}, H]"
+                             f"{' (or [B, H])' if self.num_experts == 1 else ''}, got {tuple(index_items.shape)}")
         check_count("index_items.shape[2] (H)", index_items.shape[2], high=self.num_items)
-        return flat.view(index_items.shape).to(self.device)
+        # Each row and expert's ids (-1: padding, where an approximate index found fewer), none twice.
+        rows = check_items("index_items", index_items.reshape(-1, index_items.shape[2]),
+                           batch_size=index_items.shape[0] * index_items.shape[1], num_items=self.num_items,
+                           validate=self.validate, low=-1, columns="H")
+        return rows.view(index_items.shape).to(self.device)
 
     def _ids(self, name: str, ids: Tensor | None, any_batch: bool = False) -> Tensor | None:
         if ids is None:
@@ -537,12 +542,21 @@ class SampledCatalog(CatalogScores):
 
     @property
     def exact_top(self) -> int:
-        """The index head's size per expert: the best items named exactly (the whole catalog when the head
-        holds every item of every row)."""
+        """How many of each expert's best items the index head names exactly in every row: its size, less
+        the most slots of a row and expert that are padding (``-1``: an approximate index that found fewer)
+        or masked items (the whole catalog when the head holds every item of every row). A host sync, once."""
         if self.head_size < self.num_items and self.head_ids.shape[1] >= self.num_items:
             if self.batch_size == 0 or int((self.head_ids >= 0).sum(1).amin()) >= self.num_items:
                 return self.num_items
-        return self.head_size
+        if self.index_items is None or self.batch_size == 0:
+            return self.head_size
+        if self._exact_top is None:
+            usable = self.index_items >= 0
+            if self.masked_items is not None and self.masked_items.shape[1]:
+                masked = (self.index_items.unsqueeze(3) == self.masked_items.view(self.batch_size, 1, 1, -1)).any(3)
+                usable &= ~masked
+            self._exact_top = int(usable.sum(2).amin())
+        return self._exact_top
 
     def log_power_sums(self, exclude: Tensor | None = None, num_powers: int = 1) -> Tensor:
         """Estimated ``log Σ_{n ∉ exclude[b]} exp(p · s[b, m, n])``, ``p = 1..P ≤ 3`` → ``[B, M, P]``:

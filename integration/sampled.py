@@ -8,8 +8,9 @@ rebuilds every rank's batch, sample and head: the candidates drawn, the catalog'
 step, and every table row after one CA-PG step (fused SGD on the shards; in the reference the mean of
 the ranks' losses, since TorchRec averages the lookups' gradients over the ranks as DDP does) must
 agree. A head id that one rank did not list, and an id one rank asks of its catalog without having
-listed it, must raise the same ``ValueError`` on every rank, and a draw that one rank's head and sample
-cannot fill must raise on every rank. Writes
+listed it, must raise the same ``ValueError`` on every rank; a draw that one rank's head and sample
+cannot fill, and a resampled catalog whose sampler is not a listed sample on one rank, must raise on every
+rank; an IndexHead on a rank without users gives it none and keeps the ranks in step. Writes
 ``DIR/sampled_rank{r}.json``.
 """
 
@@ -21,12 +22,14 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 import _harness as h
 from capg_rec import CAPGLoss, DrawnSample, UniformSampler, sample_candidates
+from capg_rec.torchrec import IndexHead
 
 SETUP = h.Setup(num_items=3_001, num_experts=2, dim=4, num_users=40, temperature=0.5)
-CANDIDATES, SHOWN, PER_RANK, SAMPLES, HEAD, LR = 6, 2, 4, 400, 30, 0.5
+CANDIDATES, SHOWN, PER_RANK, SAMPLES, HEAD, LR, INDEX_HEAD = 6, 2, 4, 400, 30, 0.5, 7
 METHODS = ("mean_field", "with_replacement")
 
 
@@ -117,11 +120,21 @@ def main() -> int:
         cat.top_items(CANDIDATES, experts=[0], exclude=excluded, perturb=True)
     except ValueError as err:
         draws.append(str(err))
+    # the loss's catalog resampled with a sampler that is not a listed DrawnSample on one rank: every rank raises
+    try:
+        cat.resampled(UniformSampler(10) if rank == 0 else sample)
+    except TypeError as err:
+        messages.append(str(err))
+    # an index head on every rank, the last one without users: its lookups still take part, and it gets none
+    mine = users if rank < world - 1 else users[:0]
+    found = IndexHead(model.module, INDEX_HEAD)(h.user_batch(mine.to(h.device())))
+    dist.barrier()  # the ranks are still in step
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"sampled_rank{rank}.json").write_text(json.dumps(
-        {"world_size": world, "errors": errors, "messages": messages, "draws": draws}, indent=1))
+        {"world_size": world, "errors": errors, "messages": messages, "draws": draws,
+         "index_head_shape": list(found.shape)}, indent=1))
     h.teardown(model)
-    return 0 if max(errors.values()) <= 1e-5 and len(messages) == 2 and len(draws) == 1 else 1
+    return 0 if max(errors.values()) <= 1e-5 and len(messages) == 3 and len(draws) == 1 else 1
 
 
 if __name__ == "__main__":

@@ -194,7 +194,8 @@ def test_sampled_mode_matches_one_process(tmp_path):
     """Each rank's sampled catalog (its own negatives and head, looked up through the sharded table) draws
     the candidates, sums and losses of one process rebuilding that rank's batch, and one step updates
     every row as that process does; a head id or a named item one rank did not list raises the same
-    error on every rank, and a draw that one rank's head and sample cannot fill raises on every rank."""
+    error on every rank, and so do a draw that one rank's head and sample cannot fill and a resampled catalog
+    with a sampler that is not a listed sample; an IndexHead on a rank without users keeps the ranks in step."""
     run = launch("sampled.py", 2, tmp_path)
     assert run.returncode == 0, run.stderr[-4000:]
     reports = [json.loads((tmp_path / f"sampled_rank{r}.json").read_text()) for r in range(2)]
@@ -202,9 +203,13 @@ def test_sampled_mode_matches_one_process(tmp_path):
         assert max(report["errors"].values()) <= 1e-5, report["errors"]
         assert sum("/update/" in key for key in report["errors"]) == 4
         assert report["messages"] == reports[0]["messages"]
-    head, asked = reports[0]["messages"]
+    head, asked, resampled = reports[0]["messages"]
     assert "every id of head_items must be listed" in head and "on rank 1" in head
     assert "was not looked up" in asked and "rank(s) [0]" in asked
+    # regression: a wrong sampler on rank 0 alone raised there only, and rank 1 waited in a collective
+    assert "sampler must be a DrawnSample" in resampled and "rank(s) [0]" in resampled
+    # regression: an IndexHead on a rank without users failed there (a reshape of 0 elements) and not on the other
+    assert reports[0]["index_head_shape"] == [4, 2, 7] and reports[1]["index_head_shape"] == [0, 2, 7]
     # a draw that rank 1's head and sample cannot fill: both ranks raise (rank 0 naming the other process)
     assert "row 0 has 0 under expert 0" in reports[1]["draws"][0]
     assert "another process's SampledCatalog" in reports[0]["draws"][0]

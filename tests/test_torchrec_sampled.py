@@ -26,8 +26,16 @@ def _retriever(num_items: int = NUM_ITEMS, **kw) -> TwoTowerRetriever:
     return TwoTowerRetriever(ec, item_table="item_table", num_experts=M, user_features=["user_id"], **kw)
 
 
+def _retriever_one_expert() -> TwoTowerRetriever:
+    torch.manual_seed(1)
+    ec = EmbeddingCollection(tables=[
+        EmbeddingConfig(name="item_table", embedding_dim=D, num_embeddings=NUM_ITEMS, feature_names=["catalog"]),
+        EmbeddingConfig(name="user_table", embedding_dim=D, num_embeddings=NUM_USERS, feature_names=["user_id"])])
+    return TwoTowerRetriever(ec, item_table="item_table", user_features=["user_id"])
+
+
 def _users(users: list[int]) -> KeyedJaggedTensor:
-    ids = torch.tensor(users)
+    ids = torch.tensor(users, dtype=torch.long)
     return KeyedJaggedTensor.from_lengths_sync(["user_id"], ids, torch.ones_like(ids))
 
 
@@ -256,3 +264,92 @@ def test_resampled_catalog_of_the_sampled_mode_equals_a_fresh_one():
     unlisted = torch.tensor([next(i for i in range(NUM_ITEMS) if i not in listed)])
     with pytest.raises(ValueError, match="was not looked up"):
         catalog.resampled(DrawnSample(unlisted, UniformSampler(1)))
+
+
+def test_index_head_regressions_from_review():
+    """Regressions, each failing before its fix: an empty batch (the index head, the user side and the
+    catalogs raised a reshape error); the index head in train mode (it updated batch norm's running
+    statistics and drew dropout); bool ids (isin's error, not one naming the argument); one expert's head
+    given as [B, H] (refused by the forward, taken by SampledCatalog); a resampled catalog with a sampler
+    that is not a listed sample (an unrelated "not looked up" error); a bad device string."""
+    from torch import nn
+
+    from capg_rec.ann import ExactIndex
+    from capg_rec.torchrec import IndexHead
+    retriever = _retriever()
+    empty = _users([])
+    assert retriever.user_vectors(empty).shape == (0, M, D)
+    found = IndexHead(retriever, 4)(empty)
+    assert found.shape == (0, M, 4) and found.dtype == torch.long
+    sampler = UniformSampler(20)
+    sample = DrawnSample(sampler.draw(NUM_ITEMS, None, generator=torch.Generator().manual_seed(0),
+                                      device=torch.device("cpu")), sampler)
+    kjt = retriever.with_catalog(empty, items=sample.ids.unique())
+    assert retriever(kjt, sample=sample, index_items=found).log_normalizer().shape == (0, M)
+    user_w, item_w = _tables(retriever)
+    for kw in ({"index_items": found}, {"index": ExactIndex(item_w.detach().view(-1, M, D)), "head_size": 4}):
+        assert SampledCatalog(user_w[:0].view(0, M, D), item_w.view(-1, M, D), sampler=sample, **kw).exact_top == 4
+    torch.manual_seed(0)
+    tower = nn.Sequential(nn.Linear(M * D, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, M * D))
+    towered = _retriever(user_tower=tower)
+    towered.train()
+    tower[2].eval()  # a mode of its own, put back as it was
+    head = IndexHead(towered, 5)
+    rng = torch.get_rng_state()
+    first = head(_users([1, 2, 3]))
+    assert int(tower[1].num_batches_tracked) == 0 and torch.equal(rng, torch.get_rng_state())
+    assert torch.equal(first, head(_users([1, 2, 3])))
+    assert towered.training and tower[1].training and not tower[2].training
+    kjt, sample, head_ids = _batch(retriever, [1, 2])
+    with pytest.raises(TypeError, match="index_items must be an integer tensor"):
+        retriever(kjt, sample=sample, index_items=torch.ones(2, M, 3, dtype=torch.bool))
+    with pytest.raises(TypeError, match="head_items must be an integer tensor"):
+        retriever(kjt, sample=sample, head_items=head_ids > 0)
+    with pytest.raises(ValueError, match="device must name a torch device"):
+        IndexHead(retriever, 3, device="nope")
+    catalog = retriever(kjt, sample=sample, head_items=head_ids)
+    with pytest.raises(TypeError, match="sampler must be a DrawnSample .* got UniformSampler"):
+        catalog.resampled(UniformSampler(10))
+    single = _retriever_one_expert()
+    found = IndexHead(single, 6)(_users([1, 2]))
+    g = torch.Generator().manual_seed(0)
+    sampler = UniformSampler(30)
+    sample = DrawnSample(sampler.draw(NUM_ITEMS, None, generator=g, device=torch.device("cpu")), sampler)
+    kjt = single.with_catalog(_users([1, 2]), items=torch.cat([sample.ids, found.flatten()]).unique())
+    assert single(kjt, sample=sample, index_items=found[:, 0]).exact_top == 6
+
+
+def test_index_heads_count_only_usable_ids_and_refuse_repeats():
+    """Regression: an index head's padding (-1: an approximate index that found fewer) and masked items counted
+    as exactly named best items (mean-field then silently took its head partly from the sample), a head
+    repeating an id counted each copy, and the forward took negative ids silently. exact_top is now the
+    fewest usable ids of any row and expert, and mean-field warns below its head."""
+    import warnings
+    retriever = _retriever()
+    users = [3, 1]
+    user_w, item_w = _tables(retriever)
+    g = torch.Generator().manual_seed(0)
+    sampler = UniformSampler(100)
+    sample = DrawnSample(sampler.draw(NUM_ITEMS, None, generator=g, device=torch.device("cpu")), sampler)
+    user, item = user_w[torch.tensor(users)].view(-1, M, D), item_w.view(-1, M, D)
+    found = torch.arange(2 * M * 30).view(2, M, 30)
+    padded = found.clone()
+    padded[1, 0, -4:] = -1
+    assert SampledCatalog(user, item, sampler=sample, index_items=padded).exact_top == 26
+    masked = torch.tensor([found[0, 1, :8:2].tolist(), [7, 7, -1, -1]])  # 4 of row 0's expert-1 head; none of row 1's
+    catalog = SampledCatalog(user, item, sampler=sample, index_items=found, masked_items=masked)
+    assert catalog.exact_top == 26
+    candidates = found[:, 0, :6]
+    with pytest.warns(UserWarning, match="names only its best 26 exactly"):  # mean-field reads 8·3 + 3 = 27
+        CAPGLoss(6)(catalog, candidates, candidates[:, :2], torch.ones(2, 2))
+    repeated = found.clone()
+    repeated[0, 1, 3] = repeated[0, 1, 2]
+    with pytest.raises(ValueError, match="index_items must not repeat an item within a row"):
+        SampledCatalog(user, item, sampler=sample, index_items=repeated)
+    kjt = retriever.with_catalog(_users(users), items=torch.cat([sample.ids, found.flatten()]).unique())
+    for bad, message in ((repeated, "must not repeat"), (found - 2 * M * 30 - 5, r"must hold ids in \[-1, ")):
+        with pytest.raises(ValueError, match=message):
+            retriever(kjt, sample=sample, index_items=bad)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert retriever(kjt, sample=sample, index_items=padded).exact_top == 26

@@ -9,10 +9,11 @@ with the user side computed without gradient, and its ids listed in the batch's 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torchrec import KeyedJaggedTensor
 
 from capg_rec._checks import check_count
@@ -28,12 +29,15 @@ class IndexHead:
 
     A call looks the batch's users up (:meth:`TwoTowerRetriever.user_vectors`, no gradient) and searches the
     index; a rebuild passes every item through the item side (:meth:`TwoTowerRetriever.item_vectors`). Both
-    are collective when the tables are sharded: every rank calls alike, once per batch. List the ids with the
-    negative sample (:meth:`TwoTowerRetriever.with_catalog` ``items``) and pass them to the forward as
-    ``index_items``: the catalog then knows that they are each expert's best H (mean-field's and the
-    plug-in's head). Between rebuilds the item side has moved on, and under ``TrainPipelineSparseDist`` the
-    user side is one step behind (the batch is prepared while the previous one trains): the head is the
-    best items of a slightly older model, scored exactly with the current one.
+    are collective when the tables are sharded: every rank calls alike, once per batch (a rank without users
+    too), and both run the retriever in eval mode (no dropout; batch norm's running statistics are read, not
+    updated), whatever mode training has it in. ``-1`` pads what an approximate index did not find. List the
+    ids with the negative sample (:meth:`TwoTowerRetriever.with_catalog` ``items``) and pass them to the
+    forward as ``index_items``: the catalog then knows that they are each expert's best H (mean-field's and
+    the plug-in's head; less the padding and masked items). Between rebuilds the item side has moved on,
+    and under ``TrainPipelineSparseDist`` the user side is one step behind (the batch is prepared while the
+    previous one trains): the head is the best items of a slightly older model, scored exactly with the
+    current one.
 
     Each rank holds an index of every item (``N × M × D`` floats on ``device``).
 
@@ -68,14 +72,18 @@ class IndexHead:
         self.retriever = retriever
         self.size = check_count("size", size, high=retriever.num_items)
         self.refresh_every = check_count("refresh_every", refresh_every)
-        self.device = torch.device(device)
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError) as err:
+            raise ValueError(f"device must name a torch device, got {device!r}") from err
         self._make_index = index
         self.index: ItemIndex | None = None
         self.calls = 0
 
     def refresh(self) -> None:
         """Rebuild the index from the item side now (collective when sharded)."""
-        items = self.retriever.item_vectors(self.device)
+        with _eval_mode(self.retriever):
+            items = self.retriever.item_vectors(self.device)
         index = self._make_index(items)
         if not isinstance(index, ItemIndex):
             raise TypeError(f"index must build an ItemIndex, got {type(index).__name__}")
@@ -85,6 +93,22 @@ class IndexHead:
                  bag_features: KeyedJaggedTensor | None = None) -> Tensor:
         if self.calls % self.refresh_every == 0:
             self.refresh()
+        with _eval_mode(self.retriever):
+            user = self.retriever.user_vectors(features, dense, bag_features=bag_features)
         self.calls += 1
-        user = self.retriever.user_vectors(features, dense, bag_features=bag_features)
+        if user.shape[0] == 0:  # a rank without users (the lookups above are collective: it took part)
+            return torch.zeros(0, user.shape[1], self.size, dtype=torch.long, device=user.device)
         return self.index.search(user.to(self.device), self.size)[1].to(user.device)
+
+
+@contextlib.contextmanager
+def _eval_mode(module: nn.Module) -> Iterator[None]:
+    """``module`` and its submodules in eval mode (no dropout, batch norm reads its running statistics and
+    leaves them alone), each put back as it was."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training

@@ -15,7 +15,7 @@ from torchrec.distributed.types import ShardingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
-from capg_rec._checks import check_count, check_flag, check_positive, resolve_validate_args
+from capg_rec._checks import check_count, check_flag, check_items, check_positive, resolve_validate_args
 from capg_rec.ann import ItemIndex
 from capg_rec.marginals import DEFAULT_METHOD, InclusionMethod
 from capg_rec.sampled import DrawnSample, SampledCatalog
@@ -339,12 +339,15 @@ class TwoTowerRetriever(nn.Module):
             exchange(check, 1, group, features.values().device)
         else:
             check()
+        # one empty sample after the B users (TorchRec's lookup cannot take a stride of 0) and no catalog ids
+        lengths = torch.nn.functional.pad(features.lengths().view(len(features.keys()), batch), (0, 1)).flatten()
         with_empty_catalog = KeyedJaggedTensor(
             keys=[*features.keys(), self.catalog_feature], values=features.values(),
-            weights=features.weights_or_none(),
-            lengths=torch.cat([features.lengths(), features.lengths().new_zeros(batch)]), stride=batch)
+            weights=features.weights_or_none(), lengths=torch.cat([lengths, lengths.new_zeros(batch + 1)]),
+            stride=batch + 1)
         bags = None if self.user_embeddings is None else self.user_embeddings(bag_features)
-        return self._user(self.embeddings(with_empty_catalog), bags, dense, batch).view(batch, self.num_experts, -1)
+        user = self._user(self.embeddings(with_empty_catalog), bags, dense, batch)
+        return user.view(batch, self.num_experts, user.shape[1] // self.num_experts)
 
     def serving_export(self, *, index: ItemIndex | None = None, temperature: float | None = None,
                        epsilon: float = 0.0, method: str | InclusionMethod = DEFAULT_METHOD,
@@ -424,15 +427,21 @@ class TwoTowerRetriever(nn.Module):
         if not isinstance(sample, DrawnSample):
             raise TypeError(f"sample must be a DrawnSample (head_items and index_items need one), got "
                             f"{type(sample).__name__}")
-        if head_items is not None and (not isinstance(head_items, Tensor) or head_items.dim() != 2
-                                       or head_items.shape[0] != batch or head_items.is_floating_point()):
-            raise ValueError(f"head_items must be an id tensor [B={batch}, H], got "
-                             f"{getattr(head_items, 'shape', type(head_items).__name__)}")
-        if index_items is not None and (not isinstance(index_items, Tensor) or index_items.dim() != 3
-                                        or index_items.shape[:2] != (batch, self.num_experts)
-                                        or index_items.is_floating_point()):
-            raise ValueError(f"index_items must be an id tensor [B={batch}, M={self.num_experts}, H'], got "
-                             f"{getattr(index_items, 'shape', type(index_items).__name__)}")
+        for name, heads in (("head_items", head_items), ("index_items", index_items)):
+            if heads is not None and (not isinstance(heads, Tensor) or heads.dtype == torch.bool
+                                      or heads.is_floating_point() or heads.is_complex()):
+                raise TypeError(f"{name} must be an integer tensor of item ids, got "
+                                f"{getattr(heads, 'dtype', type(heads).__name__)}")
+        if head_items is not None and (head_items.dim() != 2 or head_items.shape[0] != batch):
+            raise ValueError(f"head_items must be an id tensor [B={batch}, H], got {tuple(head_items.shape)}")
+        if index_items is not None:
+            found = index_items.unsqueeze(1) if index_items.dim() == 2 and self.num_experts == 1 else index_items
+            if found.dim() != 3 or found.shape[:2] != (batch, self.num_experts):
+                raise ValueError(f"index_items must be an id tensor [B={batch}, M={self.num_experts}, H']"
+                                 f"{' (or [B, H])' if self.num_experts == 1 else ''}, got {tuple(index_items.shape)}")
+            # each row and expert's ids: -1 pads (an approximate index that found fewer), none twice
+            check_items("index_items", found.reshape(-1, found.shape[2]), batch_size=batch * self.num_experts,
+                        num_items=self.num_items, validate=validate, low=-1, columns="H'")
         if not validate:
             return
         listed = ids.long()
@@ -461,6 +470,20 @@ class _RankSampledCatalog(SampledCatalog):
 
     def agree(self, passed: Tensor) -> Tensor:
         return agree(passed, self.group)
+
+    def resampled(self, sampler: DrawnSample, **kwargs: object) -> SampledCatalog:
+        """:meth:`SampledCatalog.resampled` with a :class:`DrawnSample` whose ids the batch listed: this
+        catalog's item side is the rows looked up, no other. When validating, a wrong sampler on one rank
+        is an error on every rank."""
+        wrong = int(not isinstance(sampler, DrawnSample))
+        group = self.group if self.check_draws else None
+        failed = ranks_where(exchange(lambda: [wrong], 1, group, self.device), 0) if group is not None else (
+            [0] if wrong else [])
+        if failed:
+            where = on_ranks(group, failed) or f", got {type(sampler).__name__}"
+            raise TypeError(f"sampler must be a DrawnSample whose ids the batch listed (with_catalog(features, "
+                            f"items)): the sampled mode scores only the rows it looked up{where}")
+        return super().resampled(sampler, **kwargs)
 
 
 class _ListedRows:
