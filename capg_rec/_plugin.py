@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 
 import torch
 from torch import Tensor
@@ -34,6 +35,11 @@ def plugin_log_inclusion(catalog: CatalogScores, items: Tensor, runs: Runs) -> T
     if read_whole(catalog):  # a small catalog whose sums are estimated: read it whole, exactly
         everything = torch.arange(catalog.num_items, device=catalog.device).expand(catalog.batch_size, -1)
         catalog = DenseCatalog(catalog.gather(everything), validate_args=False)
+    num_candidates = sum(n for _, n in runs)
+    if catalog.exact_top < num_candidates < catalog.num_items:  # the greedy prefixes read through top_items
+        warnings.warn(f"the plug-in takes each expert's best items (up to K = {num_candidates}) for its greedy "
+                      f"prefixes, but this catalog names only its best {catalog.exact_top} exactly: its inclusion "
+                      "probabilities are biased (on a SampledCatalog, raise head_size with an index)", stacklevel=3)
     if isinstance(catalog, DenseCatalog):  # relative to each expert's best (a constant): shift-invariant in any dtype
         scores = catalog.scores
         top = scores.detach().amax(dim=2, keepdim=True).clamp(min=torch.finfo(scores.dtype).min)

@@ -545,7 +545,9 @@ class SampledCatalog(CatalogScores):
         """How many of each expert's best items the index head names exactly in every row: its size, less
         the most slots of a row and expert that are padding (``-1``: an approximate index that found fewer)
         or masked items (the whole catalog when the head holds every item of every row). A host sync, once."""
-        if self.head_size < self.num_items and self.head_ids.shape[1] >= self.num_items:
+        if self.head_size >= self.num_items:  # an index head of every item
+            return self.num_items
+        if self.head_ids.shape[1] >= self.num_items:
             if self.batch_size == 0 or int((self.head_ids >= 0).sum(1).amin()) >= self.num_items:
                 return self.num_items
         if self.index_items is None or self.batch_size == 0:

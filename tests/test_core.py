@@ -583,6 +583,7 @@ def test_repeated_or_out_of_range_candidates_are_caught_at_any_width(num_candida
 
 
 @pytest.mark.filterwarnings("ignore:mean-field reads")  # a sampled catalog without an index head: biased, alike
+@pytest.mark.filterwarnings("ignore:the plug-in takes")
 @pytest.mark.parametrize("num_items", [300, 3000])  # read whole; streamed in chunks
 @pytest.mark.parametrize("placement", ["embedding", "sampled"])
 def test_catalogs_score_in_their_own_dtype_under_autocast(device, num_items, placement):

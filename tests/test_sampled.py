@@ -496,3 +496,29 @@ def test_resampled_keeps_users_items_masks_and_index_head_with_a_new_sample_and_
     want = torch.autograd.grad(fresh.log_normalizer().sum(), (user, item))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_exact_top_of_an_index_head_of_every_item_and_the_plugins_warning():
+    """Regressions: an index head of all N items with masked items counted N less the masked (the methods then
+    took another path, and on several ranks different ones); the plug-in read a head shorter than K (masked or
+    padded slots, or none) without the warning mean-field gives, its prefixes silently biased."""
+    from capg_rec.ann import ExactIndex
+    g = torch.Generator().manual_seed(0)
+    user = torch.randn(3, 4, generator=g, dtype=torch.float64)
+    small = torch.randn(20, 4, generator=g, dtype=torch.float64)
+    masked = torch.tensor([[0, 1], [2, -1], [-1, -1]])
+    whole = SampledCatalog(user, small, sampler=UniformSampler(5), index=ExactIndex(small), head_size=20,
+                           masked_items=masked, generator=g)
+    assert whole.exact_top == 20
+    big = torch.randn(3000, 4, generator=g, dtype=torch.float64)
+    found = ExactIndex(big).search(user, 12)[1]
+    short = SampledCatalog(user, big, sampler=UniformSampler(50), index_items=found, masked_items=found[:, :8],
+                           generator=g)
+    assert short.exact_top == 4
+    candidates = found[:, 8:]
+    with pytest.warns(UserWarning, match="the plug-in takes each expert's best items .* names only its best 4"):
+        capg_rec.inclusion_log_prob(short, candidates, 6, method="plugin")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        full = SampledCatalog(user, big, sampler=UniformSampler(50), index_items=found, generator=g)
+        capg_rec.inclusion_log_prob(full, candidates, 6, method="plugin")

@@ -210,6 +210,8 @@ def test_sampled_mode_matches_one_process(tmp_path):
     assert "sampler must be a DrawnSample" in resampled and "rank(s) [0]" in resampled
     # regression: an IndexHead on a rank without users failed there (a reshape of 0 elements) and not on the other
     assert reports[0]["index_head_shape"] == [4, 2, 7] and reports[1]["index_head_shape"] == [0, 2, 7]
+    # regression: exact_top (which picks the methods' paths) was each rank's own
+    assert reports[0]["exact_top"] == reports[1]["exact_top"] == 6
     # a draw that rank 1's head and sample cannot fill: both ranks raise (rank 0 naming the other process)
     assert "row 0 has 0 under expert 0" in reports[1]["draws"][0]
     assert "another process's SampledCatalog" in reports[0]["draws"][0]

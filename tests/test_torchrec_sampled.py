@@ -54,6 +54,8 @@ def _tables(retriever):
     return weights["user_table"].weight, weights["item_table"].weight
 
 
+@pytest.mark.filterwarnings("ignore:mean-field reads")  # no index head: biased, alike in both
+@pytest.mark.filterwarnings("ignore:the plug-in takes")
 @pytest.mark.parametrize("method", ["with_replacement", "mean_field", "plugin"])
 @pytest.mark.parametrize("masked", [False, True])
 def test_sampled_mode_equals_a_sampled_catalog_on_the_whole_table(masked, method):

@@ -466,10 +466,21 @@ class _RankSampledCatalog(SampledCatalog):
 
     def __init__(self, *args: object, group: dist.ProcessGroup | None, check_draws: bool, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
-        self.group, self.check_draws = group, check_draws
+        self.group, self.check_draws, self._agreed_top = group, check_draws, None
 
     def agree(self, passed: Tensor) -> Tensor:
         return agree(passed, self.group)
+
+    @property
+    def exact_top(self) -> int:
+        """:attr:`SampledCatalog.exact_top`, the least over the ranks (one all-reduce, once): it picks the
+        methods' paths, which must be every rank's (their collectives differ)."""
+        if self._agreed_top is None:
+            local = torch.tensor([SampledCatalog.exact_top.fget(self)], device=self.device)
+            if self.group is not None:
+                dist.all_reduce(local, op=dist.ReduceOp.MIN, group=self.group)
+            self._agreed_top = int(local)
+        return self._agreed_top
 
     def resampled(self, sampler: DrawnSample, **kwargs: object) -> SampledCatalog:
         """:meth:`SampledCatalog.resampled` with a :class:`DrawnSample` whose ids the batch listed: this
@@ -483,7 +494,9 @@ class _RankSampledCatalog(SampledCatalog):
             where = on_ranks(group, failed) or f", got {type(sampler).__name__}"
             raise TypeError(f"sampler must be a DrawnSample whose ids the batch listed (with_catalog(features, "
                             f"items)): the sampled mode scores only the rows it looked up{where}")
-        return super().resampled(sampler, **kwargs)
+        new = super().resampled(sampler, **kwargs)
+        new._agreed_top = None
+        return new
 
 
 class _ListedRows:
