@@ -317,6 +317,25 @@ def _exp_in_place(x: Tensor) -> Tensor:
 ItemSource = Tensor | Callable[[Tensor], Tensor]
 
 
+def check_index_items(index_items: object, *, batch_size: int, num_experts: int, num_items: int,
+                      validate: bool) -> Tensor:
+    """An index head ``[B, M, H]`` (``[B, H]`` for one expert) of integer ids; with ``validate``, each row and
+    expert's ids in ``[-1, N)`` (``-1``: padding, where an approximate index found fewer), none twice →
+    ``[B, M, H]`` int64."""
+    if not isinstance(index_items, Tensor) or index_items.dtype == torch.bool or index_items.is_floating_point() \
+            or index_items.is_complex():
+        raise TypeError(f"index_items must be an integer tensor of item ids, got "
+                        f"{getattr(index_items, 'dtype', type(index_items).__name__)}")
+    found = index_items.unsqueeze(1) if index_items.dim() == 2 and num_experts == 1 else index_items
+    if found.dim() != 3 or found.shape[:2] != (batch_size, num_experts):
+        raise ValueError(f"index_items must be an id tensor [B={batch_size}, M={num_experts}, H]"
+                         f"{' (or [B, H])' if num_experts == 1 else ''}, got {tuple(index_items.shape)}")
+    check_count("index_items.shape[2] (H)", found.shape[2], high=num_items)
+    rows = check_items("index_items", found.reshape(-1, found.shape[2]), batch_size=batch_size * num_experts,
+                       num_items=num_items, validate=validate, low=-1, columns="H")
+    return rows.view(found.shape)
+
+
 class SampledCatalog(CatalogScores):
     """Scores ``<user[b, m], item[n, m]> / τ`` with catalog-wide sums estimated (see the module doc).
 
@@ -477,19 +496,8 @@ class SampledCatalog(CatalogScores):
             return None
         if index is not None:
             raise ValueError("give index (with head_size) or index_items, not both")
-        if not isinstance(index_items, Tensor):
-            raise TypeError(f"index_items must be a torch.Tensor of item ids, got {type(index_items).__name__}")
-        if index_items.dim() == 2 and self.num_experts == 1:
-            index_items = index_items.unsqueeze(1)
-        if index_items.dim() != 3 or index_items.shape[:2] != (self.batch_size, self.num_experts):
-            raise ValueError(f"index_items must be an id tensor [B={self.batch_size}, M={self.num_experts}, H]"
-                             f"{' (or [B, H])' if self.num_experts == 1 else ''}, got {tuple(index_items.shape)}")
-        check_count("index_items.shape[2] (H)", index_items.shape[2], high=self.num_items)
-        # Each row and expert's ids (-1: padding, where an approximate index found fewer), none twice.
-        rows = check_items("index_items", index_items.reshape(-1, index_items.shape[2]),
-                           batch_size=index_items.shape[0] * index_items.shape[1], num_items=self.num_items,
-                           validate=self.validate, low=-1, columns="H")
-        return rows.view(index_items.shape).to(self.device)
+        return check_index_items(index_items, batch_size=self.batch_size, num_experts=self.num_experts,
+                                 num_items=self.num_items, validate=self.validate).to(self.device)
 
     def _ids(self, name: str, ids: Tensor | None, any_batch: bool = False) -> Tensor | None:
         if ids is None:
@@ -545,6 +553,12 @@ class SampledCatalog(CatalogScores):
         """How many of each expert's best items the index head names exactly in every row: its size, less
         the most slots of a row and expert that are padding (``-1``: an approximate index that found fewer)
         or masked items (the whole catalog when the head holds every item of every row). A host sync, once."""
+        if self._exact_top is None:
+            self._exact_top = self._least(self._named_best())
+        return self._exact_top
+
+    def _named_best(self) -> int:
+        """:attr:`exact_top` from this catalog's rows alone."""
         if self.head_size >= self.num_items:  # an index head of every item
             return self.num_items
         if self.head_ids.shape[1] >= self.num_items:
@@ -552,13 +566,15 @@ class SampledCatalog(CatalogScores):
                 return self.num_items
         if self.index_items is None or self.batch_size == 0:
             return self.head_size
-        if self._exact_top is None:
-            usable = self.index_items >= 0
-            if self.masked_items is not None and self.masked_items.shape[1]:
-                masked = (self.index_items.unsqueeze(3) == self.masked_items.view(self.batch_size, 1, 1, -1)).any(3)
-                usable &= ~masked
-            self._exact_top = int(usable.sum(2).amin())
-        return self._exact_top
+        usable = self.index_items >= 0
+        if self.masked_items is not None and self.masked_items.shape[1]:
+            usable &= ~(self.index_items.unsqueeze(3) == self.masked_items.view(self.batch_size, 1, 1, -1)).any(3)
+        return int(usable.sum(2).amin())
+
+    def _least(self, value: int) -> int:
+        """``value``, the least over the processes that share this catalog (here one; a subclass whose
+        processes must take the same paths agrees on it)."""
+        return value
 
     def log_power_sums(self, exclude: Tensor | None = None, num_powers: int = 1) -> Tensor:
         """Estimated ``log Σ_{n ∉ exclude[b]} exp(p · s[b, m, n])``, ``p = 1..P ≤ 3`` → ``[B, M, P]``:

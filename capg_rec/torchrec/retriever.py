@@ -15,10 +15,10 @@ from torchrec.distributed.types import ShardingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
-from capg_rec._checks import check_count, check_flag, check_items, check_positive, resolve_validate_args
+from capg_rec._checks import check_count, check_flag, check_positive, resolve_validate_args
 from capg_rec.ann import ItemIndex
 from capg_rec.marginals import DEFAULT_METHOD, InclusionMethod
-from capg_rec.sampled import DrawnSample, SampledCatalog
+from capg_rec.sampled import DrawnSample, SampledCatalog, check_index_items
 from capg_rec.serving import ServingRetriever
 from capg_rec.torchrec._collective import agree, all_gather_rows, exchange, on_ranks, ranks_where
 from capg_rec.torchrec.catalog import ShardedEmbeddingCatalog
@@ -427,21 +427,15 @@ class TwoTowerRetriever(nn.Module):
         if not isinstance(sample, DrawnSample):
             raise TypeError(f"sample must be a DrawnSample (head_items and index_items need one), got "
                             f"{type(sample).__name__}")
-        for name, heads in (("head_items", head_items), ("index_items", index_items)):
-            if heads is not None and (not isinstance(heads, Tensor) or heads.dtype == torch.bool
-                                      or heads.is_floating_point() or heads.is_complex()):
-                raise TypeError(f"{name} must be an integer tensor of item ids, got "
-                                f"{getattr(heads, 'dtype', type(heads).__name__)}")
+        if head_items is not None and (not isinstance(head_items, Tensor) or head_items.dtype == torch.bool
+                                       or head_items.is_floating_point() or head_items.is_complex()):
+            raise TypeError(f"head_items must be an integer tensor of item ids, got "
+                            f"{getattr(head_items, 'dtype', type(head_items).__name__)}")
         if head_items is not None and (head_items.dim() != 2 or head_items.shape[0] != batch):
             raise ValueError(f"head_items must be an id tensor [B={batch}, H], got {tuple(head_items.shape)}")
         if index_items is not None:
-            found = index_items.unsqueeze(1) if index_items.dim() == 2 and self.num_experts == 1 else index_items
-            if found.dim() != 3 or found.shape[:2] != (batch, self.num_experts):
-                raise ValueError(f"index_items must be an id tensor [B={batch}, M={self.num_experts}, H']"
-                                 f"{' (or [B, H])' if self.num_experts == 1 else ''}, got {tuple(index_items.shape)}")
-            # each row and expert's ids: -1 pads (an approximate index that found fewer), none twice
-            check_items("index_items", found.reshape(-1, found.shape[2]), batch_size=batch * self.num_experts,
-                        num_items=self.num_items, validate=validate, low=-1, columns="H'")
+            check_index_items(index_items, batch_size=batch, num_experts=self.num_experts, num_items=self.num_items,
+                              validate=validate)
         if not validate:
             return
         listed = ids.long()
@@ -466,21 +460,19 @@ class _RankSampledCatalog(SampledCatalog):
 
     def __init__(self, *args: object, group: dist.ProcessGroup | None, check_draws: bool, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
-        self.group, self.check_draws, self._agreed_top = group, check_draws, None
+        self.group, self.check_draws = group, check_draws
 
     def agree(self, passed: Tensor) -> Tensor:
         return agree(passed, self.group)
 
-    @property
-    def exact_top(self) -> int:
-        """:attr:`SampledCatalog.exact_top`, the least over the ranks (one all-reduce, once): it picks the
-        methods' paths, which must be every rank's (their collectives differ)."""
-        if self._agreed_top is None:
-            local = torch.tensor([SampledCatalog.exact_top.fget(self)], device=self.device)
-            if self.group is not None:
-                dist.all_reduce(local, op=dist.ReduceOp.MIN, group=self.group)
-            self._agreed_top = int(local)
-        return self._agreed_top
+    def _least(self, value: int) -> int:
+        """The least over the ranks (one all-reduce): ``exact_top`` picks the methods' paths, which must be every
+        rank's (their collectives differ)."""
+        if self.group is None:
+            return value
+        local = torch.tensor([value], device=self.device)
+        dist.all_reduce(local, op=dist.ReduceOp.MIN, group=self.group)
+        return int(local)
 
     def resampled(self, sampler: DrawnSample, **kwargs: object) -> SampledCatalog:
         """:meth:`SampledCatalog.resampled` with a :class:`DrawnSample` whose ids the batch listed: this
@@ -494,9 +486,7 @@ class _RankSampledCatalog(SampledCatalog):
             where = on_ranks(group, failed) or f", got {type(sampler).__name__}"
             raise TypeError(f"sampler must be a DrawnSample whose ids the batch listed (with_catalog(features, "
                             f"items)): the sampled mode scores only the rows it looked up{where}")
-        new = super().resampled(sampler, **kwargs)
-        new._agreed_top = None
-        return new
+        return super().resampled(sampler, **kwargs)
 
 
 class _ListedRows:
