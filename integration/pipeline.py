@@ -80,7 +80,21 @@ class Task(nn.Module):
         return self.objective(self.retriever(batch.sparse_features), batch.labels)
 
 
-class LoggedBatch(Pipelineable):
+class _ListedBatch(Pipelineable):
+    """A batch whose ``sparse_features`` list its rows and whose other tensors ``_tensors()`` names."""
+
+    sparse_features: KeyedJaggedTensor
+
+    def _tensors(self) -> list[Tensor]:
+        raise NotImplementedError
+
+    def record_stream(self, stream: torch.Stream) -> None:
+        self.sparse_features.record_stream(stream)
+        for t in self._tensors():
+            t.record_stream(stream)
+
+
+class LoggedBatch(_ListedBatch):
     """Logged requests of B users and the negative sample drawn with them: ``sparse_features`` (the users,
     with the sample's and the candidates' ids listed by ``with_catalog``), ``sample``, ``candidates [B, K]``,
     ``chosen [B, L]``, ``rewards [B, L]``, ``log_propensity [B, L]``."""
@@ -97,11 +111,6 @@ class LoggedBatch(Pipelineable):
         ids, *rest = (t.to(device, non_blocking=non_blocking) for t in self._tensors())
         return LoggedBatch(self.sparse_features.to(device, non_blocking=non_blocking),
                            DrawnSample(ids, self.sample.sampler), *rest)
-
-    def record_stream(self, stream: torch.Stream) -> None:
-        self.sparse_features.record_stream(stream)
-        for t in self._tensors():
-            t.record_stream(stream)
 
 
 class OffPolicyObjective(nn.Module):
@@ -128,7 +137,7 @@ class SampledTask(nn.Module):
         return self.objective(catalog, batch)
 
 
-class SampledBatch(Pipelineable):
+class SampledBatch(_ListedBatch):
     """B users, negative samples to draw from and for the loss, and the users' index head ``[B, M, H]``, all
     listed in ``sparse_features``."""
 
@@ -145,11 +154,6 @@ class SampledBatch(Pipelineable):
         return SampledBatch(self.sparse_features.to(device, non_blocking=non_blocking),
                             DrawnSample(ids, self.sample.sampler), DrawnSample(loss_ids, self.loss_sample.sampler),
                             found, users)
-
-    def record_stream(self, stream: torch.Stream) -> None:
-        self.sparse_features.record_stream(stream)
-        for t in self._tensors():
-            t.record_stream(stream)
 
 
 class SampledObjective(nn.Module):
