@@ -108,11 +108,16 @@ def exchange(local: Callable[[], Sequence[int | Tensor]], size: int, group: dist
 
 def agree(passed: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     """Checks' results ``passed [C]`` (bool) → True where every rank of ``group`` passed (one all-reduce)."""
+    return least(passed, group).bool()
+
+
+def least(values: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """Integers (or bools) ``values [C]`` → each one's least over the ranks of ``group`` (one all-reduce)."""
     if group is None:
-        return passed
-    everywhere = passed.to(torch.int32)
-    dist.all_reduce(everywhere, op=dist.ReduceOp.MIN, group=group)
-    return everywhere.bool()
+        return values
+    out = values.to(torch.int64)
+    dist.all_reduce(out, op=dist.ReduceOp.MIN, group=group)
+    return out
 
 
 def ranks_where(table: list[list[int]], column: int) -> list[int]:

@@ -20,7 +20,7 @@ from capg_rec.ann import ItemIndex
 from capg_rec.marginals import DEFAULT_METHOD, InclusionMethod
 from capg_rec.sampled import DrawnSample, SampledCatalog, check_index_items
 from capg_rec.serving import ServingRetriever
-from capg_rec.torchrec._collective import agree, all_gather_rows, exchange, on_ranks, ranks_where
+from capg_rec.torchrec._collective import agree, all_gather_rows, exchange, least, on_ranks, ranks_where
 from capg_rec.torchrec.catalog import ShardedEmbeddingCatalog
 
 __all__ = ["TwoTowerRetriever"]
@@ -468,11 +468,7 @@ class _RankSampledCatalog(SampledCatalog):
     def _least(self, value: int) -> int:
         """The least over the ranks (one all-reduce): ``exact_top`` picks the methods' paths, which must be every
         rank's (their collectives differ)."""
-        if self.group is None:
-            return value
-        local = torch.tensor([value], device=self.device)
-        dist.all_reduce(local, op=dist.ReduceOp.MIN, group=self.group)
-        return int(local)
+        return value if self.group is None else int(least(torch.tensor([value], device=self.device), self.group))
 
     def resampled(self, sampler: DrawnSample, **kwargs: object) -> SampledCatalog:
         """:meth:`SampledCatalog.resampled` with a :class:`DrawnSample` whose ids the batch listed: this
