@@ -522,3 +522,12 @@ def test_exact_top_of_an_index_head_of_every_item_and_the_plugins_warning():
         warnings.simplefilter("error")
         full = SampledCatalog(user, big, sampler=UniformSampler(50), index_items=found, generator=g)
         capg_rec.inclusion_log_prob(full, candidates, 6, method="plugin")
+
+
+def test_index_items_refuse_a_head_wider_than_the_catalog_and_non_tensors():
+    g = torch.Generator().manual_seed(0)
+    user, item = torch.randn(3, 4, generator=g), torch.randn(20, 4, generator=g)
+    with pytest.raises(ValueError, match=r"index_items.shape\[2\] \(H\) must be in \[1, 20\]"):
+        SampledCatalog(user, item, sampler=UniformSampler(5), index_items=torch.zeros(3, 1, 21, dtype=torch.long))
+    with pytest.raises(TypeError, match="index_items must be an integer tensor of item ids, got list"):
+        SampledCatalog(user, item, sampler=UniformSampler(5), index_items=[[0, 1]] * 3)
