@@ -76,6 +76,14 @@ class CatalogScores(abc.ABC):
         shares this catalog, so that all of them raise or none does (default: one process)."""
         return passed
 
+    def _vouch(self, name: str, items: Tensor) -> tuple[Tensor | bool, str] | None:
+        """For the losses' checks: whether this process's catalog can score every id of ``items [B, L]``
+        (valid ids; a local check, no collective) and the message if not; None when it can score any
+        (the default). A placement that holds only some rows (TorchRec's sampled mode) answers here and
+        then scores this very tensor without a check of its own, so the caller must fold the answer into
+        its one :meth:`agree` before it uses anything scored."""
+        return None
+
     @property
     def exact_top(self) -> int:
         """How many of each expert's best items :meth:`top_items` names exactly (default: all of them;

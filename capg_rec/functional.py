@@ -233,6 +233,11 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
         if isinstance(catalog, DenseCatalog):
             masked = checks.no_nan_or_inf("logits", catalog.scores, allow_masked=True)
         inside = checks.draw_and_picks(candidates, chosen, num_items, distinct=distinct)
+        named = [("candidates", candidates), ("chosen", chosen)] + [("candidates", inside)] * (inside is not candidates)
+        for name, ids in named:  # a placement holding only some rows: the ids it can score, in the agreement below
+            vouched = catalog._vouch(name, ids)
+            if vouched is not None:
+                checks.require(*vouched)
         if masked:  # only a masked (-inf) score fails this
             with torch.no_grad():  # on every process, empty batches included
                 checks.all_above(_drawing_scores(catalog, inside), -math.inf,

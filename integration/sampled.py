@@ -10,8 +10,9 @@ the ranks' losses, since TorchRec averages the lookups' gradients over the ranks
 agree. A head id that one rank did not list, and an id one rank asks of its catalog without having
 listed it, must raise the same ``ValueError`` on every rank; a draw that one rank's head and sample
 cannot fill, and a resampled catalog whose sampler is not a listed sample on one rank, must raise on every
-rank; an index head one slot short on one rank gives every rank the same exact_top; an IndexHead on a rank
-without users gives it none and keeps the ranks in step. Writes
+rank, and so must a loss naming an item one rank did not list and a resampled catalog whose head holds one; an
+index head one slot short on one rank gives every rank the same exact_top; an IndexHead on a rank without users
+gives it none and keeps the ranks in step. One validated on-policy step takes only a few check collectives (counted). Writes
 ``DIR/sampled_rank{r}.json``.
 """
 
@@ -126,6 +127,24 @@ def main() -> int:
         cat.resampled(UniformSampler(10) if rank == 0 else sample)
     except TypeError as err:
         messages.append(str(err))
+    # an item one rank's loss names but did not list: every rank raises, in the loss's one agreement
+    losses: list[str] = []
+    cand = sample_candidates(cat, CANDIDATES, generator=torch.Generator().manual_seed(5))
+    if rank == 0:
+        cand[1, 0] = int(torch.isin(torch.arange(SETUP.num_items), listed, invert=True).nonzero()[0])
+    try:
+        CAPGLoss(CANDIDATES, method="with_replacement")(cat, cand, cand[:, :SHOWN], torch.ones(PER_RANK, SHOWN))
+    except ValueError as err:
+        losses.append(str(err))
+    # a resampled catalog whose head names an item rank 1 did not list: every rank raises
+    cand = sample_candidates(cat, CANDIDATES, generator=torch.Generator().manual_seed(5))
+    if rank == world - 1:
+        cand[0, 0] = int(torch.isin(torch.arange(SETUP.num_items), listed, invert=True).nonzero()[0])
+    try:
+        cat.resampled(sample, head_items=cand)
+    except ValueError as err:
+        messages.append(str(err))
+    collectives = _check_collectives(model, users, sample, head, listed)
     # an index head one slot short on rank 0 only (-1: an approximate index found fewer): every rank reads the
     # least exact_top, so that the methods take one path everywhere
     found = IndexHead(model.module, INDEX_HEAD)(h.user_batch(users.to(h.device())))
@@ -141,9 +160,37 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"sampled_rank{rank}.json").write_text(json.dumps(
         {"world_size": world, "errors": errors, "messages": messages, "draws": draws,
-         "index_head_shape": list(found.shape), "exact_top": exact_top}, indent=1))
+         "index_head_shape": list(found.shape), "exact_top": exact_top, "losses": losses,
+         "collectives": collectives}, indent=1))
     h.teardown(model)
-    return 0 if max(errors.values()) <= 1e-5 and len(messages) == 3 and len(draws) == 1 else 1
+    return 0 if max(errors.values()) <= 1e-5 and len(messages) == 4 and len(draws) == 1 and len(losses) == 1 else 1
+
+
+def _check_collectives(model, users, sample, head, listed) -> int:
+    """The all-gathers and all-reduces (the checks' collectives; TorchRec's lookups are all-to-alls) of one
+    validated on-policy step of CA-PG-SwR: forward, draw, the loss's catalog resampled with the candidates as
+    its head, loss."""
+    count = 0
+    originals = {name: getattr(dist, name) for name in ("all_gather", "all_reduce")}
+
+    def counted(collective):
+        def call(*args, **kwargs):
+            nonlocal count
+            count += 1
+            return collective(*args, **kwargs)
+        return call
+
+    for name, collective in originals.items():
+        setattr(dist, name, counted(collective))
+    try:
+        cat = catalog_of(model, users, sample, head, listed)
+        cand = sample_candidates(cat, CANDIDATES, generator=torch.Generator().manual_seed(6))
+        CAPGLoss(CANDIDATES, method="with_replacement")(cat.resampled(sample, head_items=cand), cand,
+                                                        cand[:, :SHOWN], torch.ones(PER_RANK, SHOWN))
+    finally:
+        for name, collective in originals.items():
+            setattr(dist, name, collective)
+    return count
 
 
 if __name__ == "__main__":

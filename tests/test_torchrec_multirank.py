@@ -203,11 +203,19 @@ def test_sampled_mode_matches_one_process(tmp_path):
         assert max(report["errors"].values()) <= 1e-5, report["errors"]
         assert sum("/update/" in key for key in report["errors"]) == 4
         assert report["messages"] == reports[0]["messages"]
-    head, asked, resampled = reports[0]["messages"]
+    head, asked, resampled, resampled_head = reports[0]["messages"]
     assert "every id of head_items must be listed" in head and "on rank 1" in head
     assert "was not looked up" in asked and "rank(s) [0]" in asked
     # regression: a wrong sampler on rank 0 alone raised there only, and rank 1 waited in a collective
     assert "sampler must be a DrawnSample" in resampled and "rank(s) [0]" in resampled
+    assert "an item of the sample or head_items was not looked up" in resampled_head and "rank(s) [1]" in resampled_head
+    # an item that rank 0's loss names without having listed it: both ranks raise in the loss's one agreement
+    assert "an item of candidates was not looked up" in reports[0]["losses"][0]
+    assert reports[1]["losses"][0] == reports[0]["losses"][0] + " (in another process)"
+    # one validated step (forward, draw in 2 expert blocks, resampled, loss) takes 6 check collectives: the loss's
+    # and the catalogs' lookups of the ids checked already (the forward's sample and head, the resampled catalog's,
+    # the loss's candidates and shown items) took 6 more
+    assert reports[0]["collectives"] == reports[1]["collectives"] == 6
     # regression: an IndexHead on a rank without users failed there (a reshape of 0 elements) and not on the other
     assert reports[0]["index_head_shape"] == [4, 2, 7] and reports[1]["index_head_shape"] == [0, 2, 7]
     # regression: exact_top (which picks the methods' paths) was each rank's own

@@ -233,6 +233,29 @@ def test_index_head_and_index_items_refuse_bad_input():
         SampledCatalog(user_w[:2].view(-1, M, D), item_w.view(-1, M, D), sampler=sample, index_items=found - NUM_ITEMS)
 
 
+def test_listed_rows_skip_only_the_checks_made_already():
+    """The sampled mode's item side checks every id it is asked for, except inside ``trusting`` (ids the forward
+    checked) and for the very tensor ``vouch`` answered for (unchanged since: an in-place write is checked again)."""
+    from capg_rec.torchrec.retriever import _ListedRows
+    rows = _ListedRows(torch.tensor([5, 2, 9]), torch.arange(6.0).view(3, 1, 2), None, True)
+    torch.testing.assert_close(rows(torch.tensor([[2, 9], [5, 5]])),
+                               torch.tensor([[2.0, 3.0], [4.0, 5.0], [0.0, 1.0], [0.0, 1.0]]).view(2, 2, 1, 2))
+    unlisted = torch.tensor([[3]])
+    with pytest.raises(ValueError, match="was not looked up"):
+        rows(unlisted)
+    with rows.trusting():
+        rows(unlisted)
+    with pytest.raises(ValueError, match="was not looked up"):
+        rows(unlisted)
+    assert rows.vouch(unlisted) is False and rows.vouch(torch.tensor([[9, 2]])) is True
+    rows(unlisted)  # its caller takes the answer into an agreement first
+    with pytest.raises(ValueError, match="was not looked up"):
+        rows(unlisted.clone())
+    unlisted[0, 0] = 4  # changed since
+    with pytest.raises(ValueError, match="was not looked up"):
+        rows(unlisted)
+
+
 def test_resampled_catalog_of_the_sampled_mode_equals_a_fresh_one():
     """The loss's catalog of an on-policy step, drawn candidates as its head and a second sample listed in the
     same lookup, is the SampledCatalog built on the full tables with that sample, head and index head; an id

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 
 import torch
@@ -10,6 +11,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 from torch.utils.checkpoint import checkpoint
+from torch.utils.weak import WeakIdKeyDictionary
 from torchrec.distributed.embedding import ShardedEmbeddingCollection
 from torchrec.distributed.types import ShardingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
@@ -18,6 +20,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, Keyed
 from capg_rec._checks import check_count, check_flag, check_positive, resolve_validate_args
 from capg_rec.ann import ItemIndex
 from capg_rec.marginals import DEFAULT_METHOD, InclusionMethod
+from capg_rec.catalog import unpadded
 from capg_rec.sampled import DrawnSample, SampledCatalog, check_index_items
 from capg_rec.serving import ServingRetriever
 from capg_rec.torchrec._collective import agree, all_gather_rows, exchange, least, on_ranks, ranks_where
@@ -269,11 +272,12 @@ class TwoTowerRetriever(nn.Module):
             listed = features[self.catalog_feature].values().long()
             tower = _ListedRows(listed, item.view(-1, self.num_experts, dim), group,
                                 resolve_validate_args(self.validate_args))
-            return _RankSampledCatalog(user.view(-1, self.num_experts, dim), tower, num_items=self.num_items,
-                                       sampler=sample, temperature=self.temperature, head_items=head_items,
-                                       index_items=index_items, masked_items=masked_items,
-                                       validate_args=False,  # values checked collectively
-                                       group=group, check_draws=tower.validate)
+            with tower.trusting():  # the forward checked that the sample and heads were listed
+                return _RankSampledCatalog(user.view(-1, self.num_experts, dim), tower, num_items=self.num_items,
+                                           sampler=sample, temperature=self.temperature, head_items=head_items,
+                                           index_items=index_items, masked_items=masked_items,
+                                           validate_args=False,  # values checked collectively
+                                           group=group, check_draws=tower.validate)
         item = item.view(rows, self.num_experts, dim)
         return ShardedEmbeddingCatalog(user.view(-1, self.num_experts, dim), item, num_items=self.num_items,
                                        row_offset=offset, temperature=self.temperature, masked_items=masked_items,
@@ -470,51 +474,93 @@ class _RankSampledCatalog(SampledCatalog):
         rank's (their collectives differ)."""
         return value if self.group is None else int(least(torch.tensor([value], device=self.device), self.group))
 
-    def resampled(self, sampler: DrawnSample, **kwargs: object) -> SampledCatalog:
-        """:meth:`SampledCatalog.resampled` with a :class:`DrawnSample` whose ids the batch listed: this
-        catalog's item side is the rows looked up, no other. When validating, a wrong sampler on one rank
-        is an error on every rank."""
-        wrong = int(not isinstance(sampler, DrawnSample))
+    def _vouch(self, name: str, ids: Tensor) -> tuple[Tensor | bool, str]:
+        return self._tower.vouch(ids), f"an item of {name} " + _UNLISTED
+
+    def resampled(self, sampler: DrawnSample, *, head_items: Tensor | None = None, **kwargs: object) -> SampledCatalog:
+        """:meth:`SampledCatalog.resampled` with a :class:`DrawnSample` whose ids the batch listed, as ``head_items``
+        must be: this catalog's item side is the rows looked up, no other. When validating, a wrong sampler or
+        an unlisted id on one rank is an error on every rank (one exchange)."""
+        def check() -> list[int | Tensor | bool]:
+            if not isinstance(sampler, DrawnSample):
+                return [1, 0]
+            named = sampler.ids if head_items is None or not isinstance(head_items, Tensor) else torch.cat(
+                [sampler.ids.reshape(-1), head_items.reshape(-1).to(sampler.ids)])
+            return [0, not self._tower.listed(unpadded(named))]
+
         group = self.group if self.check_draws else None
-        failed = ranks_where(exchange(lambda: [wrong], 1, group, self.device), 0) if group is not None else (
-            [0] if wrong else [])
+        table = exchange(check, 2, group, self.device) if group is not None else [
+            [int(not isinstance(sampler, DrawnSample)), 0]]
+        failed = ranks_where(table, 0)
         if failed:
             where = on_ranks(group, failed) or f", got {type(sampler).__name__}"
             raise TypeError(f"sampler must be a DrawnSample whose ids the batch listed (with_catalog(features, "
                             f"items)): the sampled mode scores only the rows it looked up{where}")
-        return super().resampled(sampler, **kwargs)
+        failed = ranks_where(table, 1)
+        if failed:
+            raise ValueError("an item of the sample or head_items " + _UNLISTED + on_ranks(group, failed))
+        with self._tower.trusting() if group is not None else contextlib.nullcontext():
+            return super().resampled(sampler, head_items=head_items, **kwargs)
 
 
 class _ListedRows:
     """The item vectors of the ids a sampled batch listed: ``ids [...]`` → ``[..., M, D]``. With ``validate``,
-    an id that was not listed is a ``ValueError`` on every rank of ``group`` (one exchange per call; the
-    ranks call it alike, from the same estimator)."""
+    an id that was not listed is a ``ValueError`` on every rank of ``group``: one exchange per call (the ranks
+    call it alike, from the same estimator), except for ids checked already, on every rank alike: inside
+    :meth:`trusting` (the ids the forward or :meth:`_RankSampledCatalog.resampled` checked) and tensors
+    :meth:`vouch` was asked about (whose answers the losses' checks take into their one agreement)."""
 
     def __init__(self, listed: Tensor, vectors: Tensor, group: dist.ProcessGroup | None, validate: bool) -> None:
         self.keys, self.order = listed.sort()
         self.vectors, self.group, self.validate = vectors, group, validate
+        self._trusting = False
+        self._vouched = WeakIdKeyDictionary()  # id tensor → its version when vouched for
 
-    def __call__(self, ids: Tensor) -> Tensor:
+    @contextlib.contextmanager
+    def trusting(self) -> Iterator[None]:
+        """Calls without the check, for ids checked already on every rank."""
+        self._trusting, before = True, self._trusting
+        try:
+            yield
+        finally:
+            self._trusting = before
+
+    def listed(self, ids: Tensor) -> Tensor | bool:
+        """Whether every id of ``ids`` was listed, on this rank alone."""
+        return self._listed(*self._positions(ids))
+
+    def vouch(self, ids: Tensor) -> Tensor | bool:
+        """:meth:`listed`; later calls with this very tensor (unchanged) skip their check: the caller must
+        agree on the answer with every rank first."""
+        self._vouched[ids] = ids._version
+        return self.listed(ids)
+
+    def _positions(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """``ids`` flattened and each one's position among the sorted listed ids (clamped: safe to read)."""
         flat = ids.reshape(-1).contiguous()  # searchsorted copies (and warns about) a strided one
         if self.keys.numel() == 0:
-            pos = torch.zeros_like(flat)
-        else:
-            pos = torch.searchsorted(self.keys, flat).clamp(max=self.keys.numel() - 1)
-        if self.validate:
-            def unlisted() -> list[Tensor]:
-                if self.keys.numel() == 0:
-                    return [torch.tensor(flat.numel() > 0)]
-                return [(self.keys[pos] != flat).any()]
+            return flat, torch.zeros_like(flat)
+        return flat, torch.searchsorted(self.keys, flat).clamp(max=self.keys.numel() - 1)
 
-            failed = ranks_where(exchange(unlisted, 1, self.group, flat.device), 0)
+    def _listed(self, flat: Tensor, pos: Tensor) -> Tensor | bool:
+        if self.keys.numel() == 0:
+            return flat.numel() == 0
+        listed = (self.keys[pos] == flat).all()
+        return bool(listed) if listed.is_cpu else listed
+
+    def __call__(self, ids: Tensor) -> Tensor:
+        flat, pos = self._positions(ids)
+        if self.validate and not self._trusting and self._vouched.get(ids) != ids._version:
+            failed = ranks_where(exchange(lambda: [not self._listed(flat, pos)], 1, self.group, flat.device), 0)
             if failed:
-                raise ValueError("an item asked of the sampled catalog was not looked up: list it in "
-                                 "retriever.with_catalog(features, items) (candidates and shown items must be; "
-                                 "mean-field and plug-in read catalogs of up to 2048 items whole)"
-                                 + on_ranks(self.group, failed))
+                raise ValueError("an item asked of the sampled catalog " + _UNLISTED + on_ranks(self.group, failed))
         rows = self.vectors.new_zeros(0, *self.vectors.shape[1:]) if self.keys.numel() == 0 else \
             self.vectors[self.order[pos]]
         return rows.view(*ids.shape, *self.vectors.shape[1:])
+
+
+_UNLISTED = ("was not looked up: list it in retriever.with_catalog(features, items) (candidates and shown items must "
+             "be; mean-field and plug-in read catalogs of up to 2048 items whole)")
 
 
 def _group_timeout(group: dist.ProcessGroup) -> timedelta | None:
