@@ -80,8 +80,8 @@ class CatalogScores(abc.ABC):
         """For the losses' checks: whether this process's catalog can score every id of ``items [B, L]``
         (valid ids; a local check, no collective) and the message if not; None when it can score any
         (the default). A placement that holds only some rows (TorchRec's sampled mode) answers here and
-        then scores this very tensor without a check of its own, so the caller must fold the answer into
-        its one :meth:`agree` before it uses anything scored."""
+        then scores this very tensor without a check of its own (for good once that agreement passes),
+        so the caller must fold the answer into its next :meth:`agree` before it uses anything scored."""
         return None
 
     @property

@@ -212,6 +212,8 @@ def test_sampled_mode_matches_one_process(tmp_path):
     # an item that rank 0's loss names without having listed it: both ranks raise in the loss's one agreement
     assert "an item of candidates was not looked up" in reports[0]["losses"][0]
     assert reports[1]["losses"][0] == reports[0]["losses"][0] + " (in another process)"
+    # ... and a caller that goes on gets the same error again, from a check of its own, on every rank
+    assert "was not looked up" in reports[0]["losses"][1] and "rank(s) [0]" in reports[1]["losses"][1]
     # one validated step (forward, draw in 2 expert blocks, resampled, loss) takes 6 check collectives: the loss's
     # and the catalogs' lookups of the ids checked already (the forward's sample and head, the resampled catalog's,
     # the loss's candidates and shown items) took 6 more

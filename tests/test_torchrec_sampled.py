@@ -235,7 +235,8 @@ def test_index_head_and_index_items_refuse_bad_input():
 
 def test_listed_rows_skip_only_the_checks_made_already():
     """The sampled mode's item side checks every id it is asked for, except inside ``trusting`` (ids the forward
-    checked) and for the very tensor ``vouch`` answered for (unchanged since: an in-place write is checked again)."""
+    checked) and for the very tensor ``vouch`` answered for (unchanged since: an in-place write is checked again), kept
+    only if the agreement that took the answer passed."""
     from capg_rec.torchrec.retriever import _ListedRows
     rows = _ListedRows(torch.tensor([5, 2, 9]), torch.arange(6.0).view(3, 1, 2), None, True)
     torch.testing.assert_close(rows(torch.tensor([[2, 9], [5, 5]])),
@@ -248,7 +249,13 @@ def test_listed_rows_skip_only_the_checks_made_already():
     with pytest.raises(ValueError, match="was not looked up"):
         rows(unlisted)
     assert rows.vouch(unlisted) is False and rows.vouch(torch.tensor([[9, 2]])) is True
-    rows(unlisted)  # its caller takes the answer into an agreement first
+    rows(unlisted)  # its caller takes the answer into the next agreement, which a check of its own would precede
+    rows.settle(False)  # that agreement failed (a ValueError on every rank): a caller that goes on is checked again
+    with pytest.raises(ValueError, match="was not looked up"):
+        rows(unlisted)
+    rows.vouch(unlisted)
+    rows.settle(True)  # (as if every rank had passed)
+    rows(unlisted)
     with pytest.raises(ValueError, match="was not looked up"):
         rows(unlisted.clone())
     unlisted[0, 0] = 4  # changed since

@@ -467,7 +467,9 @@ class _RankSampledCatalog(SampledCatalog):
         self.group, self.check_draws = group, check_draws
 
     def agree(self, passed: Tensor) -> Tensor:
-        return agree(passed, self.group)
+        everywhere = agree(passed, self.group)
+        self._tower.settle(bool(everywhere.all()))
+        return everywhere
 
     def _least(self, value: int) -> int:
         """The least over the ranks (one all-reduce): ``exact_top`` picks the methods' paths, which must be every
@@ -514,7 +516,8 @@ class _ListedRows:
         self.keys, self.order = listed.sort()
         self.vectors, self.group, self.validate = vectors, group, validate
         self._trusting = False
-        self._vouched = WeakIdKeyDictionary()  # id tensor → its version when vouched for
+        self._vouched = WeakIdKeyDictionary()  # id tensor → its version when vouched for, on every rank
+        self._pending = WeakIdKeyDictionary()  # the same, until the next agreement
 
     @contextlib.contextmanager
     def trusting(self) -> Iterator[None]:
@@ -530,10 +533,20 @@ class _ListedRows:
         return self._listed(*self._positions(ids))
 
     def vouch(self, ids: Tensor) -> Tensor | bool:
-        """:meth:`listed`; later calls with this very tensor (unchanged) skip their check: the caller must
-        agree on the answer with every rank first."""
-        self._vouched[ids] = ids._version
+        """:meth:`listed`, an answer the caller takes into the catalog's next agreement (:meth:`settle`). Until
+        then, and afterwards if every check passed on every rank, calls with this very tensor (unchanged) skip
+        their check."""
+        self._pending[ids] = ids._version
         return self.listed(ids)
+
+    def settle(self, passed: bool) -> None:
+        """The outcome of an agreement that took :meth:`vouch`'s answers: keep them if every check passed."""
+        if passed:
+            self._vouched.update(self._pending)
+        self._pending.clear()
+
+    def _checked(self, ids: Tensor) -> bool:
+        return self._trusting or ids._version in (self._vouched.get(ids), self._pending.get(ids))
 
     def _positions(self, ids: Tensor) -> tuple[Tensor, Tensor]:
         """``ids`` flattened and each one's position among the sorted listed ids (clamped: safe to read)."""
@@ -550,7 +563,7 @@ class _ListedRows:
 
     def __call__(self, ids: Tensor) -> Tensor:
         flat, pos = self._positions(ids)
-        if self.validate and not self._trusting and self._vouched.get(ids) != ids._version:
+        if self.validate and not self._checked(ids):
             failed = ranks_where(exchange(lambda: [not self._listed(flat, pos)], 1, self.group, flat.device), 0)
             if failed:
                 raise ValueError("an item asked of the sampled catalog " + _UNLISTED + on_ranks(self.group, failed))
