@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from capg_rec.catalog import CatalogScores, unpadded
+from capg_rec.catalog import CatalogScores
 
 
 @dataclass
@@ -51,15 +51,21 @@ def head_size_for(num_items: int, num_candidates: int, *, minimum: int = 1024) -
 def summarize(catalog: CatalogScores, targets: Tensor, head_size: int, num_powers: int) -> HeadTail:
     """Build the head (union of top-``head_size`` per expert plus ``targets [B, L]``) and the tail."""
     batch, num_targets = targets.shape
+    experts = catalog.num_experts
     if head_size >= catalog.num_items:
         ids = torch.arange(catalog.num_items, device=catalog.device).expand(batch, -1)
-        floor = torch.full((batch, catalog.num_experts), -torch.inf, dtype=catalog.dtype, device=catalog.device)
+        floor = torch.full((batch, experts), -torch.inf, dtype=catalog.dtype, device=catalog.device)
     else:
-        best = catalog.top_items(head_size)  # [B, M, H], best first
-        with torch.no_grad():
-            floor = catalog.gather(best[:, :, -1]).diagonal(dim1=1, dim2=2)  # expert m's own H-th
-        ids = best.flatten(1)
-    ids = torch.cat([ids, targets], dim=1)
+        ids = catalog.top_items(head_size).flatten(1)  # [B, M·H], each expert's best first
+    # The ids as asked for (the best items as top_items gave them, the targets as the caller did), each
+    # scored once under every expert, then sorted so that repeats are side by side.
+    scores = catalog.gather(ids)
+    if head_size < catalog.num_items:
+        with torch.no_grad():  # expert m's own H-th best
+            floor = scores.view(batch, experts, experts, head_size)[..., -1].diagonal(dim1=1, dim2=2)
+    if num_targets:
+        scores = torch.cat([scores, catalog.gather(targets)], dim=2)
+        ids = torch.cat([ids, targets], dim=1)
     sorted_ids, order = ids.sort(dim=1, stable=True)
     first = torch.ones_like(sorted_ids, dtype=torch.bool)
     first[:, 1:] = sorted_ids[:, 1:] != sorted_ids[:, :-1]
@@ -69,11 +75,10 @@ def summarize(catalog: CatalogScores, targets: Tensor, head_size: int, num_power
     first_slot = torch.where(first, slot, torch.zeros_like(slot)).cummax(dim=1).values
     inverse = order.argsort(dim=1)
     target_pos = first_slot.gather(1, inverse[:, ids.shape[1] - num_targets:])
-    scores = catalog.gather(unpadded(head_ids))
-    head_scores = scores.masked_fill((head_ids < 0).unsqueeze(1), -torch.inf)
+    head_scores = scores.gather(2, order.unsqueeze(1).expand(-1, experts, -1)).masked_fill(
+        ~first.unsqueeze(1), -torch.inf)
     if head_size >= catalog.num_items:
-        tail = torch.full((batch, catalog.num_experts, num_powers), -torch.inf,
-                          dtype=catalog.dtype, device=catalog.device)
+        tail = torch.full((batch, experts, num_powers), -torch.inf, dtype=catalog.dtype, device=catalog.device)
     else:
         tail = catalog.log_power_sums(head_ids, num_powers)
     return HeadTail(head_ids, head_scores, target_pos, tail, floor)

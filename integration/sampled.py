@@ -148,7 +148,7 @@ def main() -> int:
         cat.resampled(sample, head_items=cand)
     except ValueError as err:
         messages.append(str(err))
-    collectives = _check_collectives(model, users, sample, head, listed)
+    collectives = {method: _check_collectives(model, users, sample, head, listed, method) for method in METHODS}
     # an index head one slot short on rank 0 only (-1: an approximate index found fewer): every rank reads the
     # least exact_top, so that the methods take one path everywhere
     found = IndexHead(model.module, INDEX_HEAD)(h.user_batch(users.to(h.device())))
@@ -170,10 +170,10 @@ def main() -> int:
     return 0 if max(errors.values()) <= 1e-5 and len(messages) == 4 and len(draws) == 1 and len(losses) == 2 else 1
 
 
-def _check_collectives(model, users, sample, head, listed) -> int:
+def _check_collectives(model, users, sample, head, listed, method: str) -> int:
     """The all-gathers and all-reduces (the checks' collectives; TorchRec's lookups are all-to-alls) of one
-    validated on-policy step of CA-PG-SwR: forward, draw, the loss's catalog resampled with the candidates as
-    its head, loss."""
+    validated on-policy step of CA-PG by ``method``: forward, draw, the loss's catalog resampled with the
+    candidates as its head, loss."""
     count = 0
     originals = {name: getattr(dist, name) for name in ("all_gather", "all_reduce")}
 
@@ -189,8 +189,8 @@ def _check_collectives(model, users, sample, head, listed) -> int:
     try:
         cat = catalog_of(model, users, sample, head, listed)
         cand = sample_candidates(cat, CANDIDATES, generator=torch.Generator().manual_seed(6))
-        CAPGLoss(CANDIDATES, method="with_replacement")(cat.resampled(sample, head_items=cand), cand,
-                                                        cand[:, :SHOWN], torch.ones(PER_RANK, SHOWN))
+        CAPGLoss(CANDIDATES, method=method)(cat.resampled(sample, head_items=cand), cand, cand[:, :SHOWN],
+                                            torch.ones(PER_RANK, SHOWN))
     finally:
         for name, collective in originals.items():
             setattr(dist, name, collective)

@@ -214,10 +214,11 @@ def test_sampled_mode_matches_one_process(tmp_path):
     assert reports[1]["losses"][0] == reports[0]["losses"][0] + " (in another process)"
     # ... and a caller that goes on gets the same error again, from a check of its own, on every rank
     assert "was not looked up" in reports[0]["losses"][1] and "rank(s) [0]" in reports[1]["losses"][1]
-    # one validated step (forward, draw in 2 expert blocks, resampled, loss) takes 6 check collectives: the loss's
-    # and the catalogs' lookups of the ids checked already (the forward's sample and head, the resampled catalog's,
-    # the loss's candidates and shown items) took 6 more
-    assert reports[0]["collectives"] == reports[1]["collectives"] == 6
+    # one validated step (forward, draw in 2 expert blocks, resampled, loss) takes 6 check collectives with SwR: the
+    # catalogs' lookups of ids checked already (the forward's sample and head, the resampled catalog's, the loss's
+    # candidates and shown items) took 6 more; mean-field adds the shared exact_top and its head's draw, and its
+    # lookups of that head took 2 more
+    assert reports[0]["collectives"] == reports[1]["collectives"] == {"with_replacement": 6, "mean_field": 8}
     # regression: an IndexHead on a rank without users failed there (a reshape of 0 elements) and not on the other
     assert reports[0]["index_head_shape"] == [4, 2, 7] and reports[1]["index_head_shape"] == [0, 2, 7]
     # regression: exact_top (which picks the methods' paths) was each rank's own

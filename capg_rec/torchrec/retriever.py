@@ -476,6 +476,11 @@ class _RankSampledCatalog(SampledCatalog):
         rank's (their collectives differ)."""
         return value if self.group is None else int(least(torch.tensor([value], device=self.device), self.group))
 
+    def top_items(self, k: int, **kwargs: object) -> Tensor:
+        ids = super().top_items(k, **kwargs)
+        self._tower.own(ids)  # the sample's and head's: listed, on every rank
+        return ids
+
     def _vouch(self, name: str, ids: Tensor) -> tuple[Tensor | bool, str]:
         return self._tower.vouch(ids), f"an item of {name} " + _UNLISTED
 
@@ -509,8 +514,9 @@ class _ListedRows:
     """The item vectors of the ids a sampled batch listed: ``ids [...]`` → ``[..., M, D]``. With ``validate``,
     an id that was not listed is a ``ValueError`` on every rank of ``group``: one exchange per call (the ranks
     call it alike, from the same estimator), except for ids checked already, on every rank alike: inside
-    :meth:`trusting` (the ids the forward or :meth:`_RankSampledCatalog.resampled` checked) and tensors
-    :meth:`vouch` was asked about (whose answers the losses' checks take into their one agreement)."""
+    :meth:`trusting` (the ids the forward or :meth:`_RankSampledCatalog.resampled` checked), the catalog's own
+    draws (:meth:`own`) and tensors :meth:`vouch` was asked about (whose answers the losses' checks take into
+    their one agreement)."""
 
     def __init__(self, listed: Tensor, vectors: Tensor, group: dist.ProcessGroup | None, validate: bool) -> None:
         self.keys, self.order = listed.sort()
@@ -539,6 +545,10 @@ class _ListedRows:
         self._pending[ids] = ids._version
         return self.listed(ids)
 
+    def own(self, ids: Tensor) -> None:
+        """Calls with ``ids``, or a view of it, skip their check (ids of the rows the forward checked)."""
+        self._vouched[ids] = ids._version
+
     def settle(self, passed: bool) -> None:
         """The outcome of an agreement that took :meth:`vouch`'s answers: keep them if every check passed."""
         if passed:
@@ -546,7 +556,10 @@ class _ListedRows:
         self._pending.clear()
 
     def _checked(self, ids: Tensor) -> bool:
-        return self._trusting or ids._version in (self._vouched.get(ids), self._pending.get(ids))
+        if self._trusting:
+            return True
+        base = ids if ids._base is None else ids._base  # a view shares its base's version
+        return ids._version in (self._vouched.get(ids), self._pending.get(ids), self._vouched.get(base))
 
     def _positions(self, ids: Tensor) -> tuple[Tensor, Tensor]:
         """``ids`` flattened and each one's position among the sorted listed ids (clamped: safe to read)."""
