@@ -357,22 +357,46 @@ class DeferredChecks:
 
     def run(self, agree: Callable[[Tensor], Tensor] | None = None) -> None:
         """Raise the first failing check; ``agree`` combines the results with other processes (e.g.
-        :meth:`capg_rec.CatalogScores.agree`; ``None``: one process), so that every process raises the same
-        error or none."""
-        if not self._checks:
+        :meth:`capg_rec.CatalogScores.agree`; ``None``: one process), so that every process raises an error or
+        none does.
+
+        The checks a process takes can differ in number between processes (paths that depend on the data, an
+        empty batch), so the first agreement has a fixed size: whether all passed, and the number of checks.
+        Only when one failed somewhere, and every process took as many, a second agreement of them all lets
+        every process raise that check's message; otherwise a process whose checks all passed says that
+        another one failed."""
+        if agree is None:
+            if all(isinstance(ok, bool) for ok, _ in self._checks):  # read on the host: no sync
+                results = [ok for ok, _ in self._checks]
+            else:
+                results = self._local().tolist()  # one sync
+            for ok, (_, message) in zip(results, self._checks):
+                if not ok:
+                    raise ValueError(message)
             return
-        if all(isinstance(ok, bool) for ok, _ in self._checks):  # read on the host: no sync
-            passed = [ok for ok, _ in self._checks]
-            if agree is None and all(passed):
-                return
-            local = torch.tensor(passed)
-            shared = local if agree is None else agree(local)
-            both = [passed, passed if shared is local else shared.tolist()]
-        else:
-            device = next(ok.device for ok, _ in self._checks if isinstance(ok, Tensor))
-            local = torch.stack([torch.as_tensor(ok, device=device) for ok, _ in self._checks])
-            shared = local if agree is None else agree(local)
-            both = [local.tolist()] * 2 if shared is local else torch.stack([local, shared]).tolist()  # one sync
-        for here, everywhere, (_, message) in zip(*both, self._checks):
-            if not everywhere:
-                raise ValueError(message + (" (in another process)" if here else ""))
+        local = self._local()
+        count = torch.tensor([(len(self._checks) >> i) & 1 for i in range(_COUNT_BITS)], dtype=torch.bool,
+                             device=local.device)
+        first = agree(torch.cat([local.all().reshape(1), count, ~count])).tolist()  # one sync
+        if first[0]:
+            return
+        ones, zeros = first[1: 1 + _COUNT_BITS], first[1 + _COUNT_BITS:]
+        here = local.tolist()
+        if all(one or zero for one, zero in zip(ones, zeros)):  # every bit the same everywhere: as many checks
+            for mine, everywhere, (_, message) in zip(here, agree(local).tolist(), self._checks):
+                if not everywhere:
+                    raise ValueError(message + (" (in another process)" if mine else ""))
+        for mine, (_, message) in zip(here, self._checks):
+            if not mine:
+                raise ValueError(message)
+        raise ValueError("an input check failed in another process (which raised its error)")
+
+    def _local(self) -> Tensor:
+        """The checks' results as one bool tensor ``[C]`` (on the device of the first tensor among them)."""
+        device = next((ok.device for ok, _ in self._checks if isinstance(ok, Tensor)), torch.device("cpu"))
+        if not self._checks:
+            return torch.ones(0, dtype=torch.bool, device=device)
+        return torch.stack([torch.as_tensor(ok, device=device) for ok, _ in self._checks]).bool()
+
+
+_COUNT_BITS = 16  # DeferredChecks.run's agreement on the number of checks: fewer than 2^16

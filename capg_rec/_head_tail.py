@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from capg_rec.catalog import CatalogScores
+from capg_rec.catalog import CatalogScores, unpadded
 
 
 @dataclass
@@ -52,15 +52,16 @@ def summarize(catalog: CatalogScores, targets: Tensor, head_size: int, num_power
     """Build the head (union of top-``head_size`` per expert plus ``targets [B, L]``) and the tail."""
     batch, num_targets = targets.shape
     experts = catalog.num_experts
+    # Each id scored once under every expert as it comes (the best items, then the targets), then sorted so
+    # that repeats are side by side.
     if head_size >= catalog.num_items:
         ids = torch.arange(catalog.num_items, device=catalog.device).expand(batch, -1)
         floor = torch.full((batch, experts), -torch.inf, dtype=catalog.dtype, device=catalog.device)
+        scores = catalog.gather(ids)
     else:
         ids = catalog.top_items(head_size).flatten(1)  # [B, M·H], each expert's best first
-    # The ids as asked for (the best items as top_items gave them, the targets as the caller did), each
-    # scored once under every expert, then sorted so that repeats are side by side.
-    scores = catalog.gather(ids)
-    if head_size < catalog.num_items:
+        with catalog._trusting():  # the catalog's own draws
+            scores = catalog.gather(unpadded(ids))
         with torch.no_grad():  # expert m's own H-th best
             floor = scores.view(batch, experts, experts, head_size)[..., -1].diagonal(dim1=1, dim2=2)
     if num_targets:
@@ -76,7 +77,7 @@ def summarize(catalog: CatalogScores, targets: Tensor, head_size: int, num_power
     inverse = order.argsort(dim=1)
     target_pos = first_slot.gather(1, inverse[:, ids.shape[1] - num_targets:])
     head_scores = scores.gather(2, order.unsqueeze(1).expand(-1, experts, -1)).masked_fill(
-        ~first.unsqueeze(1), -torch.inf)
+        (head_ids < 0).unsqueeze(1), -torch.inf)  # repeats, and -1 (unused slots of a sampled catalog's draw)
     if head_size >= catalog.num_items:
         tail = torch.full((batch, experts, num_powers), -torch.inf, dtype=catalog.dtype, device=catalog.device)
     else:

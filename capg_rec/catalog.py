@@ -21,6 +21,7 @@ Two placements live here: :class:`DenseCatalog` (a logits tensor) and :class:`Em
 from __future__ import annotations
 
 import abc
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 
@@ -79,10 +80,15 @@ class CatalogScores(abc.ABC):
     def _vouch(self, name: str, items: Tensor) -> tuple[Tensor | bool, str] | None:
         """For the losses' checks: whether this process's catalog can score every id of ``items [B, L]``
         (valid ids; a local check, no collective) and the message if not; None when it can score any
-        (the default). A placement that holds only some rows (TorchRec's sampled mode) answers here and
-        then scores this very tensor without a check of its own (for good once that agreement passes),
-        so the caller must fold the answer into its next :meth:`agree` before it uses anything scored."""
+        (the default). A placement that holds only some rows (TorchRec's sampled mode) answers here, so
+        that the answer joins the checks' one :meth:`agree`."""
         return None
+
+    def _trusting(self) -> contextlib.AbstractContextManager:
+        """A context in which :meth:`gather` skips checks of its own (collective ones included): for a call site
+        that every process runs alike, with ids checked otherwise (:meth:`_vouch`'d into an agreement still to
+        come, or the catalog's own :meth:`top_items`). Default: nothing to skip."""
+        return contextlib.nullcontext()
 
     @property
     def exact_top(self) -> int:

@@ -233,13 +233,12 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
         if isinstance(catalog, DenseCatalog):
             masked = checks.no_nan_or_inf("logits", catalog.scores, allow_masked=True)
         inside = checks.draw_and_picks(candidates, chosen, num_items, distinct=distinct)
-        named = [("candidates", candidates), ("chosen", chosen)] + [("candidates", inside)] * (inside is not candidates)
-        for name, ids in named:  # a placement holding only some rows: the ids it can score, in the agreement below
-            vouched = catalog._vouch(name, ids)
+        for name, ids in (("candidates", candidates), ("chosen", chosen)):  # a placement holding only some rows:
+            vouched = catalog._vouch(name, ids)  # the ids it can score, in the agreement below
             if vouched is not None:
                 checks.require(*vouched)
         if masked:  # only a masked (-inf) score fails this
-            with torch.no_grad():  # on every process, empty batches included
+            with torch.no_grad(), catalog._trusting():  # on every process, empty batches included; ids vouched for
                 checks.all_above(_drawing_scores(catalog, inside), -math.inf,
                                  "candidates must not hold masked items (scored -inf by the expert that drew them): "
                                  "the ESR cannot draw them")

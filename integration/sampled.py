@@ -12,8 +12,8 @@ listed it, must raise the same ``ValueError`` on every rank; a draw that one ran
 cannot fill, and a resampled catalog whose sampler is not a listed sample on one rank, must raise on every
 rank, and so must a loss naming an item one rank did not list and a resampled catalog whose head holds one; an
 index head one slot short on one rank gives every rank the same exact_top; an IndexHead on a rank without users
-gives it none and keeps the ranks in step. One validated on-policy step takes only a few check collectives (counted). Writes
-``DIR/sampled_rank{r}.json``.
+gives it none and keeps the ranks in step. The check collectives of one validated on-policy step are counted.
+Writes ``DIR/sampled_rank{r}.json``.
 """
 
 from __future__ import annotations

@@ -528,21 +528,65 @@ def test_method_settings_are_checked():
     assert capg_rec.MeanField(max_iter=8) == capg_rec.MeanField(max_iter=8) != capg_rec.MeanField()
 
 
-def test_deferred_checks_say_where_a_check_failed():
-    """A check that failed in this process names no other; one that passed here but failed in another
-    process (as the catalog's collective ``agree`` reports) says so."""
+def _run_as_two_processes(first, second) -> list[str]:
+    """``DeferredChecks.run`` of two check lists as two processes run it: each ``agree`` is an AND over both,
+    the two meeting at a barrier (threads); results of different shapes fail both, as a collective whose
+    sizes differ does. → each one's outcome: "ok" or its error message."""
+    import threading
+
+    barrier, slots, outcomes = threading.Barrier(2, timeout=10), [None, None], ["", ""]
+
+    def agree(i):
+        def call(local):
+            slots[i] = local
+            barrier.wait()
+            shapes_differ = slots[0].shape != slots[1].shape
+            out = None if shapes_differ else slots[0] & slots[1]
+            barrier.wait()
+            if shapes_differ:
+                raise RuntimeError("collective sizes differ")
+            return out
+        return call
+
+    def run(i, checks):
+        try:
+            checks.run(agree(i))
+            outcomes[i] = "ok"
+        except (ValueError, RuntimeError) as err:
+            outcomes[i] = str(err)
+
+    threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate((first, second))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return outcomes
+
+
+def test_deferred_checks_agree_whatever_each_process_checked():
+    """A check that failed in this process names no other; one that passed here but failed in another process
+    says so; processes that took different numbers of checks (paths that depend on their data, an empty batch)
+    still raise together, or pass together (regression: the agreement had one entry per check, a collective of
+    different sizes that hung or aborted gloo)."""
     from capg_rec._checks import DeferredChecks
 
-    def checks(ok_here: bool) -> DeferredChecks:
+    def checks(*results: bool) -> DeferredChecks:
         c = DeferredChecks()
-        c.require(torch.tensor(ok_here), "rewards must be finite")
+        for i, ok in enumerate(results):
+            c.require(torch.tensor(ok) if i % 2 else ok, f"check {i} failed")
         return c
 
-    with pytest.raises(ValueError, match=r"^rewards must be finite$"):
-        checks(False).run(lambda local: local)
-    with pytest.raises(ValueError, match=r"^rewards must be finite \(in another process\)$"):
-        checks(True).run(lambda local: torch.zeros_like(local))
-    checks(True).run(lambda local: local)
+    with pytest.raises(ValueError, match=r"^check 0 failed$"):
+        checks(False).run()
+    checks(True, True).run()
+    assert _run_as_two_processes(checks(True, False), checks(True, True)) == [
+        "check 1 failed", "check 1 failed (in another process)"]
+    assert _run_as_two_processes(checks(True, False), checks(True)) == [
+        "check 1 failed", "an input check failed in another process (which raised its error)"]
+    assert _run_as_two_processes(checks(True, True, True), checks(True)) == ["ok", "ok"]
+    assert _run_as_two_processes(checks(), checks(True)) == ["ok", "ok"]
+    assert _run_as_two_processes(checks(), checks(False)) == [
+        "an input check failed in another process (which raised its error)", "check 0 failed"]
 
 
 @pytest.mark.parametrize("name", ["vpg", "capg_swr", "capg_mean_field"])

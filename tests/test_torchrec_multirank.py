@@ -190,6 +190,25 @@ def test_step_cost_benchmark_runs(tmp_path):
     assert all(r["step_over_in_batch"] == 1.0 for r in results if r["estimator"] == "in_batch")
 
 
+def test_sampled_mode_checks_agree_whatever_each_rank_holds(tmp_path):
+    """Ranks whose batches differ (no users, 1,500 users against 4, a -1 pad in one rank's candidates, nothing
+    listed on one rank, a candidate rewritten on one rank after the loss) pass together or raise together.
+    Regressions: each case hung or aborted gloo (the checks' agreement had as many entries as the rank's checks,
+    which differ with the data), or raised on one rank alone."""
+    run = launch("uneven.py", 2, tmp_path, timeout=600, env={"CAPG_COLLECTIVE_TIMEOUT_S": "60"})
+    assert run.returncode == 0, run.stderr[-4000:]
+    first, second = (json.loads((tmp_path / f"uneven_rank{r}.json").read_text()) for r in range(2))
+    for case in ("empty/mean_field", "empty/with_replacement", "wide", "rewritten"):
+        assert first[case] == second[case] == "ok", (case, first[case], second[case])
+    for case in ("pad/capg", "pad/vpg"):
+        assert first[case] == "ValueError: candidates must hold ids in [0, 3001)"
+    # as many checks on both ranks: the other one's message; else (CA-PG checks rank 0's ids the long way) a pointer
+    assert second["pad/vpg"] == first["pad/vpg"] + " (in another process)"
+    assert second["pad/capg"] == "ValueError: an input check failed in another process (which raised its error)"
+    assert second["nothing_listed"].startswith("ValueError: an item of candidates was not looked up")
+    assert first["nothing_listed"] == second["nothing_listed"] + " (in another process)"
+
+
 def test_sampled_mode_matches_one_process(tmp_path):
     """Each rank's sampled catalog (its own negatives and head, looked up through the sharded table) draws
     the candidates, sums and losses of one process rebuilding that rank's batch, and one step updates
@@ -214,11 +233,11 @@ def test_sampled_mode_matches_one_process(tmp_path):
     assert reports[1]["losses"][0] == reports[0]["losses"][0] + " (in another process)"
     # ... and a caller that goes on gets the same error again, from a check of its own, on every rank
     assert "was not looked up" in reports[0]["losses"][1] and "rank(s) [0]" in reports[1]["losses"][1]
-    # one validated step (forward, draw in 2 expert blocks, resampled, loss) takes 6 check collectives with SwR: the
-    # catalogs' lookups of ids checked already (the forward's sample and head, the resampled catalog's, the loss's
-    # candidates and shown items) took 6 more; mean-field adds the shared exact_top and its head's draw, and its
-    # lookups of that head took 2 more
-    assert reports[0]["collectives"] == reports[1]["collectives"] == {"with_replacement": 6, "mean_field": 8}
+    # one validated step (forward, draw in 2 expert blocks, resampled, loss's checks, loss) takes 7 check collectives
+    # with SwR: the catalogs' lookups of ids checked already (the forward's sample and head, the resampled catalog's,
+    # the candidates in the loss's checks) took 5 more; mean-field adds the shared exact_top and its head's draw, and
+    # its lookups of that head took 2 more
+    assert reports[0]["collectives"] == reports[1]["collectives"] == {"with_replacement": 7, "mean_field": 9}
     # regression: an IndexHead on a rank without users failed there (a reshape of 0 elements) and not on the other
     assert reports[0]["index_head_shape"] == [4, 2, 7] and reports[1]["index_head_shape"] == [0, 2, 7]
     # regression: exact_top (which picks the methods' paths) was each rank's own

@@ -11,7 +11,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 from torch.utils.checkpoint import checkpoint
-from torch.utils.weak import WeakIdKeyDictionary
 from torchrec.distributed.embedding import ShardedEmbeddingCollection
 from torchrec.distributed.types import ShardingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
@@ -467,22 +466,18 @@ class _RankSampledCatalog(SampledCatalog):
         self.group, self.check_draws = group, check_draws
 
     def agree(self, passed: Tensor) -> Tensor:
-        everywhere = agree(passed, self.group)
-        self._tower.settle(bool(everywhere.all()))
-        return everywhere
+        return agree(passed, self.group)
 
     def _least(self, value: int) -> int:
         """The least over the ranks (one all-reduce): ``exact_top`` picks the methods' paths, which must be every
         rank's (their collectives differ)."""
         return value if self.group is None else int(least(torch.tensor([value], device=self.device), self.group))
 
-    def top_items(self, k: int, **kwargs: object) -> Tensor:
-        ids = super().top_items(k, **kwargs)
-        self._tower.own(ids)  # the sample's and head's: listed, on every rank
-        return ids
-
     def _vouch(self, name: str, ids: Tensor) -> tuple[Tensor | bool, str]:
-        return self._tower.vouch(ids), f"an item of {name} " + _UNLISTED
+        return self._tower.listed(ids), f"an item of {name} " + _UNLISTED
+
+    def _trusting(self) -> contextlib.AbstractContextManager:
+        return self._tower.trusting()
 
     def resampled(self, sampler: DrawnSample, *, head_items: Tensor | None = None, **kwargs: object) -> SampledCatalog:
         """:meth:`SampledCatalog.resampled` with a :class:`DrawnSample` whose ids the batch listed, as ``head_items``
@@ -513,21 +508,17 @@ class _RankSampledCatalog(SampledCatalog):
 class _ListedRows:
     """The item vectors of the ids a sampled batch listed: ``ids [...]`` → ``[..., M, D]``. With ``validate``,
     an id that was not listed is a ``ValueError`` on every rank of ``group``: one exchange per call (the ranks
-    call it alike, from the same estimator), except for ids checked already, on every rank alike: inside
-    :meth:`trusting` (the ids the forward or :meth:`_RankSampledCatalog.resampled` checked), the catalog's own
-    draws (:meth:`own`) and tensors :meth:`vouch` was asked about (whose answers the losses' checks take into
-    their one agreement)."""
+    call it alike, from the same estimator), except inside :meth:`trusting`, which call sites that every rank
+    runs alike enter for ids checked otherwise."""
 
     def __init__(self, listed: Tensor, vectors: Tensor, group: dist.ProcessGroup | None, validate: bool) -> None:
         self.keys, self.order = listed.sort()
         self.vectors, self.group, self.validate = vectors, group, validate
         self._trusting = False
-        self._vouched = WeakIdKeyDictionary()  # id tensor → its version when vouched for, on every rank
-        self._pending = WeakIdKeyDictionary()  # the same, until the next agreement
 
     @contextlib.contextmanager
     def trusting(self) -> Iterator[None]:
-        """Calls without the check, for ids checked already on every rank."""
+        """Calls without the check (an unlisted id then reads some listed row, or zeros if none was)."""
         self._trusting, before = True, self._trusting
         try:
             yield
@@ -537,29 +528,6 @@ class _ListedRows:
     def listed(self, ids: Tensor) -> Tensor | bool:
         """Whether every id of ``ids`` was listed, on this rank alone."""
         return self._listed(*self._positions(ids))
-
-    def vouch(self, ids: Tensor) -> Tensor | bool:
-        """:meth:`listed`, an answer the caller takes into the catalog's next agreement (:meth:`settle`). Until
-        then, and afterwards if every check passed on every rank, calls with this very tensor (unchanged) skip
-        their check."""
-        self._pending[ids] = ids._version
-        return self.listed(ids)
-
-    def own(self, ids: Tensor) -> None:
-        """Calls with ``ids``, or a view of it, skip their check (ids of the rows the forward checked)."""
-        self._vouched[ids] = ids._version
-
-    def settle(self, passed: bool) -> None:
-        """The outcome of an agreement that took :meth:`vouch`'s answers: keep them if every check passed."""
-        if passed:
-            self._vouched.update(self._pending)
-        self._pending.clear()
-
-    def _checked(self, ids: Tensor) -> bool:
-        if self._trusting:
-            return True
-        base = ids if ids._base is None else ids._base  # a view shares its base's version
-        return ids._version in (self._vouched.get(ids), self._pending.get(ids), self._vouched.get(base))
 
     def _positions(self, ids: Tensor) -> tuple[Tensor, Tensor]:
         """``ids`` flattened and each one's position among the sorted listed ids (clamped: safe to read)."""
@@ -576,13 +544,13 @@ class _ListedRows:
 
     def __call__(self, ids: Tensor) -> Tensor:
         flat, pos = self._positions(ids)
-        if self.validate and not self._checked(ids):
+        if self.validate and not self._trusting:
             failed = ranks_where(exchange(lambda: [not self._listed(flat, pos)], 1, self.group, flat.device), 0)
             if failed:
                 raise ValueError("an item asked of the sampled catalog " + _UNLISTED + on_ranks(self.group, failed))
-        rows = self.vectors.new_zeros(0, *self.vectors.shape[1:]) if self.keys.numel() == 0 else \
-            self.vectors[self.order[pos]]
-        return rows.view(*ids.shape, *self.vectors.shape[1:])
+        if self.keys.numel() == 0:
+            return self.vectors.new_zeros(*ids.shape, *self.vectors.shape[1:])
+        return self.vectors[self.order[pos]].view(*ids.shape, *self.vectors.shape[1:])
 
 
 _UNLISTED = ("was not looked up: list it in retriever.with_catalog(features, items) (candidates and shown items must "

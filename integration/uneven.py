@@ -1,0 +1,122 @@
+"""The sampled mode's checks on ranks whose batches differ: they pass together or raise together, never hang.
+
+Run with ``torchrun --nproc_per_node=2 integration/uneven.py --out DIR``. A validated loss takes its
+checks on each rank and agrees on them in one collective; how many checks a rank takes depends on its
+data (its batch size picks the path of the candidates' checks, a batch of no users skips some, an
+out-of-range id others), so the agreement must not depend on that number. Each case runs on both
+ranks with a collective timeout, so that a hang fails the case instead of the job:
+
+* ``empty``: rank 1 has no users; CA-PG (mean-field, SwR) on a resampled catalog passes on both;
+* ``wide``: rank 0 has 1,500 users (its checks take another path than rank 1's 4), valid input: passes;
+* ``pad``: rank 0's logged candidates hold a ``-1``: a ``ValueError`` on both (CA-PG-SwR and V-PG-SwR);
+* ``nothing_listed``: rank 1 listed no rows (an empty sample, a head of ``-1`` pads) and its loss names
+  items: a ``ValueError`` on both;
+* ``rewritten``: after a validated loss, rank 0 alone rewrites a candidate in place (to a listed id), then
+  both gather the candidates: both return.
+
+Writes ``DIR/uneven_rank{r}.json``: each case's outcome, ``"ok"`` or the exception's class and message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+import _harness as h
+from capg_rec import CAPGLoss, DrawnSample, UniformSampler, VPGLoss, sample_candidates
+
+SETUP = h.Setup(num_items=3_001, num_experts=2, dim=4, num_users=40, temperature=0.5)
+PER_RANK, WIDE, SAMPLES, HEAD, K = 4, 1_500, 400, 30, 5
+
+
+def batch(rank: int, size: int) -> tuple[torch.Tensor, DrawnSample, torch.Tensor, torch.Tensor]:
+    """``size`` users of rank ``rank``, a sample, a head of logged items per user (its first K: the logged
+    candidates) and the ids to list."""
+    g = torch.Generator().manual_seed(100 + rank)
+    users = torch.randint(SETUP.num_users, (size,), generator=g)
+    sampler = UniformSampler(SAMPLES)
+    sample = DrawnSample(sampler.draw(SETUP.num_items, None, generator=g, device=torch.device("cpu")), sampler)
+    head = torch.rand(size, SETUP.num_items, generator=g).argsort(dim=1)[:, :HEAD]  # distinct in a row
+    return users, sample, head, torch.cat([sample.ids, head.flatten()]).unique()
+
+
+def catalog(model, users, sample, head, listed):
+    kjt = model.module.with_catalog(h.user_batch(users.to(h.device())), items=listed.to(h.device()))
+    return model(kjt, sample=sample, head_items=head.to(h.device()))
+
+
+def outcome(case) -> str:
+    try:
+        case()
+    except Exception as err:  # noqa: BLE001 - the outcome is reported, whatever it is
+        return f"{type(err).__name__}: {err}"
+    return "ok"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    rank, world = h.init()
+    model = h.shard(SETUP, 0.1)
+    h.load(model, h.full_state(SETUP, seed=5, grid=False))
+    ones = lambda rows: torch.ones(rows, 2)  # noqa: E731
+
+    def empty(method: str):
+        def case():
+            users, sample, head, listed = batch(rank, 0 if rank == 1 else PER_RANK)
+            cat = catalog(model, users, sample, head, listed)
+            cand = sample_candidates(cat, 6, generator=torch.Generator().manual_seed(3))
+            loss = CAPGLoss(6, method=method)(cat.resampled(sample, head_items=cand), cand, cand[:, :2],
+                                              ones(users.shape[0]))
+            loss.backward()
+        return case
+
+    def wide():
+        users, sample, head, listed = batch(rank, WIDE if rank == 0 else PER_RANK)
+        cand = head[:, :K].clone()
+        CAPGLoss(K, method="with_replacement")(catalog(model, users, sample, head, listed), cand, cand[:, :2],
+                                               ones(users.shape[0]))
+
+    def pad(loss_fn):
+        def case():
+            users, sample, head, listed = batch(rank, PER_RANK)
+            cand = head[:, :K].clone()
+            if rank == 0:
+                cand[1, -1] = -1
+            loss_fn(catalog(model, users, sample, head, listed), cand, cand[:, :2], ones(PER_RANK))
+        return case
+
+    def nothing_listed():
+        users, sample, head, listed = batch(rank, PER_RANK)
+        cand = head[:, :K].clone()
+        if rank == 1:
+            sample, head, listed = DrawnSample(listed[:0], UniformSampler(1)), torch.full_like(head, -1), listed[:0]
+        CAPGLoss(K, method="with_replacement")(catalog(model, users, sample, head, listed), cand, cand[:, :2],
+                                               ones(PER_RANK))
+
+    def rewritten():
+        users, sample, head, listed = batch(rank, PER_RANK)
+        cand = head[:, :K].clone()
+        cat = catalog(model, users, sample, head, listed)
+        CAPGLoss(K, method="with_replacement")(cat, cand, cand[:, :2], ones(PER_RANK))
+        if rank == 0:
+            cand[0, 0] = cand[0, 1].item()  # still a listed id
+        cat.gather(cand)
+
+    cases = {"empty/mean_field": empty("mean_field"), "empty/with_replacement": empty("with_replacement"),
+             "wide": wide, "pad/capg": pad(CAPGLoss(K, method="with_replacement")),
+             "pad/vpg": pad(VPGLoss(K, with_replacement=True)), "nothing_listed": nothing_listed,
+             "rewritten": rewritten}
+    outcomes = {name: outcome(case) for name, case in cases.items()}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"uneven_rank{rank}.json").write_text(json.dumps(outcomes, indent=1))
+    h.teardown(model)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
