@@ -531,3 +531,22 @@ def test_index_items_refuse_a_head_wider_than_the_catalog_and_non_tensors():
         SampledCatalog(user, item, sampler=UniformSampler(5), index_items=torch.zeros(3, 1, 21, dtype=torch.long))
     with pytest.raises(TypeError, match="index_items must be an integer tensor of item ids, got list"):
         SampledCatalog(user, item, sampler=UniformSampler(5), index_items=[[0, 1]] * 3)
+
+
+def test_head_summary_masks_the_unused_slots_of_a_short_draw():
+    """With validation off, a sampled catalog whose head and sample hold fewer usable items than a method's head
+    names -1 slots in its draw; the head summary scores them -inf (regression: the item side's row for id -1 came
+    out as a finite score there)."""
+    from capg_rec._head_tail import summarize
+
+    g = torch.Generator().manual_seed(0)
+    user, item = torch.randn(2, 2, 4, generator=g, dtype=torch.float64), torch.randn(50, 2, 4, generator=g,
+                                                                                       dtype=torch.float64)
+    item[-1] = 3 * user[0]  # the row id -1 reads scores high
+    sample = DrawnSample(torch.arange(10).repeat(3), UniformSampler(30))  # 10 distinct items
+    catalog = SampledCatalog(user, item, sampler=sample, head_items=torch.tensor([[10, 11], [12, 13]]),
+                             validate_args=False)
+    summary = summarize(catalog, torch.zeros(2, 0, dtype=torch.long), 20, 3)
+    unused = (summary.head_ids < 0).unsqueeze(1).expand_as(summary.head_scores)
+    assert unused.any() and bool((summary.head_scores[unused] == -math.inf).all())
+    assert bool(summary.head_scores[~unused].isfinite().all())
