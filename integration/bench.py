@@ -49,6 +49,7 @@ def worker(args: argparse.Namespace) -> None:
     import _harness as h
     from torchrec import KeyedJaggedTensor
 
+    import capg_rec
     from capg_rec import CAPGLoss, DrawnSample, UniformSampler, VPGLoss, sample_candidates
 
     k = args.candidates
@@ -58,6 +59,8 @@ def worker(args: argparse.Namespace) -> None:
               "capg_sampled": lambda: CAPGLoss(k), "capg_swr_sampled": lambda: CAPGLoss(k, method="with_replacement")}
     sampler = UniformSampler(args.negatives)
 
+    if args.no_validate:
+        capg_rec.set_default_validate_args(False)
     sharded = args.mode == "sharded"
     rank, world = h.init() if sharded else (0, 1)
     torch.set_num_threads(1)
@@ -129,7 +132,7 @@ def driver(args: argparse.Namespace) -> None:
     common = ["--out", str(args.out), "--num-items", str(args.num_items), "--dim", str(args.dim),
               "--negatives", str(args.negatives),
               "--batch", str(args.batch), "--steps", str(args.steps), "--candidates", str(args.candidates),
-              "--chunk-size", str(args.chunk_size)]
+              "--chunk-size", str(args.chunk_size), *(["--no-validate"] if args.no_validate else [])]
     path = os.pathsep.join(p for p in (str(here.parents[1]), os.environ.get("PYTHONPATH")) if p)  # this checkout
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": path}
     runs = []
@@ -174,6 +177,8 @@ def main() -> None:
     parser.add_argument("--chunk-size", type=int, default=16_384)
     parser.add_argument("--negatives", type=int, default=1024, help="per rank, for the *_sampled estimators")
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--no-validate", action="store_true",
+                        help="capg_rec's input checks off (capg_rec.set_default_validate_args(False))")
     parser.add_argument("--estimators", nargs="+", default=["vpg", "vpg_swr", "capg", "capg_plugin", "capg_swr"],
                         choices=["vpg", "vpg_swr", "capg", "capg_plugin", "capg_swr",
                                  "capg_sampled", "capg_swr_sampled"])
