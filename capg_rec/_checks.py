@@ -173,6 +173,18 @@ def check_items(name: str, items: object, *, batch_size: int, num_items: int, un
     return items
 
 
+def raise_where_short(agree: Callable[[Tensor], Tensor], short: Tensor, message: Callable[[tuple[int, ...]], str],
+                      elsewhere: str) -> None:
+    """``ValueError`` in every process that shares ``agree`` (a catalog's) if ``short`` (bool, any shape) holds a
+    True in any of them: ``message(index)`` of this process's first one, or ``elsewhere`` where it has none.
+    One agreement, taken whatever ``short``'s shape (an empty batch included)."""
+    if bool(agree((~short.any()).reshape(1))[0]):
+        return
+    if not bool(short.any()):
+        raise ValueError(elsewhere)
+    raise ValueError(message(tuple(int(v) for v in short.nonzero()[0])))
+
+
 _SMALL = 4096  # elements below which an op's fixed cost outweighs its pass over the data
 _WIDE, _COUNTS = 64, 1 << 22  # rows wider than this are checked by counting, if B·N stays below that
 _HOST_TYPES = (Tensor, torch.nn.Parameter)
@@ -281,30 +293,32 @@ class DeferredChecks:
             self.distinct(name, items)
         return items if ok else items.clamp(0, max(num_items - 1, 0))
 
-    def draw_and_picks(self, candidates: Tensor, chosen: Tensor, num_items: int, *, distinct: bool) -> Tensor:
+    def draw_and_picks(self, candidates: Tensor, chosen: Tensor, num_items: int, *, distinct: bool,
+                       picks: str = "chosen") -> Tensor:
         """Requires ``candidates [B, K]`` ids in ``[0, num_items)`` (with ``distinct``, none twice in a row),
         ``chosen [B, L]`` ids none twice in a row and each in its row of candidates; returns the candidates
         clamped into range (safe to gather). In host memory: one pass over ``[B, L, K]`` for the last two."""
         low, high = self._host(chosen), self._host(candidates)
-        subset = "chosen must be a subset of candidates in every row (the LSR picks among them)"
+        subset = f"{picks} must be a subset of candidates in every row (the LSR picks among them)"
         if (distinct and low is not None and high is not None and chosen.numel()
                 and high.shape[0] * num_items <= _COUNTS and _host_in_range(high, num_items)
                 and _host_in_range(low, num_items)):
-            self._marked_draw_and_picks(high, low, num_items, subset=subset)
+            self._marked_draw_and_picks(high, low, num_items, subset=subset, name=picks)
             return candidates
         if low is None or high is None or not chosen.numel():
             inside = self.ids_in_range("candidates", candidates, num_items, distinct=distinct)
-            self.distinct("chosen", chosen)
+            self.distinct(picks, chosen)
             self.subset(chosen, candidates, subset)
             return inside
         inside = self.ids_in_range("candidates", candidates, num_items, distinct=distinct)
         same = low[:, :, None] == high[:, None, :]  # [B, L, K]
         # Each pick a candidate, and no candidate picked twice (then no pick repeats).
-        self.require(chosen.shape[1] < 2 or bool(same.sum(1).max() <= 1), _repeat_message("chosen"))
+        self.require(chosen.shape[1] < 2 or bool(same.sum(1).max() <= 1), _repeat_message(picks))
         self.require(bool(same.any(2).all()), subset)
         return inside
 
-    def _marked_draw_and_picks(self, high: np.ndarray, low: np.ndarray, num_items: int, *, subset: str) -> None:
+    def _marked_draw_and_picks(self, high: np.ndarray, low: np.ndarray, num_items: int, *, subset: str,
+                               name: str) -> None:
         """:meth:`draw_and_picks` of distinct in-range ids in host memory by marking each row's candidates in a
         ``[B, N]`` bitmap (a few passes over ``B·N`` bytes rather than a sort of every row and a ``[B, L, K]``
         comparison): candidates are distinct if ``B·K`` cells are marked, picks are candidates if their cells
@@ -323,7 +337,7 @@ class DeferredChecks:
             else:  # a pick outside its row's candidates: clearing would miscount
                 ordered = np.sort(low, axis=1)
                 once = bool((ordered[:, 1:] != ordered[:, :-1]).all())
-            self.require(bool(once), _repeat_message("chosen"))
+            self.require(bool(once), _repeat_message(name))
         self.require(inside, subset)
 
     def distinct(self, name: str, items: Tensor, num_items: int | None = None) -> None:

@@ -638,7 +638,10 @@ def exact_log_inclusion(summary: HeadTail, runs: Sequence[tuple[int, int]], *,
         raise ValueError(f"memory_budget must be positive, got {memory_budget}")
     runs = _check_runs(runs, scores.shape[1])
     if scores.shape[0] == 0 or targets.shape[1] == 0 or scores.shape[2] == 0:
-        return scores.new_zeros(targets.shape) + scores.sum() * 0.0
+        # zero, still a function of both inputs (finite parts only: -inf · 0 is NaN), so that the backward
+        # reaches the catalog's sums as it does with rows (a sharded catalog's backward is collective)
+        zero = sum(torch.where(x.isfinite(), x, 0.0).sum() for x in (scores, tail)) * 0.0
+        return scores.new_zeros(targets.shape) + zero
     num_candidates = sum(count for _, count in runs)
     s_all, tail_all = _to_frame(scores, tail, _reference(scores, num_candidates))
     valid_all = torch.isfinite(s_all)  # [B, M, T]

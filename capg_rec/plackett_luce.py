@@ -14,7 +14,7 @@ import math
 import torch
 from torch import Tensor
 
-from capg_rec._checks import check_count, check_flag, check_items, resolve_validate_args
+from capg_rec._checks import check_count, check_flag, check_items, raise_where_short, resolve_validate_args
 from capg_rec._numerics import log_softmax_at, reverse_logcumsumexp, sequential_log_softmax
 from capg_rec.catalog import CatalogScores, DenseCatalog, as_catalog
 
@@ -83,15 +83,11 @@ def check_enough_items(catalog: CatalogScores, num_candidates: int) -> None:
     experts = [m for m, _ in runs]
     needed = torch.tensor(list(itertools.accumulate(n for _, n in runs)), device=catalog.device)
     available = catalog.num_available()[:, experts]  # [B, R]
-    short = available < needed
-    enough = ~short.any()
-    if not bool(catalog.agree(enough.reshape(1))[0]):
-        if bool(enough):
-            raise ValueError(f"num_candidates={num_candidates} needs more unmasked items in another process's rows "
-                             "(items scored -inf are masked)")
-        row, run = (int(v) for v in short.nonzero()[0])
-        raise ValueError(f"num_candidates={num_candidates} needs {int(needed[run])} unmasked items under expert "
-                         f"{experts[run]}, but row {row} has {int(available[row, run])} (items scored -inf are masked)")
+    raise_where_short(catalog.agree, available < needed, lambda at: (
+        f"num_candidates={num_candidates} needs {int(needed[at[1]])} unmasked items under expert {experts[at[1]]}, "
+        f"but row {at[0]} has {int(available[at])} (items scored -inf are masked)"),
+        f"num_candidates={num_candidates} needs more unmasked items in another process's rows (items scored -inf "
+        "are masked)")
 
 
 def _draw(catalog: CatalogScores, num_candidates: int, *, perturb: bool,

@@ -50,7 +50,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from capg_rec._checks import check_count, check_float_tensor, check_items, check_positive, resolve_validate_args
+from capg_rec._checks import check_count, check_float_tensor, check_items, check_positive, raise_where_short, \
+    resolve_validate_args
 from capg_rec._numerics import (exp_floor, gumbel_group_size, gumbel_top_k, no_autocast, safe_logsumexp,
                                 select_experts, top_k)
 from capg_rec.ann import ItemIndex
@@ -594,17 +595,12 @@ class SampledCatalog(CatalogScores):
         hold fewer than ``k`` usable items (``keys [B, M', T]``: ``-inf`` where unused, a later copy,
         masked or excluded): the k best would name unused slots (``-1``) or masked items."""
         usable = (keys > -math.inf).sum(-1)  # [B, M']
-        short = usable < k
-        if bool(self.agree((~short.any()).reshape(1))[0]):
-            return
-        if not bool(short.any()):
-            raise ValueError(f"k={k} exceeds the usable items of another process's SampledCatalog: raise "
-                             "head_size or the number of negatives")
-        row, column = (int(v) for v in short.nonzero()[0])
-        expert = column if experts is None else experts[column]
-        raise ValueError(f"k={k} exceeds the usable items (not masked, excluded or repeated) of this SampledCatalog's "
-                         f"head and sample: row {row} has {int(usable[row, column])} under expert {expert}; raise "
-                         "head_size or the number of negatives")
+        raise_where_short(self.agree, usable < k, lambda at: (
+            f"k={k} exceeds the usable items (not masked, excluded or repeated) of this SampledCatalog's head and "
+            f"sample: row {at[0]} has {int(usable[at])} under expert {at[1] if experts is None else experts[at[1]]}; "
+            "raise head_size or the number of negatives"),
+            f"k={k} exceeds the usable items of another process's SampledCatalog: raise head_size or the number of "
+            "negatives")
 
     def top_items(self, k: int, *, experts: Sequence[int] | None = None, exclude: Tensor | None = None,
                   generator: torch.Generator | None = None, perturb: bool = False) -> Tensor:
@@ -613,7 +609,10 @@ class SampledCatalog(CatalogScores):
         weights (exact when the head is the whole catalog; see the module doc)."""
         size = self.head_ids.shape[1]
         pool = size + self.sample_ids.shape[0]
-        if k > pool:
+        if k > pool and not (self.check_draws and self.batch_size):  # else every process raises below
+            if self.check_draws:  # this process has no rows, and takes part in the others' check
+                self._check_usable(self.user.new_zeros(0, 1, 0), k, experts)
+                return self.sample_ids.new_zeros(0, self.num_experts if experts is None else len(experts), k)
             raise ValueError(f"k={k} exceeds the head and sample of this SampledCatalog ({pool} slots): "
                              "raise head_size or the number of negatives")
         with torch.no_grad():

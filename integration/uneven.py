@@ -12,7 +12,13 @@ ranks with a collective timeout, so that a hang fails the case instead of the jo
 * ``nothing_listed``: rank 1 listed no rows (an empty sample, a head of ``-1`` pads) and its loss names
   items: a ``ValueError`` on both;
 * ``rewritten``: after a validated loss, rank 0 alone rewrites a candidate in place (to a listed id), then
-  both gather the candidates: both return.
+  both gather the candidates: both return;
+* on the whole (sharded) catalog: ``exact/empty`` (rank 1 has no users; CA-PG by the exact method, backward
+  included) and ``propensity/empty`` (logged propensities, ε = 0.1) pass on both; ``propensity/bad_id`` (rank 0
+  logged a shown id outside the catalog) and ``uniform_short`` (ε = 1 and a row of rank 0 with fewer unmasked
+  items than K) raise on both;
+* ``short_pool``: rank 1's head and sample hold fewer slots than the draw's K: a ``ValueError`` on both; with
+  no users on rank 1 (``short_pool/empty``) there is nothing to draw there, and both pass.
 
 Writes ``DIR/uneven_rank{r}.json``: each case's outcome, ``"ok"`` or the exception's class and message.
 """
@@ -27,6 +33,7 @@ import torch
 
 import _harness as h
 from capg_rec import CAPGLoss, DrawnSample, UniformSampler, VPGLoss, sample_candidates
+from capg_rec.logs import explore_candidates, log_propensities
 
 SETUP = h.Setup(num_items=3_001, num_experts=2, dim=4, num_users=40, temperature=0.5)
 PER_RANK, WIDE, SAMPLES, HEAD, K = 4, 1_500, 400, 30, 5
@@ -107,10 +114,52 @@ def main() -> int:
             cand[0, 0] = cand[0, 1].item()  # still a listed id
         cat.gather(cand)
 
+    def full(users, masked=None):  # the whole catalog, sharded
+        kjt = model.module.with_catalog(h.user_batch(users.to(h.device())))
+        return model(kjt, masked_items=None if masked is None else masked.to(h.device()))
+
+    def exact_empty():
+        users = batch(rank, 0 if rank == 1 else PER_RANK)[0]
+        cat = full(users)
+        cand = sample_candidates(cat, K, generator=torch.Generator().manual_seed(3))
+        CAPGLoss(K, method="exact")(cat, cand, cand[:, :2], ones(users.shape[0])).backward()
+
+    def propensity_empty():
+        users = batch(rank, 0 if rank == 1 else PER_RANK)[0]
+        cat = full(users)
+        cand = explore_candidates(cat, K, epsilon=0.1, generator=torch.Generator().manual_seed(3))
+        log_propensities(cat, cand, cand[:, :2], epsilon=0.1)
+
+    def propensity_bad_id():
+        users = batch(rank, PER_RANK)[0]
+        cat = full(users)
+        cand = sample_candidates(cat, K, generator=torch.Generator().manual_seed(3))
+        shown = cand[:, :2].clone()
+        if rank == 0:
+            shown[0, 0] = SETUP.num_items
+        log_propensities(cat, cand, shown)
+
+    def uniform_short():
+        users = batch(rank, PER_RANK)[0]
+        masked = torch.full((PER_RANK, SETUP.num_items - 4), -1)
+        if rank == 0:
+            masked[0] = torch.arange(4, SETUP.num_items)  # row 0 keeps 4 items, fewer than K
+        explore_candidates(full(users, masked), K, epsilon=1.0, generator=torch.Generator().manual_seed(3))
+
+    def short_pool(size: int):
+        def case():
+            users, sample, head, listed = batch(rank, size if rank == 1 else PER_RANK)
+            if rank == 1:
+                sample = DrawnSample(sample.ids[:3], UniformSampler(3))  # head and sample: 33 slots, fewer than 40
+            sample_candidates(catalog(model, users, sample, head, listed), 40)
+        return case
+
     cases = {"empty/mean_field": empty("mean_field"), "empty/with_replacement": empty("with_replacement"),
              "wide": wide, "pad/capg": pad(CAPGLoss(K, method="with_replacement")),
              "pad/vpg": pad(VPGLoss(K, with_replacement=True)), "nothing_listed": nothing_listed,
-             "rewritten": rewritten}
+             "rewritten": rewritten, "exact/empty": exact_empty, "propensity/empty": propensity_empty,
+             "propensity/bad_id": propensity_bad_id, "uniform_short": uniform_short,
+             "short_pool": short_pool(PER_RANK), "short_pool/empty": short_pool(0)}
     outcomes = {name: outcome(case) for name, case in cases.items()}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"uneven_rank{rank}.json").write_text(json.dumps(outcomes, indent=1))

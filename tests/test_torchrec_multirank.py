@@ -192,14 +192,23 @@ def test_step_cost_benchmark_runs(tmp_path):
 
 def test_sampled_mode_checks_agree_whatever_each_rank_holds(tmp_path):
     """Ranks whose batches differ (no users, 1,500 users against 4, a -1 pad in one rank's candidates, nothing
-    listed on one rank, a candidate rewritten on one rank after the loss) pass together or raise together.
-    Regressions: each case hung or aborted gloo (the checks' agreement had as many entries as the rank's checks,
-    which differ with the data), or raised on one rank alone."""
+    listed on one rank, a candidate rewritten on one rank after the loss, a bad logged id, a row or a sample too
+    small for the draw) pass together or raise together, in the sampled mode and on the whole sharded catalog
+    (the exact method and the logged propensities included). Regressions: each case hung or aborted gloo (the
+    checks' agreement had as many entries as the rank's checks, which differ with the data; the exact method's
+    empty batch left the catalog's collective backward out), or raised on one rank alone."""
     run = launch("uneven.py", 2, tmp_path, timeout=600, env={"CAPG_COLLECTIVE_TIMEOUT_S": "60"})
     assert run.returncode == 0, run.stderr[-4000:]
     first, second = (json.loads((tmp_path / f"uneven_rank{r}.json").read_text()) for r in range(2))
-    for case in ("empty/mean_field", "empty/with_replacement", "wide", "rewritten"):
+    for case in ("empty/mean_field", "empty/with_replacement", "wide", "rewritten", "exact/empty", "propensity/empty",
+                 "short_pool/empty"):
         assert first[case] == second[case] == "ok", (case, first[case], second[case])
+    # raised on one rank alone (the others hung): logged ids out of range, a uniform draw a row cannot fill, a draw
+    # that one rank's head and sample cannot fill
+    assert first["propensity/bad_id"].startswith("ValueError: shown must be a subset of candidates")
+    assert second["propensity/bad_id"].startswith("ValueError: an input check failed in another process")
+    assert "but row 0 has 4" in first["uniform_short"] and "another process's rows" in second["uniform_short"]
+    assert "another process's SampledCatalog" in first["short_pool"] and "row 0 has 13" in second["short_pool"]
     for case in ("pad/capg", "pad/vpg"):
         assert first[case] == "ValueError: candidates must hold ids in [0, 3001)"
     # as many checks on both ranks: the other one's message; else (CA-PG checks rank 0's ids the long way) a pointer

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from capg_rec._checks import DeferredChecks, check_count, check_items, resolve_validate_args
+from capg_rec._checks import DeferredChecks, check_count, check_id_tensor, raise_where_short, resolve_validate_args
 from capg_rec._numerics import safe_logaddexp
 from capg_rec.catalog import CatalogScores, DenseCatalog, EmbeddingCatalog, _exclusion_mask, agreement, \
     as_catalog
@@ -109,11 +109,11 @@ def _uniform_draw(catalog: CatalogScores, num_candidates: int, generator: torch.
 
 def _check_uniform_possible(catalog: CatalogScores, num_candidates: int) -> None:
     available = _uniform_available(catalog)
-    short = available < num_candidates
-    if bool(short.any()):
-        row = int(short.int().argmax())
-        raise ValueError(f"epsilon > 0 draws num_candidates={num_candidates} items uniformly among a row's items "
-                         f"unmasked under every expert, but row {row} has {int(available[row])}")
+    raise_where_short(catalog.agree, available < num_candidates, lambda at: (
+        f"epsilon > 0 draws num_candidates={num_candidates} items uniformly among a row's items unmasked under every "
+        f"expert, but row {at[0]} has {int(available[at])}"),
+        f"epsilon > 0 draws num_candidates={num_candidates} items uniformly among a row's items unmasked under every "
+        "expert, but another process's rows have fewer")
 
 
 def explore_candidates(logits: Tensor | CatalogScores, num_candidates: int, *, temperature: float = 1.0,
@@ -205,17 +205,15 @@ def log_propensities(logits: Tensor | CatalogScores, candidates: Tensor, shown: 
                          "LoggedPropensities.log_expected_count already")
     validate = resolve_validate_args(validate_args)
     catalog = as_catalog(logits, temperature, validate_args=validate)
-    candidates = check_items("candidates", candidates, batch_size=catalog.batch_size, columns="K",
-                             num_items=catalog.num_items, validate=validate)
+    candidates = check_id_tensor("candidates", candidates, batch_size=catalog.batch_size, columns="K")
     num_candidates = check_count("num_candidates (candidates.shape[1])", candidates.shape[1],
                                  high=catalog.num_items)
-    shown = check_items("shown", shown, batch_size=catalog.batch_size, num_items=catalog.num_items,
-                        validate=validate)
+    shown = check_id_tensor("shown", shown, batch_size=catalog.batch_size)
     if shown.shape[1] > num_candidates:
         raise ValueError(f"shown must have at most K={num_candidates} columns, got {shown.shape[1]}")
-    checks = DeferredChecks()
-    if validate and shown.numel():
-        checks.subset(shown, candidates, "shown must hold only items of the row's candidates (shown ⊆ candidates)")
+    if validate:  # on every process, empty batches included: the agreements are collective
+        checks = DeferredChecks()  # ids in range, candidates distinct, shown distinct and among them
+        checks.draw_and_picks(candidates, shown, catalog.num_items, distinct=True, picks="shown")
         checks.run(agreement(catalog))
         if epsilon < 1.0:
             check_enough_items(catalog, num_candidates)
@@ -238,7 +236,7 @@ def log_propensities(logits: Tensor | CatalogScores, candidates: Tensor, shown: 
             inclusion = _mix(inclusion, log_share, epsilon)
             count = _mix(count, log_share, epsilon)
             draw = _mix(draw, log_set, epsilon)
-    if validate and candidates.numel():
+    if validate:
         drawable = DeferredChecks()
         drawable.all_above(draw, -math.inf, "candidates must be a draw the logging policy can make: "
                            "a row holds an item masked (scored -inf) for it")
