@@ -55,7 +55,7 @@ from capg_rec._checks import check_count, check_float_tensor, check_items, check
 from capg_rec._numerics import (exp_floor, gumbel_group_size, gumbel_top_k, no_autocast, safe_logsumexp,
                                 select_experts, top_k)
 from capg_rec.ann import ItemIndex
-from capg_rec.catalog import CatalogScores, available_given_masks, compute_dtype, unpadded
+from capg_rec.catalog import CatalogScores, agreement, available_given_masks, compute_dtype, unpadded
 
 __all__ = ["SampledCatalog", "NegativeSampler", "UniformSampler", "InBatchSampler", "MixedSampler", "DrawnSample",
            "MAX_SAMPLED_POWERS"]
@@ -610,7 +610,7 @@ class SampledCatalog(CatalogScores):
         size = self.head_ids.shape[1]
         pool = size + self.sample_ids.shape[0]
         if k > pool and not (self.check_draws and self.batch_size):  # else every process raises below
-            if self.check_draws:  # this process has no rows, and takes part in the others' check
+            if self.check_draws and agreement(self) is not None:  # no rows here: take part in the others' check
                 self._check_usable(self.user.new_zeros(0, 1, 0), k, experts)
                 return self.sample_ids.new_zeros(0, self.num_experts if experts is None else len(experts), k)
             raise ValueError(f"k={k} exceeds the head and sample of this SampledCatalog ({pool} slots): "

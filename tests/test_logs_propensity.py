@@ -266,3 +266,20 @@ def test_uniform_draw_log_prob_is_exact_in_float32(num_items, k):
     want = math.lgamma(num_items - k + 1) - math.lgamma(num_items + 1)
     assert got.dtype == torch.float32
     assert ((got.double() - want).abs() <= 4 * abs(want) * torch.finfo(torch.float32).eps).all(), got
+
+
+def test_logged_ids_are_refused_naming_the_argument():
+    """Logged ids outside the catalog, repeated, or shown items that are not candidates: a ValueError naming
+    ``shown`` or ``candidates``."""
+    logits = torch.randn(2, 10, generator=torch.Generator().manual_seed(0))
+    candidates = torch.tensor([[0, 1, 2], [3, 4, 5]])
+    cases = [(candidates, torch.tensor([[0], [10]]), r"shown must hold ids in \[0, 10\)"),
+             (candidates, torch.tensor([[0], [-1]]), r"shown must hold ids in \[0, 10\)"),
+             (candidates, torch.tensor([[0], [6]]), "shown must be a subset of candidates"),
+             (candidates, torch.tensor([[0, 0], [3, 4]]), "shown must not repeat"),
+             (torch.tensor([[0, 1, 1], [3, 4, 5]]), torch.tensor([[0], [3]]), "candidates must not repeat"),
+             (torch.tensor([[0, 1, 12], [3, 4, 5]]), torch.tensor([[0], [3]]),
+              r"candidates must hold ids in \[0, 10\)")]
+    for cand, shown, message in cases:
+        with pytest.raises(ValueError, match=message):
+            log_propensities(logits, cand, shown)

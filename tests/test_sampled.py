@@ -550,3 +550,15 @@ def test_head_summary_masks_the_unused_slots_of_a_short_draw():
     unused = (summary.head_ids < 0).unsqueeze(1).expand_as(summary.head_scores)
     assert unused.any() and bool((summary.head_scores[unused] == -math.inf).all())
     assert bool(summary.head_scores[~unused].isfinite().all())
+
+
+def test_a_draw_beyond_the_head_and_sample_raises_in_one_process_whatever_the_batch():
+    """In one process a draw of more items than the head and sample hold raises, rows or none, validated or not
+    (regression: with validation on, a batch of no rows returned an empty draw, as a rank without rows of a
+    sharded job does)."""
+    for batch in (0, 2):
+        for validate in (True, False):
+            catalog = SampledCatalog(torch.randn(batch, 1, 4), torch.randn(20, 1, 4), validate_args=validate,
+                                     sampler=DrawnSample(torch.arange(5), UniformSampler(5)))
+            with pytest.raises(ValueError, match="k=6 exceeds the"):
+                catalog.top_items(6)

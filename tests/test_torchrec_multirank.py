@@ -205,7 +205,7 @@ def test_sampled_mode_checks_agree_whatever_each_rank_holds(tmp_path):
         assert first[case] == second[case] == "ok", (case, first[case], second[case])
     # raised on one rank alone (the others hung): logged ids out of range, a uniform draw a row cannot fill, a draw
     # that one rank's head and sample cannot fill
-    assert first["propensity/bad_id"].startswith("ValueError: shown must be a subset of candidates")
+    assert first["propensity/bad_id"] == "ValueError: shown must hold ids in [0, 3001)"
     assert second["propensity/bad_id"].startswith("ValueError: an input check failed in another process")
     assert "but row 0 has 4" in first["uniform_short"] and "another process's rows" in second["uniform_short"]
     assert "another process's SampledCatalog" in first["short_pool"] and "row 0 has 13" in second["short_pool"]

@@ -213,6 +213,7 @@ def log_propensities(logits: Tensor | CatalogScores, candidates: Tensor, shown: 
         raise ValueError(f"shown must have at most K={num_candidates} columns, got {shown.shape[1]}")
     if validate:  # on every process, empty batches included: the agreements are collective
         checks = DeferredChecks()  # ids in range, candidates distinct, shown distinct and among them
+        checks.ids_in_range("shown", shown, catalog.num_items)
         checks.draw_and_picks(candidates, shown, catalog.num_items, distinct=True, picks="shown")
         checks.run(agreement(catalog))
         if epsilon < 1.0:
