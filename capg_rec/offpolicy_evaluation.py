@@ -15,13 +15,17 @@ the ESR to evaluate gives ``log π_θ(a_l ∈ A^K | x)`` of the same items. With
   target when ``Σ_a ρ₀(x, a) π_θ(a ∈ A^K | x) = L`` (as for π_θ = π₀); lower variance, small bias.
 
 Confidence intervals are normal, from the sample variance (SNIPS: the delta method); the
-effective sample size is ``(Σ_i W_i)² / Σ_i W_i²`` (n for equal weights).
+effective sample size is ``(Σ_i W_i)² / Σ_i W_i²`` (n for equal weights). Below
+``min_effective_sample_size`` the intervals are NaN, with a warning: a sample variance over a handful of
+weighted rows claims a certainty the rows do not hold (one row with weight gives SNIPS a zero-width
+interval; none gives IPS one at 0).
 """
 
 from __future__ import annotations
 
 import math
 import statistics
+import warnings
 from dataclasses import asdict, dataclass
 
 from torch import Tensor
@@ -52,12 +56,13 @@ class OffPolicyEstimate:
 
 def off_policy_value(target_log_inclusion: Tensor, logged_log_inclusion: Tensor, rewards: Tensor, *,
                      max_weight: float | None = None, confidence: float = 0.95,
-                     validate_args: bool | None = None) -> OffPolicyEstimate:
+                     min_effective_sample_size: float = 10.0, validate_args: bool | None = None) -> OffPolicyEstimate:
     """IPS and SNIPS estimates of the value of the ESR that gives ``target_log_inclusion [n, L]``
     (``log π_θ(a_l ∈ A^K | x_i)``; ``-inf`` for an item it never retrieves, e.g. a greedy top-K)
     from rows logged with ``logged_log_inclusion [n, L]`` (``log π₀``, finite) and ``rewards [n, L]``.
 
-    ``max_weight`` caps the weights (biased low, lower variance). Needs ``n >= 2`` rows.
+    ``max_weight`` caps the weights (biased low, lower variance). Needs ``n >= 2`` rows. The intervals are
+    NaN (and a warning says so) where the effective sample size is below ``min_effective_sample_size``.
     """
     for name, x in (("target_log_inclusion", target_log_inclusion), ("logged_log_inclusion", logged_log_inclusion),
                     ("rewards", rewards)):
@@ -75,6 +80,10 @@ def off_policy_value(target_log_inclusion: Tensor, logged_log_inclusion: Tensor,
         raise TypeError(f"confidence must be a number, got {type(confidence).__name__}")
     if not 0 < confidence < 1:
         raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
+    if isinstance(min_effective_sample_size, bool) or not isinstance(min_effective_sample_size, (int, float)):
+        raise TypeError(f"min_effective_sample_size must be a number, got {type(min_effective_sample_size).__name__}")
+    if not 0 <= min_effective_sample_size < math.inf:
+        raise ValueError(f"min_effective_sample_size must be finite and >= 0, got {min_effective_sample_size!r}")
     if resolve_validate_args(validate_args):
         checks = DeferredChecks()
         checks.no_nan_or_inf("target_log_inclusion", target_log_inclusion, allow_masked=True)
@@ -96,6 +105,11 @@ def off_policy_value(target_log_inclusion: Tensor, logged_log_inclusion: Tensor,
     # (Σ W)² / Σ W², of the weights over their largest: squares of weights near the cap overflow
     unit = w / w.max() if w_sum > 0 else w
     ess = float(unit.sum()) ** 2 / float((unit * unit).sum()) if w_sum > 0 else 0.0
+    if ess < min_effective_sample_size:
+        warnings.warn(f"off_policy_value: the weights' effective sample size is {ess:.3g}, below "
+                      f"min_effective_sample_size={min_effective_sample_size:g}: the confidence intervals are NaN "
+                      "(few logged rows carry weight for this ESR)", stacklevel=2)
+        ips_se = snips_se = math.nan
     return OffPolicyEstimate(ips=ips, ips_ci_low=ips - z * ips_se, ips_ci_high=ips + z * ips_se, snips=snips,
                              snips_ci_low=snips - z * snips_se, snips_ci_high=snips + z * snips_se,
                              effective_sample_size=ess, num_samples=num_samples, confidence=float(confidence))

@@ -130,12 +130,13 @@ def test_weights_at_the_overflow_cap_give_finite_estimates():
     rewards = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0], [1.0, 0.0], [0.5, 0.5]],
                            dtype=torch.float64)
     target = torch.zeros(n, 2, dtype=torch.float64)
-    est = off_policy_value(target, torch.full((n, 2), -400.0, dtype=torch.float64), rewards)
+    est = off_policy_value(target, torch.full((n, 2), -400.0, dtype=torch.float64), rewards,
+                           min_effective_sample_size=0)
     assert est.effective_sample_size == pytest.approx(n, rel=1e-12)
     assert est.snips == pytest.approx(float(rewards.mean()), rel=1e-12)
     assert math.isfinite(est.ips) and math.isfinite(est.ips_ci_high) and est.ips_ci_low <= est.ips <= est.ips_ci_high
     logged = -torch.linspace(300.0, 420.0, 2 * n, dtype=torch.float64).view(n, 2)
-    est = off_policy_value(target, logged, rewards)
+    est = off_policy_value(target, logged, rewards, min_effective_sample_size=0)
     log_w = (target - logged).clamp(max=math.log(math.sqrt(np.finfo(np.float64).max))).numpy()
     unit = np.exp(log_w - log_w.max())  # the weights over the largest
     per_row = unit.mean(1)
@@ -145,3 +146,31 @@ def test_weights_at_the_overflow_cap_give_finite_estimates():
     assert est.ips == pytest.approx(float(np.exp(log_w.max())) * y.mean(), rel=1e-12)
     se = float(np.exp(log_w.max())) * y.std(ddof=1) / math.sqrt(n)
     assert est.ips_ci_high - est.ips == pytest.approx(statistics.NormalDist().inv_cdf(0.975) * se, rel=1e-9)
+
+
+def test_intervals_are_nan_where_few_rows_carry_weight():
+    """Regression: with one logged row in 1,000 that the evaluated (greedy) ESR retrieves, SNIPS's interval had
+    width 0 (its residuals are all 0), and with none IPS's was [0, 0]: certainty from nothing. Below
+    min_effective_sample_size (default 10) the intervals are NaN, with a warning; above it they are as before."""
+    n = 1000
+    logged = torch.full((n, 1), math.log(0.5), dtype=torch.float64)
+    rewards = torch.ones(n, 1, dtype=torch.float64)
+
+    def greedy(matching: int) -> torch.Tensor:
+        target = torch.full((n, 1), -math.inf, dtype=torch.float64)
+        target[:matching] = 0.0
+        return target
+
+    for matching in (0, 1, 2):
+        with pytest.warns(UserWarning, match="effective sample size"):
+            est = off_policy_value(greedy(matching), logged, rewards)
+        assert est.ips == pytest.approx(2 * matching / n)
+        assert all(math.isnan(v) for v in (est.ips_ci_low, est.ips_ci_high, est.snips_ci_low, est.snips_ci_high))
+    noisy = rewards + (torch.arange(n, dtype=torch.float64) % 2).view(n, 1)
+    est = off_policy_value(greedy(20), logged, noisy)
+    assert est.effective_sample_size == pytest.approx(20)
+    assert est.ips_ci_low < est.ips < est.ips_ci_high and est.snips_ci_low < est.snips < est.snips_ci_high
+    with pytest.raises(ValueError, match="min_effective_sample_size"):
+        off_policy_value(greedy(20), logged, noisy, min_effective_sample_size=-1.0)
+    with pytest.raises(TypeError, match="min_effective_sample_size"):
+        off_policy_value(greedy(20), logged, noisy, min_effective_sample_size="10")

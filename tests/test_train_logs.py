@@ -64,9 +64,10 @@ def test_train_from_logs_end_to_end(logs, tmp_path, capsys):
     assert history[-1]["policy_value"] == policy_value(model, env, OptimalLSR(), K, L)  # exact, from the environment
     fresh = TwoTowerMoE(env.num_users, env.num_items, generator=torch.Generator().manual_seed(0))
     assert history[0]["policy_value"] == policy_value(fresh, env, OptimalLSR(), K, L)
-    for row in history:
-        assert row["ope_ips_low"] <= row["ope_ips"] <= row["ope_ips_high"] and row["ope_ess"] > 0
-        assert math.isfinite(row["ope_snips"])
+    for row in history:  # an interval only where enough held-out rows carry weight (NaN otherwise)
+        assert row["ope_ips_low"] <= row["ope_ips"] <= row["ope_ips_high"] or (
+            row["ope_ess"] < 10 and math.isnan(row["ope_ips_low"]) and math.isnan(row["ope_ips_high"]))
+        assert row["ope_ess"] > 0 and math.isfinite(row["ope_snips"])
 
 
 @pytest.mark.parametrize("estimator", ["capg_snips", "capg_swr", "vpg_ips", "topk_reinforce", "supervised"])
