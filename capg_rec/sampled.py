@@ -609,12 +609,13 @@ class SampledCatalog(CatalogScores):
         weights (exact when the head is the whole catalog; see the module doc)."""
         size = self.head_ids.shape[1]
         pool = size + self.sample_ids.shape[0]
-        if k > pool and not (self.check_draws and self.batch_size):  # else every process raises below
-            if self.check_draws and agreement(self) is not None:  # no rows here: take part in the others' check
+        if k > pool:
+            if not (self.check_draws and agreement(self) is not None):  # checks off, or one process: raise here
+                raise ValueError(f"k={k} exceeds the head and sample of this SampledCatalog ({pool} slots): "
+                                 "raise head_size or the number of negatives")
+            if not self.batch_size:  # no rows here: take part in the others' check (with rows, it raises below)
                 self._check_usable(self.user.new_zeros(0, 1, 0), k, experts)
                 return self.sample_ids.new_zeros(0, self.num_experts if experts is None else len(experts), k)
-            raise ValueError(f"k={k} exceeds the head and sample of this SampledCatalog ({pool} slots): "
-                             "raise head_size or the number of negatives")
         with torch.no_grad():
             head, bias = self._terms(exclude)
             sample = self.sample_scores
