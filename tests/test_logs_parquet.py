@@ -382,3 +382,55 @@ def test_writer_and_null_check_corner_cases(tmp_path):
     gc.collect()
     assert LoggedImpressions(tmp_path / "open.parquet", 4).num_rows == 3
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
+
+
+def _rewrite(src, dst, retype):
+    """The file ``src`` written again to ``dst`` with each column's type given by ``retype(name, type)``."""
+    table = pq.read_table(src)
+    schema = pa.schema([pa.field(f.name, retype(f.name, f.type), nullable=f.nullable) for f in table.schema],
+                       metadata=table.schema.metadata)
+    pq.write_table(table.cast(schema), dst, row_group_size=4)
+
+
+def _other_layouts(name, t):
+    """Spark / Polars-style types: non-nullable elements named ``element``, large and fixed-size lists,
+    int32 ids, float64 rewards and features, float32 propensities, large strings."""
+    if pa.types.is_list(t):
+        value = t.value_type
+        value = {pa.int64(): pa.int32(), pa.float32(): pa.float64(), pa.float64(): pa.float32()}.get(value, value)
+        element = pa.field("element", value, nullable=False)
+        width = {"candidates": K, "features": F}.get(name, L)
+        return {"candidates": pa.large_list(element), "features": pa.list_(element, width)}.get(
+            name, pa.list_(element))
+    return {pa.int64(): pa.int32(), pa.float64(): pa.float32(), pa.string(): pa.large_string()}[t]
+
+
+def test_the_layouts_data_pipelines_write_are_read(tmp_path):
+    """Regression: list elements declared non-nullable (Spark's containsNull = false, pyarrow with an explicit
+    schema), large or fixed-size lists (Polars) and int32 ids were refused as the wrong type. They are read, as
+    the schema's dtypes, to the same values."""
+    batches = _write(tmp_path / "ours.parquet", [7, 5])
+    _rewrite(tmp_path / "ours.parquet", tmp_path / "theirs.parquet", _other_layouts)
+    kinds = {str(f.type) for f in pq.read_schema(tmp_path / "theirs.parquet")}
+    assert {"large_list<element: int32 not null>", "fixed_size_list<element: double not null>[3]"} <= kinds
+    got = _cat(list(LoggedImpressions(tmp_path / "theirs.parquet", 5)))
+    want = _as_written(_cat(batches))
+    float32 = {"log_inclusion", "log_expected_count", "log_candidate_prob"}  # stored as float32 in that file
+    want = want._replace(**{name: getattr(want, name).float().double() for name in float32})
+    _assert_same(got, want)
+    for bad, what in ((pa.uint64(), "uint64"), (pa.string(), "string")):
+        _rewrite(tmp_path / "ours.parquet", tmp_path / "bad.parquet",
+                 lambda name, t: bad if name == "context" else t)
+        with pytest.raises(ValueError, match=f"column 'context' must have type int64 .*got {what}"):
+            LoggedImpressions(tmp_path / "bad.parquet", 5)
+
+
+@pytest.mark.parametrize("case", ["null context", "null inside a list", "null list"])
+def test_nulls_raise_with_checks_off_too(tmp_path, case):
+    """Regression: with validate_args=False a null id came back as a float64 NaN (the column turned into
+    floats) instead of an error."""
+    corrupt, column, what = CORRUPTIONS[case]
+    path = tmp_path / "bad.parquet"
+    _write_raw(path, corrupt(_table()))
+    with pytest.raises(ValueError, match=f"column '{column}'.*{what}"):
+        list(LoggedImpressions(path, 2, validate_args=False))

@@ -44,6 +44,23 @@ _DTYPES = {"request_id": torch.long, "context": torch.long, "features": torch.fl
            "log_expected_count": torch.float64, "log_candidate_prob": torch.float64}
 
 
+def _readable_as(got: pa.DataType, want: pa.DataType) -> bool:
+    """Whether a column of Arrow type ``got`` reads as :data:`LOG_SCHEMA`'s ``want``: lists as any list layout
+    (``large_list``, ``fixed_size_list``; elements declared non-nullable or named otherwise, as Spark and Polars
+    write them) of readable values; integers as any integer type that int64 holds; floats as any float type
+    (rewards and features are read as float32, the schema's type); strings as either string type."""
+    if pa.types.is_list(want):
+        layouts = (pa.types.is_list, pa.types.is_large_list, pa.types.is_fixed_size_list)
+        return any(layout(got) for layout in layouts) and _readable_as(got.value_type, want.value_type)
+    if pa.types.is_integer(want):
+        return pa.types.is_signed_integer(got) or (pa.types.is_unsigned_integer(got) and got.bit_width < 64)
+    if pa.types.is_floating(want):
+        return pa.types.is_floating(got)
+    if pa.types.is_string(want):
+        return pa.types.is_string(got) or pa.types.is_large_string(got)
+    return got == want
+
+
 def _first(bad: Tensor | np.ndarray) -> int | None:
     """Index of the first True of a 1-d mask, or None."""
     bad = torch.as_tensor(bad)
@@ -324,8 +341,9 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
             initialised, else one process.
         num_items: the catalog size N that ids must index (default: the file's, if it recorded one);
             pass the new catalog's size to catch logged items it no longer has.
-        validate_args: check every value (lengths, nulls, ids, ``shown ⊆ candidates``, propensities in
-            ``(0, 1]`` and finite); ``False`` skips the checks for speed.
+        validate_args: check every value (lengths, ids, ``shown ⊆ candidates``, propensities in
+            ``(0, 1]`` and finite); ``False`` skips the checks for speed. Nulls, and list columns whose
+            values do not add up to their width per row, raise either way (their checks cost nothing).
 
     Shape:
         Yields :class:`LoggedBatch` with ``context [B]``, ``features [B, F]`` or None, ``candidates
@@ -411,9 +429,10 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
                 for name in (*REQUIRED_COLUMNS, *(["features"] if here.num_features is not None else [])):
                     if name not in schema.names:
                         raise ValueError(f"log file {path}: missing column {name!r}")
-                    if schema.field(name).type != LOG_SCHEMA.field(name).type:
+                    if not _readable_as(schema.field(name).type, LOG_SCHEMA.field(name).type):
                         raise ValueError(f"log file {path}: column {name!r} must have type "
-                                         f"{LOG_SCHEMA.field(name).type}, got {schema.field(name).type}")
+                                         f"{LOG_SCHEMA.field(name).type} (or a list or a number type read as it "
+                                         f"without loss), got {schema.field(name).type}")
                 if meta is None:
                     meta = here
                 else:
@@ -519,7 +538,7 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
         cols = {}
         for name in self.columns:
             arr = record_batch.column(name)
-            if self.validate and arr.null_count:
+            if arr.null_count:  # checked always (a count Arrow keeps): a null would turn the column into floats
                 row = _first(arr.is_null().to_numpy(zero_copy_only=False))
                 raise ValueError(f"{where}, {_row(row0 + row, file_row0)}: column {name!r} is missing (null)")
             n = len(arr)
@@ -536,14 +555,14 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
                 if len(values) != n * width:  # structure, checked always (one comparison); validation finds the row
                     raise ValueError(f"{where}: column {name!r} must hold {width} values per row, got {len(values)} "
                                      f"values in {n} rows")
-                if self.validate and values.null_count:
+                if values.null_count:
                     row = _first(values.is_null().to_numpy(zero_copy_only=False)) // width
                     raise ValueError(f"{where}, {_row(row0 + row, file_row0)}: column {name!r} holds a missing "
                                      "(null) value")
                 x = torch.from_numpy(values.to_numpy(zero_copy_only=False).copy()).view(n, width)
             else:
                 x = torch.from_numpy(arr.to_numpy(zero_copy_only=False).copy())
-            cols[name] = x
+            cols[name] = x.to(_DTYPES[name])  # a no-op unless the file holds another readable type
         if self.validate:
             _raise_first(cols, self.meta, self.num_items, where, row0, file_row0)
         return cols

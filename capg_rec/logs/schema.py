@@ -17,6 +17,10 @@ column                   Arrow type           content
 ``policy_version``       string               the logging policy's version
 =======================  ===================  ===========================================================
 
+The reader also takes the other Arrow layouts of these columns that data pipelines write: ``large_list``
+or ``fixed_size_list``, list elements declared non-nullable, narrower integer and other float types (read
+as the types above).
+
 File-level metadata (:class:`LogMetadata`, stored as JSON under the schema metadata key ``capg_rec``):
 the schema version, K, L, F (or null), the catalog size N the ids index (or null), the name of the
 inclusion method behind ``log_inclusion`` and free-form ``extra`` fields (the generating environment,
