@@ -6,6 +6,7 @@ import contextlib
 import functools
 import inspect
 import itertools
+import operator
 import math
 from collections.abc import Sequence
 
@@ -25,8 +26,16 @@ def eager_cpu(x: Tensor) -> bool:
 
 
 def select_experts(x: Tensor, experts: Sequence[int]) -> Tensor:
-    """``x[:, experts]`` — a view (no copy) when the experts are consecutive."""
-    idx = list(experts)
+    """``x[:, experts]`` — a view (no copy) when the experts are consecutive. ``experts`` must be ints in
+    ``[0, x.shape[1])`` (a ``TypeError`` / ``ValueError`` naming them otherwise: a slice would silently
+    come back empty)."""
+    if isinstance(experts, (str, bytes, Tensor)) or not isinstance(experts, Sequence):
+        raise TypeError(f"experts must be a sequence of ints, got {type(experts).__name__}")
+    if any(isinstance(m, bool) or not hasattr(m, "__index__") for m in experts):
+        raise TypeError(f"experts must be a sequence of ints, got {list(experts)}")
+    idx = [operator.index(m) for m in experts]
+    if any(not 0 <= m < x.shape[1] for m in idx):
+        raise ValueError(f"experts must be in [0, {x.shape[1]}) (the catalog's experts), got {idx}")
     if idx and idx == list(range(idx[0], idx[0] + len(idx))):
         return x[:, idx[0]:idx[0] + len(idx)]
     return x[:, idx]
