@@ -82,6 +82,11 @@ class NegativeSampler(abc.ABC):
     def log_expected_count(self, ids: Tensor, num_items: int, batch_items: Tensor | None) -> Tensor:
         """``log E[count of id]`` in a draw, for ``ids [S]`` → ``[S]`` (dtype float64)."""
 
+    @property
+    def counts_use_batch(self) -> bool:
+        """Whether :meth:`log_expected_count` depends on ``batch_items`` (then it must be the batch of the draw)."""
+        return False
+
 
 class UniformSampler(NegativeSampler):
     """``num_samples`` ids uniform over the catalog, with replacement (``E[count] = S / N``)."""
@@ -192,6 +197,10 @@ class InBatchSampler(NegativeSampler):
         return torch.where(seen, torch.log(copies.clamp(min=1e-300)) - torch.log(interval.clamp(min=1e-300)),
                            -math.inf)
 
+    @property
+    def counts_use_batch(self) -> bool:
+        return self.frequency is not None  # E[count] = slots · q: the batch's slots
+
     def __repr__(self) -> str:
         source = "given" if self.frequency is not None else f"streaming(alpha={self.alpha})"
         return f"InBatchSampler(frequency={source})"
@@ -217,6 +226,10 @@ class MixedSampler(NegativeSampler):
         parts = torch.stack([s.log_expected_count(ids, num_items, batch_items) for s in self.samplers])
         return torch.logsumexp(parts, dim=0)
 
+    @property
+    def counts_use_batch(self) -> bool:
+        return any(s.counts_use_batch for s in self.samplers)
+
     def __repr__(self) -> str:
         return f"MixedSampler({', '.join(map(repr, self.samplers))})"
 
@@ -230,21 +243,33 @@ class DrawnSample(NegativeSampler):
         ids: the sample ``[S]`` (int64 ids, ``-1``: unused), e.g. ``sampler.draw(num_items, batch_items,
             generator=g, device=d)``.
         sampler: the :class:`NegativeSampler` that drew it.
+        batch_items: the ``batch_items [B, H]`` it was drawn with, required where the sampler's expected
+            counts depend on them (an :class:`InBatchSampler` with a given ``frequency``, alone or in a
+            :class:`MixedSampler`): the catalog's own batch is not the draw's.
     """
 
-    def __init__(self, ids: Tensor, sampler: NegativeSampler) -> None:
+    def __init__(self, ids: Tensor, sampler: NegativeSampler, batch_items: Tensor | None = None) -> None:
         if not isinstance(sampler, NegativeSampler) or isinstance(sampler, DrawnSample):
             raise TypeError(f"sampler must be the NegativeSampler that drew ids, got {type(sampler).__name__}")
         if not isinstance(ids, Tensor) or ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
             raise TypeError(f"ids must be a 1-d integer tensor [S], got {getattr(ids, 'shape', type(ids).__name__)}")
+        if batch_items is not None and (not isinstance(batch_items, Tensor) or batch_items.is_floating_point()
+                                        or batch_items.dtype == torch.bool):
+            raise TypeError(f"batch_items must be an integer tensor [B, H], got "
+                            f"{getattr(batch_items, 'dtype', type(batch_items).__name__)}")
+        if sampler.counts_use_batch and batch_items is None:
+            raise ValueError(f"batch_items is required: {sampler!r}'s expected counts depend on the batch the sample "
+                             "was drawn with (pass that batch)")
         self.ids, self.sampler = ids.long(), sampler
+        self.batch_items = None if batch_items is None else batch_items.long()
 
     def draw(self, num_items: int, batch_items: Tensor | None, *, generator: torch.Generator | None,
              device: torch.device) -> Tensor:
         return self.ids.to(device)
 
     def log_expected_count(self, ids: Tensor, num_items: int, batch_items: Tensor | None) -> Tensor:
-        return self.sampler.log_expected_count(ids, num_items, batch_items)
+        drawn_with = self.batch_items.to(ids.device) if self.batch_items is not None else batch_items
+        return self.sampler.log_expected_count(ids, num_items, drawn_with)
 
     def __repr__(self) -> str:
         return f"DrawnSample({self.ids.shape[0]} ids, {self.sampler!r})"

@@ -368,6 +368,33 @@ def test_drawn_sample_refuses_what_is_not_a_sample():
     for bad in (None, DrawnSample(ids, sampler)):
         with pytest.raises(TypeError, match="sampler must be the NegativeSampler"):
             DrawnSample(ids, bad)
+    with pytest.raises(TypeError, match="batch_items must be an integer tensor"):
+        DrawnSample(ids, sampler, batch_items=ids.float())
+
+
+def test_drawn_in_batch_sample_counts_with_the_batch_it_was_drawn_with():
+    """Regression: a DrawnSample of an InBatchSampler with a given frequency (alone or mixed) took its expected
+    counts from the catalog's own batch (its head_items) rather than the draw's: the normaliser was biased
+    (−inf with no head, −1 nat with a head of other width). With the draw's batch it equals the sampler's own
+    catalog exactly; without it, it is refused."""
+    user, item = _towers(m=2)
+    frequency = torch.softmax(torch.randn(60, generator=torch.Generator().manual_seed(1)), 0)
+    batch = torch.tensor([[4, 9, -1, 7], [1, 2, 3, 5], [8, 8, 0, 11]])
+    head = torch.tensor([[30, 31], [32, 33], [34, 35]])
+    for sampler in (InBatchSampler(frequency=frequency), MixedSampler(InBatchSampler(frequency=frequency),
+                                                                     UniformSampler(16))):
+        own = SampledCatalog(user, item, sampler=sampler, batch_items=batch, head_items=head,
+                             generator=torch.Generator().manual_seed(5))
+        ids = sampler.draw(60, batch, generator=torch.Generator().manual_seed(5), device=torch.device("cpu"))
+        for head_items in (head, None):
+            drawn = SampledCatalog(user, item, sampler=DrawnSample(ids, sampler, batch_items=batch),
+                                   head_items=head_items)
+            if head_items is not None:
+                torch.testing.assert_close(drawn.log_power_sums(None, 3), own.log_power_sums(None, 3), rtol=0, atol=0)
+            assert torch.isfinite(drawn.log_normalizer()).all()
+        with pytest.raises(ValueError, match="batch_items is required"):
+            DrawnSample(ids, sampler)
+    assert not UniformSampler(3).counts_use_batch and not InBatchSampler().counts_use_batch
 
 
 def test_streaming_in_batch_count_estimates_the_expected_copies():
@@ -562,3 +589,21 @@ def test_a_draw_beyond_the_head_and_sample_raises_in_one_process_whatever_the_ba
                                      sampler=DrawnSample(torch.arange(5), UniformSampler(5)))
             with pytest.raises(ValueError, match="k=6 exceeds the"):
                 catalog.top_items(6)
+
+
+def test_top_items_names_experts_outside_the_catalog():
+    """Regression: ``top_items(experts=...)`` took an expert beyond M or a negative one as a slice and returned
+    an empty result (no error) on the dense, embedding and sampled catalogs."""
+    user, item = _towers(m=2)
+    catalogs = [capg_rec.DenseCatalog(torch.einsum("bmd,nmd->bmn", user, item)), EmbeddingCatalog(user, item),
+                EmbeddingCatalog(user, item, chunk_size=7),
+                SampledCatalog(user, item, sampler=UniformSampler(40), generator=torch.Generator().manual_seed(0))]
+    for cat in catalogs:
+        assert cat.top_items(3, experts=[1]).shape == (3, 1, 3)
+        assert torch.equal(cat.top_items(3, experts=(1, 0)), cat.top_items(3)[:, [1, 0]])
+        for experts in ([2], [-1], [0, 5]):
+            with pytest.raises(ValueError, match=r"experts must be in \[0, 2\)"):
+                cat.top_items(3, experts=experts)
+        for experts in ([True], ["0"], 1, [0.0]):
+            with pytest.raises(TypeError, match="experts must be a sequence of ints"):
+                cat.top_items(3, experts=experts)
