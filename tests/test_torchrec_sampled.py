@@ -379,3 +379,33 @@ def test_index_heads_count_only_usable_ids_and_refuse_repeats():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert retriever(kjt, sample=sample, index_items=padded).exact_top == 26
+
+
+def test_the_readme_recipe_takes_an_approximate_index_padding():
+    """Regression: the README's listing ``torch.cat([sample.ids, found.flatten()]).unique()`` kept the ``-1``
+    that an approximate index pads with (here FAISS IVF probing one list), and ``with_catalog`` passed it on:
+    a ValueError with validation, an IndexError without. ``-1`` entries are now left out of the listing, and
+    the catalog is the one listing only the found ids."""
+    import functools
+
+    pytest.importorskip("faiss")
+    from capg_rec.ann import FaissIndex
+    from capg_rec.torchrec import IndexHead
+
+    retriever = _retriever(num_items=600)
+    users = [3, 1, 7]
+    found = IndexHead(retriever, 40, index=functools.partial(FaissIndex, kind="ivf", nlist=30, nprobe=1))(
+        _users(users))
+    assert (found == -1).any() and (found >= 0).any()
+    g = torch.Generator().manual_seed(0)
+    sampler = UniformSampler(50)
+    sample = DrawnSample(torch.cat([sampler.draw(600, None, generator=g, device=torch.device("cpu")),
+                                    torch.tensor([-1])]), sampler)  # an unused slot too
+    listed = torch.cat([sample.ids, found.flatten()]).unique()
+    sums = []
+    for items in (listed, listed[listed >= 0]):
+        kjt = retriever.with_catalog(_users(users), items=items)
+        assert (kjt["catalog"].values() >= 0).all()
+        sums.append(retriever(kjt, sample=sample, index_items=found).log_power_sums(None, 2))
+    torch.testing.assert_close(sums[0], sums[1], rtol=0, atol=0)
+    assert torch.isfinite(sums[0]).all()

@@ -174,7 +174,8 @@ class TwoTowerRetriever(nn.Module):
 
         With ``items`` (global ids ``[S']``: a negative sample and the batch's named items) the last sample
         lists those instead, looked up wherever their rows live: :meth:`forward` with ``sample`` then
-        scores against them (a sampled catalog, whose cost does not grow with the catalog)."""
+        scores against them (a sampled catalog, whose cost does not grow with the catalog). Their ``-1``
+        entries (a sample's unused slots, an approximate index's padding) are left out."""
         if self.catalog_feature in features.keys():
             raise ValueError(f"features already has the catalog feature {self.catalog_feature!r}: call "
                              f"with_catalog once per batch, on features without it")
@@ -184,7 +185,7 @@ class TwoTowerRetriever(nn.Module):
                                   or items.dtype == torch.bool):
             raise TypeError(f"items must be a 1-d tensor of item ids [S'], got "
                             f"{getattr(items, 'shape', type(items).__name__)}")
-        ids = (self.catalog_ids() if items is None else items).to(features.values().device)
+        ids = (self.catalog_ids() if items is None else items[items != -1]).to(features.values().device)
         batch, keys = features.stride(), features.keys()
         lengths = features.lengths().view(len(keys), batch)
         lengths = torch.cat([torch.nn.functional.pad(lengths, (0, 1)).flatten(),
