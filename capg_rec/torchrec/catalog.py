@@ -244,8 +244,8 @@ class ShardedEmbeddingCatalog(CatalogScores):
             drop = self._drop(exclude)
             noise = None
             if perturb:
-                noise = BlockNoise(self._shared_seed(generator), user.shape[0], sel, self.row_offset, self.dtype,
-                                   self.device, block_size=min(BLOCK, self.num_items))
+                noise = BlockNoise(self._shared_seed(generator, k, sel), user.shape[0], sel, self.row_offset,
+                                   self.dtype, self.device, block_size=min(BLOCK, self.num_items))
             vals, ids = _chunked_top_k(user, item, k, drop, noise, self.chunk_size)
             if self.group is None:
                 return ids
@@ -258,14 +258,23 @@ class ShardedEmbeddingCatalog(CatalogScores):
             best = all_vals.topk(k, dim=2).indices
             return self._mine(all_ids.gather(2, best))
 
-    def _shared_seed(self, generator: torch.Generator | None) -> list[int]:
+    def _shared_seed(self, generator: torch.Generator | None, k: int, experts: list[int]) -> list[int]:
         """A seed drawn from ``generator`` on every rank and taken from rank 0 of the group (read back:
-        generators are seeded from the host)."""
+        generators are seeded from the host). The same exchange checks that every rank draws ``k`` items
+        under the same ``experts`` (the draw's gathers would otherwise abort the process group): a
+        ``ValueError`` on every rank."""
         seed = draw_seed(generator)
-        if self.group is not None:
-            seed = seed.to(self.device)
-            dist.broadcast(seed, src=dist.get_global_rank(self.group, 0), group=self.group)
-        return seed.tolist()
+        if self.group is None:
+            return seed.tolist()
+        # int hashes do not depend on the process (unlike str ones): the experts' fingerprint agrees where they do
+        mine = torch.tensor([*seed.tolist(), k, len(experts), hash(tuple(experts)) >> 2], device=self.device)
+        parts = [torch.empty_like(mine) for _ in self._sizes]
+        dist.all_gather(parts, mine, group=self.group)
+        if any(not torch.equal(p[2:], mine[2:]) for p in parts):
+            raise ValueError(f"every rank must draw alike (the same K in sample_candidates), got draws of k = "
+                             f"{[int(p[2]) for p in parts]} items under {[int(p[3]) for p in parts]} experts by rank "
+                             f"(or other experts)")
+        return parts[0][:2].tolist()
 
 
 def _finite(x: Tensor) -> Tensor:
