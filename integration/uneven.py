@@ -18,7 +18,10 @@ ranks with a collective timeout, so that a hang fails the case instead of the jo
   logged a shown id outside the catalog) and ``uniform_short`` (ε = 1 and a row of rank 0 with fewer unmasked
   items than K) raise on both;
 * ``short_pool``: rank 1's head and sample hold fewer slots than the draw's K: a ``ValueError`` on both; with
-  no users on rank 1 (``short_pool/empty``) there is nothing to draw there, and both pass.
+  no users on rank 1 (``short_pool/empty``) there is nothing to draw there, and both pass;
+* ``k_draw``: the ranks draw different numbers of candidates from the whole catalog: a ``ValueError`` on both;
+* ``dense_rows``: a retriever with a user tower, whose ``dense`` input has a row too few on rank 1: a
+  ``ValueError`` on both.
 
 Writes ``DIR/uneven_rank{r}.json``: each case's outcome, ``"ok"`` or the exception's class and message.
 """
@@ -26,6 +29,7 @@ Writes ``DIR/uneven_rank{r}.json``: each case's outcome, ``"ok"`` or the excepti
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -154,16 +158,27 @@ def main() -> int:
             sample_candidates(catalog(model, users, sample, head, listed), 40)
         return case
 
+    def k_draw():
+        sample_candidates(full(batch(rank, PER_RANK)[0]), K + rank, generator=torch.Generator().manual_seed(3))
+
+    towered = h.shard(dataclasses.replace(SETUP, tower=True), 0.1)
+
+    def dense_rows():  # the tower takes the pooled user features and dense's columns (none here)
+        users = batch(rank, PER_RANK)[0]
+        kjt = towered.module.with_catalog(h.user_batch(users.to(h.device())))
+        towered(kjt, torch.zeros(PER_RANK - rank, 0, device=h.device()))
+
     cases = {"empty/mean_field": empty("mean_field"), "empty/with_replacement": empty("with_replacement"),
              "wide": wide, "pad/capg": pad(CAPGLoss(K, method="with_replacement")),
              "pad/vpg": pad(VPGLoss(K, with_replacement=True)), "nothing_listed": nothing_listed,
              "rewritten": rewritten, "exact/empty": exact_empty, "propensity/empty": propensity_empty,
              "propensity/bad_id": propensity_bad_id, "uniform_short": uniform_short,
-             "short_pool": short_pool(PER_RANK), "short_pool/empty": short_pool(0)}
+             "short_pool": short_pool(PER_RANK), "short_pool/empty": short_pool(0), "k_draw": k_draw,
+             "dense_rows": dense_rows}
     outcomes = {name: outcome(case) for name, case in cases.items()}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"uneven_rank{rank}.json").write_text(json.dumps(outcomes, indent=1))
-    h.teardown(model)
+    h.teardown(model, towered)
     return 0
 
 

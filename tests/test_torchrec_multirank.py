@@ -216,6 +216,11 @@ def test_sampled_mode_checks_agree_whatever_each_rank_holds(tmp_path):
     assert second["pad/capg"] == "ValueError: an input check failed in another process (which raised its error)"
     assert second["nothing_listed"].startswith("ValueError: an item of candidates was not looked up")
     assert first["nothing_listed"] == second["nothing_listed"] + " (in another process)"
+    # regressions (found by review): gloo aborted one rank; a row too few in one rank's dense hung the other
+    assert first["k_draw"] == second["k_draw"]
+    assert first["k_draw"].startswith("ValueError: every rank must draw alike (the same K in sample_candidates)")
+    assert first["dense_rows"] == second["dense_rows"]
+    assert first["dense_rows"].startswith("ValueError: dense must have shape [B, F] with B = 4")
 
 
 def test_sampled_mode_matches_one_process(tmp_path):

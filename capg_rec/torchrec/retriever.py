@@ -239,17 +239,18 @@ class TwoTowerRetriever(nn.Module):
 
         def check() -> list[int]:
             self._check_inputs(features, dense, bag_features, offset, rows, validate, sample, head_items, index_items)
-            # sampled or not, and the heads' widths: the sampled catalogs' lookups are collective when validating
+            # sampled or not, and the heads' widths: the sampled catalogs' lookups are collective when validating;
+            # dense's width: the user tower runs on every rank alike
             return [-2 if sample is None else -1 if head_items is None else head_items.shape[1],
-                    -1 if index_items is None else index_items.shape[-1]]
+                    -1 if index_items is None else index_items.shape[-1], -1 if dense is None else dense.shape[1]]
 
         if group is not None and validate:
             device = features.values().device if isinstance(features, KeyedJaggedTensor) else torch.device("cpu")
-            shapes = [tuple(entries) for entries in exchange(check, 2, group, device)]
+            shapes = [tuple(entries) for entries in exchange(check, 3, group, device)]
             if len(set(shapes)) > 1:
-                raise ValueError(f"sample, head_items and index_items must be given on every rank or none, each head "
-                                 f"of one width, got (sample: -2 if none, else head_items' width or -1; index_items' "
-                                 f"width or -1) {shapes} by rank")
+                raise ValueError(f"sample, head_items, index_items and dense must be given on every rank or none, "
+                                 f"each of one width, got (sample: -2 if none, else head_items' width or -1; "
+                                 f"index_items' width or -1; dense's width or -1) {shapes} by rank")
         else:
             check()
 
@@ -383,8 +384,15 @@ class TwoTowerRetriever(nn.Module):
             raise ValueError(f"the catalog feature {self.catalog_feature!r} must list this rank's item rows "
                              f"[{offset}, {offset + rows}) in order, in the last sample, got {ids.numel()} ids: "
                              f"build it with retriever.with_catalog(features)")
-        if dense is not None and self.user_tower is None:
-            raise ValueError("dense features need a user_tower")
+        if dense is not None:
+            if self.user_tower is None:
+                raise ValueError("dense features need a user_tower")
+            if not isinstance(dense, Tensor) or not dense.is_floating_point():
+                raise TypeError(f"dense must be a floating tensor [B, F], got "
+                                f"{getattr(dense, 'dtype', type(dense).__name__)}")
+            if dense.dim() != 2 or dense.shape[0] != features.stride() - 1:
+                raise ValueError(f"dense must have shape [B, F] with B = {features.stride() - 1} (the users of "
+                                 f"features), got {list(dense.shape)}")
         self._check_user_features(features, bag_features, features.stride() - 1, validate)
 
     def _check_user_features(self, features: KeyedJaggedTensor, bag_features: KeyedJaggedTensor | None, batch: int,
