@@ -29,6 +29,7 @@ there is none, and invalid inputs give undefined results.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -39,7 +40,7 @@ from capg_rec._checks import DeferredChecks, check_choice, check_count, check_fl
 from capg_rec.catalog import CatalogScores, DenseCatalog, agreement, as_catalog
 from capg_rec.marginals import DEFAULT_METHOD, InclusionMethod, WithReplacement, _inclusion_log_prob, \
     inclusion_method
-from capg_rec.plackett_luce import _candidate_log_prob, _expert_index
+from capg_rec.plackett_luce import _candidate_log_prob, _expert_index, expert_runs
 
 __all__ = ["vpg_loss", "capg_loss", "offpolicy_capg_loss", "offpolicy_vpg_loss", "topk_reinforce_loss",
            "importance_weights"]
@@ -74,7 +75,7 @@ def capg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor
     method = inclusion_method(method)
     catalog, candidates, chosen, advantage = _prepare(logits, candidates, chosen, rewards, position_weights,
                                                       baseline, temperature, reduction, validate_args,
-                                                      distinct=True)
+                                                      distinct=True, inclusion=True)
     score = _inclusion_log_prob(catalog, chosen, candidates.shape[1], method)  # [B, L]
     return _reduce(-(advantage * score).sum(1), reduction)
 
@@ -110,7 +111,7 @@ def offpolicy_capg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chos
     max_weight, self_normalize = _weight_options(max_weight, self_normalize)
     catalog, candidates, chosen, advantage = _prepare(
         logits, candidates, chosen, rewards, position_weights, baseline, temperature, reduction, validate_args,
-        distinct=True, logged=("logged_log_inclusion", logged_log_inclusion, True, bound))
+        distinct=True, inclusion=True, logged=("logged_log_inclusion", logged_log_inclusion, True, bound))
     score = _inclusion_log_prob(catalog, chosen, candidates.shape[1], method)  # [B, L]
     weight = importance_weights(score - logged_log_inclusion.to(score.dtype), max_weight=max_weight,
                                 self_normalize=self_normalize)
@@ -202,10 +203,14 @@ def _weight_options(max_weight: float | None, self_normalize: bool) -> tuple[flo
 
 def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor,
              position_weights: Tensor | None, baseline: Tensor | None, temperature: float, reduction: str,
-             validate_args: bool | None, *, distinct: bool,
+             validate_args: bool | None, *, distinct: bool, inclusion: bool = False,
              logged: tuple[str, Tensor, bool, float] | None = None
              ) -> tuple[CatalogScores, Tensor, Tensor, Tensor]:
     """Checks (structure always, values when validating, in one sync) → catalog, ids, advantage ``[B, L]``.
+
+    ``inclusion``: the loss takes inclusion probabilities, whose methods assume that each expert block can draw
+    its items whatever the earlier blocks took (:func:`~capg_rec.plackett_luce.check_enough_items`); with one
+    expert, K distinct unmasked candidates imply it.
 
     ``logged = (name, tensor, per_item, bound)``: a logged log-propensity ``[B, L]`` (``per_item``)
     or ``[B]``, checked finite and ``<= bound + LOG_PROB_TOLERANCE``."""
@@ -242,6 +247,15 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
                 checks.all_above(_drawing_scores(catalog, inside), -math.inf,
                                  "candidates must not hold masked items (scored -inf by the expert that drew them): "
                                  "the ESR cannot draw them")
+            if inclusion and catalog.num_experts > 1:
+                runs = expert_runs(candidates.shape[1], catalog.num_experts)
+                experts, needed = [m for m, _ in runs], list(itertools.accumulate(n for _, n in runs))
+                available = catalog.num_available()[:, experts]  # [B, R]
+                checks.all_above(available - torch.tensor(needed, device=available.device), -1,
+                                 f"num_candidates={candidates.shape[1]} needs, under the experts {experts} "
+                                 f"of its blocks, {needed} unmasked items (as many as the positions up to the end of "
+                                 "each block), but a row has fewer (items scored -inf are masked): its inclusion "
+                                 "probabilities are undefined")
         for name, x in (("rewards", rewards), ("baseline", baseline), ("position_weights", position_weights)):
             if x is not None:
                 checks.no_nan_or_inf(name, x)

@@ -1,8 +1,11 @@
 """The losses: expected-gradient identities by enumeration, semantics, numerics, input checks."""
 
+import math
+
 import pytest
 import torch
 
+import capg_rec.functional
 from capg_rec import (CAPGLoss, DenseCatalog, EmbeddingCatalog, VPGLoss, candidate_log_prob, dcg_weights,
                       expert_of_position, inclusion_log_prob, sample_candidates)
 from capg_rec._enumerate import all_draws, draw_log_probs, inclusion_probs
@@ -196,3 +199,22 @@ def test_dcg_weights():
     torch.testing.assert_close(dcg_weights(3), torch.tensor([1.0, 1 / 1.5849625, 0.5]))
     with pytest.raises(ValueError, match="length"):
         dcg_weights(0)
+
+
+@pytest.mark.parametrize("method", ["mean_field", "exact", "plugin", "with_replacement"])
+def test_capg_losses_refuse_an_expert_with_too_few_items_for_its_block(method):
+    """Regression (found by review): with a mask per expert, the CA-PG losses took a row whose second expert has
+    3 unmasked items, fewer than the 6 positions up to the end of its block, and returned a finite loss (mean-field,
+    exact and plug-in gave that expert's items probability 1), where inclusion_log_prob and sample_candidates raise.
+    The off-policy loss too; V-PG, whose log π(A) needs no such assumption, still scores the draw."""
+    torch.manual_seed(0)
+    x = torch.randn(1, 2, 8)
+    x[0, 1, 3:] = -math.inf  # expert 1 may draw only items 0, 1, 2
+    cand, chosen, rewards = torch.tensor([[5, 6, 7, 0, 1, 2]]), torch.tensor([[5, 0]]), torch.ones(1, 2)
+    with pytest.raises(ValueError, match=r"needs, under the experts \[0, 1\] of its blocks, \[3, 6\] unmasked items"):
+        CAPGLoss(6, method=method)(x, cand, chosen, rewards)
+    with pytest.raises(ValueError, match="unmasked items"):
+        capg_rec.functional.offpolicy_capg_loss(x, cand, chosen, rewards, torch.full((1, 2), -1.0), method=method)
+    assert torch.isfinite(VPGLoss(6)(x, cand, chosen, rewards))
+    x[0, 1, 3:6] = 0.0  # 6 items now: passes
+    assert torch.isfinite(CAPGLoss(6, method=method)(x, cand, chosen, rewards))
