@@ -28,7 +28,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from capg_rec._checks import check_count, check_float_tensor, check_items, check_positive, resolve_validate_args
+from capg_rec._checks import all_finite, check_count, check_float_tensor, check_items, check_positive, \
+    resolve_validate_args
 from capg_rec._numerics import (bound_once, exp_floored, filled_logsumexp, gather_with_rest, gumbel_like, gumbel_top_k,
                                log_softmax_at, no_autocast, scaled_terms, select_experts, top_k)
 
@@ -435,10 +436,12 @@ class EmbeddingCatalog(CatalogScores):
     def gather(self, items: Tensor) -> Tensor:
         with no_autocast(self.device):
             scores = torch.einsum("bmd,blmd->bml", self.user, self.item[items])
-        if self.masked_items is None:
-            return scores
-        masked = (items.unsqueeze(2) == self.masked_items.unsqueeze(1)).any(2)  # [B, L]
-        return scores.masked_fill(masked.unsqueeze(1), -math.inf)
+        masked = None if self.masked_items is None else \
+            (items.unsqueeze(2) == self.masked_items.unsqueeze(1)).any(2).unsqueeze(1)  # [B, 1, L]
+        if self.validate and scores.numel():  # an overflow of an unmasked item's score (masks add -inf below)
+            if not all_finite(scores.detach() if masked is None else scores.detach().masked_fill(masked, 0.0)):
+                raise _overflow_error(self.dtype)
+        return scores if masked is None else scores.masked_fill(masked, -math.inf)
 
     def log_power_sums(self, exclude: Tensor | None = None, num_powers: int = 1) -> Tensor:
         check_count("num_powers", num_powers)

@@ -505,3 +505,21 @@ def test_gather_with_rest_also_names_items_that_stay_in_the_rest():
     grads = [torch.autograd.grad((n * weights).sum() + r.sum(), user)[0]
              for n, r in ((dense_named, dense_rest), (stream_named, stream_rest))]
     torch.testing.assert_close(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("method", ["mean_field", "exact", "plugin", "with_replacement"])
+def test_embedding_catalog_losses_raise_on_overflowing_scores_when_read_whole(method):
+    """Regression (found by review): a catalog of at most 2048 items is read whole through gather, which did not
+    check the scores: mean-field's loss was NaN and the exact method's 0.0 with validation on, where the chunked
+    reductions raise. Now the overflow error; overflowing items that are masked do not count."""
+    user, item = _overflowing_embeddings()
+    item = torch.cat([item, torch.randn(20, 1, 2)])
+    cand, ones = torch.tensor([[0, 4, 5], [0, 4, 5]]), torch.ones(2, 1)
+    with pytest.raises(ValueError, match="overflow"):
+        CAPGLoss(3, method=method)(EmbeddingCatalog(user, item), cand, cand[:, :1], ones)
+    with pytest.raises(ValueError, match="overflow"):  # the drawing scores' check named a masked item
+        VPGLoss(3)(EmbeddingCatalog(user, item), torch.tensor([[2, 4, 5], [0, 4, 5]]), torch.tensor([[4], [4]]), ones)
+    masked = torch.tensor([[1, 2, 3], [-1, -1, -1]])
+    assert torch.isfinite(CAPGLoss(3, method=method)(EmbeddingCatalog(user, item, masked_items=masked), cand,
+                                                     cand[:, :1], ones))
+    assert EmbeddingCatalog(user, item, validate_args=False).gather(cand).shape == (2, 1, 3)
