@@ -549,7 +549,11 @@ class _RobustSolve:
         em1 = expm1_(x.neg())
         miss = em1 + 1.0
         hit_per_x = (finfo.tiny - em1) / (x + finfo.tiny)  # (1 - e^{-x}) / x, 1 where x underflows
-        saturated = sat.sum(dim=1) if self.rho is None else torch.linalg.vecdot(self.rho, sat)
+        # n - S = (n - Σ_sat 1) + Σ_sat (1 - ρ): exact integers, and 1 - ρ from log ρ, which keeps the chance that an
+        # earlier block took the item where ρ rounds to 1 (the rest of the saturated items' mass may be all there is)
+        deficit = self.count - sat.sum(dim=1)
+        if self.log_rho is not None:
+            deficit = deficit + torch.linalg.vecdot(-torch.expm1(self.log_rho), sat)
         p = torch.linalg.vecdot(c, sat)
         b_sat = torch.linalg.vecdot(c * x, sat)
         q = torch.linalg.vecdot(c * hit_per_x, rest)
@@ -558,7 +562,6 @@ class _RobustSolve:
             tail_terms = coef * torch.exp((tail_log - scale_q.unsqueeze(1)).clamp(max=_log_max(dtype)))
             q = q + tail_terms.sum(dim=1)
             b_rest = b_rest + (powers * tail_terms).sum(dim=1)
-        deficit = self.count - saturated  # n - S
         # The slope -∂f/∂κ = Σ_sat ρ x e^{-x} + Σ_rest ρ x e^{-x}, as logs relative to Q's scale. At
         # the root P = Q - (n - S): where that takes no cancellation it is the accurate P (the
         # saturated items' e^{-x} are beyond the resolution of κ when x is large, and P's own
