@@ -214,58 +214,100 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
 
     ``logged = (name, tensor, per_item, bound)``: a logged log-propensity ``[B, L]`` (``per_item``)
     or ``[B]``, checked finite and ``<= bound + LOG_PROB_TOLERANCE``."""
-    check_choice("reduction", reduction, REDUCTIONS)
     validate = resolve_validate_args(validate_args)
     catalog = as_catalog(logits, temperature, validate_args=False)
     batch, num_items = catalog.batch_size, catalog.num_items
-    candidates = check_id_tensor("candidates", candidates, batch_size=batch, columns="K")
-    check_count("num_candidates (candidates.shape[1])", candidates.shape[1], high=num_items)
-    chosen = check_id_tensor("chosen", chosen, batch_size=batch)
-    length = chosen.shape[1]
-    rewards = _float("rewards", rewards, ((batch, length),))
+    logged_name, log_propensity, per_item, bound = logged if logged is not None else (None, None, False, 0.0)
+    agree = agreement(catalog) if validate else None
+    failed = None
+    try:
+        check_choice("reduction", reduction, REDUCTIONS)
+        candidates = check_id_tensor("candidates", candidates, batch_size=batch, columns="K")
+        check_count("num_candidates (candidates.shape[1])", candidates.shape[1], high=num_items)
+        chosen = check_id_tensor("chosen", chosen, batch_size=batch)
+        length = chosen.shape[1]
+        rewards = _float("rewards", rewards, ((batch, length),))
+        if baseline is not None:
+            baseline = _float("baseline", baseline, ((batch,), (batch, length))).detach()
+        if position_weights is not None:
+            position_weights = _float("position_weights", position_weights, ((length,),)).detach()
+        if logged is not None:
+            _float(logged_name, log_propensity, ((batch, length),) if per_item else ((batch,),))
+    except (TypeError, ValueError) as err:
+        if agree is None:  # one process, or no checks: raise here
+            raise
+        # Other processes go on to the checks' collectives: take part with inputs of the shapes they likely have,
+        # fail the agreement (every process raises) and raise this error here.
+        failed = err
+        candidates, chosen = (_placeholder_ids(x, batch, catalog.device) for x in (candidates, chosen))
+        length = chosen.shape[1]
+        rewards = torch.zeros(batch, length, dtype=catalog.dtype, device=catalog.device)
+        baseline = position_weights = None
+        if logged is not None:
+            logged = (logged_name, rewards if per_item else rewards[:, 0], per_item, bound)
     advantage = rewards.detach()
     if baseline is not None:
-        baseline = _float("baseline", baseline, ((batch,), (batch, length))).detach()
         advantage = advantage - (baseline.unsqueeze(1) if baseline.dim() == 1 else baseline)
     if position_weights is not None:
-        advantage = advantage * _float("position_weights", position_weights, ((length,),)).detach()
-    if logged is not None:
-        logged_name, log_propensity, per_item, bound = logged
-        _float(logged_name, log_propensity, ((batch, length),) if per_item else ((batch,),))
+        advantage = advantage * position_weights
     if validate:
-        checks = DeferredChecks()
-        masked = True  # other catalogs: a catalog call on every process (it may be collective)
-        if isinstance(catalog, DenseCatalog):
-            masked = checks.no_nan_or_inf("logits", catalog.scores, allow_masked=True)
-        inside = checks.draw_and_picks(candidates, chosen, num_items, distinct=distinct)
-        for name, ids in (("candidates", candidates), ("chosen", chosen)):  # a placement holding only some rows:
-            vouched = catalog._vouch(name, ids)  # the ids it can score, in the agreement below
-            if vouched is not None:
-                checks.require(*vouched)
-        if masked:  # only a masked (-inf) score fails this
-            with torch.no_grad(), catalog._trusting():  # on every process, empty batches included; ids vouched for
-                checks.all_above(_drawing_scores(catalog, inside), -math.inf,
-                                 "candidates must not hold masked items (scored -inf by the expert that drew them): "
-                                 "the ESR cannot draw them")
-            if inclusion and catalog.num_experts > 1:
-                runs = expert_runs(candidates.shape[1], catalog.num_experts)
-                experts, needed = [m for m, _ in runs], list(itertools.accumulate(n for _, n in runs))
-                available = catalog.num_available()[:, experts]  # [B, R]
-                checks.all_above(available - torch.tensor(needed, device=available.device), -1,
-                                 f"num_candidates={candidates.shape[1]} needs, under the experts {experts} "
-                                 f"of its blocks, {needed} unmasked items (as many as the positions up to the end of "
-                                 "each block), but a row has fewer (items scored -inf are masked): its inclusion "
-                                 "probabilities are undefined")
-        for name, x in (("rewards", rewards), ("baseline", baseline), ("position_weights", position_weights)):
-            if x is not None:
-                checks.no_nan_or_inf(name, x)
-        if logged is not None and log_propensity.numel():
-            checks.no_nan_or_inf(logged_name, log_propensity)
-            checks.at_most(log_propensity, bound + LOG_PROB_TOLERANCE,
-                           f"{logged_name} must be <= {bound:.6g} (a logged log-propensity: a probability is at "
-                           f"most 1, an expected count at most K)")
-        checks.run(agreement(catalog))
+        try:
+            _check_values(catalog, candidates, chosen, rewards, baseline, position_weights, logged, failed,
+                          distinct=distinct, inclusion=inclusion)
+        except ValueError:
+            if failed is not None:  # the agreement failed with it: raise this process's own error
+                raise failed from None
+            raise
     return catalog, candidates, chosen, advantage if advantage.dtype == catalog.dtype else advantage.to(catalog.dtype)
+
+
+def _check_values(catalog: CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor, baseline: Tensor | None,
+                  position_weights: Tensor | None, logged: tuple[str, Tensor, bool, float] | None,
+                  failed: Exception | None, *, distinct: bool, inclusion: bool) -> None:
+    """:func:`_prepare`'s value checks, in one agreement of every process (``failed``: this process's inputs were
+    malformed; they are placeholders here, and the agreement fails)."""
+    num_items = catalog.num_items
+    checks = DeferredChecks()
+    if failed is not None:
+        checks.require(False, str(failed))
+    masked = True  # other catalogs: a catalog call on every process (it may be collective)
+    if isinstance(catalog, DenseCatalog):
+        masked = checks.no_nan_or_inf("logits", catalog.scores, allow_masked=True)
+    inside = checks.draw_and_picks(candidates, chosen, num_items, distinct=distinct)
+    for name, ids in (("candidates", candidates), ("chosen", chosen)):  # a placement holding only some rows:
+        vouched = catalog._vouch(name, ids)  # the ids it can score, in the agreement below
+        if vouched is not None:
+            checks.require(*vouched)
+    if masked:  # only a masked (-inf) score fails this
+        with torch.no_grad(), catalog._trusting():  # on every process, empty batches included; ids vouched for
+            checks.all_above(_drawing_scores(catalog, inside), -math.inf,
+                             "candidates must not hold masked items (scored -inf by the expert that drew them): "
+                             "the ESR cannot draw them")
+        if inclusion and catalog.num_experts > 1:
+            runs = expert_runs(candidates.shape[1], catalog.num_experts)
+            experts, needed = [m for m, _ in runs], list(itertools.accumulate(n for _, n in runs))
+            available = catalog.num_available()[:, experts]  # [B, R]
+            checks.all_above(available - torch.tensor(needed, device=available.device), -1,
+                             f"num_candidates={candidates.shape[1]} needs, under the experts {experts} "
+                             f"of its blocks, {needed} unmasked items (as many as the positions up to the end of "
+                             "each block), but a row has fewer (items scored -inf are masked): its inclusion "
+                             "probabilities are undefined")
+    for name, x in (("rewards", rewards), ("baseline", baseline), ("position_weights", position_weights)):
+        if x is not None:
+            checks.no_nan_or_inf(name, x)
+    logged_name, log_propensity, _, bound = logged if logged is not None else (None, None, False, 0.0)
+    if log_propensity is not None and log_propensity.numel():
+        checks.no_nan_or_inf(logged_name, log_propensity)
+        checks.at_most(log_propensity, bound + LOG_PROB_TOLERANCE,
+                       f"{logged_name} must be <= {bound:.6g} (a logged log-propensity: a probability is at "
+                       f"most 1, an expected count at most K)")
+    checks.run(agreement(catalog))
+
+
+def _placeholder_ids(ids: object, batch: int, device: torch.device) -> Tensor:
+    """Zero ids ``[B, width]`` standing in for malformed ``ids`` (their width where they have one, else 1)."""
+    width = ids.shape[1] if isinstance(ids, Tensor) and ids.dim() == 2 else 1
+    return torch.zeros(batch, width, dtype=torch.long, device=device)
 
 
 def _drawing_scores(catalog: CatalogScores, candidates: Tensor) -> Tensor:

@@ -21,7 +21,9 @@ ranks with a collective timeout, so that a hang fails the case instead of the jo
   no users on rank 1 (``short_pool/empty``) there is nothing to draw there, and both pass;
 * ``k_draw``: the ranks draw different numbers of candidates from the whole catalog: a ``ValueError`` on both;
 * ``dense_rows``: a retriever with a user tower, whose ``dense`` input has a row too few on rank 1: a
-  ``ValueError`` on both.
+  ``ValueError`` on both;
+* ``structure/*``: rank 1 passes a loss malformed input (rewards of the wrong shape, float ``chosen``, candidates
+  with a row too few), in the sampled mode and on the whole catalog: its own error there, a ``ValueError`` on rank 0.
 
 Writes ``DIR/uneven_rank{r}.json``: each case's outcome, ``"ok"`` or the exception's class and message.
 """
@@ -168,13 +170,32 @@ def main() -> int:
         kjt = towered.module.with_catalog(h.user_batch(users.to(h.device())))
         towered(kjt, torch.zeros(PER_RANK - rank, 0, device=h.device()))
 
+    def structure(what: str, sampled: bool):
+        def case():
+            users, sample, head, listed = batch(rank, PER_RANK)
+            cat = catalog(model, users, sample, head, listed) if sampled else full(users)
+            g = torch.Generator().manual_seed(3)
+            cand = head[:, :K].clone() if sampled else sample_candidates(cat, K, generator=g)
+            chosen, rewards = cand[:, :2], ones(PER_RANK)
+            if rank == 1:
+                if what == "rewards":
+                    rewards = rewards[:, :1]
+                elif what == "chosen":
+                    chosen = chosen.float()
+                else:
+                    cand = cand[1:]
+            CAPGLoss(K)(cat, cand, chosen, rewards).backward()
+        return case
+
     cases = {"empty/mean_field": empty("mean_field"), "empty/with_replacement": empty("with_replacement"),
              "wide": wide, "pad/capg": pad(CAPGLoss(K, method="with_replacement")),
              "pad/vpg": pad(VPGLoss(K, with_replacement=True)), "nothing_listed": nothing_listed,
              "rewritten": rewritten, "exact/empty": exact_empty, "propensity/empty": propensity_empty,
              "propensity/bad_id": propensity_bad_id, "uniform_short": uniform_short,
              "short_pool": short_pool(PER_RANK), "short_pool/empty": short_pool(0), "k_draw": k_draw,
-             "dense_rows": dense_rows}
+             "dense_rows": dense_rows,
+             **{f"structure/{what}/{where}": structure(what, where == "sampled")
+                for what in ("rewards", "chosen", "rows") for where in ("sampled", "whole")}}
     outcomes = {name: outcome(case) for name, case in cases.items()}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"uneven_rank{rank}.json").write_text(json.dumps(outcomes, indent=1))

@@ -220,6 +220,15 @@ def test_sampled_mode_checks_agree_whatever_each_rank_holds(tmp_path):
     assert first["k_draw"] == second["k_draw"]
     assert first["k_draw"].startswith("ValueError: every rank must draw alike (the same K in sample_candidates)")
     assert first["dense_rows"] == second["dense_rows"]
+    # regressions (found by review): a loss's malformed input on one rank raised there and left the other waiting
+    for where in ("sampled", "whole"):
+        assert second[f"structure/rewards/{where}"] == "ValueError: rewards must have shape [4, 2], got [4, 1]"
+        assert second[f"structure/chosen/{where}"].startswith("TypeError: chosen must")
+        assert second[f"structure/rows/{where}"].startswith("ValueError: candidates must")
+        for what in ("rewards", "chosen", "rows"):
+            assert first[f"structure/{what}/{where}"].startswith("ValueError: an input check failed in another "
+                                                                "process") or \
+                first[f"structure/{what}/{where}"].endswith("(in another process)"), (what, where)
     assert first["dense_rows"].startswith("ValueError: dense must have shape [B, F] with B = 4")
 
 
