@@ -91,6 +91,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    """An argparse ``type``: a finite number > 0 (argparse then exits 2 naming the option)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {value}")
+    return value
+
+
 def check_distinct(name: str, values: Sequence[object]) -> None:
     """``ValueError`` naming ``name`` where a value repeats (a grid that would run or count a cell twice)."""
     repeated = sorted((v for v, n in collections.Counter(values).items() if n > 1), key=str)

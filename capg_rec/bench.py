@@ -23,7 +23,7 @@ import time
 import numpy as np
 import torch
 
-from capg_rec._checks import positive_int
+from capg_rec._checks import positive_float, positive_int
 
 ESTIMATORS = ("bare", "vpg", "vpg_swr", "capg_exact", "capg_mean_field", "capg_plugin", "capg_swr")
 
@@ -169,8 +169,9 @@ def register(subparsers) -> None:
     p.add_argument("--batch", type=positive_int, default=128)
     p.add_argument("--dim", type=positive_int, default=16)
     p.add_argument("--reps", type=positive_int, default=3)
-    p.add_argument("--case-timeout", type=float, default=1800.0, help="seconds allowed per (estimator, size) case")
-    p.add_argument("--memory-limit", type=float, default=16.0, help="GiB of address space allowed per case")
+    p.add_argument("--case-timeout", type=positive_float, default=1800.0,
+                   help="seconds allowed per (estimator, size) case")
+    p.add_argument("--memory-limit", type=positive_float, default=16.0, help="GiB of address space allowed per case")
     p.add_argument("--mc-samples", type=positive_int, default=100_000)
     p.add_argument("--skip-cost", action="store_true")
     p.add_argument("--skip-accuracy", action="store_true")

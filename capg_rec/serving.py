@@ -46,6 +46,9 @@ class Retrieved(NamedTuple):
         picks = check_id_tensor("picks", picks, batch_size=self.candidates.shape[0])
         if picks.numel() and (int(picks.min()) < 0 or int(picks.max()) >= self.candidates.shape[1]):
             raise ValueError(f"picks must be positions in [0, K={self.candidates.shape[1]})")
+        ordered = picks.sort(dim=1).values
+        if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
+            raise ValueError("picks must not repeat a position within a row (the later stage shows distinct items)")
         return (self.candidates.gather(1, picks), self.log_inclusion.gather(1, picks),
                 self.log_expected_count.gather(1, picks))
 
@@ -95,6 +98,8 @@ class ServingRetriever:
             raise ValueError(f"epsilon must lie in [0, 1], got {epsilon}")
         self.epsilon = float(epsilon)
         self.method = inclusion_method(method)
+        if not self.method.is_probability:  # found here, not at the first sampled retrieval
+            raise ValueError(f"method must give a probability (the logged log_inclusion), got {self.method!r}")
 
     @property
     def num_items(self) -> int:

@@ -107,3 +107,43 @@ def test_a_refused_log_run_leaves_the_existing_logs(tmp_path, capsys):
         assert "capg-rec log: error:" in capsys.readouterr().err
         assert LoggedImpressions(out, 16).num_rows == 40
     assert sorted(p.name for p in tmp_path.iterdir()) == ["logs.json", "logs.parquet"]
+
+
+def test_log_refuses_a_summary_that_would_overwrite_the_logs_or_is_a_folder(tmp_path, capsys):
+    """Regression (found by review): --out logs.json wrote the logs, then the summary over them (exit 0, the logs
+    lost); a --summary folder failed with a traceback after the logs were written; a summary in a folder not yet
+    there failed the same way. The first two exit 2 before any logging; the third is made."""
+    assert _run(["log", "-n", "20", "--batch-size", "10", "--out", str(tmp_path / "logs.json"), "--no-progress"]) == 2
+    assert "would overwrite the logs" in capsys.readouterr().err
+    assert _run(["log", "-n", "20", "--out", str(tmp_path / "a.parquet"), "--summary", str(tmp_path / "a.parquet"),
+                 "--no-progress"]) == 2
+    (tmp_path / "folder").mkdir()
+    assert _run(["log", "-n", "20", "--out", str(tmp_path / "b.parquet"), "--summary", str(tmp_path / "folder"),
+                 "--no-progress"]) == 2
+    assert "a folder, not a file" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder"]
+    assert _run(["log", "-n", "20", "--out", str(tmp_path / "c.parquet"), "--summary",
+                 str(tmp_path / "new" / "s.json"), "--no-progress"]) == 0
+    assert json.loads((tmp_path / "new" / "s.json").read_text())["rows"] == 20
+
+
+@pytest.mark.parametrize(("argv", "named"), [(["-M", "20"], "more experts than the K = 10 positions"),
+                                             (["-M", "4", "-K", "3"], "more experts than the K = 3"),
+                                             (["--seed", "-1"], "--seed must be >= 0")])
+def test_log_refuses_more_experts_than_positions_and_negative_seeds(tmp_path, capsys, argv, named):
+    """Regression (found by review): accepted, where train refuses them."""
+    assert _run(["log", "-n", "10", "--out", str(tmp_path / "x.parquet"), "--no-progress", *argv]) == 2
+    assert named in capsys.readouterr().err
+
+
+def test_log_names_a_checkpoint_trained_from_logs(tmp_path, capsys):
+    """Regression (found by review): a train --logs checkpoint failed with "TrainConfig.__init__() got an
+    unexpected keyword argument 'logs'"."""
+    assert _run(["log", "-K", "5", "-L", "2", "-n", "600", "--batch-size", "200", "--out",
+                 str(tmp_path / "logs.parquet"), "--no-progress"]) == 0
+    assert _run(["train", "--logs", str(tmp_path / "logs.parquet"), "--batch-size", "100", "--holdout", "0.34",
+                 "--out", str(tmp_path / "t")]) in (0, None)
+    capsys.readouterr()
+    assert _run(["log", "--checkpoint", str(tmp_path / "t" / "checkpoint.pt"), "-n", "10", "--out",
+                 str(tmp_path / "again.parquet"), "--no-progress"]) == 2
+    assert "a run trained from logs" in capsys.readouterr().err

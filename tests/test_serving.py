@@ -112,6 +112,12 @@ def test_bad_input_is_a_clear_error():
     got = server.retrieve(users, num_candidates=2, sample=True)
     with pytest.raises(ValueError, match="picks"):
         got.at(torch.full((3, 1), 2))
+    # regressions (found by review): a repeated pick was taken (log_propensities refuses repeated shown items), a
+    # method that gives no probability failed only at the first sampled retrieval
+    with pytest.raises(ValueError, match="picks must not repeat a position"):
+        got.at(torch.tensor([[0, 1], [1, 1], [0, 1]]))
+    with pytest.raises(ValueError, match="method must give a probability"):
+        ServingRetriever(tower, items, method="with_replacement")
     with pytest.raises(ValueError, match="fewer than K"):
         ServingRetriever(tower, items, index=_ShortIndex(items)).retrieve(users, num_candidates=3)
     assert isinstance(got, Retrieved) and issubclass(_ShortIndex, ItemIndex)

@@ -553,7 +553,9 @@ def test_gradient_variance_signal_is_unbiased_against_enumeration():
 
 @pytest.mark.parametrize("argv", [["demo", "-K", "0"], ["demo", "--steps", "-5"], ["demo", "--seeds", "0"],
                                   ["demo", "-K", "2000"], ["bench", "--reps", "0"], ["bench", "--mc-samples", "0"],
-                                  ["bench", "--sizes", "300", "0"], ["bench", "--out", "."]])
+                                  ["bench", "--sizes", "300", "0"], ["bench", "--out", "."],
+                                  ["bench", "--case-timeout", "-1"], ["bench", "--memory-limit", "-1"],
+                                  ["bench", "--case-timeout", "nan"]])
 def test_demo_and_bench_refuse_bad_arguments_up_front(argv, tmp_path, capsys, monkeypatch):
     """They raised tracebacks (demo), wrote empty tables before a KeyError (demo --seeds 0), ran every case to
     NaN or 'no median' and exited 0 (bench), or failed on --out only after computing everything."""
@@ -566,3 +568,50 @@ def test_demo_and_bench_refuse_bad_arguments_up_front(argv, tmp_path, capsys, mo
         main(argv)
     assert exit_info.value.code == 2 and "error" in capsys.readouterr().err
     assert not (tmp_path / "demo").exists() and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    (["reproduce", "table3", "--ks", "3"], "--ks: not used by the table3 target"),
+    (["reproduce", "table3", "--lsr", "noisy"], "--lsr: not used by the table3 target"),
+    (["reproduce", "table2", "--sizes", "5", "--max-weight", "3"], "--max-weight, --sizes: not used by the table2"),
+    (["reproduce", "offpolicy", "--steps", "7", "--estimators", "vpg"], "--estimators, --steps: not used by the "
+                                                                         "offpolicy target"),
+    (["reproduce", "offpolicy", "--quick", "--seeds", "2"], "--seeds: not used by the offpolicy target with --quick"),
+    (["reproduce", "variance", "--seeds", "2"], "--seeds: not used by the variance target"),
+    (["reproduce", "table2", "--seeds", "0"], "--seeds: must be an integer >= 1"),
+    (["reproduce", "table2", "--seeds", "-1"], "--seeds: must be an integer >= 1"),
+])
+def test_reproduce_refuses_options_its_target_does_not_read(tmp_path, capsys, argv, named):
+    """Regression (found by review): options of another target were ignored (table3 ran K = 10 with --ks 3, the
+    off-policy study its own steps), --quick silently replaced --seeds, and --seeds 0 wrote empty tables and
+    reported files it never wrote. Each exits 2 before anything runs."""
+    from capg_rec.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2 and named in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", ["train", "reproduce", "demo"])
+def test_an_out_that_is_a_file_exits_2(tmp_path, capsys, command):
+    """Regression (found by review): --out naming an existing file ended in a FileExistsError or
+    NotADirectoryError traceback (exit 1) once the run had started."""
+    from capg_rec.cli import main
+
+    target = tmp_path / "taken.json"
+    target.write_text("{}")
+    argv = {"train": ["train", "--steps", "2"], "reproduce": ["reproduce", "table2", "--steps", "2", "--seeds", "1"],
+            "demo": ["demo", "--steps", "2"]}[command]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--out", str(target)])
+    assert exit_info.value.code == 2 and "a file, not a folder" in capsys.readouterr().err
+    assert target.read_text() == "{}"
+
+
+def test_resume_refuses_data_its_env_does_not_read(tmp_path, capsys):
+    """Regression (found by review): train --resume --data X on a synthetic run ignored --data."""
+    _train_cli("--out", str(tmp_path / "run"), "--steps", "2", "--eval-every", "2", "--batch-size", "4")
+    with pytest.raises(SystemExit) as exit_info:
+        _train_cli("--out", str(tmp_path / "run"), "--resume", "--steps", "4", "--data", "/nonexistent.csv")
+    assert exit_info.value.code == 2 and "--data: the KuaiRec file" in capsys.readouterr().err

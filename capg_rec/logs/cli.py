@@ -73,6 +73,9 @@ def _logging_esr(args: argparse.Namespace, env_name: str | None):
         from capg_rec.train.config import TrainConfig
 
         state = read_checkpoint(args.checkpoint)
+        if state.get("kind") == "logs":
+            raise ValueError(f"--checkpoint {args.checkpoint}: a run trained from logs (capg-rec train --logs), "
+                             "which records no environment to serve in; pass an online run's checkpoint")
         config = TrainConfig(**state["config"])
         saved_env = state["env"].partition("(")[0]
         if env_name is not None and env_name != saved_env:
@@ -155,7 +158,23 @@ def generate_logs(env, model: torch.nn.Module, out: str | Path, *, num_interacti
             **{k: v for k, v in extra.items() if k.startswith("checkpoint")}}
 
 
+def _summary_path(args: argparse.Namespace) -> Path:
+    """Where the JSON summary goes, checked before any logging: not the logs' own file, nor a folder."""
+    path = Path(args.summary) if args.summary is not None else Path(args.out).with_suffix(".json")
+    if path.resolve() == Path(args.out).resolve():
+        _fail(f"the summary would overwrite the logs {args.out}: give --out a .parquet name or another --summary")
+    if path.is_dir():
+        _fail(f"--summary {path}: a folder, not a file")
+    return path
+
+
 def _log(args: argparse.Namespace) -> int:
+    path = _summary_path(args)
+    if args.seed < 0:
+        _fail(f"--seed must be >= 0, got {args.seed}")
+    fresh_k = args.num_candidates if args.num_candidates is not None else 10
+    if args.checkpoint is None and args.num_experts > fresh_k:
+        _fail(f"-M {args.num_experts}: more experts than the K = {fresh_k} positions they draw")
     try:
         env, model, k, length, tau, facts = _logging_esr(args, args.env)
         version = facts.pop("policy_version")
@@ -165,7 +184,7 @@ def _log(args: argparse.Namespace) -> int:
                                 extra=facts, progress=not args.no_progress)
     except (ValueError, TypeError, FileNotFoundError) as err:
         _fail(str(err))
-    path = Path(args.summary) if args.summary is not None else Path(args.out).with_suffix(".json")
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(summary, indent=1), encoding="utf-8")
     print(json.dumps(summary, indent=1))
     print(f"logs: {args.out}; summary: {path}", file=sys.stderr)

@@ -86,18 +86,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     p = subparsers.add_parser("reproduce", help="rerun one of the paper's experiments next to its numbers")
     p.add_argument("target", choices=_REPRODUCE_TARGETS)
-    p.add_argument("--steps", type=int, default=50_000)
-    p.add_argument("--seeds", type=int, default=3, help="number of seeds (0..S-1)")
+    p.add_argument("--steps", type=int, default=None, help="default 50000")
+    p.add_argument("--seeds", type=positive_int, default=None, help="number of seeds (0..S-1; default 3)")
     p.add_argument("--out", default=None, help="default runs/<target>")
     p.add_argument("--data", help="KuaiRec small_matrix.csv (target kuairec)")
     p.add_argument("--estimators", nargs="+", choices=ESTIMATORS, default=None)
     p.add_argument("--ks", nargs="+", type=int, default=None, help="candidate-set sizes K")
-    p.add_argument("--lsr", nargs="*", choices=LSR_NAMES[1:], default=(),
+    p.add_argument("--lsr", nargs="*", choices=LSR_NAMES[1:], default=None,
                    help="table2: also the LSR-alignment columns")
-    p.add_argument("--eval-every", type=int, default=1000)
+    p.add_argument("--eval-every", type=int, default=None, help="default 1000")
     p.add_argument("--capg-method", default=None, help="inclusion method of the CA-PG cells (default: the library's)")
     g = p.add_argument_group("offpolicy", "options of the off-policy study (target offpolicy; --ks and --seeds too)")
-    g.add_argument("--env", choices=("synthetic", "movielens"), default="synthetic")
+    g.add_argument("--env", choices=("synthetic", "movielens"), default=None, help="default synthetic")
     g.add_argument("--sizes", nargs="+", type=int, default=None,
                    help="numbers of logged interactions n (default 10^4 10^5 10^6)")
     g.add_argument("--learners", nargs="+", default=None, help="default all")
@@ -107,7 +107,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--epochs", type=int, default=None,
                    help="passes over the logs at most; the pass with the best held-out SNIPS estimate is kept "
                         "(default 1)")
-    g.add_argument("--first-seed", type=int, default=0, help="seeds FIRST_SEED .. FIRST_SEED + SEEDS - 1")
+    g.add_argument("--first-seed", type=int, default=None, help="seeds FIRST_SEED .. FIRST_SEED + SEEDS - 1 "
+                                                                 "(default 0)")
     g.add_argument("--quick", action="store_true", help="a small setting: K=10, n=10^4, 1 seed, 200 logging steps")
     p.set_defaults(func=_reproduce)
 
@@ -141,6 +142,14 @@ def _fail(message: str, command: str = "train") -> NoReturn:
     raise SystemExit(2)
 
 
+def _out_dir(path: str, command: str = "train") -> Path:
+    """``--out`` as a folder: an existing file there exits 2 (a run writes several files into it)."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        _fail(f"--out {out}: a file, not a folder (the run writes several files into it)", command)
+    return out
+
+
 def _resume(args: argparse.Namespace, given: dict, out: Path) -> Trainer:
     """The trainer of the run saved in ``out``, checked against the options the user typed."""
     from capg_rec.train.checkpoint import read_checkpoint
@@ -161,6 +170,8 @@ def _resume(args: argparse.Namespace, given: dict, out: Path) -> Trainer:
         _fail(f"--resume --steps {steps}: the saved run is at step {state['step']}; give more steps to go on")
     if saved["env"] not in _ENVS:
         _fail(f"--resume: the saved run's env {state['env']!r} is not one this command builds")
+    if args.data is not None and saved["env"] != "kuairec":
+        _fail(f"--data: the KuaiRec file of --env kuairec, not used by the saved run's env {saved['env']!r}")
     return Trainer.from_state(state, _make_env(saved["env"], args.data), steps=steps)
 
 
@@ -178,6 +189,8 @@ def _log_env(paths: list[str], data: str | None):
     from capg_rec.logs.parquet import LoggedImpressions
 
     name = LoggedImpressions(paths, 1).meta.extra.get("env")
+    if data is not None and (not isinstance(name, str) or name.partition("(")[0] != "kuairec"):
+        raise ValueError(f"--data: the KuaiRec file of logs written on kuairec, not used by logs of env {name!r}")
     if not isinstance(name, str) or name.partition("(")[0] not in _ENVS:
         print(f"capg-rec train: the logs record no capg_rec.sim environment (env {name!r}): OPE estimates only",
               file=sys.stderr)
@@ -237,7 +250,7 @@ def _train(args: argparse.Namespace) -> int:
     from capg_rec.train.trainer import Trainer
 
     given = {name: getattr(args, name) for name in _CONFIG_FIELDS if getattr(args, name, None) is not None}
-    out = Path(args.out)
+    out = _out_dir(args.out)
     if args.checkpoint_every < 1:
         _fail(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
     if args.logs is not None:
@@ -282,8 +295,30 @@ def _reproduce(args: argparse.Namespace) -> int:
         _fail(str(err), "reproduce")
 
 
+_TRAINING = ("steps", "seeds", "estimators", "ks", "eval_every", "capg_method")
+_OFFPOLICY = ("ks", "seeds", "env", "sizes", "learners", "logging_steps", "logging_temperature", "max_weight", "epochs",
+              "first_seed", "quick")
+_REPRODUCE_OPTIONS = {"table2": (*_TRAINING, "lsr"), "table3": tuple(o for o in _TRAINING if o != "ks"),
+                      "grpo": _TRAINING, "movielens": _TRAINING, "kuairec": (*_TRAINING, "data"),
+                      "variance": ("ks", "estimators", "capg_method"), "offpolicy": _OFFPOLICY}
+"""The options each ``reproduce`` target reads (besides ``--out``); another one given is an error, not ignored."""
+_REPRODUCE_DEFAULTS = {"steps": 50_000, "seeds": 3, "eval_every": 1000, "lsr": (), "env": "synthetic", "first_seed": 0}
+
+
 def _reproduce_target(args: argparse.Namespace) -> int:
-    out = Path(args.out or f"runs/{args.target}")
+    out = _out_dir(args.out or f"runs/{args.target}", "reproduce")
+    names = {name for options in _REPRODUCE_OPTIONS.values() for name in options}
+    ignored = sorted(name for name in names - set(_REPRODUCE_OPTIONS[args.target])
+                     if getattr(args, name) not in (None, False))
+    if args.quick:  # it sets the seeds
+        ignored += [name for name in ("seeds", "first_seed") if getattr(args, name) is not None]
+    if ignored:
+        raise ValueError(f"{', '.join('--' + name.replace('_', '-') for name in ignored)}: not used by the "
+                         f"{args.target} target{' with --quick' if args.quick else ''} (it reads "
+                         f"{', '.join('--' + o.replace('_', '-') for o in _REPRODUCE_OPTIONS[args.target])})")
+    for name, value in _REPRODUCE_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     if args.target == "offpolicy":
         return _offpolicy(args, out)
     if args.target == "variance":
@@ -291,7 +326,6 @@ def _reproduce_target(args: argparse.Namespace) -> int:
 
         if args.capg_method is not None:
             raise ValueError("--capg-method is not used by the variance target (its CA-PG is the default method)")
-
         print(gradient_variance_report(out, ks=args.ks, estimators=args.estimators, seed=0))
         return 0
     from capg_rec.train.reproduce import build_target, run_cells, summarize
@@ -335,7 +369,7 @@ def _demo(args: argparse.Namespace) -> int:
         _fail(f"-K must be at most the {env.num_items} items, got {args.num_candidates}", "demo")
     base = TrainConfig(num_candidates=args.num_candidates, steps=args.steps, eval_every=max(1, args.steps // 12))
     cells = [Cell(f"K={args.num_candidates}", base.replace(estimator=e)) for e in ("vpg_swr", "capg_swr")]
-    out = Path(args.out)
+    out = _out_dir(args.out, "demo")
     print(f"Training the paper's ESR on its synthetic problem ({env.num_users} users x {env.num_items} items), "
           f"K = {args.num_candidates}, optimal LSR, {args.steps} steps, {args.seeds} seed(s) per method ...",
           file=sys.stderr)
