@@ -87,6 +87,18 @@ class NegativeSampler(abc.ABC):
         """Whether :meth:`log_expected_count` depends on ``batch_items`` (then it must be the batch of the draw)."""
         return False
 
+    @property
+    def draws_batch(self) -> bool:
+        """Whether the sample holds the batch's own named items (``batch_items``)."""
+        return False
+
+    def log_expected_count_from_others(self, ids: Tensor, num_items: int, batch_items: Tensor) -> Tensor:
+        """``log E[count of id]`` from the slots of the other rows of ``batch_items [B, H]`` only, per row → ``[B, S]``:
+        where the batch is the catalog's own head, a row's own items are scored exactly and their sample terms
+        dropped, so its sums take the other rows' draws alone. The default: a sample that does not come from the
+        batch's rows, whose counts are the same for every row."""
+        return self.log_expected_count(ids, num_items, batch_items).expand(batch_items.shape[0], -1)
+
 
 class UniformSampler(NegativeSampler):
     """``num_samples`` ids uniform over the catalog, with replacement (``E[count] = S / N``)."""
@@ -123,8 +135,10 @@ class InBatchSampler(NegativeSampler):
     In-batch negatives never reach items that are never named: the estimate is biased towards
     popular items unless the batch covers the catalog. :class:`MixedSampler` adds uniform negatives.
     When the batch is the catalog's own ``head_items`` (the default), a row's own named items are
-    scored exactly in its head and their sample terms dropped; the head then depends on the sample,
-    so the sums are unbiased only up to those few terms (pass ``batch_items`` drawn apart for none).
+    scored exactly in its head and their sample terms dropped, and its sums weigh the other rows' items
+    by the expected counts of the other rows' slots: unbiased where the rows are drawn independently,
+    each slot holding j with chance ``q_j`` (a fixed set of users whose items differ from the population's
+    is not such a draw; pass ``batch_items`` drawn apart to take none of a row's own items).
     """
 
     def __init__(self, *, frequency: Tensor | None = None, num_buckets: int = 1 << 18, num_hashes: int = 2,
@@ -201,6 +215,18 @@ class InBatchSampler(NegativeSampler):
     def counts_use_batch(self) -> bool:
         return self.frequency is not None  # E[count] = slots · q: the batch's slots
 
+    @property
+    def draws_batch(self) -> bool:
+        return True
+
+    def log_expected_count_from_others(self, ids: Tensor, num_items: int, batch_items: Tensor) -> Tensor:
+        # Every slot holds j with the same chance: the other rows' slots hold (slots - own) / slots of E[count].
+        own = (batch_items >= 0).sum(1).to(torch.float64)  # [B]
+        slots = own.sum()
+        shared = self.log_expected_count(ids, num_items, batch_items)  # [S]
+        share = torch.log((slots - own).clamp(min=0.0) / slots.clamp(min=1.0)).to(shared.device)
+        return shared.unsqueeze(0) + share.unsqueeze(1)
+
     def __repr__(self) -> str:
         source = "given" if self.frequency is not None else f"streaming(alpha={self.alpha})"
         return f"InBatchSampler(frequency={source})"
@@ -229,6 +255,14 @@ class MixedSampler(NegativeSampler):
     @property
     def counts_use_batch(self) -> bool:
         return any(s.counts_use_batch for s in self.samplers)
+
+    @property
+    def draws_batch(self) -> bool:
+        return any(s.draws_batch for s in self.samplers)
+
+    def log_expected_count_from_others(self, ids: Tensor, num_items: int, batch_items: Tensor) -> Tensor:
+        parts = torch.stack([s.log_expected_count_from_others(ids, num_items, batch_items) for s in self.samplers])
+        return torch.logsumexp(parts, dim=0)
 
     def __repr__(self) -> str:
         return f"MixedSampler({', '.join(map(repr, self.samplers))})"
@@ -270,6 +304,20 @@ class DrawnSample(NegativeSampler):
     def log_expected_count(self, ids: Tensor, num_items: int, batch_items: Tensor | None) -> Tensor:
         drawn_with = self.batch_items.to(ids.device) if self.batch_items is not None else batch_items
         return self.sampler.log_expected_count(ids, num_items, drawn_with)
+
+    @property
+    def counts_use_batch(self) -> bool:
+        return self.sampler.counts_use_batch
+
+    @property
+    def draws_batch(self) -> bool:
+        return self.sampler.draws_batch
+
+    def log_expected_count_from_others(self, ids: Tensor, num_items: int, batch_items: Tensor) -> Tensor:
+        mine = self.batch_items
+        if mine is None or (mine.shape == batch_items.shape and torch.equal(mine.to(batch_items.device), batch_items)):
+            return self.sampler.log_expected_count_from_others(ids, num_items, batch_items)  # drawn from those rows
+        return super().log_expected_count_from_others(ids, num_items, batch_items)  # from another batch
 
     def __repr__(self) -> str:
         return f"DrawnSample({self.ids.shape[0]} ids, {self.sampler!r})"
@@ -427,6 +475,7 @@ class SampledCatalog(CatalogScores):
         self.sampler = sampler
         self.masked_items = self._ids("masked_items", masked_items)
         head_items = self._ids("head_items", head_items)
+        own_batch = batch_items is None and head_items is not None  # the rows' own heads: see below
         batch_items = head_items if batch_items is None else self._ids("batch_items", batch_items, any_batch=True)
         if index is not None and not isinstance(index, ItemIndex):
             raise TypeError(f"index must be an ItemIndex, got {type(index).__name__}")
@@ -453,14 +502,21 @@ class SampledCatalog(CatalogScores):
             self.head_ids, self._head_sorted = _distinct(head.to(self.device)) if head.shape[1] else (head, head)
             sample = sampler.draw(self.num_items, batch_items, generator=generator, device=self.device)
             self.sample_ids, copies, self._sample_sorted = _first_copies(sample.to(self.device).long())  # [S]
-            log_count = sampler.log_expected_count(self.sample_ids, self.num_items, batch_items)
+            if own_batch and sampler.draws_batch:
+                # A row's own head items are in the sample but scored exactly (their terms dropped): its sums
+                # take the other rows' draws, whose expected counts are those of the other rows' slots.
+                log_count = sampler.log_expected_count_from_others(self.sample_ids, self.num_items,
+                                                                   batch_items).unsqueeze(1)  # [B, 1, S]
+            else:
+                log_count = sampler.log_expected_count(self.sample_ids, self.num_items, batch_items)  # [S]
             usable = (self.sample_ids >= 0) & (log_count > -math.inf)
             log_weight = torch.where(usable, copies.to(torch.float64).log() - log_count, -math.inf)
-            self.sample_log_weight = log_weight.to(self.dtype)  # [S]
+            self.sample_log_weight = log_weight.to(self.dtype)  # [S], or [B, 1, S] per row
             # The sample's terms are its scores plus this bias: log w_j, or -inf where left out of the sums:
             # unused slots (-1: unused or a later copy), ids in the head (scored exactly) and masked ids.
             # Without head or masks it is shared by the rows.
-            bias = self.sample_log_weight.masked_fill(~usable, -math.inf).view(1, 1, -1)  # [1, 1, S]
+            bias = self.sample_log_weight.masked_fill(~usable, -math.inf)
+            bias = bias.view(1, 1, -1) if bias.dim() == 1 else bias  # [B | 1, 1, S]
             named = [ids for ids in (self.head_ids, self.masked_items) if ids is not None and ids.shape[1]]
             self._sample_bias = self._without(bias, torch.cat(named, 1)) if named else bias  # [B | 1, 1, S]
         self.head_scores = self.user.new_zeros(self.batch_size, self.num_experts, 0)  # [B, M, T]
