@@ -50,12 +50,13 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from capg_rec._checks import check_count, check_float_tensor, check_items, check_positive, raise_where_short, \
-    resolve_validate_args
+from capg_rec._checks import all_finite, check_count, check_float_tensor, check_items, check_positive, \
+    raise_where_short, resolve_validate_args
 from capg_rec._numerics import (exp_floor, gumbel_group_size, gumbel_top_k, no_autocast, safe_logsumexp,
                                 select_experts, top_k)
 from capg_rec.ann import ItemIndex
-from capg_rec.catalog import CatalogScores, agreement, available_given_masks, compute_dtype, unpadded
+from capg_rec.catalog import CatalogScores, _overflow_error, agreement, available_given_masks, compute_dtype, \
+    unpadded
 
 __all__ = ["SampledCatalog", "NegativeSampler", "UniformSampler", "InBatchSampler", "MixedSampler", "DrawnSample",
            "MAX_SAMPLED_POWERS"]
@@ -154,9 +155,13 @@ class InBatchSampler(NegativeSampler):
         self.frequency = frequency
         self.num_buckets = check_count("num_buckets", num_buckets)
         self.num_hashes = check_count("num_hashes", num_hashes)
+        if self.num_buckets > _PRIME:  # hashes are taken modulo the prime: more buckets would stay empty
+            raise ValueError(f"num_buckets must be at most {_PRIME}, got {num_buckets}")
         self.alpha = check_positive("alpha", alpha)
         if self.alpha > 1:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
         g = torch.Generator().manual_seed(seed)
         self._mult = torch.randint(1, _PRIME, (num_hashes, 1), generator=g)
         self._add = torch.randint(0, _PRIME, (num_hashes, 1), generator=g)
@@ -464,6 +469,9 @@ class SampledCatalog(CatalogScores):
                 raise ValueError(f"user [B, M, D] and item [N, M, D] must agree on (M, D), got "
                                  f"{tuple(self.user.shape[1:])} and {tuple(table.shape[1:])}")
             self.num_items = table.shape[0]
+            if num_items is not None and num_items != self.num_items:
+                raise ValueError(f"num_items={num_items} differs from the item table's {self.num_items} rows (it is "
+                                 "for a callable item tower)")
             self._tower: Callable[[Tensor], Tensor] = table.__getitem__
         elif callable(item):
             if num_items is None:
@@ -479,6 +487,8 @@ class SampledCatalog(CatalogScores):
         batch_items = head_items if batch_items is None else self._ids("batch_items", batch_items, any_batch=True)
         if index is not None and not isinstance(index, ItemIndex):
             raise TypeError(f"index must be an ItemIndex, got {type(index).__name__}")
+        if index is not None and index.num_items != self.num_items:
+            raise ValueError(f"index must be built on the catalog's {self.num_items} items, got {index.num_items}")
         self.head_size = check_count("head_size", head_size, low=0, high=self.num_items)
         if self.head_size and index is None:
             raise ValueError("head_size > 0 needs an index (an ItemIndex over the items)")
@@ -501,6 +511,9 @@ class SampledCatalog(CatalogScores):
             # [B, T] (-1: a later copy or unused) and the same sorted with its copies, for lookups
             self.head_ids, self._head_sorted = _distinct(head.to(self.device)) if head.shape[1] else (head, head)
             sample = sampler.draw(self.num_items, batch_items, generator=generator, device=self.device)
+            if self.validate and sample.numel() and (int(sample.min()) < -1 or int(sample.max()) >= self.num_items):
+                raise ValueError(f"sampler must draw ids in [0, {self.num_items}) (-1: an unused slot), got ids in "
+                                 f"[{int(sample.min())}, {int(sample.max())}]")
             self.sample_ids, copies, self._sample_sorted = _first_copies(sample.to(self.device).long())  # [S]
             if own_batch and sampler.draws_batch:
                 # A row's own head items are in the sample but scored exactly (their terms dropped): its sums
@@ -530,6 +543,8 @@ class SampledCatalog(CatalogScores):
                 self.sample_scores = (self.user[:, 0] @ vectors[:, 0].T).unsqueeze(1)
             else:
                 self.sample_scores = torch.matmul(self.user.transpose(0, 1), vectors.permute(1, 2, 0)).transpose(0, 1)
+        if self.validate and self.sample_scores.numel() and not all_finite(self.sample_scores.detach()):
+            raise _overflow_error(self.dtype)
 
     @property
     def sample_drop(self) -> Tensor:
@@ -612,10 +627,12 @@ class SampledCatalog(CatalogScores):
 
     def gather(self, items: Tensor) -> Tensor:
         scores = self._score(items)
-        if self.masked_items is None:
-            return scores
-        masked = (items.unsqueeze(2) == self.masked_items.unsqueeze(1)).any(2)  # [B, L]
-        return scores.masked_fill(masked.unsqueeze(1), -math.inf)
+        masked = None if self.masked_items is None else \
+            (items.unsqueeze(2) == self.masked_items.unsqueeze(1)).any(2).unsqueeze(1)  # [B, 1, L]
+        if self.validate and scores.numel():  # an overflow of an unmasked item's score (masks add -inf below)
+            if not all_finite(scores.detach() if masked is None else scores.detach().masked_fill(masked, 0.0)):
+                raise _overflow_error(self.dtype)
+        return scores if masked is None else scores.masked_fill(masked, -math.inf)
 
     def _terms(self, exclude: Tensor | None) -> tuple[Tensor, Tensor]:
         """The head's scores ``[B, M, T]`` and the sample's bias ``[B | 1, 1, S]`` (``log w_j``) with ``-inf``
@@ -688,6 +705,7 @@ class SampledCatalog(CatalogScores):
         """The k best of head ∪ sample (the catalog's best when the head holds them); with
         ``perturb=True`` a Gumbel top-k over head ∪ sample whose sample keys carry their logQ
         weights (exact when the head is the whole catalog; see the module doc)."""
+        check_count("k", k)
         size = self.head_ids.shape[1]
         pool = size + self.sample_ids.shape[0]
         if k > pool:

@@ -630,3 +630,47 @@ def test_in_batch_sample_of_the_rows_own_heads_is_unbiased(mixed):
         cat = SampledCatalog(user, item, sampler=sampler, head_items=head, generator=g)
         ratios.append((cat.log_normalizer() - exact).exp())
     _clt_check(torch.stack(ratios))
+
+
+def test_sampled_catalog_regressions_from_review():
+    """Each failed or passed silently before its fix: scores that overflow (a finite, wrong normaliser, or -inf read
+    as every item masked); an index over another number of items (an IndexError, or head ids >= N with a tower);
+    sample ids outside [-1, N) (an IndexError, or an id >= N scored by a tower, other negatives taken as unused
+    slots); top_items(0) and (-1) (ZeroDivisionError, math domain error); num_items next to a table (ignored);
+    InBatchSampler's seed 'a' (a RuntimeError) and more buckets than its hashes reach."""
+    user, item = _towers(b=2, n=20, dtype=torch.float32)
+    with pytest.raises(ValueError, match="overflow"):
+        SampledCatalog(user, item, sampler=UniformSampler(8), temperature=1e-38)
+    cat = SampledCatalog(user * 1e19, item * 1e19, sampler=UniformSampler(8), validate_args=False)
+    with pytest.raises(ValueError, match="overflow"):
+        SampledCatalog(user * 1e19, item * 1e19, sampler=UniformSampler(8), head_items=torch.tensor([[1], [2]]))
+    with pytest.raises(ValueError, match="overflow"):  # the candidates' scores, gathered by a loss
+        _overflowing_gather(user, item)
+    assert cat.sample_scores.shape == (2, 1, 8)  # unchecked without validation
+    with pytest.raises(ValueError, match="index must be built on the catalog's 20 items, got 50"):
+        SampledCatalog(user, item, sampler=UniformSampler(8), index=ExactIndex(torch.randn(50, 4)), head_size=3)
+    for ids in ([5, 25], [5, -5]):
+        with pytest.raises(ValueError, match=r"sampler must draw ids in \[0, 20\)"):
+            SampledCatalog(user, item, sampler=DrawnSample(torch.tensor(ids), UniformSampler(2)))
+        with pytest.raises(ValueError, match="sampler must draw ids"):
+            SampledCatalog(user, lambda i: item[i.clamp(max=19)], num_items=20,
+                           sampler=DrawnSample(torch.tensor(ids), UniformSampler(2)))
+    cat = SampledCatalog(user, item, sampler=UniformSampler(8))
+    for k in (0, -1):
+        with pytest.raises(ValueError, match="k must be"):
+            cat.top_items(k)
+    with pytest.raises(ValueError, match="num_items=1000 differs from the item table's 20 rows"):
+        SampledCatalog(user, item, sampler=UniformSampler(8), num_items=1000)
+    with pytest.raises(TypeError, match="seed must be an int"):
+        InBatchSampler(seed="a")
+    with pytest.raises(ValueError, match="num_buckets must be at most"):
+        InBatchSampler(num_buckets=2**40)
+
+
+def _overflowing_gather(user, item):
+    """A catalog whose head and sample are fine, asked for an item whose score overflows."""
+    user, big = torch.ones_like(user), item.clone()
+    big[7] = 1e38  # 4 · 1e38: beyond float32
+    cat = SampledCatalog(user, big, sampler=DrawnSample(torch.tensor([0, 1]), UniformSampler(2)),
+                         head_items=torch.tensor([[2], [3]]))
+    return cat.gather(torch.tensor([[7], [7]]))
