@@ -53,3 +53,17 @@ def test_errors():
         OnDemandSyntheticEnv(-1)
     with pytest.raises(ValueError, match="num_items"):
         OnDemandSyntheticEnv(0, num_items=0)
+    # regressions (found by review): ids outside the env were scored (a hash of any integer is a vector), a seed of
+    # 2^70 failed in the generator, N = 2^63 (beyond the hashes' 2^62) was taken
+    env = OnDemandSyntheticEnv(0, num_users=5, num_items=30)
+    for users, items, name in (([7], [[1]], "users"), ([1], [[31]], "items"), ([1], [[-3]], "items")):
+        with pytest.raises(ValueError, match=f"{name} must hold ids in"):
+            env.expected_reward(torch.tensor(users), torch.tensor(items))
+    with pytest.raises(TypeError, match="items must be an integer tensor"):
+        env.ranking_scores(torch.tensor([1]), torch.tensor([[1.0]]))
+    with pytest.raises(ValueError, match="seed must be in"):
+        OnDemandSyntheticEnv(2**70)
+    with pytest.raises(TypeError, match="seed must be an int"):
+        OnDemandSyntheticEnv("0")
+    with pytest.raises(ValueError, match="num_items"):
+        OnDemandSyntheticEnv(0, num_items=2**63)

@@ -68,11 +68,13 @@ class OnDemandSyntheticEnv:
 
     def __init__(self, seed: int = 0, *, num_users: int = 1000, num_items: int = 1_000_000, dim: int = 10,
                  scale: float = 10.0, device: str | torch.device = "cpu") -> None:
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        if not 0 <= seed < 2**62:
+            raise ValueError(f"seed must be in [0, 2^62), got {seed}")
         self.seed = seed
-        self.num_users = check_count("num_users", num_users)
-        self.num_items = check_count("num_items", num_items)
+        self.num_users = check_count("num_users", num_users, high=2**62)
+        self.num_items = check_count("num_items", num_items, high=2**62)
         self.dim = check_count("dim", dim)
         self.scale = check_positive("scale", scale)
         self.device = torch.device(device)
@@ -93,7 +95,14 @@ class OnDemandSyntheticEnv:
         return _unit_rows(2 * _hashed_uniform(self.seed, _ITEM, items.to(self.device), self.dim) - 1)
 
     def _tables(self, users: Tensor, items: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """``q_raw``, ``q`` and ``reward_std`` of ``users [B]`` × ``items [B, L]`` (float64 ``[B, L]``)."""
+        """``q_raw``, ``q`` and ``reward_std`` of ``users [B]`` × ``items [B, L]`` (float64 ``[B, L]``); ids outside
+        ``[0, U)`` and ``[0, N)`` are a ``ValueError`` (their hashes would give a user or item that is not there)."""
+        for name, ids, count in (("users", users, self.num_users), ("items", items, self.num_items)):
+            if not isinstance(ids, Tensor) or ids.is_floating_point() or ids.dtype == torch.bool:
+                raise TypeError(f"{name} must be an integer tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= count):
+                raise ValueError(f"{name} must hold ids in [0, {count}), got ids in [{int(ids.min())}, "
+                                 f"{int(ids.max())}]")
         return self._tables_of(self.user_vectors(users), self.item_vectors(items))
 
     def _tables_of(self, x: Tensor, a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
