@@ -56,7 +56,7 @@ from capg_rec._numerics import (exp_floor, gumbel_group_size, gumbel_top_k, no_a
                                 select_experts, top_k)
 from capg_rec.ann import ItemIndex
 from capg_rec.catalog import CatalogScores, _overflow_error, agreement, available_given_masks, compute_dtype, \
-    unpadded
+    masked_named_scores, unpadded
 
 __all__ = ["SampledCatalog", "NegativeSampler", "UniformSampler", "InBatchSampler", "MixedSampler", "DrawnSample",
            "MAX_SAMPLED_POWERS"]
@@ -282,9 +282,10 @@ class DrawnSample(NegativeSampler):
         ids: the sample ``[S]`` (int64 ids, ``-1``: unused), e.g. ``sampler.draw(num_items, batch_items,
             generator=g, device=d)``.
         sampler: the :class:`NegativeSampler` that drew it.
-        batch_items: the ``batch_items [B, H]`` it was drawn with, required where the sampler's expected
-            counts depend on them (an :class:`InBatchSampler` with a given ``frequency``, alone or in a
-            :class:`MixedSampler`): the catalog's own batch is not the draw's.
+        batch_items: the ``batch_items [B, H]`` it was drawn with, where that is not the batch of the catalog it
+            goes to (the catalog's ``batch_items``, else its ``head_items``, which are taken for it otherwise): the
+            expected counts of an :class:`InBatchSampler` with a given ``frequency`` depend on it, and a sample
+            drawn from the catalog's own head counts each row's own slots out.
     """
 
     def __init__(self, ids: Tensor, sampler: NegativeSampler, batch_items: Tensor | None = None) -> None:
@@ -296,11 +297,13 @@ class DrawnSample(NegativeSampler):
                                         or batch_items.dtype == torch.bool):
             raise TypeError(f"batch_items must be an integer tensor [B, H], got "
                             f"{getattr(batch_items, 'dtype', type(batch_items).__name__)}")
-        if sampler.counts_use_batch and batch_items is None:
-            raise ValueError(f"batch_items is required: {sampler!r}'s expected counts depend on the batch the sample "
-                             "was drawn with (pass that batch)")
         self.ids, self.sampler = ids.long(), sampler
         self.batch_items = None if batch_items is None else batch_items.long()
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> DrawnSample:
+        """The same sample (and batch) on ``device``."""
+        moved = [None if x is None else x.to(device, non_blocking=non_blocking) for x in (self.ids, self.batch_items)]
+        return DrawnSample(moved[0], self.sampler, batch_items=moved[1])
 
     def draw(self, num_items: int, batch_items: Tensor | None, *, generator: torch.Generator | None,
              device: torch.device) -> Tensor:
@@ -626,13 +629,7 @@ class SampledCatalog(CatalogScores):
         return available_given_masks(self.masked_items, self.num_items, self.num_experts)
 
     def gather(self, items: Tensor) -> Tensor:
-        scores = self._score(items)
-        masked = None if self.masked_items is None else \
-            (items.unsqueeze(2) == self.masked_items.unsqueeze(1)).any(2).unsqueeze(1)  # [B, 1, L]
-        if self.validate and scores.numel():  # an overflow of an unmasked item's score (masks add -inf below)
-            if not all_finite(scores.detach() if masked is None else scores.detach().masked_fill(masked, 0.0)):
-                raise _overflow_error(self.dtype)
-        return scores if masked is None else scores.masked_fill(masked, -math.inf)
+        return masked_named_scores(self._score(items), items, self.masked_items, check=self.validate)
 
     def _terms(self, exclude: Tensor | None) -> tuple[Tensor, Tensor]:
         """The head's scores ``[B, M, T]`` and the sample's bias ``[B | 1, 1, S]`` (``log w_j``) with ``-inf``

@@ -110,7 +110,7 @@ class LoggedBatch(_ListedBatch):
     def to(self, device: torch.device, non_blocking: bool = False) -> LoggedBatch:
         ids, *rest = (t.to(device, non_blocking=non_blocking) for t in self._tensors())
         return LoggedBatch(self.sparse_features.to(device, non_blocking=non_blocking),
-                           DrawnSample(ids, self.sample.sampler), *rest)
+                           DrawnSample(ids, self.sample.sampler, self.sample.batch_items), *rest)
 
 
 class OffPolicyObjective(nn.Module):
@@ -152,7 +152,8 @@ class SampledBatch(_ListedBatch):
     def to(self, device: torch.device, non_blocking: bool = False) -> SampledBatch:
         ids, loss_ids, found, users = (t.to(device, non_blocking=non_blocking) for t in self._tensors())
         return SampledBatch(self.sparse_features.to(device, non_blocking=non_blocking),
-                            DrawnSample(ids, self.sample.sampler), DrawnSample(loss_ids, self.loss_sample.sampler),
+                            DrawnSample(ids, self.sample.sampler, self.sample.batch_items),
+                            DrawnSample(loss_ids, self.loss_sample.sampler, self.loss_sample.batch_items),
                             found, users)
 
 

@@ -392,8 +392,11 @@ def test_drawn_in_batch_sample_counts_with_the_batch_it_was_drawn_with():
             if head_items is not None:
                 torch.testing.assert_close(drawn.log_power_sums(None, 3), own.log_power_sums(None, 3), rtol=0, atol=0)
             assert torch.isfinite(drawn.log_normalizer()).all()
-        with pytest.raises(ValueError, match="batch_items is required"):
-            DrawnSample(ids, sampler)
+        # without batch_items it takes the catalog's (here the draw's: as before), and moves with .to
+        same = SampledCatalog(user, item, sampler=DrawnSample(ids, sampler).to("cpu"), batch_items=batch,
+                              head_items=head)
+        torch.testing.assert_close(same.log_power_sums(None, 3), own.log_power_sums(None, 3), rtol=0, atol=0)
+        assert torch.equal(DrawnSample(ids, sampler, batch_items=batch).to("cpu").batch_items, batch)
     assert not UniformSampler(3).counts_use_batch and not InBatchSampler().counts_use_batch
 
 
@@ -604,9 +607,11 @@ def test_top_items_names_experts_outside_the_catalog():
         for experts in ([2], [-1], [0, 5]):
             with pytest.raises(ValueError, match=r"experts must be in \[0, 2\)"):
                 cat.top_items(3, experts=experts)
-        for experts in ([True], ["0"], 1, [0.0]):
+        for experts in ([True], ["0"], 1, [0.0], torch.tensor([0.0]), torch.tensor([[0]]), torch.tensor([True])):
             with pytest.raises(TypeError, match="experts must be a sequence of ints"):
                 cat.top_items(3, experts=experts)
+        for experts in (torch.tensor([1, 0]), np.array([1, 0])):  # 1-d integer tensors and arrays, as before
+            assert torch.equal(cat.top_items(3, experts=experts), cat.top_items(3)[:, [1, 0]])
 
 
 @pytest.mark.parametrize("mixed", [False, True])
