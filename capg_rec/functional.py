@@ -75,7 +75,7 @@ def capg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor
     method = inclusion_method(method)
     catalog, candidates, chosen, advantage = _prepare(logits, candidates, chosen, rewards, position_weights,
                                                       baseline, temperature, reduction, validate_args,
-                                                      distinct=True, inclusion=True)
+                                                      distinct=True, inclusion=method.is_probability)
     score = _inclusion_log_prob(catalog, chosen, candidates.shape[1], method)  # [B, L]
     return _reduce(-(advantage * score).sum(1), reduction)
 
@@ -111,7 +111,8 @@ def offpolicy_capg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chos
     max_weight, self_normalize = _weight_options(max_weight, self_normalize)
     catalog, candidates, chosen, advantage = _prepare(
         logits, candidates, chosen, rewards, position_weights, baseline, temperature, reduction, validate_args,
-        distinct=True, inclusion=True, logged=("logged_log_inclusion", logged_log_inclusion, True, bound))
+        distinct=True, inclusion=method.is_probability,
+        logged=("logged_log_inclusion", logged_log_inclusion, True, bound))
     score = _inclusion_log_prob(catalog, chosen, candidates.shape[1], method)  # [B, L]
     weight = importance_weights(score - logged_log_inclusion.to(score.dtype), max_weight=max_weight,
                                 self_normalize=self_normalize)
@@ -209,8 +210,9 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
     """Checks (structure always, values when validating, in one sync) → catalog, ids, advantage ``[B, L]``.
 
     ``inclusion``: the loss takes inclusion probabilities, whose methods assume that each expert block can draw
-    its items whatever the earlier blocks took (:func:`~capg_rec.plackett_luce.check_enough_items`); with one
-    expert, K distinct unmasked candidates imply it.
+    its items whatever the earlier blocks took (:func:`~capg_rec.plackett_luce.check_enough_items`, as
+    :func:`~capg_rec.marginals.inclusion_log_prob` does); with one expert, K distinct unmasked candidates imply
+    it. (CA-PG-SwR's expected count needs no such assumption.)
 
     ``logged = (name, tensor, per_item, bound)``: a logged log-propensity ``[B, L]`` (``per_item``)
     or ``[B]``, checked finite and ``<= bound + LOG_PROB_TOLERANCE``."""
@@ -290,8 +292,8 @@ def _check_values(catalog: CatalogScores, candidates: Tensor, chosen: Tensor, re
             checks.all_above(available - torch.tensor(needed, device=available.device), -1,
                              f"num_candidates={candidates.shape[1]} needs, under the experts {experts} "
                              f"of its blocks, {needed} unmasked items (as many as the positions up to the end of "
-                             "each block), but a row has fewer (items scored -inf are masked): its inclusion "
-                             "probabilities are undefined")
+                             "each block), but a row has fewer (items scored -inf are masked): the inclusion "
+                             "methods assume it (CA-PG-SwR does not)")
     for name, x in (("rewards", rewards), ("baseline", baseline), ("position_weights", position_weights)):
         if x is not None:
             checks.no_nan_or_inf(name, x)

@@ -201,12 +201,13 @@ def test_dcg_weights():
         dcg_weights(0)
 
 
-@pytest.mark.parametrize("method", ["mean_field", "exact", "plugin", "with_replacement"])
+@pytest.mark.parametrize("method", ["mean_field", "exact", "plugin"])
 def test_capg_losses_refuse_an_expert_with_too_few_items_for_its_block(method):
     """Regression (found by review): with a mask per expert, the CA-PG losses took a row whose second expert has
     3 unmasked items, fewer than the 6 positions up to the end of its block, and returned a finite loss (mean-field,
     exact and plug-in gave that expert's items probability 1), where inclusion_log_prob and sample_candidates raise.
-    The off-policy loss too; V-PG, whose log π(A) needs no such assumption, still scores the draw."""
+    The off-policy loss too; V-PG and CA-PG-SwR, whose log π(A) and expected count need no such assumption, still
+    score the draw."""
     torch.manual_seed(0)
     x = torch.randn(1, 2, 8)
     x[0, 1, 3:] = -math.inf  # expert 1 may draw only items 0, 1, 2
@@ -216,5 +217,6 @@ def test_capg_losses_refuse_an_expert_with_too_few_items_for_its_block(method):
     with pytest.raises(ValueError, match="unmasked items"):
         capg_rec.functional.offpolicy_capg_loss(x, cand, chosen, rewards, torch.full((1, 2), -1.0), method=method)
     assert torch.isfinite(VPGLoss(6)(x, cand, chosen, rewards))
+    assert torch.isfinite(CAPGLoss(6, method="with_replacement")(x, cand, chosen, rewards))
     x[0, 1, 3:6] = 0.0  # 6 items now: passes
     assert torch.isfinite(CAPGLoss(6, method=method)(x, cand, chosen, rewards))
