@@ -116,7 +116,7 @@ def offpolicy_capg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chos
     score = _inclusion_log_prob(catalog, chosen, candidates.shape[1], method)  # [B, L]
     weight = importance_weights(score - logged_log_inclusion.to(score.dtype), max_weight=max_weight,
                                 self_normalize=self_normalize)
-    return _reduce(-(weight * advantage * score).sum(1), reduction)
+    return _reduce(-(weight * advantage * _weighed(weight, score)).sum(1), reduction)
 
 
 def offpolicy_vpg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor,
@@ -139,7 +139,7 @@ def offpolicy_vpg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chose
     score = _candidate_log_prob(catalog, candidates, False)  # [B]
     weight = importance_weights(score - logged_log_prob.to(score.dtype), max_weight=max_weight,
                                 self_normalize=self_normalize)
-    return _reduce(-(weight * advantage.sum(1) * score), reduction)
+    return _reduce(-(weight * advantage.sum(1) * _weighed(weight, score)), reduction)
 
 
 def topk_reinforce_loss(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor,
@@ -172,7 +172,13 @@ def topk_reinforce_loss(logits: Tensor | CatalogScores, candidates: Tensor, chos
     if num_candidates > 1:  # λ_1 = 1 (0 · log 0 would be NaN at π_θ(a) = 1)
         single = score.detach().exp().clamp(max=1.0)  # λ_K → 0 as π → 1, so 1 - π's rounding there is harmless
         multiplier = ratio * (num_candidates * (1.0 - single) ** (num_candidates - 1))
-    return _reduce(-(multiplier * advantage * score).sum(1), reduction)
+    return _reduce(-(multiplier * advantage * _weighed(ratio, score)).sum(1), reduction)
+
+
+def _weighed(weight: Tensor, score: Tensor) -> Tensor:
+    """``score`` where its importance ``weight`` is positive, else 0 (with no gradient): a logged draw or item this
+    ESR cannot make (``score = -inf``, weight 0) adds nothing, rather than ``0 · -inf``."""
+    return torch.where(weight > 0, score, 0.0)
 
 
 def importance_weights(log_ratio: Tensor, *, max_weight: float | None = None,
@@ -186,15 +192,25 @@ def importance_weights(log_ratio: Tensor, *, max_weight: float | None = None,
     if not log_ratio.is_floating_point():
         raise TypeError(f"log_ratio must have a floating dtype, got {log_ratio.dtype}")
     max_weight, self_normalize = _weight_options(max_weight, self_normalize)
+    log_weight = _capped_log_weights(log_ratio, max_weight)
+    if not self_normalize:
+        return torch.exp(log_weight)
+    # Relative to the largest (the normalisation cancels it): weights far below 1 do not underflow to a batch of
+    # zeros, and a batch of -inf stays zero.
+    top = log_weight.amax() if log_weight.numel() else log_weight.new_zeros(())
+    weight = torch.exp(log_weight - torch.where(top > -math.inf, top, 0.0))
+    mean = weight.mean() if weight.numel() else weight.new_ones(())
+    return weight / torch.where(mean > 0, mean, 1.0)
+
+
+def _capped_log_weights(log_ratio: Tensor, max_weight: float | None) -> Tensor:
+    """``log_ratio`` detached and capped at ``log max_weight`` (``None``: half the log of the dtype's largest value,
+    so that a weight and its square stay finite)."""
     log_ratio = log_ratio.detach()
     cap = math.log(torch.finfo(log_ratio.dtype).max) / 2
     if max_weight is not None:
-        cap = min(cap, math.log(max_weight))
-    weight = torch.exp(log_ratio.clamp(max=cap))
-    if self_normalize:
-        mean = weight.mean() if weight.numel() else weight.new_ones(())
-        weight = weight / torch.where(mean > 0, mean, 1.0)
-    return weight
+        cap = min(cap, math.log(check_positive("max_weight", max_weight)))
+    return log_ratio.clamp(max=cap)
 
 
 def _weight_options(max_weight: float | None, self_normalize: bool) -> tuple[float | None, bool]:
@@ -215,7 +231,8 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
     it. (CA-PG-SwR's expected count needs no such assumption.)
 
     ``logged = (name, tensor, per_item, bound)``: a logged log-propensity ``[B, L]`` (``per_item``)
-    or ``[B]``, checked finite and ``<= bound + LOG_PROB_TOLERANCE``."""
+    or ``[B]``, checked finite and ``<= bound + LOG_PROB_TOLERANCE``. Logged candidates were drawn by the
+    logging ESR: they may hold items this ESR masks."""
     validate = resolve_validate_args(validate_args)
     catalog = as_catalog(logits, temperature, validate_args=False)
     batch, num_items = catalog.batch_size, catalog.num_items
@@ -280,7 +297,7 @@ def _check_values(catalog: CatalogScores, candidates: Tensor, chosen: Tensor, re
         vouched = catalog._vouch(name, ids)  # the ids it can score, in the agreement below
         if vouched is not None:
             checks.require(*vouched)
-    if masked:  # only a masked (-inf) score fails this
+    if masked and logged is None:  # only a masked (-inf) score fails this; logs were drawn by another ESR
         with torch.no_grad(), catalog._trusting():  # on every process, empty batches included; ids vouched for
             checks.all_above(_drawing_scores(catalog, inside), -math.inf,
                              "candidates must not hold masked items (scored -inf by the expert that drew them): "

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from torch import Tensor
 
 from capg_rec._checks import DeferredChecks, resolve_validate_args
-from capg_rec.functional import LOG_PROB_TOLERANCE, importance_weights
+from capg_rec.functional import LOG_PROB_TOLERANCE, _capped_log_weights
 
 __all__ = ["OffPolicyEstimate", "off_policy_value"]
 
@@ -93,18 +93,21 @@ def off_policy_value(target_log_inclusion: Tensor, logged_log_inclusion: Tensor,
             checks.at_most(x, LOG_PROB_TOLERANCE, f"{name} must be <= 0 (a log-probability)")
         checks.run()
     target, logged = target_log_inclusion.detach().double(), logged_log_inclusion.detach().double()
-    weight = importance_weights(target - logged, max_weight=max_weight)
-    y = (weight * rewards.detach().double()).mean(1)  # [n]
-    w = weight.mean(1)  # [n]
+    rewards = rewards.detach().double()
+    log_weight = _capped_log_weights(target - logged, max_weight)
+    y = (log_weight.exp() * rewards).mean(1)  # [n]
     z = statistics.NormalDist().inv_cdf((1 + confidence) / 2)
     ips = float(y.mean())
     ips_se = _std(y) / math.sqrt(num_samples)
+    # SNIPS and the effective sample size do not depend on the weights' scale: relative to the largest, weights
+    # far below 1 (an ESR that the logs rarely match) keep their ratios instead of underflowing to 0
+    top = float(log_weight.amax()) if log_weight.numel() else -math.inf
+    unit = (log_weight - top).exp() if top > -math.inf else log_weight.exp()  # all -inf: zeros
+    y_unit, w = (unit * rewards).mean(1), unit.mean(1)  # [n]
     w_sum = float(w.sum())
-    snips = float(y.sum()) / w_sum if w_sum > 0 else math.nan
-    snips_se = _std(y - snips * w) / math.sqrt(num_samples) / float(w.mean()) if w_sum > 0 else math.nan
-    # (Σ W)² / Σ W², of the weights over their largest: squares of weights near the cap overflow
-    unit = w / w.max() if w_sum > 0 else w
-    ess = float(unit.sum()) ** 2 / float((unit * unit).sum()) if w_sum > 0 else 0.0
+    snips = float(y_unit.sum()) / w_sum if w_sum > 0 else math.nan
+    snips_se = _std(y_unit - snips * w) / math.sqrt(num_samples) / float(w.mean()) if w_sum > 0 else math.nan
+    ess = float(w.sum()) ** 2 / float((w * w).sum()) if w_sum > 0 else 0.0
     if ess < min_effective_sample_size:
         warnings.warn(f"off_policy_value: the weights' effective sample size is {ess:.3g}, below "
                       f"min_effective_sample_size={min_effective_sample_size:g}: the confidence intervals are NaN "

@@ -280,3 +280,54 @@ def test_importance_weights_name_a_wrong_type(bad, error):
     from inside torch.finfo)."""
     with pytest.raises(error, match="log_ratio must"):
         F.importance_weights(bad)
+
+
+def test_self_normalised_weights_do_not_underflow_when_every_ratio_is_tiny():
+    """Regression (found by review): SNIPS weights were exp(log ratio) / mean, so a batch whose every shown item is
+    e^-87 less likely under π_θ than under π₀ underflowed to zeros in float32: the loss and its gradient were 0
+    (float64: 115.3 and 0.889). They are now taken relative to the largest, as normalisation allows."""
+    log_ratio = torch.tensor([-110.0, -111.0, -112.0, -100.0], dtype=torch.float64)
+    want = torch.softmax(log_ratio, 0) * 4
+    for dtype in (torch.float64, torch.float32):
+        torch.testing.assert_close(F.importance_weights(log_ratio.to(dtype), self_normalize=True), want.to(dtype))
+    assert torch.equal(F.importance_weights(torch.full((3,), -math.inf), self_normalize=True), torch.zeros(3))
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0, 120.0, 120.0]] * 2)
+    cand, rewards, logged = torch.tensor([[0, 1], [2, 3]]), torch.ones(2, 1), torch.tensor([[0.5], [0.3]]).log()
+    out = []
+    for dtype in (torch.float64, torch.float32):
+        x = logits.to(dtype).requires_grad_()
+        loss = F.offpolicy_capg_loss(x, cand, cand[:, :1], rewards.to(dtype), logged, self_normalize=True)
+        out.append((loss.detach().double(), torch.autograd.grad(loss, x)[0].double()))
+    assert float(out[0][0]) > 100.0
+    torch.testing.assert_close(out[1][0], out[0][0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(out[1][1], out[0][1], rtol=1e-5, atol=1e-7)
+
+
+def test_logged_draws_may_hold_items_the_trained_esr_masks():
+    """Regression (found by review): a logged draw holding an item that the trained ESR masks (a valid row: the
+    logging ESR drew it) was refused by the checks ("the ESR cannot draw them"), and off-policy V-PG was NaN without
+    them (weight 0 times log π = -inf). Such a row adds 0 to V-PG; CA-PG and top-K REINFORCE take its shown items'
+    terms, 0 for a shown item the ESR masks; every gradient is finite."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 6, dtype=torch.float64)
+    logits[:, 2] = -math.inf
+    logits[1, 3] = -math.inf
+    cand, shown = torch.tensor([[0, 1, 2], [3, 4, 5]]), torch.tensor([[0], [3]])
+    rewards = torch.ones(2, 1, dtype=torch.float64)
+    per_item = -torch.ones(2, 1, dtype=torch.float64)
+    for validate in (True, False):
+        x = logits.clone().requires_grad_()
+        losses = {"vpg": F.offpolicy_vpg_loss(x, cand, shown, rewards, torch.full((2,), -5.0, dtype=torch.float64),
+                                              reduction="none", validate_args=validate),
+                  "capg": F.offpolicy_capg_loss(x, cand, shown, rewards, per_item, reduction="none",
+                                                validate_args=validate),
+                  "topk": F.topk_reinforce_loss(x, cand, shown, rewards, per_item, reduction="none",
+                                                validate_args=validate)}
+        assert float(losses["vpg"].abs().sum()) == 0.0
+        for name in ("capg", "topk"):
+            assert float(losses[name][1]) == 0.0 and float(losses[name][0]) != 0.0, name
+        for name, loss in losses.items():
+            (grad,) = torch.autograd.grad(loss.sum(), x)
+            assert bool(torch.isfinite(grad).all()), name
+        alone = F.offpolicy_capg_loss(logits[:1], cand[:1], shown[:1], rewards[:1], per_item[:1], reduction="none")
+        torch.testing.assert_close(losses["capg"][:1].detach(), alone)

@@ -174,3 +174,18 @@ def test_intervals_are_nan_where_few_rows_carry_weight():
         off_policy_value(greedy(20), logged, noisy, min_effective_sample_size=-1.0)
     with pytest.raises(TypeError, match="min_effective_sample_size"):
         off_policy_value(greedy(20), logged, noisy, min_effective_sample_size="10")
+
+
+def test_snips_and_effective_sample_size_of_weights_far_below_one():
+    """Regression (found by review): with every weight below e^-745 (an ESR that the logs almost never match) the
+    weights underflowed to 0: SNIPS was NaN and the effective sample size 0. Both are scale-free: now from the
+    weights relative to the largest."""
+    target = torch.full((20, 1), -800.0, dtype=torch.float64)
+    target[::2] -= 1.0
+    rewards = torch.rand(20, 1, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    est = off_policy_value(target, torch.full((20, 1), -1.0, dtype=torch.float64), rewards)
+    w = torch.ones(20, dtype=torch.float64)
+    w[::2] = math.exp(-1.0)
+    assert est.snips == pytest.approx(float((w * rewards[:, 0]).sum() / w.sum()), rel=1e-12)
+    assert est.effective_sample_size == pytest.approx(float(w.sum() ** 2 / (w * w).sum()), rel=1e-12)
+    assert est.ips == 0.0  # its scale is e^-799: below float64
