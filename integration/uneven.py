@@ -20,8 +20,8 @@ ranks with a collective timeout, so that a hang fails the case instead of the jo
 * ``short_pool``: rank 1's head and sample hold fewer slots than the draw's K: a ``ValueError`` on both; with
   no users on rank 1 (``short_pool/empty``) there is nothing to draw there, and both pass;
 * ``k_draw``: the ranks draw different numbers of candidates from the whole catalog: a ``ValueError`` on both;
-* ``dense_rows``: a retriever with a user tower, whose ``dense`` input has a row too few on rank 1: a
-  ``ValueError`` on both;
+* ``dense_rows`` / ``dense_dtype``: a retriever with a user tower, whose ``dense`` input has a row too few on
+  rank 1, or another dtype than the tower's: the error on both;
 * ``structure/*``: rank 1 passes a loss malformed input (rewards of the wrong shape, float ``chosen``, candidates
   with a row too few), in the sampled mode and on the whole catalog: its own error there, a ``ValueError`` on rank 0.
 
@@ -165,10 +165,12 @@ def main() -> int:
 
     towered = h.shard(dataclasses.replace(SETUP, tower=True), 0.1)
 
-    def dense_rows():  # the tower takes the pooled user features and dense's columns (none here)
-        users = batch(rank, PER_RANK)[0]
-        kjt = towered.module.with_catalog(h.user_batch(users.to(h.device())))
-        towered(kjt, torch.zeros(PER_RANK - rank, 0, device=h.device()))
+    def dense(rows: int, dtype: torch.dtype):
+        def case():  # the tower takes the pooled user features and dense's columns (none here)
+            users = batch(rank, PER_RANK)[0]
+            kjt = towered.module.with_catalog(h.user_batch(users.to(h.device())))
+            towered(kjt, torch.zeros(rows, 0, dtype=dtype if rank == 1 else torch.float32, device=h.device()))
+        return case
 
     def structure(what: str, sampled: bool):
         def case():
@@ -193,7 +195,7 @@ def main() -> int:
              "rewritten": rewritten, "exact/empty": exact_empty, "propensity/empty": propensity_empty,
              "propensity/bad_id": propensity_bad_id, "uniform_short": uniform_short,
              "short_pool": short_pool(PER_RANK), "short_pool/empty": short_pool(0), "k_draw": k_draw,
-             "dense_rows": dense_rows,
+             "dense_rows": dense(PER_RANK - rank, torch.float32), "dense_dtype": dense(PER_RANK, torch.float64),
              **{f"structure/{what}/{where}": structure(what, where == "sampled")
                 for what in ("rewards", "chosen", "rows") for where in ("sampled", "whole")}}
     outcomes = {name: outcome(case) for name, case in cases.items()}

@@ -220,6 +220,8 @@ def test_sampled_mode_checks_agree_whatever_each_rank_holds(tmp_path):
     assert first["k_draw"] == second["k_draw"]
     assert first["k_draw"].startswith("ValueError: every rank must draw alike (the same K in sample_candidates)")
     assert first["dense_rows"] == second["dense_rows"]
+    assert first["dense_dtype"] == second["dense_dtype"]
+    assert "dense must have the user tower's dtype torch.float32, got torch.float64" in first["dense_dtype"]
     # regressions (found by review): a loss's malformed input on one rank raised there and left the other waiting
     for where in ("sampled", "whole"):
         assert second[f"structure/rewards/{where}"] == "ValueError: rewards must have shape [4, 2], got [4, 1]"

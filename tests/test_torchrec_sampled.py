@@ -409,3 +409,37 @@ def test_the_readme_recipe_takes_an_approximate_index_padding():
         sums.append(retriever(kjt, sample=sample, index_items=found).log_power_sums(None, 2))
     torch.testing.assert_close(sums[0], sums[1], rtol=0, atol=0)
     assert torch.isfinite(sums[0]).all()
+
+
+def test_towers_and_exports_regressions_from_review():
+    """Regressions (found by review), each failing before its fix: batch norm in the item tower (its statistics
+    over each chunk of rows, updated twice a step by the recomputed chunks) was taken; user_vectors took dense with
+    a wrong number of rows (a bare RuntimeError), integer dense, and dense without a user tower (ignored); a dense
+    of another dtype than the tower's failed in the matmul (on one rank, after the others had gone on); the
+    exports ran in the module's mode (train: dropout on, batch norm's statistics updated)."""
+    from torch import nn
+
+    with pytest.raises(ValueError, match="item_tower must map item rows one by one"):
+        _retriever(item_tower=nn.Sequential(nn.Linear(M * D, M * D), nn.BatchNorm1d(M * D)))
+    torch.manual_seed(0)
+    user_tower = nn.Sequential(nn.Linear(M * D + 2, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, M * D))
+    item_tower = nn.Sequential(nn.Linear(M * D, 8), nn.Dropout(0.5), nn.Linear(8, M * D))
+    towered = _retriever(user_tower=user_tower, item_tower=item_tower)
+    users, dense = _users([1, 2, 3]), torch.randn(3, 2)
+    for bad, error, match in ((dense[:2], ValueError, r"dense must have shape \[B, F\] with B = 3"),
+                              (dense.long(), TypeError, "dense must be a floating tensor"),
+                              (dense.double(), TypeError, "dense must have the user tower's dtype torch.float32")):
+        with pytest.raises(error, match=match):
+            towered.user_vectors(users, bad)
+        with pytest.raises(error, match=match):
+            towered(towered.with_catalog(users), bad)
+    with pytest.raises(ValueError, match="dense features need a user_tower"):
+        _retriever().user_vectors(users, dense)
+    towered.train()
+    tracked = int(user_tower[1].num_batches_tracked)
+    first = (towered.user_vectors(users, dense), towered.item_vectors())
+    second = (towered.user_vectors(users, dense), towered.item_vectors())
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])  # no dropout
+    assert int(user_tower[1].num_batches_tracked) == tracked and towered.training and item_tower[1].training
+    towered.eval()
+    assert torch.equal(towered.user_vectors(users, dense), first[0])

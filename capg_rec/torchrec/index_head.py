@@ -9,16 +9,15 @@ with the user side computed without gradient, and its ids listed in the batch's 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torchrec import KeyedJaggedTensor
 
 from capg_rec._checks import check_count
 from capg_rec.ann import ExactIndex, ItemIndex
-from capg_rec.torchrec.retriever import TwoTowerRetriever
+from capg_rec.torchrec.retriever import TwoTowerRetriever, eval_mode
 
 __all__ = ["IndexHead"]
 
@@ -82,7 +81,7 @@ class IndexHead:
 
     def refresh(self) -> None:
         """Rebuild the index from the item side now (collective when sharded)."""
-        with _eval_mode(self.retriever):
+        with eval_mode(self.retriever):
             items = self.retriever.item_vectors(self.device)
         index = self._make_index(items)
         if not isinstance(index, ItemIndex):
@@ -93,7 +92,7 @@ class IndexHead:
                  bag_features: KeyedJaggedTensor | None = None) -> Tensor:
         if self.calls % self.refresh_every == 0:
             self.refresh()
-        with _eval_mode(self.retriever):
+        with eval_mode(self.retriever):
             user = self.retriever.user_vectors(features, dense, bag_features=bag_features)
         self.calls += 1
         if user.shape[0] == 0:  # a rank without users (the lookups above are collective: it took part)
@@ -101,14 +100,3 @@ class IndexHead:
         return self.index.search(user.to(self.device), self.size)[1].to(user.device)
 
 
-@contextlib.contextmanager
-def _eval_mode(module: nn.Module) -> Iterator[None]:
-    """``module`` and its submodules in eval mode (no dropout, batch norm reads its running statistics and
-    leaves them alone), each put back as it was."""
-    modes = [(m, m.training) for m in module.modules()]
-    module.eval()
-    try:
-        yield
-    finally:
-        for m, training in modes:
-            m.training = training

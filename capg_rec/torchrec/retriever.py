@@ -125,6 +125,10 @@ class TwoTowerRetriever(nn.Module):
             raise ValueError("give user_features, a user_tower, or both")
         self.embeddings = embeddings
         self.user_embeddings = user_embeddings
+        if item_tower is not None and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in item_tower.modules()):
+            raise ValueError("item_tower must map item rows one by one: batch norm would take its statistics over each "
+                             "chunk of rows of each rank (and update them twice a step: the chunks are recomputed in "
+                             "backward); use a layer norm")
         self.user_tower = user_tower
         self.item_tower = item_tower
         self.item_table = item_table
@@ -314,7 +318,8 @@ class TwoTowerRetriever(nn.Module):
         """Every item through the item side (table rows, then the item tower) → ``[N, M, D]``, on every
         rank: the item half of a serving export. Collective when sharded (call it on every rank)."""
         offset, rows, group = self._layout()
-        item = self._item(self.embeddings(self.with_catalog(self._without_users(0, torch.device(device)))))
+        with eval_mode(self):  # no dropout; batch norm's running statistics read, not updated
+            item = self._item(self.embeddings(self.with_catalog(self._without_users(0, torch.device(device)))))
         if group is not None:  # every rank's rows, in global id order
             layout = exchange(lambda: [offset, rows], 2, group, item.device)  # [offset, rows] per rank
             item = all_gather_rows(item, [n for _, n in layout], group)
@@ -337,11 +342,15 @@ class TwoTowerRetriever(nn.Module):
 
         def check() -> list[int]:
             self._check_user_features(features, bag_features, batch, validate)
-            return [0]
+            self._check_dense(dense, batch)
+            return [-1 if dense is None else dense.shape[1]]
 
         group = self._layout()[2]
         if group is not None and validate:  # one rank's mistake raised on every rank
-            exchange(check, 1, group, features.values().device)
+            widths = [entries[0] for entries in exchange(check, 1, group, features.values().device)]
+            if len(set(widths)) > 1:
+                raise ValueError(f"dense must be given on every rank or none, of one width, got widths (-1: none) "
+                                 f"{widths} by rank")
         else:
             check()
         # one empty sample after the B users (TorchRec's lookup cannot take a stride of 0) and no catalog ids
@@ -350,8 +359,9 @@ class TwoTowerRetriever(nn.Module):
             keys=[*features.keys(), self.catalog_feature], values=features.values(),
             weights=features.weights_or_none(), lengths=torch.cat([lengths, lengths.new_zeros(batch + 1)]),
             stride=batch + 1)
-        bags = None if self.user_embeddings is None else self.user_embeddings(bag_features)
-        user = self._user(self.embeddings(with_empty_catalog), bags, dense, batch)
+        with eval_mode(self):  # no dropout; batch norm's running statistics read, not updated
+            bags = None if self.user_embeddings is None else self.user_embeddings(bag_features)
+            user = self._user(self.embeddings(with_empty_catalog), bags, dense, batch)
         return user.view(batch, self.num_experts, user.shape[1] // self.num_experts)
 
     def serving_export(self, *, index: ItemIndex | None = None, temperature: float | None = None,
@@ -384,16 +394,24 @@ class TwoTowerRetriever(nn.Module):
             raise ValueError(f"the catalog feature {self.catalog_feature!r} must list this rank's item rows "
                              f"[{offset}, {offset + rows}) in order, in the last sample, got {ids.numel()} ids: "
                              f"build it with retriever.with_catalog(features)")
-        if dense is not None:
-            if self.user_tower is None:
-                raise ValueError("dense features need a user_tower")
-            if not isinstance(dense, Tensor) or not dense.is_floating_point():
-                raise TypeError(f"dense must be a floating tensor [B, F], got "
-                                f"{getattr(dense, 'dtype', type(dense).__name__)}")
-            if dense.dim() != 2 or dense.shape[0] != features.stride() - 1:
-                raise ValueError(f"dense must have shape [B, F] with B = {features.stride() - 1} (the users of "
-                                 f"features), got {list(dense.shape)}")
+        self._check_dense(dense, features.stride() - 1)
         self._check_user_features(features, bag_features, features.stride() - 1, validate)
+
+    def _check_dense(self, dense: Tensor | None, batch: int) -> None:
+        """``dense [B, F]``, given only with a user tower, in its parameters' dtype."""
+        if dense is None:
+            return
+        if self.user_tower is None:
+            raise ValueError("dense features need a user_tower")
+        if not isinstance(dense, Tensor) or not dense.is_floating_point():
+            raise TypeError(f"dense must be a floating tensor [B, F], got "
+                            f"{getattr(dense, 'dtype', type(dense).__name__)}")
+        weight = next(self.user_tower.parameters(), None)
+        if weight is not None and dense.dtype != weight.dtype:
+            raise TypeError(f"dense must have the user tower's dtype {weight.dtype}, got {dense.dtype}")
+        if dense.dim() != 2 or dense.shape[0] != batch:
+            raise ValueError(f"dense must have shape [B, F] with B = {batch} (the users of features), got "
+                             f"{list(dense.shape)}")
 
     def _check_user_features(self, features: KeyedJaggedTensor, bag_features: KeyedJaggedTensor | None, batch: int,
                              validate: bool) -> None:
@@ -573,6 +591,19 @@ def _group_timeout(group: dist.ProcessGroup) -> timedelta | None:
         if options is not None and hasattr(options, "_timeout"):
             return options._timeout
     return None
+
+
+@contextlib.contextmanager
+def eval_mode(module: nn.Module) -> Iterator[None]:
+    """``module`` and its submodules in eval mode (no dropout, batch norm reads its running statistics and
+    leaves them alone), each put back as it was."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
 
 
 def _chunked_tower(tower: nn.Module, rows: Tensor, chunk_size: int) -> Tensor:
