@@ -302,15 +302,15 @@ def _check_values(catalog: CatalogScores, candidates: Tensor, chosen: Tensor, re
             checks.all_above(_drawing_scores(catalog, inside), -math.inf,
                              "candidates must not hold masked items (scored -inf by the expert that drew them): "
                              "the ESR cannot draw them")
-        if inclusion and catalog.num_experts > 1:
-            runs = expert_runs(candidates.shape[1], catalog.num_experts)
-            experts, needed = [m for m, _ in runs], list(itertools.accumulate(n for _, n in runs))
-            available = catalog.num_available()[:, experts]  # [B, R]
-            checks.all_above(available - torch.tensor(needed, device=available.device), -1,
-                             f"num_candidates={candidates.shape[1]} needs, under the experts {experts} "
-                             f"of its blocks, {needed} unmasked items (as many as the positions up to the end of "
-                             "each block), but a row has fewer (items scored -inf are masked): the inclusion "
-                             "methods assume it (CA-PG-SwR does not)")
+    if masked and inclusion and catalog.num_experts > 1:
+        runs = expert_runs(candidates.shape[1], catalog.num_experts)
+        experts, needed = [m for m, _ in runs], list(itertools.accumulate(n for _, n in runs))
+        available = catalog.num_available()[:, experts]  # [B, R]
+        checks.all_above(available - torch.tensor(needed, device=available.device), -1,
+                         f"num_candidates={candidates.shape[1]} needs, under the experts {experts} "
+                         f"of its blocks, {needed} unmasked items (as many as the positions up to the end of "
+                         "each block), but a row has fewer (items scored -inf are masked): the inclusion "
+                         "methods assume it (CA-PG-SwR does not)")
     for name, x in (("rewards", rewards), ("baseline", baseline), ("position_weights", position_weights)):
         if x is not None:
             checks.no_nan_or_inf(name, x)
