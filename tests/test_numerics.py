@@ -513,7 +513,7 @@ def test_embedding_catalog_losses_raise_on_overflowing_scores_when_read_whole(me
     check the scores: mean-field's loss was NaN and the exact method's 0.0 with validation on, where the chunked
     reductions raise. Now the overflow error; overflowing items that are masked do not count."""
     user, item = _overflowing_embeddings()
-    item = torch.cat([item, torch.randn(20, 1, 2)])
+    item = torch.cat([item, torch.randn(20, 1, 2, generator=torch.Generator().manual_seed(0))])
     cand, ones = torch.tensor([[0, 4, 5], [0, 4, 5]]), torch.ones(2, 1)
     with pytest.raises(ValueError, match="overflow"):
         CAPGLoss(3, method=method)(EmbeddingCatalog(user, item), cand, cand[:, :1], ones)

@@ -644,11 +644,13 @@ def test_sampled_catalog_regressions_from_review():
     slots); top_items(0) and (-1) (ZeroDivisionError, math domain error); num_items next to a table (ignored);
     InBatchSampler's seed 'a' (a RuntimeError) and more buckets than its hashes reach."""
     user, item = _towers(b=2, n=20, dtype=torch.float32)
+    ones, g = (torch.ones(2, 4), torch.ones(20, 4)), torch.Generator().manual_seed(0)  # every score 4 · scale
     with pytest.raises(ValueError, match="overflow"):
-        SampledCatalog(user, item, sampler=UniformSampler(8), temperature=1e-38)
-    cat = SampledCatalog(user * 1e19, item * 1e19, sampler=UniformSampler(8), validate_args=False)
+        SampledCatalog(*ones, sampler=UniformSampler(8), temperature=1e-38, generator=g)
+    cat = SampledCatalog(ones[0] * 1e19, ones[1] * 1e19, sampler=UniformSampler(8), validate_args=False, generator=g)
     with pytest.raises(ValueError, match="overflow"):
-        SampledCatalog(user * 1e19, item * 1e19, sampler=UniformSampler(8), head_items=torch.tensor([[1], [2]]))
+        SampledCatalog(ones[0] * 1e19, ones[1] * 1e19, sampler=UniformSampler(8), head_items=torch.tensor([[1], [2]]),
+                       generator=g)
     with pytest.raises(ValueError, match="overflow"):  # the candidates' scores, gathered by a loss
         _overflowing_gather(user, item)
     assert cat.sample_scores.shape == (2, 1, 8)  # unchecked without validation
