@@ -6,8 +6,8 @@ import contextlib
 import functools
 import inspect
 import itertools
-import operator
 import math
+import operator
 from collections.abc import Sequence
 
 import numpy as np
@@ -29,9 +29,8 @@ def select_experts(x: Tensor, experts: Sequence[int]) -> Tensor:
     """``x[:, experts]`` — a view (no copy) when the experts are consecutive. ``experts`` must be ints in
     ``[0, x.shape[1])`` (a ``TypeError`` / ``ValueError`` naming them otherwise: a slice would silently
     come back empty)."""
-    if isinstance(experts, Tensor) and experts.dim() == 1 and not experts.is_floating_point() or \
-            isinstance(experts, np.ndarray) and experts.ndim == 1 and np.issubdtype(experts.dtype, np.integer):
-        experts = experts.tolist()  # a 1-d integer tensor or array
+    if isinstance(experts, (Tensor, np.ndarray)) and experts.ndim == 1:
+        experts = experts.tolist()  # its entries are checked below
     if isinstance(experts, (str, bytes, Tensor, np.ndarray)) or not isinstance(experts, Sequence):
         raise TypeError(f"experts must be a sequence of ints, got {type(experts).__name__}")
     if any(isinstance(m, bool) or not hasattr(m, "__index__") for m in experts):

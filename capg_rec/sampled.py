@@ -84,11 +84,6 @@ class NegativeSampler(abc.ABC):
         """``log E[count of id]`` in a draw, for ``ids [S]`` → ``[S]`` (dtype float64)."""
 
     @property
-    def counts_use_batch(self) -> bool:
-        """Whether :meth:`log_expected_count` depends on ``batch_items`` (then it must be the batch of the draw)."""
-        return False
-
-    @property
     def draws_batch(self) -> bool:
         """Whether the sample holds the batch's own named items (``batch_items``)."""
         return False
@@ -217,10 +212,6 @@ class InBatchSampler(NegativeSampler):
                            -math.inf)
 
     @property
-    def counts_use_batch(self) -> bool:
-        return self.frequency is not None  # E[count] = slots · q: the batch's slots
-
-    @property
     def draws_batch(self) -> bool:
         return True
 
@@ -256,10 +247,6 @@ class MixedSampler(NegativeSampler):
     def log_expected_count(self, ids: Tensor, num_items: int, batch_items: Tensor | None) -> Tensor:
         parts = torch.stack([s.log_expected_count(ids, num_items, batch_items) for s in self.samplers])
         return torch.logsumexp(parts, dim=0)
-
-    @property
-    def counts_use_batch(self) -> bool:
-        return any(s.counts_use_batch for s in self.samplers)
 
     @property
     def draws_batch(self) -> bool:
@@ -312,10 +299,6 @@ class DrawnSample(NegativeSampler):
     def log_expected_count(self, ids: Tensor, num_items: int, batch_items: Tensor | None) -> Tensor:
         drawn_with = self.batch_items.to(ids.device) if self.batch_items is not None else batch_items
         return self.sampler.log_expected_count(ids, num_items, drawn_with)
-
-    @property
-    def counts_use_batch(self) -> bool:
-        return self.sampler.counts_use_batch
 
     @property
     def draws_batch(self) -> bool:
@@ -514,9 +497,10 @@ class SampledCatalog(CatalogScores):
             # [B, T] (-1: a later copy or unused) and the same sorted with its copies, for lookups
             self.head_ids, self._head_sorted = _distinct(head.to(self.device)) if head.shape[1] else (head, head)
             sample = sampler.draw(self.num_items, batch_items, generator=generator, device=self.device)
-            if self.validate and sample.numel() and (int(sample.min()) < -1 or int(sample.max()) >= self.num_items):
+            low, high = (int(v) for v in torch.aminmax(sample)) if self.validate and sample.numel() else (0, 0)
+            if low < -1 or high >= self.num_items:
                 raise ValueError(f"sampler must draw ids in [0, {self.num_items}) (-1: an unused slot), got ids in "
-                                 f"[{int(sample.min())}, {int(sample.max())}]")
+                                 f"[{low}, {high}]")
             self.sample_ids, copies, self._sample_sorted = _first_copies(sample.to(self.device).long())  # [S]
             if own_batch and sampler.draws_batch:
                 # A row's own head items are in the sample but scored exactly (their terms dropped): its sums

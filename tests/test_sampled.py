@@ -397,7 +397,8 @@ def test_drawn_in_batch_sample_counts_with_the_batch_it_was_drawn_with():
                               head_items=head)
         torch.testing.assert_close(same.log_power_sums(None, 3), own.log_power_sums(None, 3), rtol=0, atol=0)
         assert torch.equal(DrawnSample(ids, sampler, batch_items=batch).to("cpu").batch_items, batch)
-    assert not UniformSampler(3).counts_use_batch and not InBatchSampler().counts_use_batch
+    assert not UniformSampler(3).draws_batch and InBatchSampler().draws_batch
+    assert MixedSampler(UniformSampler(3), InBatchSampler()).draws_batch
 
 
 def test_streaming_in_batch_count_estimates_the_expected_copies():

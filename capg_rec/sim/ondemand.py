@@ -100,9 +100,9 @@ class OnDemandSyntheticEnv:
         for name, ids, count in (("users", users, self.num_users), ("items", items, self.num_items)):
             if not isinstance(ids, Tensor) or ids.is_floating_point() or ids.dtype == torch.bool:
                 raise TypeError(f"{name} must be an integer tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
-            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= count):
-                raise ValueError(f"{name} must hold ids in [0, {count}), got ids in [{int(ids.min())}, "
-                                 f"{int(ids.max())}]")
+            low, high = (int(v) for v in torch.aminmax(ids)) if ids.numel() else (0, 0)
+            if low < 0 or high >= count:
+                raise ValueError(f"{name} must hold ids in [0, {count}), got ids in [{int(low)}, {int(high)}]")
         return self._tables_of(self.user_vectors(users), self.item_vectors(items))
 
     def _tables_of(self, x: Tensor, a: Tensor) -> tuple[Tensor, Tensor, Tensor]:

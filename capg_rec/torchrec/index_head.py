@@ -17,7 +17,7 @@ from torchrec import KeyedJaggedTensor
 
 from capg_rec._checks import check_count
 from capg_rec.ann import ExactIndex, ItemIndex
-from capg_rec.torchrec.retriever import TwoTowerRetriever, eval_mode
+from capg_rec.torchrec.retriever import TwoTowerRetriever
 
 __all__ = ["IndexHead"]
 
@@ -81,8 +81,7 @@ class IndexHead:
 
     def refresh(self) -> None:
         """Rebuild the index from the item side now (collective when sharded)."""
-        with eval_mode(self.retriever):
-            items = self.retriever.item_vectors(self.device)
+        items = self.retriever.item_vectors(self.device)  # in eval mode
         index = self._make_index(items)
         if not isinstance(index, ItemIndex):
             raise TypeError(f"index must build an ItemIndex, got {type(index).__name__}")
@@ -92,8 +91,7 @@ class IndexHead:
                  bag_features: KeyedJaggedTensor | None = None) -> Tensor:
         if self.calls % self.refresh_every == 0:
             self.refresh()
-        with eval_mode(self.retriever):
-            user = self.retriever.user_vectors(features, dense, bag_features=bag_features)
+        user = self.retriever.user_vectors(features, dense, bag_features=bag_features)  # in eval mode
         self.calls += 1
         if user.shape[0] == 0:  # a rank without users (the lookups above are collective: it took part)
             return torch.zeros(0, user.shape[1], self.size, dtype=torch.long, device=user.device)

@@ -318,7 +318,7 @@ class TwoTowerRetriever(nn.Module):
         """Every item through the item side (table rows, then the item tower) → ``[N, M, D]``, on every
         rank: the item half of a serving export. Collective when sharded (call it on every rank)."""
         offset, rows, group = self._layout()
-        with eval_mode(self):  # no dropout; batch norm's running statistics read, not updated
+        with _eval_mode(self):  # no dropout; batch norm's running statistics read, not updated
             item = self._item(self.embeddings(self.with_catalog(self._without_users(0, torch.device(device)))))
         if group is not None:  # every rank's rows, in global id order
             layout = exchange(lambda: [offset, rows], 2, group, item.device)  # [offset, rows] per rank
@@ -359,7 +359,7 @@ class TwoTowerRetriever(nn.Module):
             keys=[*features.keys(), self.catalog_feature], values=features.values(),
             weights=features.weights_or_none(), lengths=torch.cat([lengths, lengths.new_zeros(batch + 1)]),
             stride=batch + 1)
-        with eval_mode(self):  # no dropout; batch norm's running statistics read, not updated
+        with _eval_mode(self):  # no dropout; batch norm's running statistics read, not updated
             bags = None if self.user_embeddings is None else self.user_embeddings(bag_features)
             user = self._user(self.embeddings(with_empty_catalog), bags, dense, batch)
         return user.view(batch, self.num_experts, user.shape[1] // self.num_experts)
@@ -594,7 +594,7 @@ def _group_timeout(group: dist.ProcessGroup) -> timedelta | None:
 
 
 @contextlib.contextmanager
-def eval_mode(module: nn.Module) -> Iterator[None]:
+def _eval_mode(module: nn.Module) -> Iterator[None]:
     """``module`` and its submodules in eval mode (no dropout, batch norm reads its running statistics and
     leaves them alone), each put back as it was."""
     modes = [(m, m.training) for m in module.modules()]
