@@ -21,7 +21,8 @@ ranks with a collective timeout, so that a hang fails the case instead of the jo
   no users on rank 1 (``short_pool/empty``) there is nothing to draw there, and both pass;
 * ``k_draw``: the ranks draw different numbers of candidates from the whole catalog: a ``ValueError`` on both;
 * ``dense_rows`` / ``dense_dtype``: a retriever with a user tower, whose ``dense`` input has a row too few on
-  rank 1, or another dtype than the tower's: the error on both;
+  rank 1, or another dtype than the tower's: the error on both; ``user_vectors_dense``: the same row too few in
+  the export's ``user_vectors``;
 * ``structure/*``: rank 1 passes a loss malformed input (rewards of the wrong shape, float ``chosen``, candidates
   with a row too few), in the sampled mode and on the whole catalog: its own error there, a ``ValueError`` on rank 0.
 
@@ -189,6 +190,11 @@ def main() -> int:
             CAPGLoss(K)(cat, cand, chosen, rewards).backward()
         return case
 
+    def user_vectors_dense():  # the serving export's user side: a row too few on rank 1
+        users = batch(rank, PER_RANK)[0]
+        towered.module.user_vectors(h.user_batch(users.to(h.device())), torch.zeros(PER_RANK - rank, 0,
+                                                                                     device=h.device()))
+
     cases = {"empty/mean_field": empty("mean_field"), "empty/with_replacement": empty("with_replacement"),
              "wide": wide, "pad/capg": pad(CAPGLoss(K, method="with_replacement")),
              "pad/vpg": pad(VPGLoss(K, with_replacement=True)), "nothing_listed": nothing_listed,
@@ -196,6 +202,7 @@ def main() -> int:
              "propensity/bad_id": propensity_bad_id, "uniform_short": uniform_short,
              "short_pool": short_pool(PER_RANK), "short_pool/empty": short_pool(0), "k_draw": k_draw,
              "dense_rows": dense(PER_RANK - rank, torch.float32), "dense_dtype": dense(PER_RANK, torch.float64),
+             "user_vectors_dense": user_vectors_dense,
              **{f"structure/{what}/{where}": structure(what, where == "sampled")
                 for what in ("rewards", "chosen", "rows") for where in ("sampled", "whole")}}
     outcomes = {name: outcome(case) for name, case in cases.items()}

@@ -221,6 +221,8 @@ def test_sampled_mode_checks_agree_whatever_each_rank_holds(tmp_path):
     assert first["k_draw"].startswith("ValueError: every rank must draw alike (the same K in sample_candidates)")
     assert first["dense_rows"] == second["dense_rows"]
     assert first["dense_dtype"] == second["dense_dtype"]
+    assert first["user_vectors_dense"] == second["user_vectors_dense"]  # the other rank returned (out of step)
+    assert first["user_vectors_dense"].startswith("ValueError: dense must have shape [B, F] with B = 4")
     assert "dense must have the user tower's dtype torch.float32, got torch.float64" in first["dense_dtype"]
     # regressions (found by review): a loss's malformed input on one rank raised there and left the other waiting
     for where in ("sampled", "whole"):

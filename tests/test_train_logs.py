@@ -318,3 +318,10 @@ def test_a_log_file_named_twice_is_refused_and_the_holdout_is_the_share_asked(tm
     captured = capsys.readouterr()
     assert "nothing measured the ESR" in captured.err and "curves.png" not in captured.out
     assert not (out / "curves.png").exists()
+
+
+def test_data_is_refused_for_logs_of_another_env(logs, tmp_path, capsys):
+    """Regression (found by review): train --logs with --data on logs of the synthetic problem ignored --data."""
+    assert _train(logs, tmp_path / "run", "--data", "/nonexistent.csv") == 2
+    assert "--data: the KuaiRec file of logs written on kuairec" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
