@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from capg_rec.catalog import CatalogScores, unpadded
+from capg_rec.catalog import CatalogScores, every_score, unpadded
 
 
 @dataclass
@@ -57,7 +57,7 @@ def summarize(catalog: CatalogScores, targets: Tensor, head_size: int, num_power
     if head_size >= catalog.num_items:
         ids = torch.arange(catalog.num_items, device=catalog.device).expand(batch, -1)
         floor = torch.full((batch, experts), -torch.inf, dtype=catalog.dtype, device=catalog.device)
-        scores = catalog.gather(ids)
+        scores = every_score(catalog)
     else:
         ids = catalog.top_items(head_size).flatten(1)  # [B, M·H], each expert's best first
         with catalog._trusting():  # the catalog's own draws

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from capg_rec._head_tail import WHOLE_UP_TO, summarize
 from capg_rec._numerics import Runs, bound_once, exp_, expm1_, safe_logsumexp
-from capg_rec.catalog import CatalogScores, DenseCatalog
+from capg_rec.catalog import CatalogScores, DenseCatalog, every_score
 
 __all__ = ["mean_field_log_inclusion"]
 
@@ -83,8 +83,7 @@ def mean_field_log_inclusion(catalog: CatalogScores, items: Tensor, runs: Runs, 
     if isinstance(catalog, DenseCatalog):
         scores = catalog.scores  # [B, M, N]: the whole catalog is the head
     elif dense:
-        everything = torch.arange(catalog.num_items, device=catalog.device).expand(catalog.batch_size, -1)
-        scores = catalog.gather(everything)
+        scores = every_score(catalog)
     else:
         scores, tails, lowers = _summary(catalog, runs, head)
         targets = catalog.gather(items)  # [B, M, L]

@@ -19,7 +19,7 @@ from torch import Tensor
 from capg_rec._head_tail import read_whole
 from capg_rec._numerics import Runs, bound_once, eager_cpu, exp_, filled_logsumexp, log1mexp, no_autocast, \
     position_index, reverse_logcumsumexp, safe_logaddexp, safe_logsumexp, select_experts
-from capg_rec.catalog import CatalogScores, DenseCatalog
+from capg_rec.catalog import CatalogScores, DenseCatalog, every_score
 
 __all__ = ["plugin_log_inclusion"]
 
@@ -33,8 +33,7 @@ def plugin_log_inclusion(catalog: CatalogScores, items: Tensor, runs: Runs) -> T
     works on ``[B, L, K]``- and ``[B, L, R, P]``-sized tensors (R blocks, pool size P ≤ R·K)."""
     experts = [e for e, _ in runs]
     if read_whole(catalog):  # a small catalog whose sums are estimated: read it whole, exactly
-        everything = torch.arange(catalog.num_items, device=catalog.device).expand(catalog.batch_size, -1)
-        catalog = DenseCatalog(catalog.gather(everything), validate_args=False)
+        catalog = DenseCatalog(every_score(catalog), validate_args=False)
     num_candidates = sum(n for _, n in runs)
     if catalog.exact_top < num_candidates < catalog.num_items:  # the greedy prefixes read through top_items
         warnings.warn(f"the plug-in takes each expert's best items (up to K = {num_candidates}) for its greedy "

@@ -85,11 +85,18 @@ class CatalogScores(abc.ABC):
         that the answer joins the checks' one :meth:`agree`."""
         return None
 
-    def _trusting(self) -> contextlib.AbstractContextManager:
+    def _trusting(self, trust: bool = True) -> contextlib.AbstractContextManager:
         """A context in which :meth:`gather` skips checks of its own (collective ones included): for a call site
-        that every process runs alike, with ids checked otherwise (:meth:`_vouch`'d into an agreement still to
-        come, or the catalog's own :meth:`top_items`). Default: nothing to skip."""
+        that every process runs alike, with ids checked otherwise (:meth:`_vouch`'d into an agreement, or the
+        catalog's own :meth:`top_items`). ``trust=False`` takes the checks again inside such a context (for ids
+        nobody vouched for: :func:`every_score`). Default: nothing to skip."""
         return contextlib.nullcontext()
+
+    def _drawing(self, num_candidates: int) -> contextlib.AbstractContextManager | None:
+        """For a draw of ``num_candidates``: None (the default) leaves its checks to the caller
+        (:func:`~capg_rec.plackett_luce.check_enough_items`); a placement that checks its draws itself does so here,
+        in one go for the whole draw, and returns the context to draw in."""
+        return None
 
     @property
     def exact_top(self) -> int:
@@ -117,6 +124,14 @@ class CatalogScores(abc.ABC):
         their scores follow the items' (``[B, M, L + L']``) but they stay in the rest."""
         named = items if also is None else torch.cat([items, also], 1)
         return self.gather(named), self.log_power_sums(items, 1)[..., 0]
+
+
+def every_score(catalog: CatalogScores) -> Tensor:
+    """Every item's scores ``[B, M, N]`` (a small catalog read whole), each id checked as in any lookup, also
+    where a caller trusts the ids it vouched for: nobody vouched for the whole catalog."""
+    everything = torch.arange(catalog.num_items, device=catalog.device).expand(catalog.batch_size, -1)
+    with catalog._trusting(False):
+        return catalog.gather(everything)
 
 
 def unpadded(ids: Tensor) -> Tensor:

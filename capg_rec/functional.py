@@ -29,6 +29,7 @@ there is none, and invalid inputs give undefined results.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 
@@ -58,10 +59,11 @@ def vpg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
     """Vanilla policy gradient: the score is ``log π(A^K | x)`` of the whole ordered draw; with
     ``with_replacement=True`` every position is normalised over the whole catalog (V-PG-SwR)."""
     check_flag("with_replacement", with_replacement)
-    catalog, candidates, chosen, advantage = _prepare(logits, candidates, chosen, rewards, position_weights,
-                                                      baseline, temperature, reduction, validate_args,
-                                                      distinct=not with_replacement)
-    score = _candidate_log_prob(catalog, candidates, with_replacement)  # [B]
+    catalog, candidates, chosen, advantage, scoring = _prepare(logits, candidates, chosen, rewards, position_weights,
+                                                               baseline, temperature, reduction, validate_args,
+                                                               distinct=not with_replacement)
+    with scoring:
+        score = _candidate_log_prob(catalog, candidates, with_replacement)  # [B]
     return _reduce(-(advantage.sum(1) * score), reduction)
 
 
@@ -73,10 +75,11 @@ def capg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor
     by ``method`` (an :class:`~capg_rec.marginals.InclusionMethod` or a registered name); K is
     ``candidates.shape[1]``."""
     method = inclusion_method(method)
-    catalog, candidates, chosen, advantage = _prepare(logits, candidates, chosen, rewards, position_weights,
-                                                      baseline, temperature, reduction, validate_args,
-                                                      distinct=True, inclusion=method.is_probability)
-    score = _inclusion_log_prob(catalog, chosen, candidates.shape[1], method)  # [B, L]
+    catalog, candidates, chosen, advantage, scoring = _prepare(logits, candidates, chosen, rewards, position_weights,
+                                                               baseline, temperature, reduction, validate_args,
+                                                               distinct=True, inclusion=method.is_probability)
+    with scoring:
+        score = _inclusion_log_prob(catalog, chosen, candidates.shape[1], method)  # [B, L]
     return _reduce(-(advantage * score).sum(1), reduction)
 
 
@@ -109,11 +112,12 @@ def offpolicy_capg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chos
     num_candidates = candidates.shape[1] if isinstance(candidates, Tensor) and candidates.dim() == 2 else 1
     bound = 0.0 if method.is_probability else math.log(max(num_candidates, 1))
     max_weight, self_normalize = _weight_options(max_weight, self_normalize)
-    catalog, candidates, chosen, advantage = _prepare(
+    catalog, candidates, chosen, advantage, scoring = _prepare(
         logits, candidates, chosen, rewards, position_weights, baseline, temperature, reduction, validate_args,
         distinct=True, inclusion=method.is_probability,
         logged=("logged_log_inclusion", logged_log_inclusion, True, bound))
-    score = _inclusion_log_prob(catalog, chosen, candidates.shape[1], method)  # [B, L]
+    with scoring:
+        score = _inclusion_log_prob(catalog, chosen, candidates.shape[1], method)  # [B, L]
     weight = importance_weights(score - logged_log_inclusion.to(score.dtype), max_weight=max_weight,
                                 self_normalize=self_normalize)
     return _reduce(-(weight * advantage * _weighed(weight, score)).sum(1), reduction)
@@ -133,10 +137,11 @@ def offpolicy_vpg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chose
     :func:`offpolicy_capg_loss`.
     """
     max_weight, self_normalize = _weight_options(max_weight, self_normalize)
-    catalog, candidates, chosen, advantage = _prepare(
+    catalog, candidates, chosen, advantage, scoring = _prepare(
         logits, candidates, chosen, rewards, position_weights, baseline, temperature, reduction, validate_args,
         distinct=True, logged=("logged_log_prob", logged_log_prob, False, 0.0))
-    score = _candidate_log_prob(catalog, candidates, False)  # [B]
+    with scoring:
+        score = _candidate_log_prob(catalog, candidates, False)  # [B]
     weight = importance_weights(score - logged_log_prob.to(score.dtype), max_weight=max_weight,
                                 self_normalize=self_normalize)
     return _reduce(-(weight * advantage.sum(1) * _weighed(weight, score)), reduction)
@@ -161,11 +166,12 @@ def topk_reinforce_loss(logits: Tensor | CatalogScores, candidates: Tensor, chos
     self-normalised as in :func:`offpolicy_capg_loss`; ``λ_K ≤ K`` is not. Both are constants.
     """
     max_weight, self_normalize = _weight_options(max_weight, self_normalize)
-    catalog, candidates, chosen, advantage = _prepare(
+    catalog, candidates, chosen, advantage, scoring = _prepare(
         logits, candidates, chosen, rewards, position_weights, baseline, temperature, reduction, validate_args,
         distinct=True, logged=("logged_log_item_prob", logged_log_item_prob, True, 0.0))
     num_candidates = candidates.shape[1]
-    score = _inclusion_log_prob(catalog, chosen, num_candidates, WithReplacement()) - math.log(num_candidates)
+    with scoring:
+        score = _inclusion_log_prob(catalog, chosen, num_candidates, WithReplacement()) - math.log(num_candidates)
     ratio = importance_weights(score - logged_log_item_prob.to(score.dtype), max_weight=max_weight,
                                self_normalize=self_normalize)
     multiplier = ratio
@@ -222,8 +228,11 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
              position_weights: Tensor | None, baseline: Tensor | None, temperature: float, reduction: str,
              validate_args: bool | None, *, distinct: bool, inclusion: bool = False,
              logged: tuple[str, Tensor, bool, float] | None = None
-             ) -> tuple[CatalogScores, Tensor, Tensor, Tensor]:
-    """Checks (structure always, values when validating, in one sync) → catalog, ids, advantage ``[B, L]``.
+             ) -> tuple[CatalogScores, Tensor, Tensor, Tensor, contextlib.AbstractContextManager]:
+    """Checks (structure always, values when validating, in one sync) → catalog, ids, advantage ``[B, L]`` and the
+    context to score them in: once validated, the checks' agreement vouched for the candidates and chosen ids, so
+    the catalog's own lookups of them skip their checks (:meth:`~capg_rec.CatalogScores._trusting`: no collective
+    of their own).
 
     ``inclusion``: the loss takes inclusion probabilities, whose methods assume that each expert block can draw
     its items whatever the earlier blocks took (:func:`~capg_rec.plackett_luce.check_enough_items`, as
@@ -277,7 +286,8 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
             if failed is not None:  # the agreement failed with it: raise this process's own error
                 raise failed from None
             raise
-    return catalog, candidates, chosen, advantage if advantage.dtype == catalog.dtype else advantage.to(catalog.dtype)
+    advantage = advantage if advantage.dtype == catalog.dtype else advantage.to(catalog.dtype)
+    return catalog, candidates, chosen, advantage, catalog._trusting() if validate else contextlib.nullcontext()
 
 
 def _check_values(catalog: CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor, baseline: Tensor | None,

@@ -39,7 +39,7 @@ from capg_rec._mean_field import mean_field_log_inclusion
 from capg_rec._plugin import plugin_log_inclusion
 from capg_rec._head_tail import head_size_for, summarize
 from capg_rec._numerics import safe_logsumexp, select_experts
-from capg_rec.catalog import CatalogScores, as_catalog
+from capg_rec.catalog import CatalogScores, as_catalog, every_score
 from capg_rec.plackett_luce import check_enough_items, expert_runs
 
 __all__ = ["InclusionMethod", "Exact", "MeanField", "PlugIn", "WithReplacement", "Enumeration", "inclusion_log_prob",
@@ -177,8 +177,7 @@ class Enumeration(InclusionMethod):
         if catalog.num_items > self.max_items:
             raise ValueError(f"Enumeration needs num_items <= {self.max_items}, got {catalog.num_items}")
         experts = torch.tensor([m for m, n in runs for _ in range(n)], device=catalog.device)
-        everything = torch.arange(catalog.num_items, device=catalog.device).expand(catalog.batch_size, -1)
-        probs = inclusion_probs(catalog.gather(everything).double(), experts)  # [B, N]
+        probs = inclusion_probs(every_score(catalog).double(), experts)  # [B, N]
         p = probs.gather(1, items)
         drawable = p > 0  # log(0) with a finite gradient: -inf for masked items
         return torch.where(drawable, torch.where(drawable, p, 1.0).log(), -math.inf).to(catalog.dtype)

@@ -7,6 +7,7 @@ item a with probability ``exp(s_{m(k)}(a)) / Σ_{b not drawn yet} exp(s_{m(k)}(b
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import math
@@ -66,13 +67,11 @@ def _block_positions(runs: tuple[tuple[int, int], ...], device: torch.device) ->
 
 
 def _checked(logits: Tensor | CatalogScores, num_candidates: int, temperature: float,
-             validate_args: bool | None) -> CatalogScores:
+             validate_args: bool | None) -> tuple[CatalogScores, bool]:
     validate = resolve_validate_args(validate_args)
     catalog = as_catalog(logits, temperature, validate_args=validate)
     check_count("num_candidates", num_candidates, high=catalog.num_items)
-    if validate:
-        check_enough_items(catalog, num_candidates)
-    return catalog
+    return catalog, validate
 
 
 def check_enough_items(catalog: CatalogScores, num_candidates: int) -> None:
@@ -90,13 +89,21 @@ def check_enough_items(catalog: CatalogScores, num_candidates: int) -> None:
         "are masked)")
 
 
-def _draw(catalog: CatalogScores, num_candidates: int, *, perturb: bool,
-          generator: torch.Generator | None) -> Tensor:
+def _draw(catalog: CatalogScores, num_candidates: int, *, perturb: bool, generator: torch.Generator | None,
+          validate: bool) -> Tensor:
+    """Each expert block's best (``perturb``: Gumbel-perturbed) items not drawn yet → ``[B, K]``; with ``validate``,
+    first :func:`check_enough_items`, unless the catalog checks its draws itself (``CatalogScores._drawing``)."""
+    drawing = catalog._drawing(num_candidates)
+    if drawing is None:
+        if validate:
+            check_enough_items(catalog, num_candidates)
+        drawing = contextlib.nullcontext()
     picks: list[Tensor] = []
-    for expert, count in expert_runs(num_candidates, catalog.num_experts):
-        exclude = torch.cat(picks, dim=1) if picks else None
-        picks.append(catalog.top_items(count, experts=[expert], exclude=exclude,
-                                       generator=generator, perturb=perturb)[:, 0])
+    with drawing:
+        for expert, count in expert_runs(num_candidates, catalog.num_experts):
+            exclude = torch.cat(picks, dim=1) if picks else None
+            picks.append(catalog.top_items(count, experts=[expert], exclude=exclude,
+                                           generator=generator, perturb=perturb)[:, 0])
     return torch.cat(picks, dim=1)
 
 
@@ -112,15 +119,15 @@ def sample_candidates(logits: Tensor | CatalogScores, num_candidates: int, *, te
     """
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
-    catalog = _checked(logits, num_candidates, temperature, validate_args)
-    return _draw(catalog, num_candidates, perturb=True, generator=generator)
+    catalog, validate = _checked(logits, num_candidates, temperature, validate_args)
+    return _draw(catalog, num_candidates, perturb=True, generator=generator, validate=validate)
 
 
 def greedy_candidates(logits: Tensor | CatalogScores, num_candidates: int, *,
                       temperature: float = 1.0, validate_args: bool | None = None) -> Tensor:
     """The noise-free draw: each block takes its expert's best remaining items → ``LongTensor[B, K]``."""
-    catalog = _checked(logits, num_candidates, temperature, validate_args)
-    return _draw(catalog, num_candidates, perturb=False, generator=None)
+    catalog, validate = _checked(logits, num_candidates, temperature, validate_args)
+    return _draw(catalog, num_candidates, perturb=False, generator=None, validate=validate)
 
 
 def candidate_log_prob(logits: Tensor | CatalogScores, candidates: Tensor, *, temperature: float = 1.0,

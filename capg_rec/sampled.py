@@ -43,9 +43,10 @@ hold usable (unmasked, not excluded, distinct) is a ``ValueError`` naming the ro
 from __future__ import annotations
 
 import abc
+import contextlib
 import copy
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -381,6 +382,9 @@ def _exp_in_place(x: Tensor) -> Tensor:
 
 ItemSource = Tensor | Callable[[Tensor], Tensor]
 
+_NO_ROWS = 1 << 62
+"""The usable items of a catalog without rows, in agreements of the least: more than any draw needs."""
+
 
 def check_index_items(index_items: object, *, batch_size: int, num_experts: int, num_items: int,
                       validate: bool) -> Tensor:
@@ -634,7 +638,7 @@ class SampledCatalog(CatalogScores):
         the most slots of a row and expert that are padding (``-1``: an approximate index that found fewer)
         or masked items (the whole catalog when the head holds every item of every row). A host sync, once."""
         if self._exact_top is None:
-            self._exact_top = self._least(self._named_best())
+            self._exact_top, = self._least(self._named_best())
         return self._exact_top
 
     def _named_best(self) -> int:
@@ -651,10 +655,47 @@ class SampledCatalog(CatalogScores):
             usable &= ~(self.index_items.unsqueeze(3) == self.masked_items.view(self.batch_size, 1, 1, -1)).any(3)
         return int(usable.sum(2).amin())
 
-    def _least(self, value: int) -> int:
-        """``value``, the least over the processes that share this catalog (here one; a subclass whose
-        processes must take the same paths agrees on it)."""
-        return value
+    def _least(self, *values: int) -> tuple[int, ...]:
+        """Each of ``values``, the least over the processes that share this catalog (here one; a subclass whose
+        processes must take the same paths agrees on them, in one agreement)."""
+        return values
+
+    def _drawing(self, num_candidates: int) -> contextlib.AbstractContextManager | None:
+        """With ``check_draws``, one check that every row's head and sample hold ``num_candidates`` usable items
+        (in every process, which must all draw as many; one agreement), and a context in which the draw's
+        :meth:`top_items` calls, one per expert block, skip their own checks: each block's expert finds the
+        usable items that the earlier blocks left, since usable means the same under every expert (not unused,
+        repeated or masked), and usable items hold the catalog's unmasked ones, as many as the draw needs."""
+        if not self.check_draws:
+            return None
+        usable = self._usable()
+        mine = int(usable.amin()) if usable.numel() else _NO_ROWS  # no rows: nothing to draw, room for any K
+        room, fewest, most = self._least(mine - num_candidates, num_candidates, -num_candidates)
+        if fewest != -most:
+            raise ValueError(f"num_candidates must be the same in every process that shares this SampledCatalog, "
+                             f"got {fewest} to {-most}")
+        if room < 0:
+            if mine >= num_candidates:
+                raise ValueError(f"num_candidates={num_candidates} exceeds the usable items of another process's "
+                                 "SampledCatalog: raise head_size or the number of negatives")
+            row = int((usable < num_candidates).nonzero()[0, 0])
+            raise ValueError(f"num_candidates={num_candidates} exceeds the usable items (not masked or repeated) of "
+                             f"this SampledCatalog's head and sample: row {row} has {int(usable[row])}; raise "
+                             "head_size or the number of negatives")
+        return self._checks_off()
+
+    @contextlib.contextmanager
+    def _checks_off(self) -> Iterator[None]:
+        self.check_draws = False
+        try:
+            yield
+        finally:
+            self.check_draws = True
+
+    def _usable(self) -> Tensor:
+        """Usable items in each row's head and sample (neither unused, a later copy, nor masked) → ``[B]``."""
+        head = (self.head_scores[:, 0] > -math.inf).sum(1)
+        return head + (self._sample_bias[:, 0] > -math.inf).sum(1)  # a bias shared by the rows broadcasts
 
     def log_power_sums(self, exclude: Tensor | None = None, num_powers: int = 1) -> Tensor:
         """Estimated ``log Σ_{n ∉ exclude[b]} exp(p · s[b, m, n])``, ``p = 1..P ≤ 3`` → ``[B, M, P]``:

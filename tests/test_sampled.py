@@ -469,7 +469,7 @@ def test_draws_refuse_more_candidates_than_the_head_and_sample_hold(draw):
         if min(usable) >= 4:
             drawn = pick(cat, 4)
             assert not bool((drawn.unsqueeze(2) == seen.unsqueeze(1)).any()) and bool((drawn >= 0).all())
-        with pytest.raises(ValueError, match=f"row {int(np.argmin(usable))} has {min(usable)} under expert 0"):
+        with pytest.raises(ValueError, match=f"row {int(np.argmin(usable))} has {min(usable)};"):
             pick(cat, min(usable) + 1)
 
 

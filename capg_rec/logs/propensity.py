@@ -144,18 +144,16 @@ def explore_candidates(logits: Tensor | CatalogScores, num_candidates: int, *, t
     validate = resolve_validate_args(validate_args)
     catalog = as_catalog(logits, temperature, validate_args=validate)
     check_count("num_candidates", num_candidates, high=catalog.num_items)
-    if validate:
-        if epsilon < 1.0:
-            check_enough_items(catalog, num_candidates)
-        if epsilon > 0.0:
-            _check_uniform_possible(catalog, num_candidates)
+    if validate and epsilon > 0.0:
+        _check_uniform_possible(catalog, num_candidates)
     if epsilon == 0.0:
-        return _draw(catalog, num_candidates, perturb=True, generator=generator)
+        return _draw(catalog, num_candidates, perturb=True, generator=generator, validate=validate)
     uniform = _uniform_draw(catalog, num_candidates, generator)
     if epsilon == 1.0:
         return uniform
     coin = torch.rand(catalog.batch_size, 1, generator=generator, device=catalog.device) < epsilon
-    return torch.where(coin, uniform, _draw(catalog, num_candidates, perturb=True, generator=generator))
+    return torch.where(coin, uniform, _draw(catalog, num_candidates, perturb=True, generator=generator,
+                                            validate=validate))
 
 
 def _mix(log_policy: Tensor, log_uniform: Tensor, epsilon: float) -> Tensor:

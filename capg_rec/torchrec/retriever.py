@@ -495,16 +495,18 @@ class _RankSampledCatalog(SampledCatalog):
     def agree(self, passed: Tensor) -> Tensor:
         return agree(passed, self.group)
 
-    def _least(self, value: int) -> int:
-        """The least over the ranks (one all-reduce): ``exact_top`` picks the methods' paths, which must be every
-        rank's (their collectives differ)."""
-        return value if self.group is None else int(least(torch.tensor([value], device=self.device), self.group))
+    def _least(self, *values: int) -> tuple[int, ...]:
+        """The least of each over the ranks (one all-reduce): ``exact_top`` picks the methods' paths, which must be
+        every rank's (their collectives differ), and a draw's check needs every rank's room."""
+        if self.group is None:
+            return values
+        return tuple(least(torch.tensor(values, device=self.device), self.group).tolist())
 
     def _vouch(self, name: str, ids: Tensor) -> tuple[Tensor | bool, str]:
         return self._tower.listed(ids), f"an item of {name} " + _UNLISTED
 
-    def _trusting(self) -> contextlib.AbstractContextManager:
-        return self._tower.trusting()
+    def _trusting(self, trust: bool = True) -> contextlib.AbstractContextManager:
+        return self._tower.trusting(trust)
 
     def resampled(self, sampler: DrawnSample, *, head_items: Tensor | None = None, **kwargs: object) -> SampledCatalog:
         """:meth:`SampledCatalog.resampled` with a :class:`DrawnSample` whose ids the batch listed, as ``head_items``
@@ -544,9 +546,10 @@ class _ListedRows:
         self._trusting = False
 
     @contextlib.contextmanager
-    def trusting(self) -> Iterator[None]:
-        """Calls without the check (an unlisted id then reads some listed row, or zeros if none was)."""
-        self._trusting, before = True, self._trusting
+    def trusting(self, trust: bool = True) -> Iterator[None]:
+        """Calls without the check (an unlisted id then reads some listed row, or zeros if none was); with
+        ``trust=False``, with it again."""
+        self._trusting, before = trust, self._trusting
         try:
             yield
         finally:
