@@ -20,6 +20,7 @@ ranks with a collective timeout, so that a hang fails the case instead of the jo
 * ``short_pool``: rank 1's head and sample hold fewer slots than the draw's K: a ``ValueError`` on both; with
   no users on rank 1 (``short_pool/empty``) there is nothing to draw there, and both pass;
 * ``k_draw``: the ranks draw different numbers of candidates from the whole catalog: a ``ValueError`` on both;
+  ``k_draw/sampled``: the same from their sampled catalogs;
 * ``dense_rows`` / ``dense_dtype``: a retriever with a user tower, whose ``dense`` input has a row too few on
   rank 1, or another dtype than the tower's: the error on both; ``user_vectors_dense``: the same row too few in
   the export's ``user_vectors``;
@@ -164,6 +165,9 @@ def main() -> int:
     def k_draw():
         sample_candidates(full(batch(rank, PER_RANK)[0]), K + rank, generator=torch.Generator().manual_seed(3))
 
+    def k_draw_sampled():
+        sample_candidates(catalog(model, *batch(rank, PER_RANK)), K + rank, generator=torch.Generator().manual_seed(3))
+
     towered = h.shard(dataclasses.replace(SETUP, tower=True), 0.1)
 
     def dense(rows: int, dtype: torch.dtype):
@@ -201,6 +205,7 @@ def main() -> int:
              "rewritten": rewritten, "exact/empty": exact_empty, "propensity/empty": propensity_empty,
              "propensity/bad_id": propensity_bad_id, "uniform_short": uniform_short,
              "short_pool": short_pool(PER_RANK), "short_pool/empty": short_pool(0), "k_draw": k_draw,
+             "k_draw/sampled": k_draw_sampled,
              "dense_rows": dense(PER_RANK - rank, torch.float32), "dense_dtype": dense(PER_RANK, torch.float64),
              "user_vectors_dense": user_vectors_dense,
              **{f"structure/{what}/{where}": structure(what, where == "sampled")

@@ -219,6 +219,9 @@ def test_sampled_mode_checks_agree_whatever_each_rank_holds(tmp_path):
     # regressions (found by review): gloo aborted one rank; a row too few in one rank's dense hung the other
     assert first["k_draw"] == second["k_draw"]
     assert first["k_draw"].startswith("ValueError: every rank must draw alike (the same K in sample_candidates)")
+    assert first["k_draw/sampled"] == second["k_draw/sampled"] == ("ValueError: num_candidates must be the same in "
+                                                                    "every process that shares this SampledCatalog, "
+                                                                    "got 5 to 6")  # drew 5 and 6 silently
     assert first["dense_rows"] == second["dense_rows"]
     assert first["dense_dtype"] == second["dense_dtype"]
     assert first["user_vectors_dense"] == second["user_vectors_dense"]  # the other rank returned (out of step)
