@@ -74,7 +74,7 @@ def mean_field_log_inclusion(catalog: CatalogScores, items: Tensor, runs: Runs, 
     if items.shape[0] == 0 and isinstance(catalog, DenseCatalog):  # other catalogs may be collective: run them
         return catalog.gather(items)[:, 0] * 0.0
     head = _head_size(catalog.num_items, runs)
-    if catalog.exact_top < head < catalog.num_items:  # a head read through top_items, not the whole catalog
+    if catalog._best_items(head) < head < catalog.num_items:  # a head read through top_items, not the whole catalog
         warnings.warn(f"mean-field reads each expert's best {head} items one by one (8·n + K - n for the largest "
                       f"block n), but this catalog names only its best {catalog.exact_top} exactly: its inclusion "
                       "probabilities are biased (on a SampledCatalog, raise head_size with an index)", stacklevel=2)

@@ -98,6 +98,12 @@ class CatalogScores(abc.ABC):
         in one go for the whole draw, and returns the context to draw in."""
         return None
 
+    def _best_items(self, k: int) -> int:
+        """:attr:`exact_top`, asked by a method about to read each expert's best ``k`` items (:meth:`top_items`): a
+        placement that checks such reads may check this one here, along with whatever it agrees on for
+        :attr:`exact_top`."""
+        return self.exact_top
+
     @property
     def exact_top(self) -> int:
         """How many of each expert's best items :meth:`top_items` names exactly (default: all of them;

@@ -493,6 +493,7 @@ class SampledCatalog(CatalogScores):
                 found = index.search(queries, self.head_size)[1].reshape(self.batch_size, self.num_experts,
                                                                           self.head_size)
             self.index_items, self._exact_top = found, None  # [B, M, H] or None
+            self._room_for: int | None = None  # a k that every row can read its best of (see _best_items)
             if found is not None:
                 self.head_size = found.shape[2]
                 parts.append(found.flatten(1))
@@ -641,6 +642,19 @@ class SampledCatalog(CatalogScores):
             self._exact_top, = self._least(self._named_best())
         return self._exact_top
 
+    def _best_items(self, k: int) -> int:
+        """:attr:`exact_top`, and with ``check_draws`` in the same agreement whether every row (of every process,
+        all asking for the same k) holds ``k`` usable items: then a read of each expert's best k (:meth:`top_items`
+        without exclusions, e.g. mean-field's head) skips its own check; else it takes it, in every process alike."""
+        if not self.check_draws:
+            return self.exact_top
+        usable = self._usable()
+        mine = int(usable.amin()) if usable.numel() else _NO_ROWS
+        named, room, fewest, most = self._least(self._named_best(), mine - k, k, -k)
+        self._exact_top = named
+        self._room_for = k if room >= 0 and fewest == -most else None
+        return named
+
     def _named_best(self) -> int:
         """:attr:`exact_top` from this catalog's rows alone."""
         if self.head_size >= self.num_items:  # an index head of every item
@@ -755,7 +769,7 @@ class SampledCatalog(CatalogScores):
                 keys[..., size:width] = sample
                 keys[..., size:width].masked_fill_(bias == -math.inf, -math.inf)
             keys[..., width:] = -math.inf
-            if self.check_draws:
+            if self.check_draws and not (exclude is None and k == self._room_for):
                 self._check_usable(keys[..., :width], k, experts)
             pos = gumbel_top_k(keys, k, generator=generator, group_size=group) if perturb else top_k(keys, k)
             if not size:
