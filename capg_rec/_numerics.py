@@ -505,8 +505,13 @@ def gumbel_like(shape: tuple[int, ...], *, generator: torch.Generator | None, dt
 
 
 def gumbel_group_size(num_items: int, k: int) -> int:
-    """:func:`gumbel_top_k`'s default group size, ``√(N/k)`` (below 2: no groups)."""
-    return int(math.sqrt(num_items / k))
+    """:func:`gumbel_top_k`'s default group size, ``√(N/k)``; 1 (no groups) below 4, where the groups' extra
+    operations cost more than the noise they save (at N = 128, k = 10 on a CPU: 420 µs against 280 for 128 rows)."""
+    size = int(math.sqrt(num_items / k))
+    return size if size >= _LEAST_GROUP else 1
+
+
+_LEAST_GROUP = 4
 
 
 def gumbel_top_k(scores: Tensor, k: int, *, generator: torch.Generator | None,
@@ -515,8 +520,8 @@ def gumbel_top_k(scores: Tensor, k: int, *, generator: torch.Generator | None,
     an exact Plackett-Luce draw of k items without replacement (``-inf`` scores are never drawn
     while finite ones remain).
 
-    Two-level ("top-down") Gumbel-max: the items are split into groups of ``group_size``
-    (default ``√(N/k)``); a group's largest perturbed score is Gumbel(logsumexp of the group), so
+    Two-level ("top-down") Gumbel-max: the items are split into groups of ``group_size`` (default
+    :func:`gumbel_group_size`, ``√(N/k)``); a group's largest perturbed score is Gumbel(logsumexp of the group), so
     the k best groups are drawn first, and only their items get noise, conditioned on their
     group's maximum (a truncated Gumbel; Kool, van Hoof & Welling 2019, appendix B). The k best
     items always lie in the k best groups, so the draw is exact, with ``N/g + k·g`` random
