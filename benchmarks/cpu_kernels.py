@@ -8,7 +8,10 @@
 - expm1 of float32: ``torch.expm1`` against ``expm1_`` (numpy's vectorised ``expm1`` on the CPU) into a
   buffer, on ``-e^x`` of the same (the arguments of mean-field's Newton steps);
 - top-k of float32 rows, best first with capg_rec's tie policy: ``top_k`` (the pruned path where rows hold
-  at least 8k entries) against its partition path and ``torch.topk`` (which does not order ties alike).
+  at least 8k entries) against its partition path and ``torch.topk`` (which does not order ties alike);
+- the Gumbel top-k draw of k of n items per row: ``gumbel_top_k`` with its default groups (none below a group
+  size of 4) against the two-level draw with groups of ``int(√(n/k))`` (its default before) and, last
+  column, one Gumbel per item.
 
 Times are medians of ``--reps`` calls after a tenth as many; the table also gives each baseline over
 capg_rec's time.
@@ -23,10 +26,11 @@ from collections.abc import Callable
 
 import torch
 
-from capg_rec._numerics import _top_k_partition, exp_floored_, expm1_, top_k
+from capg_rec._numerics import _top_k_partition, exp_floored_, expm1_, gumbel_top_k, top_k
 
 EXP_SHAPES = [(128, 1000), (128, 5, 1000)]
 TOP_K = [(128, 1000, 10), (128, 1000, 50), (640, 1000, 200), (128, 16384, 100), (128, 100_000, 50)]
+GUMBEL = [(128, 138, 10), (128, 1034, 10), (128, 256, 50), (128, 1000, 200), (128, 16384, 100)]
 
 
 def median_us(fn: Callable[[], object], reps: int) -> float:
@@ -63,7 +67,14 @@ def main(argv: list[str] | None = None) -> list[tuple[str, float, float, float |
         reps = max(3, args.reps * 1000 // (num_rows * n // 128))
         rows.append((f"top-{k} of [{num_rows}, {n}]", median_us(lambda: top_k(x, k), reps),
                      median_us(lambda: _top_k_partition(x, k), reps), median_us(lambda: x.topk(k), reps)))
-    print("| kernel | capg_rec µs | replaced call µs (× capg_rec) | torch.topk µs (× capg_rec) |")
+    for num_rows, n, k in GUMBEL:
+        x = torch.randn(num_rows, n, generator=gen)
+        reps = max(3, args.reps * 1000 // (num_rows * n // 128))
+        grouped = max(2, int((n / k) ** 0.5))
+        rows.append((f"Gumbel top-{k} of [{num_rows}, {n}]", median_us(lambda: gumbel_top_k(x, k, generator=gen), reps),
+                     median_us(lambda: gumbel_top_k(x, k, generator=gen, group_size=grouped), reps),
+                     median_us(lambda: gumbel_top_k(x, k, generator=gen, group_size=1), reps)))
+    print("| kernel | capg_rec µs | replaced call µs (× capg_rec) | torch.topk / one Gumbel per item µs (× capg_rec) |")
     print("|---|---|---|---|")
     for name, ours, old, torch_topk in rows:
         other = "" if torch_topk is None else f"{torch_topk:.0f} ({torch_topk / ours:.1f}×)"
