@@ -40,7 +40,7 @@ from capg_rec._checks import DeferredChecks, check_choice, check_count, check_fl
     check_positive, resolve_validate_args
 from capg_rec.catalog import CatalogScores, DenseCatalog, agreement, as_catalog
 from capg_rec.marginals import DEFAULT_METHOD, InclusionMethod, WithReplacement, _inclusion_log_prob, \
-    inclusion_method
+    _known_lookups, inclusion_method
 from capg_rec.plackett_luce import _candidate_log_prob, _expert_index, expert_runs
 
 __all__ = ["vpg_loss", "capg_loss", "offpolicy_capg_loss", "offpolicy_vpg_loss", "topk_reinforce_loss",
@@ -77,7 +77,8 @@ def capg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor
     method = inclusion_method(method)
     catalog, candidates, chosen, advantage, scoring = _prepare(logits, candidates, chosen, rewards, position_weights,
                                                                baseline, temperature, reduction, validate_args,
-                                                               distinct=True, inclusion=method.is_probability)
+                                                               distinct=True, inclusion=method.is_probability,
+                                                               trusted=_known_lookups(method))
     with scoring:
         score = _inclusion_log_prob(catalog, chosen, candidates.shape[1], method)  # [B, L]
     return _reduce(-(advantage * score).sum(1), reduction)
@@ -114,7 +115,7 @@ def offpolicy_capg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chos
     max_weight, self_normalize = _weight_options(max_weight, self_normalize)
     catalog, candidates, chosen, advantage, scoring = _prepare(
         logits, candidates, chosen, rewards, position_weights, baseline, temperature, reduction, validate_args,
-        distinct=True, inclusion=method.is_probability,
+        distinct=True, inclusion=method.is_probability, trusted=_known_lookups(method),
         logged=("logged_log_inclusion", logged_log_inclusion, True, bound))
     with scoring:
         score = _inclusion_log_prob(catalog, chosen, candidates.shape[1], method)  # [B, L]
@@ -226,13 +227,14 @@ def _weight_options(max_weight: float | None, self_normalize: bool) -> tuple[flo
 
 def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor,
              position_weights: Tensor | None, baseline: Tensor | None, temperature: float, reduction: str,
-             validate_args: bool | None, *, distinct: bool, inclusion: bool = False,
+             validate_args: bool | None, *, distinct: bool, inclusion: bool = False, trusted: bool = True,
              logged: tuple[str, Tensor, bool, float] | None = None
              ) -> tuple[CatalogScores, Tensor, Tensor, Tensor, contextlib.AbstractContextManager]:
     """Checks (structure always, values when validating, in one sync) → catalog, ids, advantage ``[B, L]`` and the
     context to score them in: once validated, the checks' agreement vouched for the candidates and chosen ids, so
     the catalog's own lookups of them skip their checks (:meth:`~capg_rec.CatalogScores._trusting`: no collective
-    of their own).
+    of their own). Only for ``trusted`` scoring, whose lookups are known: this module's and the library's inclusion
+    methods (a method of your own may look up any id).
 
     ``inclusion``: the loss takes inclusion probabilities, whose methods assume that each expert block can draw
     its items whatever the earlier blocks took (:func:`~capg_rec.plackett_luce.check_enough_items`, as
@@ -287,7 +289,8 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
                 raise failed from None
             raise
     advantage = advantage if advantage.dtype == catalog.dtype else advantage.to(catalog.dtype)
-    return catalog, candidates, chosen, advantage, catalog._trusting() if validate else contextlib.nullcontext()
+    return catalog, candidates, chosen, advantage, \
+        catalog._trusting() if validate and trusted else contextlib.nullcontext()
 
 
 def _check_values(catalog: CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor, baseline: Tensor | None,

@@ -183,6 +183,16 @@ class Enumeration(InclusionMethod):
         return torch.where(drawable, torch.where(drawable, p, 1.0).log(), -math.inf).to(catalog.dtype)
 
 
+_KNOWN_LOOKUPS = frozenset(cls.log_inclusion for cls in (WithReplacement, PlugIn, MeanField, Exact, Enumeration))
+
+
+def _known_lookups(method: InclusionMethod) -> bool:
+    """Whether ``method`` is one of this module's, whose lookups are known (the targets, the catalog's own best
+    items, and whole small catalogs through :func:`~capg_rec.catalog.every_score`): a validated loss may then run
+    it in its catalog's trust (:func:`capg_rec.functional._prepare`); a method of your own takes every check."""
+    return type(method).log_inclusion in _KNOWN_LOOKUPS
+
+
 _REGISTRY: dict[str, Callable[[], InclusionMethod]] = {
     "exact": Exact, "mean_field": MeanField, "plugin": PlugIn, "with_replacement": WithReplacement,
     "enumerate": Enumeration,

@@ -744,13 +744,18 @@ class SampledCatalog(CatalogScores):
         check_count("k", k)
         size = self.head_ids.shape[1]
         pool = size + self.sample_ids.shape[0]
+        # Every process decides alike whether this call checks its rows' room (one agreement): not when a draw or
+        # a read of the best k items agreed on it already (_drawing, _best_items).
+        checking = self.check_draws and not (exclude is None and k == self._room_for)
         if k > pool:
-            if not (self.check_draws and agreement(self) is not None):  # checks off, or one process: raise here
+            collective = agreement(self) is not None
+            if collective and not self.batch_size:  # no rows here, nothing to draw: take part in the others' check
+                if checking:
+                    self._check_usable(self.user.new_zeros(0, 1, 0), k, experts)
+                return self.sample_ids.new_zeros(0, self.num_experts if experts is None else len(experts), k)
+            if not (checking and collective):  # checks off, or one process: raise here (else in the check below)
                 raise ValueError(f"k={k} exceeds the head and sample of this SampledCatalog ({pool} slots): "
                                  "raise head_size or the number of negatives")
-            if not self.batch_size:  # no rows here: take part in the others' check (with rows, it raises below)
-                self._check_usable(self.user.new_zeros(0, 1, 0), k, experts)
-                return self.sample_ids.new_zeros(0, self.num_experts if experts is None else len(experts), k)
         with torch.no_grad():
             head, bias = self._terms(exclude)
             sample = self.sample_scores
@@ -769,7 +774,7 @@ class SampledCatalog(CatalogScores):
                 keys[..., size:width] = sample
                 keys[..., size:width].masked_fill_(bias == -math.inf, -math.inf)
             keys[..., width:] = -math.inf
-            if self.check_draws and not (exclude is None and k == self._room_for):
+            if checking:
                 self._check_usable(keys[..., :width], k, experts)
             pos = gumbel_top_k(keys, k, generator=generator, group_size=group) if perturb else top_k(keys, k)
             if not size:

@@ -6,7 +6,9 @@ data (its batch size picks the path of the candidates' checks, a batch of no use
 out-of-range id others), so the agreement must not depend on that number. Each case runs on both
 ranks with a collective timeout, so that a hang fails the case instead of the job:
 
-* ``empty``: rank 1 has no users; CA-PG (mean-field, SwR) on a resampled catalog passes on both;
+* ``empty``: rank 1 has no users; CA-PG (mean-field, SwR) on a resampled catalog passes on both, also when rank
+  1's head and sample hold fewer items than mean-field's head (``empty/mean_field_small``), and so do draws
+  larger than rank 1's head and sample (``empty/draw``, ``empty/greedy``: none at all);
 * ``wide``: rank 0 has 1,500 users (its checks take another path than rank 1's 4), valid input: passes;
 * ``pad``: rank 0's logged candidates hold a ``-1``: a ``ValueError`` on both (CA-PG-SwR and V-PG-SwR);
 * ``nothing_listed``: rank 1 listed no rows (an empty sample, a head of ``-1`` pads) and its loss names
@@ -40,7 +42,7 @@ from pathlib import Path
 import torch
 
 import _harness as h
-from capg_rec import CAPGLoss, DrawnSample, UniformSampler, VPGLoss, sample_candidates
+from capg_rec import CAPGLoss, DrawnSample, UniformSampler, VPGLoss, greedy_candidates, sample_candidates
 from capg_rec.logs import explore_candidates, log_propensities
 
 SETUP = h.Setup(num_items=3_001, num_experts=2, dim=4, num_users=40, temperature=0.5)
@@ -80,14 +82,30 @@ def main() -> int:
     h.load(model, h.full_state(SETUP, seed=5, grid=False))
     ones = lambda rows: torch.ones(rows, 2)  # noqa: E731
 
-    def empty(method: str):
-        def case():
+    def empty(method: str, small: bool = False):
+        def case():  # small: rank 1's head and sample (6 candidates, 3 negatives) hold fewer than mean-field's head
             users, sample, head, listed = batch(rank, 0 if rank == 1 else PER_RANK)
+            if small and rank == 1:
+                sample = DrawnSample(sample.ids[:3], UniformSampler(3))
             cat = catalog(model, users, sample, head, listed)
             cand = sample_candidates(cat, 6, generator=torch.Generator().manual_seed(3))
             loss = CAPGLoss(6, method=method)(cat.resampled(sample, head_items=cand), cand, cand[:, :2],
                                               ones(users.shape[0]))
             loss.backward()
+        return case
+
+    def empty_draw(greedy: bool):
+        def case():  # rank 1 has no users, and its head and sample fewer slots than the draw (or none)
+            users, sample, head, listed = batch(rank, 0 if rank == 1 else PER_RANK)
+            if rank == 1:
+                sample = DrawnSample(sample.ids[:0 if greedy else 3], UniformSampler(3))
+                listed = listed[:0] if greedy else listed
+            head = None if greedy else head  # greedy: no head anywhere, and rank 1 lists nothing
+            kjt = model.module.with_catalog(h.user_batch(users.to(h.device())), items=listed.to(h.device()))
+            cat = model(kjt, sample=sample, head_items=None if head is None else head.to(h.device()))
+            if greedy:
+                return greedy_candidates(cat, 6)
+            return sample_candidates(cat, 80, generator=torch.Generator().manual_seed(3))  # 2 blocks of 40
         return case
 
     def wide():
@@ -200,6 +218,8 @@ def main() -> int:
                                                                                      device=h.device()))
 
     cases = {"empty/mean_field": empty("mean_field"), "empty/with_replacement": empty("with_replacement"),
+             "empty/mean_field_small": empty("mean_field", small=True), "empty/draw": empty_draw(False),
+             "empty/greedy": empty_draw(True),
              "wide": wide, "pad/capg": pad(CAPGLoss(K, method="with_replacement")),
              "pad/vpg": pad(VPGLoss(K, with_replacement=True)), "nothing_listed": nothing_listed,
              "rewritten": rewritten, "exact/empty": exact_empty, "propensity/empty": propensity_empty,

@@ -177,17 +177,19 @@ def test_two_tower_example_runs_through_the_pipeline(tmp_path):
 
 def test_step_cost_benchmark_runs(tmp_path):
     """integration/bench.py at a tiny size: the in-batch baseline and an estimator, unsharded and on 1 rank,
-    every configuration's step and sampling time written with its ratio to in-batch softmax."""
+    every configuration's step and sampling time written with its ratio to in-batch softmax, and with
+    --alternate the steps without checks timed apart."""
     run = subprocess.run([sys.executable, str(ROOT / "integration" / "bench.py"), "--out", str(tmp_path),
-                          "--num-items", "500", "--batch", "4", "--candidates", "3", "--dim", "4", "--steps", "1",
-                          "--worlds", "1", "--estimators", "capg_swr"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=600)
+                          "--num-items", "500", "--batch", "4", "--candidates", "3", "--dim", "4", "--steps", "2",
+                          "--worlds", "1", "--estimators", "capg_swr", "--alternate"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads((tmp_path / "bench.json").read_text())["results"]
     assert {(r["estimator"], r["mode"]) for r in results} == {(e, m) for e in ("in_batch", "capg_swr")
                                                                for m in ("unsharded", "sharded")}
     assert all(r["step_s"] > 0 and r["step_over_in_batch"] > 0 for r in results)
     assert all(r["step_over_in_batch"] == 1.0 for r in results if r["estimator"] == "in_batch")
+    assert all(r["unchecked_step_s"] > 0 for r in results) and "(checks off:" in run.stdout
 
 
 def test_sampled_mode_checks_agree_whatever_each_rank_holds(tmp_path):
@@ -200,8 +202,10 @@ def test_sampled_mode_checks_agree_whatever_each_rank_holds(tmp_path):
     run = launch("uneven.py", 2, tmp_path, timeout=600, env={"CAPG_COLLECTIVE_TIMEOUT_S": "60"})
     assert run.returncode == 0, run.stderr[-4000:]
     first, second = (json.loads((tmp_path / f"uneven_rank{r}.json").read_text()) for r in range(2))
+    # regressions (found by review): with rank 1 empty and its head and sample smaller than the draw or mean-field's
+    # head, rank 1 raised alone (the draw) or the ranks hung (mean-field: rank 1 took a check that rank 0 skipped)
     for case in ("empty/mean_field", "empty/with_replacement", "wide", "rewritten", "exact/empty", "propensity/empty",
-                 "short_pool/empty"):
+                 "short_pool/empty", "empty/mean_field_small", "empty/draw", "empty/greedy"):
         assert first[case] == second[case] == "ok", (case, first[case], second[case])
     # raised on one rank alone (the others hung): logged ids out of range, a uniform draw a row cannot fill, a draw
     # that one rank's head and sample cannot fill

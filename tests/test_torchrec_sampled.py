@@ -12,6 +12,7 @@ pytest.importorskip("torchrec")
 
 from torchrec import EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor  # noqa: E402
 
+import capg_rec  # noqa: E402
 from capg_rec import CAPGLoss, DrawnSample, SampledCatalog, UniformSampler, sample_candidates  # noqa: E402
 from capg_rec.torchrec import TwoTowerRetriever  # noqa: E402
 
@@ -117,6 +118,29 @@ def test_sampled_mode_refuses_what_it_cannot_score():
     bad = retriever.with_catalog(_users([1, 2]), items=torch.tensor([0, NUM_ITEMS]))
     with pytest.raises(ValueError, match="must list item ids in"):
         retriever(bad, sample=DrawnSample(torch.tensor([0]), UniformSampler(1)))
+
+
+def test_a_loss_checks_the_lookups_of_an_inclusion_method_of_your_own():
+    """A validated loss skips the lookup checks of the ids its checks vouched for only around the library's own
+    methods: a method of your own that reads ids the batch did not list is refused inside the loss, as outside it.
+    Regression (found by review): inside the loss it read other rows silently and gave a finite loss."""
+
+    class WholeSoftmax(capg_rec.InclusionMethod):  # log(K · softmax(a)), the whole catalog read exactly
+        is_probability = uses_top_items = False
+
+        def log_inclusion(self, catalog, items, runs):
+            every = catalog.gather(torch.arange(catalog.num_items).expand(catalog.batch_size, -1))[:, 0]
+            return catalog.gather(items)[:, 0] - every.logsumexp(1, keepdim=True) + math.log(sum(n for _, n in runs))
+
+    retriever = _retriever(num_items=100)
+    kjt, sample, head = _batch(retriever, [1, 2], num_samples=10, head_width=3, num_items=100)
+    catalog = retriever(kjt, sample=sample, head_items=head)
+    candidates = head[:, :2].clamp(min=0)
+    candidates[0, 1] = head[0, 1]
+    with pytest.raises(ValueError, match="was not looked up"):
+        capg_rec.inclusion_log_prob(catalog, candidates, 2, method=WholeSoftmax())
+    with pytest.raises(ValueError, match="was not looked up"):
+        CAPGLoss(2, method=WholeSoftmax())(catalog, candidates, candidates[:, :1], torch.ones(2, 1))
 
 
 def test_sampled_estimate_is_unbiased_through_the_retriever():
