@@ -14,7 +14,9 @@ retriever's sampled mode (only the listed rows are looked up): each rank lists t
 ("sampling" then times the forward and the draw) and takes the loss on the catalog resampled with the
 second, whose head is the candidates. Reported per rank:
 median step time and sampling time alone, peak RSS, its growth over the process's footprint before
-the model was built, and the bytes of item rows the rank holds.
+the model was built, and the bytes of item rows the rank holds. With ``--alternate`` every other step runs
+with capg_rec's input checks off and is timed apart (``unchecked_step_s``): what the checks cost, measured in
+the same processes (a run's steps on this kind of machine move by a quarter between runs).
 Ratios are to the in-batch step of the same configuration. Results go to ``DIR/bench.json``/``.csv``.
 """
 
@@ -59,8 +61,6 @@ def worker(args: argparse.Namespace) -> None:
               "capg_sampled": lambda: CAPGLoss(k), "capg_swr_sampled": lambda: CAPGLoss(k, method="with_replacement")}
     sampler = UniformSampler(args.negatives)
 
-    if args.no_validate:
-        capg_rec.set_default_validate_args(False)
     sharded = args.mode == "sharded"
     rank, world = h.init() if sharded else (0, 1)
     torch.set_num_threads(1)
@@ -75,8 +75,11 @@ def worker(args: argparse.Namespace) -> None:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     rows = int(retriever.catalog_ids().numel())
     loss_fn = None if args.estimator == "in_batch" else losses[args.estimator]()
-    times, sampling = [], []
+    times, sampling, unchecked = [], [], []
     for step in range(args.steps + 1):
+        # --alternate: every other step without the input checks (timed apart), in the same processes
+        alternate = args.alternate and step % 2 == 0
+        capg_rec.set_default_validate_args(not (args.no_validate or alternate))
         g = torch.Generator().manual_seed(step * 97 + rank)
         users = torch.randint(10_000, (args.batch,), generator=g)
         start = time.perf_counter()
@@ -114,13 +117,16 @@ def worker(args: argparse.Namespace) -> None:
             optimizer.step()
         if sharded:
             dist.barrier()
-        if step:  # the first step warms up
+        if alternate and step:
+            unchecked.append(time.perf_counter() - start)
+        elif step:  # the first step warms up
             times.append(time.perf_counter() - start)
             sampling.append(0.0 if loss_fn is None else sampled)
     result = {"mode": args.mode, "world_size": world, "rank": rank, "estimator": args.estimator,
               "step_s": statistics.median(times), "sample_s": statistics.median(sampling),
               "peak_rss_mb": _peak_mb(), "rss_growth_mb": _peak_mb() - base_mb,
-              "item_rows": rows, "item_mb": rows * setup.width * 4 / 2**20}
+              "item_rows": rows, "item_mb": rows * setup.width * 4 / 2**20,
+              "unchecked_step_s": statistics.median(unchecked) if unchecked else None}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"{args.estimator}_{args.mode}_w{world}_r{rank}.json").write_text(json.dumps(result))
     if sharded:
@@ -132,7 +138,8 @@ def driver(args: argparse.Namespace) -> None:
     common = ["--out", str(args.out), "--num-items", str(args.num_items), "--dim", str(args.dim),
               "--negatives", str(args.negatives),
               "--batch", str(args.batch), "--steps", str(args.steps), "--candidates", str(args.candidates),
-              "--chunk-size", str(args.chunk_size), *(["--no-validate"] if args.no_validate else [])]
+              "--chunk-size", str(args.chunk_size), *(["--no-validate"] if args.no_validate else []),
+              *(["--alternate"] if args.alternate else [])]
     path = os.pathsep.join(p for p in (str(here.parents[1]), os.environ.get("PYTHONPATH")) if p)  # this checkout
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": path}
     runs = []
@@ -162,8 +169,10 @@ def driver(args: argparse.Namespace) -> None:
           f"{'x in-batch':>11}{'peak RSS MB':>13}{'item rows MB':>14}")
     for r in results:
         name = "unsharded" if r["mode"] == "unsharded" else f"sharded W={r['world_size']}"
+        unchecked = "" if r["unchecked_step_s"] is None else f"  (checks off: {r['unchecked_step_s']:.3f} s)"
         print(f"{name:<14}{r['rank']:>5} {r['estimator']:<12}{r['step_s']:>9.3f}{r['step_over_in_batch']:>11.1f}"
-              f"{r['sample_s']:>10.3f}{r['sample_over_in_batch']:>11.1f}{r['peak_rss_mb']:>13.0f}{r['item_mb']:>14.1f}")
+              f"{r['sample_s']:>10.3f}{r['sample_over_in_batch']:>11.1f}{r['peak_rss_mb']:>13.0f}{r['item_mb']:>14.1f}"
+              f"{unchecked}")
 
 
 def main() -> None:
@@ -179,6 +188,8 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--no-validate", action="store_true",
                         help="capg_rec's input checks off (capg_rec.set_default_validate_args(False))")
+    parser.add_argument("--alternate", action="store_true",
+                        help="every other step with the checks off, timed apart (the checks' cost, in the same run)")
     parser.add_argument("--estimators", nargs="+", default=["vpg", "vpg_swr", "capg", "capg_plugin", "capg_swr"],
                         choices=["vpg", "vpg_swr", "capg", "capg_plugin", "capg_swr",
                                  "capg_sampled", "capg_swr_sampled"])
