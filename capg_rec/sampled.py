@@ -646,7 +646,7 @@ class SampledCatalog(CatalogScores):
         """:attr:`exact_top`, and with ``check_draws`` in the same agreement whether every row (of every process,
         all asking for the same k) holds ``k`` usable items: then a read of each expert's best k (:meth:`top_items`
         without exclusions, e.g. mean-field's head) skips its own check; else it takes it, in every process alike."""
-        if not self.check_draws:
+        if not (self.check_draws and self._agrees_alike()):
             return self.exact_top
         usable = self._usable()
         mine = int(usable.amin()) if usable.numel() else _NO_ROWS
@@ -674,20 +674,35 @@ class SampledCatalog(CatalogScores):
         processes must take the same paths agrees on them, in one agreement)."""
         return values
 
+    def _agrees_alike(self) -> bool:
+        """Whether :meth:`_least` agrees among all the processes that share this catalog: one process, or a subclass
+        that agrees through it as through :meth:`agree` (one that overrides :meth:`agree` alone keeps the checks of
+        each call, which go through :meth:`agree`)."""
+        return agreement(self) is None or type(self)._least is not SampledCatalog._least
+
     def _drawing(self, num_candidates: int) -> contextlib.AbstractContextManager | None:
-        """With ``check_draws``, one check that every row's head and sample hold ``num_candidates`` usable items
-        (in every process, which must all draw as many; one agreement), and a context in which the draw's
-        :meth:`top_items` calls, one per expert block, skip their own checks: each block's expert finds the
-        usable items that the earlier blocks left, since usable means the same under every expert (not unused,
-        repeated or masked), and usable items hold the catalog's unmasked ones, as many as the draw needs."""
-        if not self.check_draws:
+        """With ``check_draws``, one check that every row has ``num_candidates`` unmasked items and that its head
+        and sample hold as many usable ones (in every process, which must all draw as many; one agreement), and a
+        context in which the draw's :meth:`top_items` calls, one per expert block, skip their own checks: each
+        block's expert finds the usable items that the earlier blocks left, since usable means the same under
+        every expert (not unused, repeated or masked)."""
+        if not (self.check_draws and self._agrees_alike()):
             return None
-        usable = self._usable()
+        usable, available = self._usable(), self.num_available()[:, 0]  # masks are every expert's
         mine = int(usable.amin()) if usable.numel() else _NO_ROWS  # no rows: nothing to draw, room for any K
-        room, fewest, most = self._least(mine - num_candidates, num_candidates, -num_candidates)
+        unmasked = int(available.amin()) if available.numel() else _NO_ROWS
+        room, spare, fewest, most = self._least(mine - num_candidates, unmasked - num_candidates, num_candidates,
+                                                -num_candidates)
         if fewest != -most:
             raise ValueError(f"num_candidates must be the same in every process that shares this SampledCatalog, "
                              f"got {fewest} to {-most}")
+        if spare < 0:  # the masks leave too few: no sample can help
+            if unmasked >= num_candidates:
+                raise ValueError(f"num_candidates={num_candidates} needs more unmasked items in another process's "
+                                 "rows (items scored -inf are masked)")
+            row = int((available < num_candidates).nonzero()[0, 0])
+            raise ValueError(f"num_candidates={num_candidates} needs {num_candidates} unmasked items, but row {row} "
+                             f"has {int(available[row])} (items scored -inf are masked)")
         if room < 0:
             if mine >= num_candidates:
                 raise ValueError(f"num_candidates={num_candidates} exceeds the usable items of another process's "
@@ -746,7 +761,10 @@ class SampledCatalog(CatalogScores):
         pool = size + self.sample_ids.shape[0]
         # Every process decides alike whether this call checks its rows' room (one agreement): not when a draw or
         # a read of the best k items agreed on it already (_drawing, _best_items).
-        checking = self.check_draws and not (exclude is None and k == self._room_for)
+        agreed = exclude is None and k == self._room_for
+        if agreed:
+            self._room_for = None  # for one read: a later call (maybe with another k elsewhere) checks again
+        checking = self.check_draws and not agreed
         if k > pool:
             collective = agreement(self) is not None
             if collective and not self.batch_size:  # no rows here, nothing to draw: take part in the others' check

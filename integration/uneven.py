@@ -22,7 +22,10 @@ ranks with a collective timeout, so that a hang fails the case instead of the jo
 * ``short_pool``: rank 1's head and sample hold fewer slots than the draw's K: a ``ValueError`` on both; with
   no users on rank 1 (``short_pool/empty``) there is nothing to draw there, and both pass;
 * ``k_draw``: the ranks draw different numbers of candidates from the whole catalog: a ``ValueError`` on both;
-  ``k_draw/sampled``: the same from their sampled catalogs;
+  ``k_draw/sampled``: the same from their sampled catalogs; ``agree_only/*``: a ``SampledCatalog`` that the ranks
+  share through ``agree`` alone, too small on rank 1 for a draw or for mean-field's head: the error on both;
+  ``head_then_other_k``: after mean-field read its head, the ranks ask the catalog for different numbers of best
+  items: both pass;
 * ``dense_rows`` / ``dense_dtype``: a retriever with a user tower, whose ``dense`` input has a row too few on
   rank 1, or another dtype than the tower's: the error on both; ``user_vectors_dense``: the same row too few in
   the export's ``user_vectors``;
@@ -40,9 +43,11 @@ import json
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 import _harness as h
-from capg_rec import CAPGLoss, DrawnSample, UniformSampler, VPGLoss, greedy_candidates, sample_candidates
+from capg_rec import CAPGLoss, DrawnSample, SampledCatalog, UniformSampler, VPGLoss, greedy_candidates, \
+    inclusion_log_prob, sample_candidates
 from capg_rec.logs import explore_candidates, log_propensities
 
 SETUP = h.Setup(num_items=3_001, num_experts=2, dim=4, num_users=40, temperature=0.5)
@@ -183,6 +188,30 @@ def main() -> int:
     def k_draw():
         sample_candidates(full(batch(rank, PER_RANK)[0]), K + rank, generator=torch.Generator().manual_seed(3))
 
+    class Shared(SampledCatalog):  # shared through the public agree hook alone
+        def agree(self, passed):
+            least = passed.to(torch.int64)
+            dist.all_reduce(least, op=dist.ReduceOp.MIN)
+            return least.bool()
+
+    def agree_only(method: str | None):
+        def case():  # rank 1's head and sample are too small for the draw (K = 8) or mean-field's head (16 of 3001)
+            g = torch.Generator().manual_seed(rank)
+            user, item = torch.randn(2, 4, generator=g), torch.randn(SETUP.num_items, 4, generator=g)
+            cat = Shared(user, item, sampler=UniformSampler(60 if rank == 0 else 5 if method is None else 10),
+                         generator=g)
+            if method is None:
+                sample_candidates(cat, 8, generator=torch.Generator().manual_seed(0))
+            else:
+                inclusion_log_prob(cat, torch.zeros(2, 1, dtype=torch.long), 2, method=method)
+        return case
+
+    def head_then_other_k():
+        users, sample, head, listed = batch(rank, PER_RANK)
+        cat = catalog(model, users, sample, head, listed).resampled(sample, head_items=head[:, :6])
+        inclusion_log_prob(cat, head[:, :2], 6, method="mean_field")  # reads each expert's best 27 (8·3 + 6 - 3)
+        cat.top_items(27 + rank)  # each rank checks this read of its own
+
     def k_draw_sampled():
         sample_candidates(catalog(model, *batch(rank, PER_RANK)), K + rank, generator=torch.Generator().manual_seed(3))
 
@@ -225,7 +254,8 @@ def main() -> int:
              "rewritten": rewritten, "exact/empty": exact_empty, "propensity/empty": propensity_empty,
              "propensity/bad_id": propensity_bad_id, "uniform_short": uniform_short,
              "short_pool": short_pool(PER_RANK), "short_pool/empty": short_pool(0), "k_draw": k_draw,
-             "k_draw/sampled": k_draw_sampled,
+             "k_draw/sampled": k_draw_sampled, "agree_only/draw": agree_only(None),
+             "agree_only/mean_field": agree_only("mean_field"), "head_then_other_k": head_then_other_k,
              "dense_rows": dense(PER_RANK - rank, torch.float32), "dense_dtype": dense(PER_RANK, torch.float64),
              "user_vectors_dense": user_vectors_dense,
              **{f"structure/{what}/{where}": structure(what, where == "sampled")

@@ -473,6 +473,19 @@ def test_draws_refuse_more_candidates_than_the_head_and_sample_hold(draw):
             pick(cat, min(usable) + 1)
 
 
+def test_a_draw_short_of_unmasked_items_blames_the_masks():
+    """A row whose masks leave fewer than K items is refused naming the masks, as for any catalog, not the head
+    and sample (no sample can help). Regression (found by review): the draw's one check, new at this stop, said
+    to raise head_size or the number of negatives."""
+    user, item = _towers(b=2, n=6, d=3)
+    masked = torch.tensor([[0, 1, 2, 3], [0, 1, 2, -1]])  # row 0: 2 unmasked items
+    cat = SampledCatalog(user, item, sampler=UniformSampler(50), masked_items=masked,
+                         generator=torch.Generator().manual_seed(1))
+    for draw in (lambda c: capg_rec.sample_candidates(c, 3), lambda c: capg_rec.greedy_candidates(c, 3)):
+        with pytest.raises(ValueError, match=r"needs 3 unmasked items, but row 0 has 2 \(items scored -inf are "):
+            draw(cat)
+
+
 def test_the_plugin_reads_small_catalogs_whole():
     """Up to 2048 items the plug-in reads a sampled catalog whole, as mean-field does: the dense logits'
     values and gradients (it took its prefix and the mass left from head ∪ sample, off by nats)."""

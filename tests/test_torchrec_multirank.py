@@ -205,7 +205,7 @@ def test_sampled_mode_checks_agree_whatever_each_rank_holds(tmp_path):
     # regressions (found by review): with rank 1 empty and its head and sample smaller than the draw or mean-field's
     # head, rank 1 raised alone (the draw) or the ranks hung (mean-field: rank 1 took a check that rank 0 skipped)
     for case in ("empty/mean_field", "empty/with_replacement", "wide", "rewritten", "exact/empty", "propensity/empty",
-                 "short_pool/empty", "empty/mean_field_small", "empty/draw", "empty/greedy"):
+                 "short_pool/empty", "empty/mean_field_small", "empty/draw", "empty/greedy", "head_then_other_k"):
         assert first[case] == second[case] == "ok", (case, first[case], second[case])
     # raised on one rank alone (the others hung): logged ids out of range, a uniform draw a row cannot fill, a draw
     # that one rank's head and sample cannot fill
@@ -226,6 +226,11 @@ def test_sampled_mode_checks_agree_whatever_each_rank_holds(tmp_path):
     assert first["k_draw/sampled"] == second["k_draw/sampled"] == ("ValueError: num_candidates must be the same in "
                                                                     "every process that shares this SampledCatalog, "
                                                                     "got 5 to 6")  # drew 5 and 6 silently
+    # regressions (found by review): a catalog shared through agree alone raised on rank 1 alone (the draw) or hung
+    # (mean-field), the draw's and head's one checks agreeing through a private hook that it does not override;
+    # after mean-field, ranks asking for different numbers of best items hung ("head_then_other_k", above)
+    for case in ("agree_only/draw", "agree_only/mean_field"):
+        assert "another process's SampledCatalog" in first[case] and "this SampledCatalog" in second[case], case
     assert first["dense_rows"] == second["dense_rows"]
     assert first["dense_dtype"] == second["dense_dtype"]
     assert first["user_vectors_dense"] == second["user_vectors_dense"]  # the other rank returned (out of step)

@@ -141,6 +141,10 @@ def test_a_loss_checks_the_lookups_of_an_inclusion_method_of_your_own():
         capg_rec.inclusion_log_prob(catalog, candidates, 2, method=WholeSoftmax())
     with pytest.raises(ValueError, match="was not looked up"):
         CAPGLoss(2, method=WholeSoftmax())(catalog, candidates, candidates[:, :1], torch.ones(2, 1))
+    replaced = capg_rec.MeanField()  # a library method whose log_inclusion is replaced on the instance
+    replaced.log_inclusion = WholeSoftmax().log_inclusion.__func__.__get__(replaced)
+    with pytest.raises(ValueError, match="was not looked up"):
+        CAPGLoss(2, method=replaced)(catalog, candidates, candidates[:, :1], torch.ones(2, 1))
 
 
 def test_sampled_estimate_is_unbiased_through_the_retriever():
