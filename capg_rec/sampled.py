@@ -646,7 +646,7 @@ class SampledCatalog(CatalogScores):
         """:attr:`exact_top`, and with ``check_draws`` in the same agreement whether every row (of every process,
         all asking for the same k) holds ``k`` usable items: then a read of each expert's best k (:meth:`top_items`
         without exclusions, e.g. mean-field's head) skips its own check; else it takes it, in every process alike."""
-        if not (self.check_draws and self._agrees_alike()):
+        if not (self.check_draws and self._agrees_alike()) or k >= self.num_items:  # k >= N: read whole, no top_items
             return self.exact_top
         usable = self._usable()
         mine = int(usable.amin()) if usable.numel() else _NO_ROWS

@@ -24,8 +24,8 @@ ranks with a collective timeout, so that a hang fails the case instead of the jo
 * ``k_draw``: the ranks draw different numbers of candidates from the whole catalog: a ``ValueError`` on both;
   ``k_draw/sampled``: the same from their sampled catalogs; ``agree_only/*``: a ``SampledCatalog`` that the ranks
   share through ``agree`` alone, too small on rank 1 for a draw or for mean-field's head: the error on both;
-  ``head_then_other_k``: after mean-field read its head, the ranks ask the catalog for different numbers of best
-  items: both pass;
+  ``head_then_other_k``: after mean-field read its head (``/whole``: the whole catalog), the ranks ask the catalog for
+  different numbers of best items: both pass;
 * ``dense_rows`` / ``dense_dtype``: a retriever with a user tower, whose ``dense`` input has a row too few on
   rank 1, or another dtype than the tower's: the error on both; ``user_vectors_dense``: the same row too few in
   the export's ``user_vectors``;
@@ -206,11 +206,26 @@ def main() -> int:
                 inclusion_log_prob(cat, torch.zeros(2, 1, dtype=torch.long), 2, method=method)
         return case
 
-    def head_then_other_k():
-        users, sample, head, listed = batch(rank, PER_RANK)
-        cat = catalog(model, users, sample, head, listed).resampled(sample, head_items=head[:, :6])
-        inclusion_log_prob(cat, head[:, :2], 6, method="mean_field")  # reads each expert's best 27 (8·3 + 6 - 3)
-        cat.top_items(27 + rank)  # each rank checks this read of its own
+    class SharedAlike(Shared):  # and through _least, as the sampled mode's catalogs
+        def _least(self, *values):
+            least = torch.tensor(values)
+            dist.all_reduce(least, op=dist.ReduceOp.MIN)
+            return tuple(least.tolist())
+
+    def head_then_other_k(whole: bool):
+        def case():
+            if whole:  # 6 items, all in the sample: mean-field reads them whole
+                g = torch.Generator().manual_seed(rank)
+                cat = SharedAlike(torch.randn(2, 4, generator=g), torch.randn(6, 4, generator=g),
+                                  sampler=UniformSampler(200), generator=g)
+                inclusion_log_prob(cat, torch.zeros(2, 1, dtype=torch.long), 2, method="mean_field")
+                cat.top_items(6 - rank)
+                return
+            users, sample, head, listed = batch(rank, PER_RANK)
+            cat = catalog(model, users, sample, head, listed).resampled(sample, head_items=head[:, :6])
+            inclusion_log_prob(cat, head[:, :2], 6, method="mean_field")  # reads each expert's best 27 (8·3 + 6 - 3)
+            cat.top_items(27 + rank)  # each rank checks this read of its own
+        return case
 
     def k_draw_sampled():
         sample_candidates(catalog(model, *batch(rank, PER_RANK)), K + rank, generator=torch.Generator().manual_seed(3))
@@ -255,7 +270,8 @@ def main() -> int:
              "propensity/bad_id": propensity_bad_id, "uniform_short": uniform_short,
              "short_pool": short_pool(PER_RANK), "short_pool/empty": short_pool(0), "k_draw": k_draw,
              "k_draw/sampled": k_draw_sampled, "agree_only/draw": agree_only(None),
-             "agree_only/mean_field": agree_only("mean_field"), "head_then_other_k": head_then_other_k,
+             "agree_only/mean_field": agree_only("mean_field"), "head_then_other_k": head_then_other_k(False),
+             "head_then_other_k/whole": head_then_other_k(True),
              "dense_rows": dense(PER_RANK - rank, torch.float32), "dense_dtype": dense(PER_RANK, torch.float64),
              "user_vectors_dense": user_vectors_dense,
              **{f"structure/{what}/{where}": structure(what, where == "sampled")
