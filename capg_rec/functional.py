@@ -202,12 +202,16 @@ def importance_weights(log_ratio: Tensor, *, max_weight: float | None = None,
     log_weight = _capped_log_weights(log_ratio, max_weight)
     if not self_normalize:
         return torch.exp(log_weight)
-    # Relative to the largest (the normalisation cancels it): weights far below 1 do not underflow to a batch of
-    # zeros, and a batch of -inf stays zero.
-    top = log_weight.amax() if log_weight.numel() else log_weight.new_zeros(())
-    weight = torch.exp(log_weight - torch.where(top > -math.inf, top, 0.0))
+    weight = _relative_weights(log_weight)  # the normalisation cancels the scale
     mean = weight.mean() if weight.numel() else weight.new_ones(())
     return weight / torch.where(mean > 0, mean, 1.0)
+
+
+def _relative_weights(log_weight: Tensor) -> Tensor:
+    """``exp(log_weight)`` over its largest: weights far below 1 do not underflow to all zeros (self-normalised
+    estimates and effective sample sizes do not depend on the scale); all ``-inf`` (or none) gives zeros."""
+    top = log_weight.amax() if log_weight.numel() else log_weight.new_zeros(())
+    return torch.exp(log_weight - torch.where(top > -math.inf, top, 0.0))
 
 
 def _capped_log_weights(log_ratio: Tensor, max_weight: float | None) -> Tensor:

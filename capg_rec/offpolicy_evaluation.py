@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from torch import Tensor
 
 from capg_rec._checks import DeferredChecks, resolve_validate_args
-from capg_rec.functional import LOG_PROB_TOLERANCE, _capped_log_weights
+from capg_rec.functional import LOG_PROB_TOLERANCE, _capped_log_weights, _relative_weights
 
 __all__ = ["OffPolicyEstimate", "off_policy_value"]
 
@@ -101,8 +101,7 @@ def off_policy_value(target_log_inclusion: Tensor, logged_log_inclusion: Tensor,
     ips_se = _std(y) / math.sqrt(num_samples)
     # SNIPS and the effective sample size do not depend on the weights' scale: relative to the largest, weights
     # far below 1 (an ESR that the logs rarely match) keep their ratios instead of underflowing to 0
-    top = float(log_weight.amax()) if log_weight.numel() else -math.inf
-    unit = (log_weight - top).exp() if top > -math.inf else log_weight.exp()  # all -inf: zeros
+    unit = _relative_weights(log_weight)
     y_unit, w = (unit * rewards).mean(1), unit.mean(1)  # [n]
     w_sum = float(w.sum())
     snips = float(y_unit.sum()) / w_sum if w_sum > 0 else math.nan
