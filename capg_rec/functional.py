@@ -30,7 +30,6 @@ there is none, and invalid inputs give undefined results.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 
 import torch
@@ -41,7 +40,7 @@ from capg_rec._checks import DeferredChecks, check_choice, check_count, check_fl
 from capg_rec.catalog import CatalogScores, DenseCatalog, agreement, as_catalog
 from capg_rec.marginals import DEFAULT_METHOD, InclusionMethod, WithReplacement, _inclusion_log_prob, \
     _known_lookups, inclusion_method
-from capg_rec.plackett_luce import _candidate_log_prob, _expert_index, expert_runs
+from capg_rec.plackett_luce import _candidate_log_prob, _expert_index, unmasked_needs
 
 __all__ = ["vpg_loss", "capg_loss", "offpolicy_capg_loss", "offpolicy_vpg_loss", "topk_reinforce_loss",
            "importance_weights"]
@@ -320,12 +319,10 @@ def _check_values(catalog: CatalogScores, candidates: Tensor, chosen: Tensor, re
                              "candidates must not hold masked items (scored -inf by the expert that drew them): "
                              "the ESR cannot draw them")
     if masked and inclusion and catalog.num_experts > 1:
-        runs = expert_runs(candidates.shape[1], catalog.num_experts)
-        experts, needed = [m for m, _ in runs], list(itertools.accumulate(n for _, n in runs))
-        available = catalog.num_available()[:, experts]  # [B, R]
-        checks.all_above(available - torch.tensor(needed, device=available.device), -1,
+        experts, needed, available = unmasked_needs(catalog, candidates.shape[1])
+        checks.all_above(available - needed, -1,
                          f"num_candidates={candidates.shape[1]} needs, under the experts {experts} "
-                         f"of its blocks, {needed} unmasked items (as many as the positions up to the end of "
+                         f"of its blocks, {needed.tolist()} unmasked items (as many as the positions up to the end of "
                          "each block), but a row has fewer (items scored -inf are masked): the inclusion "
                          "methods assume it (CA-PG-SwR does not)")
     for name, x in (("rewards", rewards), ("baseline", baseline), ("position_weights", position_weights)):

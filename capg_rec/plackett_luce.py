@@ -74,14 +74,21 @@ def _checked(logits: Tensor | CatalogScores, num_candidates: int, temperature: f
     return catalog, validate
 
 
+def unmasked_needs(catalog: CatalogScores, num_candidates: int) -> tuple[list[int], Tensor, Tensor]:
+    """For a draw of ``num_candidates``: each expert block's expert, the unmasked items it needs ``[R]`` (as many as
+    the positions up to the end of its block, whatever the earlier blocks took) and each row's unmasked items under
+    it ``[B, R]``."""
+    runs = expert_runs(num_candidates, catalog.num_experts)
+    experts = [m for m, _ in runs]
+    needed = torch.tensor(list(itertools.accumulate(n for _, n in runs)), device=catalog.device)
+    return experts, needed, catalog.num_available()[:, experts]
+
+
 def check_enough_items(catalog: CatalogScores, num_candidates: int) -> None:
     """``ValueError`` unless every expert block can draw its items from the row's unmasked items
     whatever the earlier blocks took: expert m needs as many unmasked items as positions up to
     the end of its block (with one shared mask: K unmasked items per row)."""
-    runs = expert_runs(num_candidates, catalog.num_experts)
-    experts = [m for m, _ in runs]
-    needed = torch.tensor(list(itertools.accumulate(n for _, n in runs)), device=catalog.device)
-    available = catalog.num_available()[:, experts]  # [B, R]
+    experts, needed, available = unmasked_needs(catalog, num_candidates)
     raise_where_short(catalog.agree, available < needed, lambda at: (
         f"num_candidates={num_candidates} needs {int(needed[at[1]])} unmasked items under expert {experts[at[1]]}, "
         f"but row {at[0]} has {int(available[at])} (items scored -inf are masked)"),
