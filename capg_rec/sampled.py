@@ -386,6 +386,11 @@ _NO_ROWS = 1 << 62
 """The usable items of a catalog without rows, in agreements of the least: more than any draw needs."""
 
 
+def _fewest(counts: Tensor) -> int:
+    """The least of each row's ``counts [B]``; :data:`_NO_ROWS` without rows (nothing to draw: room for any k)."""
+    return int(counts.amin()) if counts.numel() else _NO_ROWS
+
+
 def check_index_items(index_items: object, *, batch_size: int, num_experts: int, num_items: int,
                       validate: bool) -> Tensor:
     """An index head ``[B, M, H]`` (``[B, H]`` for one expert) of integer ids; with ``validate``, each row and
@@ -649,7 +654,7 @@ class SampledCatalog(CatalogScores):
         if not (self.check_draws and self._agrees_alike()) or k >= self.num_items:  # k >= N: read whole, no top_items
             return self.exact_top
         usable = self._usable()
-        mine = int(usable.amin()) if usable.numel() else _NO_ROWS
+        mine = _fewest(usable)
         named, room, fewest, most = self._least(self._named_best(), mine - k, k, -k)
         self._exact_top = named
         self._room_for = k if room >= 0 and fewest == -most else None
@@ -689,8 +694,7 @@ class SampledCatalog(CatalogScores):
         if not (self.check_draws and self._agrees_alike()):
             return None
         usable, available = self._usable(), self.num_available()[:, 0]  # masks are every expert's
-        mine = int(usable.amin()) if usable.numel() else _NO_ROWS  # no rows: nothing to draw, room for any K
-        unmasked = int(available.amin()) if available.numel() else _NO_ROWS
+        mine, unmasked = _fewest(usable), _fewest(available)
         room, spare, fewest, most = self._least(mine - num_candidates, unmasked - num_candidates, num_candidates,
                                                 -num_candidates)
         if fewest != -most:
