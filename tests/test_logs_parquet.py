@@ -110,6 +110,72 @@ def test_two_ranks_two_workers_partition_the_files(tmp_path):
     assert set(range(1000, 1007)) == {int(r) for b in batches for r in b.request_id}
 
 
+def test_workers_started_by_spawn_read_their_rank_s_share(tmp_path, monkeypatch):
+    """Rank and world size from torch.distributed reach DataLoader workers that a spawn start made (they have no
+    process group to ask): such a worker read every rank's rows before."""
+    _write(tmp_path / "a.parquet", [4] * 6)
+    dist = torch.distributed
+    monkeypatch.setattr(dist, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda *a: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: 2)
+    data = LoggedImpressions(tmp_path, 4)
+    loader = torch.utils.data.DataLoader(data, batch_size=None, num_workers=1, multiprocessing_context="spawn")
+    ids = sorted(int(r) for b in loader for r in b.request_id)
+    mine = sorted(int(r) for b in LoggedImpressions(tmp_path, 4, rank=1, world_size=2) for r in b.request_id)
+    assert ids == mine and len(ids) == 12 and data.num_batches(1) == 3
+
+
+def test_persistent_workers_follow_set_epoch(tmp_path):
+    """A persistent DataLoader worker keeps its copy of the reader: set_epoch reaches it all the same (before, every
+    epoch after the first repeated the first one's order)."""
+    _write(tmp_path / "a.parquet", [2] * 8)
+    data = LoggedImpressions(tmp_path, 2, shuffle_row_groups=True, seed=3)
+    loader = torch.utils.data.DataLoader(data, batch_size=None, num_workers=1, persistent_workers=True)
+    orders, expected = [], []
+    for epoch in range(3):
+        data.set_epoch(epoch)
+        orders.append([int(b.request_id[0]) for b in loader])
+        expected.append([int(b.request_id[0]) for b in data])
+    assert orders == expected and orders[0] != orders[1] != orders[2]
+    held_out = data.subset([0, 1])  # a subset keeps its own epoch
+    held_out.set_epoch(7)
+    assert data.epoch == 2 and held_out.epoch == 7
+
+
+def test_seeds_of_any_size_and_no_collisions(tmp_path):
+    """Seeds of 64 bits shuffle (before, seeds above ~9e12 overflowed mid-iteration, naming nothing), and (seed,
+    epoch) pairs whose product mix agreed, such as (1, 0) and (0, 1_000_003), give their own orders."""
+    _write(tmp_path / "a.parquet", [1] * 12)
+
+    def order(seed, epoch):
+        data = LoggedImpressions(tmp_path, 1, shuffle_row_groups=True, seed=seed)
+        data.set_epoch(epoch)
+        return [int(b.request_id[0]) for b in data]
+
+    assert sorted(order(2**63 + 5, 0)) == list(range(12))
+    assert order(1, 0) != order(0, 1_000_003)
+
+
+def test_no_columns_is_a_value_error(tmp_path):
+    _write(tmp_path / "a.parquet", [4])
+    with pytest.raises(ValueError, match="columns must name at least one"):
+        LoggedImpressions(tmp_path, 4, columns=[])
+
+
+def test_fingerprint_sees_the_rows(tmp_path):
+    """Rewriting a file with two rewards swapped keeps its size and footer statistics; the fingerprint changes all
+    the same (it hashed only the sizes and footers before)."""
+    path = tmp_path / "a.parquet"
+    cols = _table()
+    _write_raw(path, cols)
+    before = LoggedImpressions(path, 4).fingerprint()
+    cols["rewards"][1], cols["rewards"][2] = cols["rewards"][2], cols["rewards"][1]
+    _write_raw(path, cols)
+    data = LoggedImpressions(path, 4)
+    assert data.fingerprint() != before and data.fingerprint() == data.fingerprint()
+
+
 def test_write_logs_and_empty_batch(tmp_path):
     batch = _as_written(_batch(9, 0, features=False))
     write_logs(tmp_path / "one.parquet", batch, num_items=N, method="exact")
@@ -206,6 +272,19 @@ def test_checks_off_still_name_a_wrong_list_length(tmp_path, case):
         list(LoggedImpressions(path, 4, validate_args=False))
 
 
+def test_checks_off_still_name_lengths_that_make_up_for_each_other(tmp_path):
+    """One row one value short and the next one over: the totals agree, and before, with the value checks off, the
+    rows from there on took their neighbours' values silently."""
+    cols = _table()
+    cols["shown"][1] = cols["shown"][1][:1]
+    cols["shown"][2] = cols["shown"][2] + [cols["candidates"][2][4]]
+    path = tmp_path / "bad.parquet"
+    _write_raw(path, cols, row_group_size=6)
+    with pytest.raises(ValueError, match="row group 0, row 1 \\(file row 1\\): column 'shown' must hold 2 values "
+                                         "per row, got 1"):
+        list(LoggedImpressions(path, 4, validate_args=False))
+
+
 def test_items_the_new_catalog_lacks(tmp_path):
     path = tmp_path / "logs.parquet"
     _write(path, [10, 10])
@@ -262,10 +341,31 @@ def test_writer_rejects_bad_batches(tmp_path):
             writer.write(good._replace(features=None))
         with pytest.raises(TypeError, match="LoggedBatch"):
             writer.write(tuple(good))
+        with pytest.raises(TypeError, match="batch.context must be a torch.Tensor, got NoneType"):
+            writer.write(good._replace(context=None))
+        with pytest.raises(ValueError, match=r"batch.context must have shape \[B\], got \[\]"):
+            writer.write(good._replace(context=torch.tensor(3)))
         writer.write(good)
     assert LoggedImpressions(tmp_path / "w.parquet", 2).num_rows == 6
     with pytest.raises(ValueError, match="num_shown"):
         LogWriter(tmp_path / "x.parquet", num_candidates=2, num_shown=3)
+
+
+@pytest.mark.parametrize("options, error, match", [
+    (dict(compression="bogus"), ValueError, "compression must be 'none' or a Parquet codec"),
+    (dict(compression=None), TypeError, "compression must be a codec name"),
+    (dict(extra={"eps": np.float32(0.05)}), TypeError, "extra must hold JSON values"),
+    (dict(extra=[1]), TypeError, "extra must be a dict"),
+])
+def test_writer_options_are_checked_before_a_file_is_made(tmp_path, options, error, match):
+    """A bad option is an error naming it, and leaves no temporary file behind (an unknown codec left a partial file
+    and raised pyarrow's own error before)."""
+    with pytest.raises(error, match=match):
+        LogWriter(tmp_path / "w.parquet", num_candidates=K, num_shown=L, **options)
+    assert list(tmp_path.iterdir()) == []
+    with LogWriter(tmp_path / "w.parquet", num_candidates=K, num_shown=L, compression="none") as writer:
+        writer.write(_batch(3, 0, features=False))
+    assert LoggedImpressions(tmp_path / "w.parquet", 2).num_rows == 3
 
 
 def test_reader_converts_without_row_loops(tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 import math
 import os
 import uuid
@@ -163,6 +164,18 @@ class LogWriter:
             raise TypeError(f"policy_version must be a str, got {type(policy_version).__name__}")
         if not isinstance(method, (str, InclusionMethod)):
             raise TypeError(f"method must be an InclusionMethod or a name, got {type(method).__name__}")
+        if not isinstance(compression, str):
+            raise TypeError(f"compression must be a codec name, got {type(compression).__name__}")
+        if compression.lower() != "none" and not _codec_available(compression):
+            raise ValueError(f"compression must be 'none' or a Parquet codec this pyarrow has (snappy, gzip, brotli, "
+                             f"lz4, zstd), got {compression!r}")
+        if extra is not None and not isinstance(extra, dict):
+            raise TypeError(f"extra must be a dict, got {type(extra).__name__}")
+        try:
+            json.dumps(extra)
+        except (TypeError, ValueError) as err:
+            raise TypeError(f"extra must hold JSON values (str, int, float, bool, None, lists and dicts of them): "
+                            f"{err}") from None
         self.meta = LogMetadata(num_candidates, num_shown, method if isinstance(method, str) else repr(method),
                                 num_items, num_features, extra=dict(extra or {}))
         self.path = Path(path)
@@ -175,7 +188,11 @@ class LogWriter:
         if self.path.is_dir():
             raise ValueError(f"path must be a file to create, got the folder {self.path}")
         self._partial = self.path.with_name(f".{self.path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.partial")
-        self._writer = pq.ParquetWriter(self._partial, self.schema, compression=compression)
+        try:
+            self._writer = pq.ParquetWriter(self._partial, self.schema, compression=compression)
+        except BaseException:
+            self._partial.unlink(missing_ok=True)  # opened before it failed: leave nothing behind
+            raise
 
     def __enter__(self) -> LogWriter:
         return self
@@ -240,6 +257,10 @@ class LogWriter:
 
     def _columns(self, batch: LoggedBatch) -> dict[str, Tensor]:
         """The batch's tensors by column, checked for type and shape, cast to the file's dtypes."""
+        if not isinstance(batch.context, Tensor):
+            raise TypeError(f"batch.context must be a torch.Tensor, got {type(batch.context).__name__}")
+        if batch.context.dim() != 1:
+            raise ValueError(f"batch.context must have shape [B], got {list(batch.context.shape)}")
         cols: dict[str, Tensor] = {}
         for name in TENSOR_COLUMNS:
             x = getattr(batch, name)
@@ -272,6 +293,13 @@ def write_logs(path: str | os.PathLike, batch: LoggedBatch, **kwargs: Any) -> No
                   num_features=None if batch.features is None else batch.features.shape[1])
     with LogWriter(path, **widths, **kwargs) as writer:
         writer.write(batch)
+
+
+def _codec_available(name: str) -> bool:
+    try:
+        return pa.Codec.is_available(name)
+    except ValueError:  # a name pyarrow does not know
+        return False
 
 
 def _first_group_with_nulls(pf: pq.ParquetFile, name: str) -> int | None:
@@ -342,8 +370,8 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
         num_items: the catalog size N that ids must index (default: the file's, if it recorded one);
             pass the new catalog's size to catch logged items it no longer has.
         validate_args: check every value (lengths, ids, ``shown ⊆ candidates``, propensities in
-            ``(0, 1]`` and finite); ``False`` skips the checks for speed. Nulls, and list columns whose
-            values do not add up to their width per row, raise either way (their checks cost nothing).
+            ``(0, 1]`` and finite); ``False`` skips the checks for speed. Nulls, and list columns with a
+            row of another width, raise either way (their checks cost little).
 
     Shape:
         Yields :class:`LoggedBatch` with ``context [B]``, ``features [B, F]`` or None, ``candidates
@@ -373,9 +401,12 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
             check_count("world_size", world_size)
             check_count("rank", rank, low=0, high=world_size - 1)
         self.rank, self.world_size = rank, world_size
+        self._digests: dict[tuple[Path, int, int], str] = {}  # for fingerprint()
+        self._parent_rank: tuple[int, int] | None = None  # the rank of the process that sent this copy to a worker
         if num_items is not None:
             check_count("num_items", num_items)
-        self.epoch = 0
+        # In shared memory: DataLoader workers, persistent ones included, read the epoch set here.
+        self._epoch = torch.zeros((), dtype=torch.long).share_memory_()
         self.meta, self.row_groups = self._inspect(num_items)
         self.num_items = num_items if num_items is not None else self.meta.num_items
         present = set(TENSOR_COLUMNS) - ({"features"} if self.meta.num_features is None else set())
@@ -383,6 +414,8 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
             columns = [c for c in TENSOR_COLUMNS if c in present]
         elif isinstance(columns, str) or not all(isinstance(c, str) for c in columns):
             raise TypeError(f"columns must be a list of column names, got {columns!r}")
+        if not columns:
+            raise ValueError(f"columns must name at least one of {sorted(present)}, got none")
         unknown = [c for c in columns if c not in present]
         if unknown:
             raise ValueError(f"columns must be among {sorted(present)}, got {unknown}")
@@ -394,23 +427,40 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
         return sum(group[2] for group in self.row_groups)
 
     def fingerprint(self) -> str:
-        """A digest of the files' sizes and Parquet footers (their row groups' sizes, offsets and column
-        statistics, and the capg_rec metadata): it changes when a file is rewritten with other rows, and is read
-        without reading the rows."""
+        """A digest of the files' names and bytes: it changes when a file is rewritten with other rows (a
+        relabelled reward too), e.g. to refuse resuming a run on changed logs. This reader reads each file once for it,
+        at disk speed (about a second per GB here), and keeps its digest while the file's size and modification time
+        stay the same (a new reader reads them anew)."""
         digest = hashlib.sha256()
         for path in self.files:
-            with open(path, "rb") as f:
-                size = f.seek(0, os.SEEK_END)
-                f.seek(size - 8)
-                length = int.from_bytes(f.read(4), "little")  # the footer's, before the closing magic
-                f.seek(max(size - 8 - length, 0))
-                digest.update(f"{path.name}:{size}:".encode())
-                digest.update(f.read(length))
+            stat = path.stat()
+            key = (path, stat.st_size, stat.st_mtime_ns)
+            if key not in self._digests:
+                file_digest = hashlib.sha256()
+                with open(path, "rb") as f:
+                    while chunk := f.read(1 << 22):
+                        file_digest.update(chunk)
+                self._digests[key] = file_digest.hexdigest()
+            digest.update(f"{path.name}:{self._digests[key]}:".encode())
         return digest.hexdigest()
 
+    @property
+    def epoch(self) -> int:
+        """The epoch whose row-group order is read (see :meth:`set_epoch`)."""
+        return int(self._epoch)
+
     def set_epoch(self, epoch: int) -> None:
-        """Reshuffle the row groups for this epoch (with ``shuffle_row_groups``), the same on every rank."""
-        self.epoch = check_count("epoch", epoch, low=0)
+        """Reshuffle the row groups for this epoch (with ``shuffle_row_groups``), the same on every rank. DataLoader
+        workers see it at their next pass, persistent ones (``persistent_workers=True``) too: the epoch lies in
+        shared memory."""
+        self._epoch.fill_(check_count("epoch", epoch, low=0))
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The state sent to a DataLoader worker, with this process's rank: a worker that a spawn or forkserver
+        start made has no process group of its own to ask."""
+        state = self.__dict__.copy()
+        state["_parent_rank"] = self._rank()
+        return state
 
     def _inspect(self, num_items: int | None) -> tuple[LogMetadata, list[tuple[int, int, int, int]]]:
         """Every file's schema and metadata checked; ``[(file, row group, rows, the group's first row)]``."""
@@ -465,6 +515,8 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
                              f"got {list(row_groups)}")
         other = copy.copy(self)
         other.row_groups = [self.row_groups[i] for i in row_groups]
+        other._parent_rank = self._parent_rank
+        other._epoch = self._epoch.clone().share_memory_()  # its own epoch
         return other
 
     def num_batches(self, num_workers: int = 0) -> int:
@@ -480,11 +532,14 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
         return total
 
     def _rank(self) -> tuple[int, int]:
-        """``(rank, world_size)``: the ones given, else ``torch.distributed``'s, else one process."""
+        """``(rank, world_size)``: the ones given, else ``torch.distributed``'s, else (in a DataLoader worker without
+        a process group) that of the process that made the worker, else one process."""
         if self.rank is not None:
             return self.rank, self.world_size
         dist = torch.distributed
-        return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return self._parent_rank or (0, 1)
 
     def _shard(self) -> tuple[int, int]:
         """``(shard, num_shards)`` of this process and DataLoader worker."""
@@ -496,7 +551,9 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
     def _row_groups_of(self, shard: int, num_shards: int) -> list[tuple[int, int, int, int]]:
         order = list(range(len(self.row_groups)))
         if self.shuffle_row_groups:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            # every (seed, epoch) its own order, for seeds of any size (a product would overflow or collide)
+            key = hashlib.blake2b(f"{self.seed}:{self.epoch}".encode(), digest_size=8).digest()
+            g = torch.Generator().manual_seed(int.from_bytes(key, "little"))
             order = torch.randperm(len(order), generator=g).tolist()
         return [self.row_groups[i] for i in order[shard::num_shards]]
 
@@ -544,17 +601,14 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
             n = len(arr)
             if name in _LIST_WIDTH:
                 width = getattr(self.meta, _LIST_WIDTH[name])
-                if self.validate:
-                    lengths = pc.list_value_length(arr).to_numpy(zero_copy_only=False)
-                    row = _first(lengths != width)
-                    if row is not None:
-                        raise ValueError(f"{where}, {_row(row0 + row, file_row0)}: column {name!r} must hold "
-                                         f"{width} values, "
-                                         f"got {lengths[row]}")
+                # Structure, checked always (one vectorised pass): rows whose lengths make up for each other
+                # would shift every later row's values onto the wrong request.
+                lengths = pc.list_value_length(arr).to_numpy(zero_copy_only=False)
+                row = _first(lengths != width)
+                if row is not None:
+                    raise ValueError(f"{where}, {_row(row0 + row, file_row0)}: column {name!r} must hold {width} "
+                                     f"values per row, got {lengths[row]}")
                 values = arr.flatten()
-                if len(values) != n * width:  # structure, checked always (one comparison); validation finds the row
-                    raise ValueError(f"{where}: column {name!r} must hold {width} values per row, got {len(values)} "
-                                     f"values in {n} rows")
                 if values.null_count:
                     row = _first(values.is_null().to_numpy(zero_copy_only=False)) // width
                     raise ValueError(f"{where}, {_row(row0 + row, file_row0)}: column {name!r} holds a missing "
