@@ -94,7 +94,7 @@ def offpolicy_capg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chos
     ``logged_log_inclusion [B, L]`` is ``log π₀(a_l ∈ A^K | x)`` of each shown item, stored when the
     row was served. The weight ``w_l = π_θ(a_l ∈ A^K) / π₀(a_l ∈ A^K)`` is computed in log space
     from the detached score (a constant: the gradient is ``w_l ∇ log π_θ``), then capped at
-    ``max_weight`` (``None``: only at ``sqrt`` of the dtype's largest value, so that the weight and
+    ``max_weight`` (``None``: only just below ``sqrt`` of the dtype's largest value, so that the weight and
     its products stay finite). Without cap, baseline or position weights, the expected negative
     gradient under π₀ is ``Σ_a r̄(a) ρ₀(a) ∇π_θ(a ∈ A^K)`` per context, ``r̄(a) = E[r | a]`` and
     ``ρ₀(a) = P_{A~π₀}(LSR shows a | a ∈ A)``: the paper's Lemma with the LSR's propensity taken
@@ -189,7 +189,7 @@ def _weighed(weight: Tensor, score: Tensor) -> Tensor:
 
 def importance_weights(log_ratio: Tensor, *, max_weight: float | None = None,
                        self_normalize: bool = False) -> Tensor:
-    """``exp(log_ratio)``, detached and capped at ``max_weight`` (``None``: ``sqrt`` of the dtype's
+    """``exp(log_ratio)``, detached and capped at ``max_weight`` (``None``: just below ``sqrt`` of the dtype's
     largest value) → the shape of ``log_ratio``; ``-inf`` gives 0. With ``self_normalize`` the
     capped weights are divided by their mean over all entries (a batch of zeros stays zero). Values are not
     checked (NaN gives NaN): the losses that call it check their inputs."""
@@ -214,13 +214,28 @@ def _relative_weights(log_weight: Tensor) -> Tensor:
 
 
 def _capped_log_weights(log_ratio: Tensor, max_weight: float | None) -> Tensor:
-    """``log_ratio`` detached and capped at ``log max_weight`` (``None``: half the log of the dtype's largest value,
-    so that a weight and its square stay finite)."""
+    """``log_ratio`` detached and capped at ``log max_weight`` (``None``: :func:`_largest_log_weight`, so that a weight
+    and its square stay finite)."""
     log_ratio = log_ratio.detach()
-    cap = math.log(torch.finfo(log_ratio.dtype).max) / 2
+    cap = _LARGEST_LOG_WEIGHT.get(log_ratio.dtype) or _largest_log_weight(log_ratio.dtype)
     if max_weight is not None:
         cap = min(cap, math.log(check_positive("max_weight", max_weight)))
     return log_ratio.clamp(max=cap)
+
+
+def _largest_log_weight(dtype: torch.dtype) -> float:
+    """About half the log of the dtype's largest value: the largest log-weight (a value of ``dtype``) whose weight,
+    exponentiated in ``dtype``, has a finite square there, less one rounding step (another device's ``exp`` may
+    round the other way). Half the log itself is not it: its exponential rounds up, and the square overflows."""
+    cap = torch.tensor(math.log(torch.finfo(dtype).max) / 2, dtype=dtype)
+    while not torch.isfinite(torch.exp(cap) * torch.exp(cap)):
+        cap = torch.nextafter(cap, torch.zeros_like(cap))
+    return float(torch.nextafter(cap, torch.zeros_like(cap)))
+
+
+_LARGEST_LOG_WEIGHT = {dtype: _largest_log_weight(dtype)
+                       for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
+"""The default cap of the log-weights, by dtype (made once: ``torch.compile`` does not trace its search)."""
 
 
 def _weight_options(max_weight: float | None, self_normalize: bool) -> tuple[float | None, bool]:

@@ -177,8 +177,16 @@ def test_weights_never_overflow_at_huge_logit_gaps(loss_cls, device):
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logits.grad).all()
     w = F.importance_weights(torch.tensor([1e4, -1e4, 80.0]))
-    torch.testing.assert_close(w[0], torch.tensor(math.sqrt(torch.finfo(torch.float32).max)))
+    torch.testing.assert_close(w[0], torch.tensor(math.sqrt(torch.finfo(torch.float32).max)), rtol=2e-5, atol=0)
     assert w[1] == 0 and torch.isfinite(w).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_the_default_cap_keeps_a_weight_s_square_finite(dtype):
+    """The default cap, half the log of the dtype's largest value, exponentiated to a weight above sqrt(max) in
+    float16, float32 and float64, whose square overflowed."""
+    w = F.importance_weights(torch.tensor([1e4], dtype=dtype))
+    assert torch.isfinite(w * w).all() and w.item() > 0.69 * math.sqrt(torch.finfo(dtype).max)
 
 
 def test_offpolicy_loss_is_twice_differentiable_with_constant_weights():
