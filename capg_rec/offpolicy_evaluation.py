@@ -70,8 +70,10 @@ def off_policy_value(target_log_inclusion: Tensor, logged_log_inclusion: Tensor,
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if not x.is_floating_point():
             raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
-        if x.dim() != 2 or x.shape != target_log_inclusion.shape:
-            raise ValueError(f"{name} must have the shape [n, L] of target_log_inclusion "
+        if x.dim() != 2:
+            raise ValueError(f"{name} must have shape [n, L], got {list(x.shape)}")
+        if x.shape != target_log_inclusion.shape:
+            raise ValueError(f"{name} must have the shape of target_log_inclusion "
                              f"{list(target_log_inclusion.shape)}, got {list(x.shape)}")
     num_samples, length = target_log_inclusion.shape
     if num_samples < 2 or length < 1:

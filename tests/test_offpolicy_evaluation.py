@@ -108,6 +108,9 @@ def test_input_checks_name_the_argument():
         off_policy_value(x, x.long(), x)
     with pytest.raises(ValueError, match="rewards"):
         off_policy_value(x, x, torch.zeros(3, 1))
+    cube = torch.zeros(1, 3, 2)  # the message said "the shape [n, L] of [1, 3, 2], got [1, 3, 2]"
+    with pytest.raises(ValueError, match=r"target_log_inclusion must have shape \[n, L\], got \[1, 3, 2\]"):
+        off_policy_value(cube, cube, cube)
     with pytest.raises(ValueError, match="at least 2 rows"):
         off_policy_value(x[:1], x[:1], x[:1])
     with pytest.raises(ValueError, match="logged_log_inclusion"):
