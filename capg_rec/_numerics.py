@@ -437,7 +437,8 @@ class _SequentialLogSoftmax(torch.autograd.Function):
         else:
             experts = position_index(runs, x.device)
             picked = x.reshape(batch, -1).gather(1, experts * num_items + index)  # each under its own expert
-            top_of, rest = top[:, experts, 0], terms.sum(2)[:, experts]
+            # index_select, not advanced indexing: ~5x faster on a CPU for a [B, K] result
+            top_of, rest = top[:, :, 0].index_select(1, experts), terms.sum(2).index_select(1, experts)
         shifted = picked.double() - top_of.double()  # [B, K]
         named = shifted.exp()
         # The rests summed in x's dtype: a float64 sum of [B, M, N] would convert a copy.
