@@ -17,12 +17,15 @@ would be every query's best match in one index and silently dropped by another.
 from __future__ import annotations
 
 import abc
+import contextlib
+import math
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
 
 from capg_rec._checks import check_choice, check_count, check_float_tensor, resolve_validate_args
-from capg_rec.catalog import _chunked_top_k
+from capg_rec.catalog import _chunked_top_k, compute_dtype
 
 __all__ = ["ItemIndex", "ExactIndex", "FaissIndex", "recall_at_k"]
 
@@ -31,8 +34,9 @@ class ItemIndex(abc.ABC):
     """Top-k inner-product search over a fixed set of item vectors (abstract).
 
     ``item_vectors [N, D]`` or ``[N, M, D]``; queries ``[B, D]`` or ``[B, M, D]`` to match. Results
-    are ``(scores, ids)`` of shape ``[B, k]`` or ``[B, M, k]``, best first, ids int64 in ``[0, N)``.
-    No gradient flows through an index.
+    are ``(scores, ids)`` of shape ``[B, k]`` or ``[B, M, k]``, best first, ids int64 in ``[0, N)`` (an
+    approximate index that finds fewer than k pads with id ``-1``, scored ``-inf``). No gradient flows through
+    an index.
     """
 
     num_items: int
@@ -43,16 +47,18 @@ class ItemIndex(abc.ABC):
         self.refresh(item_vectors)
 
     def refresh(self, item_vectors: Tensor) -> None:
-        """(Re)build the index from ``item_vectors [N, D] | [N, M, D]``."""
+        """(Re)build the index from ``item_vectors [N, D] | [N, M, D]`` (a snapshot: later in-place updates of
+        the tensor do not reach the index until the next refresh). Bad input leaves the index as it was."""
         item_vectors = check_float_tensor("item_vectors", item_vectors, ndims=(2, 3),
                                           validate=resolve_validate_args(None))
-        self.num_items = item_vectors.shape[0]
-        self.num_experts = item_vectors.shape[1] if item_vectors.dim() == 3 else None
-        self.dim = item_vectors.shape[-1]
-        check_count("item_vectors.shape[0] (N)", self.num_items)
+        check_count("item_vectors.shape[0] (N)", item_vectors.shape[0])
+        if item_vectors.dim() == 3:
+            check_count("item_vectors.shape[1] (M)", item_vectors.shape[1])
+        check_count("item_vectors.shape[-1] (D)", item_vectors.shape[-1])
         vectors = item_vectors.detach()
-        per_expert = [vectors] if self.num_experts is None else list(vectors.unbind(1))
-        self._build(per_expert)
+        num_experts = item_vectors.shape[1] if item_vectors.dim() == 3 else None
+        self._build([vectors] if num_experts is None else list(vectors.unbind(1)))
+        self.num_items, self.num_experts, self.dim = item_vectors.shape[0], num_experts, item_vectors.shape[-1]
 
     def search(self, queries: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """The k best items of each query: ``queries [B, D] | [B, M, D]`` → ``(scores, ids)`` ``[B, (M,) k]``."""
@@ -91,12 +97,14 @@ class ExactIndex(ItemIndex):
         super().__init__(item_vectors)
 
     def _build(self, per_expert: list[Tensor]) -> None:
-        self._vectors = per_expert
+        self._vectors = [v.clone() for v in per_expert]  # a snapshot, as any index built from them holds
 
     def _search_one(self, expert: int, queries: Tensor, k: int) -> tuple[Tensor, Tensor]:
-        items = self._vectors[expert].to(device=queries.device, dtype=queries.dtype)
-        scores, ids = _chunked_top_k(queries.unsqueeze(1), items.unsqueeze(1), k, None, None, self.chunk_size)
-        return scores[:, 0], ids[:, 0]
+        dtype = compute_dtype(queries.dtype)  # half-precision products overflow and tie: scored in float32
+        items = self._vectors[expert].to(device=queries.device, dtype=dtype)
+        scores, ids = _chunked_top_k(queries.to(dtype).unsqueeze(1), items.unsqueeze(1), k, None, None,
+                                     self.chunk_size)
+        return scores[:, 0].to(queries.dtype), ids[:, 0]
 
 
 FAISS_KINDS = ("flat", "hnsw", "ivf")
@@ -112,7 +120,9 @@ class FaissIndex(ItemIndex):
             probed; trained on the items).
         ef_search, hnsw_m, nlist, nprobe: the approximate kinds' settings (their recall trades
             against time: measure it with :func:`recall_at_k`).
-        num_threads: faiss's OpenMP threads (``None``: leave faiss's setting).
+        num_threads: faiss's OpenMP threads while it builds and searches (``None``: the process's setting). They
+            are set around each call and restored after it: faiss and torch share one OpenMP runtime here, and
+            the index must not change torch's thread count.
     """
 
     def __init__(self, item_vectors: Tensor, *, kind: str = "flat", hnsw_m: int = 32, ef_search: int = 64,
@@ -124,12 +134,24 @@ class FaissIndex(ItemIndex):
         self.nprobe = check_count("nprobe", nprobe)
         self.num_threads = None if num_threads is None else check_count("num_threads", num_threads)
         self._faiss = _import_faiss()
-        if self.num_threads is not None:
-            self._faiss.omp_set_num_threads(self.num_threads)
         super().__init__(item_vectors)
 
+    @contextlib.contextmanager
+    def _threads(self) -> Iterator[None]:
+        """faiss's OpenMP threads set to ``num_threads`` for a call, and the process's restored after it."""
+        if self.num_threads is None:
+            yield
+            return
+        before = self._faiss.omp_get_max_threads()
+        self._faiss.omp_set_num_threads(self.num_threads)
+        try:
+            yield
+        finally:
+            self._faiss.omp_set_num_threads(before)
+
     def _build(self, per_expert: list[Tensor]) -> None:
-        self._indexes = [self._build_one(v.to("cpu", torch.float32).contiguous().numpy()) for v in per_expert]
+        with self._threads():
+            self._indexes = [self._build_one(v.to("cpu", torch.float32).contiguous().numpy()) for v in per_expert]
 
     def _build_one(self, vectors):  # numpy [N, D] float32
         faiss = self._faiss
@@ -151,14 +173,19 @@ class FaissIndex(ItemIndex):
 
     def _search_one(self, expert: int, queries: Tensor, k: int) -> tuple[Tensor, Tensor]:
         q = queries.to("cpu", torch.float32).contiguous().numpy()
-        scores, ids = self._indexes[expert].search(q, k)
-        scores = torch.from_numpy(scores).to(device=queries.device, dtype=queries.dtype)
-        ids = torch.from_numpy(ids).to(device=queries.device, dtype=torch.long)
-        return scores, ids  # an approximate index may return -1 ids (fewer than k found), scored -inf by faiss
+        with self._threads():
+            scores, ids = self._indexes[expert].search(q, k)
+        ids = torch.from_numpy(ids)
+        # An approximate index may find fewer than k: -1 ids, which faiss scores -FLT_MAX; -inf says "none".
+        scores = torch.from_numpy(scores).masked_fill_(ids < 0, -math.inf)
+        return scores.to(device=queries.device, dtype=queries.dtype), ids.to(device=queries.device, dtype=torch.long)
 
 
 def recall_at_k(found: Tensor, exact: Tensor) -> float:
     """Mean fraction of the exact top-k ids ``exact [..., k]`` that ``found [..., k]`` also holds."""
+    for name, ids in (("found", found), ("exact", exact)):
+        if not isinstance(ids, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor of ids, got {type(ids).__name__}")
     if found.shape != exact.shape:
         raise ValueError(f"found and exact must have one shape, got {tuple(found.shape)} and {tuple(exact.shape)}")
     hits = (found.unsqueeze(-1) == exact.unsqueeze(-2)).any(-2)

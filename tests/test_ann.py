@@ -1,5 +1,7 @@
 """Nearest-neighbour item indexes: exact reference, faiss flat parity, approximate recall, errors."""
 
+import math
+
 import pytest
 import torch
 
@@ -85,3 +87,38 @@ def test_non_finite_vectors_are_refused(index_class):
         index_class(items).search(queries, 3)
     finally:
         capg_rec.set_default_validate_args(True)
+
+
+def test_index_regressions_from_review():
+    """Each failed before its fix: ExactIndex scored float16 queries in float16 (products overflow and tie: recall
+    0.08 of the float32 top-k) and followed in-place updates of the tensor it was built from (a view, not a snapshot
+    as FaissIndex holds); faiss's padded slots scored -FLT_MAX, not -inf; zero experts or dims were accepted (a crash
+    at search, or all scores 0); a refresh that failed had already set num_items; recall_at_k took lists (an
+    AttributeError)."""
+    g = torch.Generator().manual_seed(0)
+    items, queries = 30 * torch.randn(200, 8, generator=g), 30 * torch.randn(5, 8, generator=g)
+    exact = ExactIndex(items)
+    ref = exact.search(queries, 10)[1]
+    assert recall_at_k(exact.search(queries.half(), 10)[1], ref) == 1.0
+    items.mul_(-1)  # an optimizer step in place: the index keeps the vectors it was built from until refresh()
+    assert torch.equal(exact.search(queries, 10)[1], ref)
+    ivf = FaissIndex(torch.randn(64, 4, generator=g), kind="ivf", nlist=16, nprobe=1)
+    scores, ids = ivf.search(torch.randn(3, 4, generator=g), 64)
+    assert bool((ids == -1).any()) and bool((scores[ids == -1] == -math.inf).all())
+    for bad in (torch.randn(10, 0, 4), torch.randn(10, 2, 0)):
+        with pytest.raises(ValueError, match=r"item_vectors.shape\[(1|-1)\] \((M|D)\) must be >= 1"):
+            ExactIndex(bad)
+    with pytest.raises(ValueError, match="N"):
+        exact.refresh(torch.randn(0, 8))
+    assert exact.num_items == 200 and exact.search(queries, 3)[1].shape == (5, 3)
+    with pytest.raises(TypeError, match="found must be a torch.Tensor"):
+        recall_at_k([[1, 2]], ref[:1, :2])
+
+
+def test_faiss_threads_are_its_own():
+    """Regression (found by review): FaissIndex(num_threads=1) set the OpenMP threads once, process-wide: torch ran on
+    one thread from then on, and a later index with num_threads=None too."""
+    before = torch.get_num_threads()
+    index = FaissIndex(torch.randn(100, 4), num_threads=before + 1)
+    index.search(torch.randn(3, 4), 5)
+    assert torch.get_num_threads() == before
