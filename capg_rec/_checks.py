@@ -63,6 +63,13 @@ def check_flag(name: str, value: bool) -> bool:
     return value
 
 
+def check_generator(generator: object) -> torch.Generator | None:
+    """``generator`` itself: a ``torch.Generator`` or None (a ``TypeError`` naming it otherwise)."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    return generator
+
+
 def check_count(name: str, value: int, *, low: int = 1, high: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")

@@ -15,7 +15,8 @@ import math
 import torch
 from torch import Tensor
 
-from capg_rec._checks import check_count, check_flag, check_items, raise_where_short, resolve_validate_args
+from capg_rec._checks import check_count, check_flag, check_generator, check_items, raise_where_short, \
+    resolve_validate_args
 from capg_rec._numerics import log_softmax_at, reverse_logcumsumexp, sequential_log_softmax
 from capg_rec.catalog import CatalogScores, DenseCatalog, as_catalog
 
@@ -124,8 +125,7 @@ def sample_candidates(logits: Tensor | CatalogScores, num_candidates: int, *, te
     vector shared by all blocks, as in the paper's appendix, is biased when experts differ).
     ``validate_args``: check the logits and the unmasked counts (``None``: the module default).
     """
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    check_generator(generator)
     catalog, validate = _checked(logits, num_candidates, temperature, validate_args)
     return _draw(catalog, num_candidates, perturb=True, generator=generator, validate=validate)
 

@@ -51,8 +51,8 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from capg_rec._checks import all_finite, check_count, check_float_tensor, check_items, check_positive, \
-    raise_where_short, resolve_validate_args
+from capg_rec._checks import all_finite, check_count, check_float_tensor, check_generator, check_items, \
+    check_positive, raise_where_short, resolve_validate_args
 from capg_rec._numerics import (exp_floor, gumbel_group_size, gumbel_top_k, no_autocast, safe_logsumexp,
                                 select_experts, top_k)
 from capg_rec.ann import ItemIndex
@@ -145,7 +145,10 @@ class InBatchSampler(NegativeSampler):
             if bool((frequency < 0).any()) or not bool(torch.isfinite(frequency).all()):
                 raise ValueError("frequency must hold finite probabilities >= 0")
             total = float(frequency.double().sum())
-            if abs(total - 1.0) > frequency.shape[0] * torch.finfo(frequency.dtype).eps:  # N roundings of the sum
+            # Normalised in its dtype (a pairwise sum: ⌈log2 N⌉ roundings, then one per quotient), a vector sums to 1
+            # within (⌈log2 N⌉ + 1)·eps; N·eps, the bound of a sequential sum, let 10% errors through at N = 10^6.
+            slack = (math.ceil(math.log2(max(frequency.shape[0], 2))) + 1) * torch.finfo(frequency.dtype).eps
+            if abs(total - 1.0) > slack:
                 raise ValueError(f"frequency must sum to 1 (the chance that one batch slot holds each item), got "
                                  f"{total:.6g}: normalise popularity counts first")
         self.frequency = frequency
@@ -451,6 +454,7 @@ class SampledCatalog(CatalogScores):
         user = check_float_tensor("user", user, ndims=(2, 3), validate=self.validate)
         if not isinstance(sampler, NegativeSampler):
             raise TypeError(f"sampler must be a NegativeSampler, got {type(sampler).__name__}")
+        check_generator(generator)
         tau = check_positive("temperature", temperature)
         user = user.unsqueeze(1) if user.dim() == 2 else user
         self.dtype = compute_dtype(user.dtype)
@@ -477,9 +481,12 @@ class SampledCatalog(CatalogScores):
             raise TypeError(f"item must be a torch.Tensor or a callable item tower, got {type(item).__name__}")
         self.sampler = sampler
         self.masked_items = self._ids("masked_items", masked_items)
+        given_batch = batch_items
         head_items = self._ids("head_items", head_items)
-        own_batch = batch_items is None and head_items is not None  # the rows' own heads: see below
         batch_items = head_items if batch_items is None else self._ids("batch_items", batch_items, any_batch=True)
+        # The rows' own heads (see below): by default, or given again as the batch (compared by value).
+        own_batch = head_items is not None and (given_batch is None or (
+            batch_items.shape == head_items.shape and torch.equal(batch_items, head_items)))
         if index is not None and not isinstance(index, ItemIndex):
             raise TypeError(f"index must be an ItemIndex, got {type(index).__name__}")
         if index is not None and index.num_items != self.num_items:
@@ -517,6 +524,14 @@ class SampledCatalog(CatalogScores):
                 # take the other rows' draws, whose expected counts are those of the other rows' slots.
                 log_count = sampler.log_expected_count_from_others(self.sample_ids, self.num_items,
                                                                    batch_items).unsqueeze(1)  # [B, 1, S]
+                if self.validate and log_count.shape[2]:
+                    # A row that no other row's slot can give an item (a batch of one row) has no estimate of
+                    # the catalog outside its head: its sums would silently be its head's alone.
+                    alone = (log_count == -math.inf).all(2)[:, 0]
+                    if bool(alone.any()):
+                        raise ValueError(f"sampler draws from the batch's other rows only, and row "
+                                         f"{int(alone.nonzero()[0, 0])} has no other row to draw from (a batch of "
+                                         "one row?): mix in a UniformSampler (MixedSampler), or batch more rows")
             else:
                 log_count = sampler.log_expected_count(self.sample_ids, self.num_items, batch_items)  # [S]
             usable = (self.sample_ids >= 0) & (log_count > -math.inf)
@@ -662,7 +677,7 @@ class SampledCatalog(CatalogScores):
 
     def _named_best(self) -> int:
         """:attr:`exact_top` from this catalog's rows alone."""
-        if self.head_size >= self.num_items:  # an index head of every item
+        if self.head_size >= self.num_items and bool((self.index_items >= 0).all()):  # an index head of every item
             return self.num_items
         if self.head_ids.shape[1] >= self.num_items:
             if self.batch_size == 0 or int((self.head_ids >= 0).sum(1).amin()) >= self.num_items:

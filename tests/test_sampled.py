@@ -651,6 +651,77 @@ def test_in_batch_sample_of_the_rows_own_heads_is_unbiased(mixed):
     _clt_check(torch.stack(ratios))
 
 
+def test_the_rows_own_heads_given_again_as_the_batch_are_unbiased():
+    """Regression (found by review): batch_items given explicitly as the head_items took the path for a batch drawn
+    apart, E[Ẑ/Z] = 1 - 1/B (0.76 at B = 4); only a batch left to its default was counted as the rows' own. A batch
+    equal to the head by value now is, and resampled(...) with both likewise. Same draws, same CLT bound as above."""
+    user, item = _towers(b=4, n=50, scale=0.3)
+    q = torch.softmax(0.3 * torch.randn(50, generator=torch.Generator().manual_seed(7), dtype=torch.float64), 0)
+    exact = EmbeddingCatalog(user, item).log_normalizer()
+    ratios, again = [], []
+    for seed in range(600):
+        g = torch.Generator().manual_seed(seed)
+        head = torch.multinomial(q, 12, replacement=True, generator=g).view(4, 3)
+        cat = SampledCatalog(user, item, sampler=InBatchSampler(frequency=q), head_items=head, batch_items=head.clone(),
+                             generator=g)
+        ratios.append((cat.log_normalizer() - exact).exp())
+        again.append((cat.resampled(InBatchSampler(frequency=q), head_items=head, batch_items=head, generator=g)
+                      .log_normalizer() - exact).exp())
+    _clt_check(torch.stack(ratios))
+    _clt_check(torch.stack(again))
+
+
+def test_an_in_batch_sample_without_other_rows_is_refused():
+    """Regression (found by review): a batch of one row drew only its own head items, whose terms are dropped, so its
+    normaliser was silently its head's alone (Ẑ/Z = 0.23). Now a ValueError; mixed with uniform negatives it works."""
+    user, item = _towers(b=1, n=50)
+    q = torch.full((50,), 1 / 50, dtype=torch.float64)
+    head, g = torch.tensor([[3, 7]]), torch.Generator().manual_seed(0)
+    with pytest.raises(ValueError, match="row 0 has no other row to draw from"):
+        SampledCatalog(user, item, sampler=InBatchSampler(frequency=q), head_items=head, generator=g)
+    mixed = SampledCatalog(user, item, sampler=MixedSampler(InBatchSampler(frequency=q), UniformSampler(8)),
+                           head_items=head, generator=g)
+    assert torch.isfinite(mixed.log_normalizer()).all()
+
+
+@pytest.mark.parametrize("num_items", [1000, 10**6])
+def test_frequency_off_by_a_tenth_is_refused_at_any_size(num_items):
+    """Regression (found by review): the sum-to-1 slack was N·eps, 0.12 at N = 10^6 in float32: popularity normalised
+    over a stale N (sum 0.9) passed and every logQ weight came out 1/0.9 too large. The slack is now the pairwise
+    sum's, and a vector normalised in float32 still passes."""
+    counts = torch.rand(num_items, generator=torch.Generator().manual_seed(0)) + 0.5
+    InBatchSampler(frequency=counts / counts.sum())
+    with pytest.raises(ValueError, match="frequency must sum to 1"):
+        InBatchSampler(frequency=0.9 * counts / counts.sum())
+
+
+def test_a_whole_catalog_head_with_padding_names_only_what_it_found():
+    """Regression (found by review): head_size = N from an index that found fewer (-1 padding) reported exact_top = N
+    (head_size = N - 1 reported the count found), and mean-field's warning about a short head was skipped."""
+    user, item = _towers(b=2, n=30)
+
+    class Short(ExactIndex):  # an approximate index: finds 5 items, pads the rest with -1
+        def _search_one(self, expert, queries, k):
+            scores, ids = super()._search_one(expert, queries, k)
+            return scores.masked_fill(torch.arange(k) >= 5, -math.inf), ids.masked_fill(torch.arange(k) >= 5, -1)
+
+    g = torch.Generator().manual_seed(0)
+    for size in (29, 30):
+        cat = SampledCatalog(user, item, sampler=UniformSampler(4), index=Short(item), head_size=size, generator=g)
+        assert cat.exact_top == 5
+
+
+def test_a_generator_of_another_type_is_named():
+    """Regression (found by review): generator='x' gave torch's 'randint() received an invalid combination of
+    arguments' from SampledCatalog and from explore_candidates (so from ServingRetriever.retrieve(sample=True))."""
+    from capg_rec.logs import explore_candidates
+    user, item = _towers(b=2, n=20)
+    with pytest.raises(TypeError, match="generator must be a torch.Generator or None, got str"):
+        SampledCatalog(user, item, sampler=UniformSampler(8), generator="x")
+    with pytest.raises(TypeError, match="generator must be a torch.Generator or None, got str"):
+        explore_candidates(torch.randn(2, 20), 3, epsilon=0.5, generator="x")
+
+
 def test_sampled_catalog_regressions_from_review():
     """Each failed or passed silently before its fix: scores that overflow (a finite, wrong normaliser, or -inf read
     as every item masked); an index over another number of items (an IndexError, or head ids >= N with a tower);

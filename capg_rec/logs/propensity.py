@@ -28,7 +28,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from capg_rec._checks import DeferredChecks, check_count, check_id_tensor, raise_where_short, resolve_validate_args
+from capg_rec._checks import DeferredChecks, check_count, check_generator, check_id_tensor, raise_where_short, \
+    resolve_validate_args
 from capg_rec._numerics import safe_logaddexp
 from capg_rec.catalog import CatalogScores, DenseCatalog, EmbeddingCatalog, _exclusion_mask, agreement, \
     as_catalog
@@ -141,6 +142,7 @@ def explore_candidates(logits: Tensor | CatalogScores, num_candidates: int, *, t
         >>> candidates = explore_candidates(logits, 50, temperature=2.0, epsilon=0.05, generator=g)
     """
     epsilon = _check_epsilon(epsilon)
+    check_generator(generator)
     validate = resolve_validate_args(validate_args)
     catalog = as_catalog(logits, temperature, validate_args=validate)
     check_count("num_candidates", num_candidates, high=catalog.num_items)
