@@ -2,10 +2,10 @@
 
 Columns (:data:`LOG_SCHEMA`; every column but ``features`` is required, none may hold nulls):
 
-=======================  ===================  ===========================================================
+=======================  ===================  ==================================================================
 column                   Arrow type           content
-=======================  ===================  ===========================================================
-``request_id``           int64                a unique id of the request
+=======================  ===================  ==================================================================
+``request_id``           int64                the request's id (not checked; the writer numbers 0, 1, ... per file)
 ``context``              int64                the context key (e.g. the user id)
 ``features``             list<float32> [F]    optional: the context's features, F per row
 ``candidates``           list<int64> [K]      the K items the logging ESR drew, in draw order, distinct
@@ -15,7 +15,7 @@ column                   Arrow type           content
 ``log_expected_count``   list<float64> [L]    ``log Σ_k π0_{m(k)}(shown_l)`` (≤ log K, finite)
 ``log_candidate_prob``   float64              ``log π0(A^K | x)`` of the ordered draw (≤ 0, finite)
 ``policy_version``       string               the logging policy's version
-=======================  ===================  ===========================================================
+=======================  ===================  ==================================================================
 
 The reader also takes the other Arrow layouts of these columns that data pipelines write: ``large_list``
 or ``fixed_size_list``, list elements declared non-nullable, narrower integer and other float types (read
