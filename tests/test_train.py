@@ -353,23 +353,34 @@ def test_adaptive_lr_factor(env):
 
 
 @pytest.mark.parametrize("bad", [dict(estimator="ppo"), dict(num_outputs=6), dict(num_experts=6),
-                                 dict(lr=-1.0), dict(steps=0), dict(batch_size=1.5), dict(on_overflow="ignore"),
+                                 dict(lr=-1.0), dict(steps=0), dict(on_overflow="ignore"),
                                  dict(train_lsr="greedy"), dict(group_offset=-1.0), dict(baseline_decay=1.0),
                                  dict(capg_method="magic"), dict(capg_method="exact"),
                                  dict(estimator="vpg", capg_method="plugin"), dict(position_weights="linear"),
-                                 dict(temperature=0.0), dict(adaptive_lr="yes")])
+                                 dict(temperature=0.0)])
 def test_bad_config_raises(bad):
     name = next(iter(bad))
     with pytest.raises(ValueError, match=name):
         _config(**bad)
 
 
+@pytest.mark.parametrize("bad", [dict(batch_size=1.5), dict(steps="10"), dict(adaptive_lr="yes"), dict(estimator=3),
+                                 dict(temperature=None), dict(seed=True)])
+def test_config_values_of_the_wrong_type_are_type_errors(bad):
+    """Regression (found by review): wrong types raised ValueError (or, for steps='10', a bare comparison error)."""
+    name = next(iter(bad))
+    with pytest.raises(TypeError, match=name):
+        _config(**bad)
+
+
 def test_bad_trainer_arguments(env, tmp_path):
     with pytest.raises(ValueError, match="num_candidates"):
         Trainer(env, _config(num_candidates=51))
-    with pytest.raises(ValueError, match="env"):
+    with pytest.raises(TypeError, match="env"):
         Trainer("synthetic", _config())
-    with pytest.raises(ValueError, match="checkpoint_every"):
+    with pytest.raises(TypeError, match="config must be a TrainConfig"):
+        Trainer(env, {"steps": 3})
+    with pytest.raises(ValueError, match="checkpoint_every needs an out_dir"):
         Trainer(env, _config()).run(checkpoint_every=10, progress=False)
     trainer = Trainer(env, _config(steps=2))
     trainer.save(tmp_path / "c.pt")
@@ -615,3 +626,18 @@ def test_resume_refuses_data_its_env_does_not_read(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         _train_cli("--out", str(tmp_path / "run"), "--resume", "--steps", "4", "--data", "/nonexistent.csv")
     assert exit_info.value.code == 2 and "--data: the KuaiRec file" in capsys.readouterr().err
+
+
+def test_a_run_stopped_by_an_overflow_is_not_resumed_into_another(env, tmp_path):
+    """Regression (found by review): resuming a run that stopped on an overflow at an off-grid step with a later
+    target dropped the stop's row as 'the end-of-run evaluation of a run now extended', reported the earlier value as
+    final, and extended nothing (exit 0). Now a ValueError says why, and the saved run is left as it was."""
+    trainer = Trainer(env, _config(steps=10, eval_every=4))
+    apply = trainer._apply
+    trainer._apply = lambda loss: apply(loss * math.nan) if trainer.step_count == 6 else apply(loss)
+    result = trainer.run(out_dir=tmp_path, checkpoint_every=100, progress=False)
+    assert result.stopped_at == 6 and [row["step"] for row in result.history] == [0, 4, 6]
+    saved = (tmp_path / "result.json").read_text()
+    with pytest.raises(ValueError, match="stopped at step 6 on a gradient overflow"):
+        Trainer.load(tmp_path / "checkpoint.pt", env, steps=20)
+    assert (tmp_path / "result.json").read_text() == saved

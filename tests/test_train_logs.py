@@ -17,6 +17,7 @@ from capg_rec.logs import LoggedBatch, LoggedImpressions, LogWriter
 from capg_rec.sim.lsr import OptimalLSR
 from capg_rec.sim.synthetic import synthetic_env
 from capg_rec.train import Trainer, policy_value
+from capg_rec.train.config import TrainConfig
 from capg_rec.train.checkpoint import read_checkpoint
 from capg_rec.train.logged import LogTrainConfig, LogTrainer, logged_loss
 from capg_rec.train.model import TwoTowerMoE
@@ -64,9 +65,9 @@ def test_train_from_logs_end_to_end(logs, tmp_path, capsys):
     assert history[-1]["policy_value"] == policy_value(model, env, OptimalLSR(), K, L)  # exact, from the environment
     fresh = TwoTowerMoE(env.num_users, env.num_items, generator=torch.Generator().manual_seed(0))
     assert history[0]["policy_value"] == policy_value(fresh, env, OptimalLSR(), K, L)
-    for row in history:  # an interval only where enough held-out rows carry weight (NaN otherwise)
-        assert row["ope_ips_low"] <= row["ope_ips"] <= row["ope_ips_high"] or (
-            row["ope_ess"] < 10 and math.isnan(row["ope_ips_low"]) and math.isnan(row["ope_ips_high"]))
+    for row in history:  # an interval only where enough held-out rows carry weight (null otherwise: strict JSON)
+        assert (row["ope_ess"] < 10 and row["ope_ips_low"] is None and row["ope_ips_high"] is None) or \
+            row["ope_ips_low"] <= row["ope_ips"] <= row["ope_ips_high"]
         assert row["ope_ess"] > 0 and math.isfinite(row["ope_snips"])
 
 
@@ -112,7 +113,7 @@ def test_cli_resume_extends_and_refuses_conflicts(logs, tmp_path, capsys):
     assert _train(logs, out, "--epochs", "1", "--eval-every", "100", "--checkpoint-every", "1") == 0
     capsys.readouterr()
     for argv, message in [(["--estimator", "capg_snips"], "--estimator capg_snips (saved: 'capg')"),
-                          (["--lr", "0.5"], "--lr 0.5 (saved: None)"),
+                          (["--lr", "0.5"], "--lr 0.5 (saved: 0.01)"),
                           (["--epochs", "1"], "epochs = 1 ends at step 5"),
                           (["--steps", "9"], "--steps: options of online training")]:
         assert _train(logs, out, "--resume", *argv) == 2, argv
@@ -325,3 +326,50 @@ def test_data_is_refused_for_logs_of_another_env(logs, tmp_path, capsys):
     assert _train(logs, tmp_path / "run", "--data", "/nonexistent.csv") == 2
     assert "--data: the KuaiRec file of logs written on kuairec" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_train_regressions_from_review(logs, tmp_path, capsys):
+    """Each passed silently (or with a traceback) before its fix:
+    - a fresh run in a folder holding another run replaced it, leaving its checkpoint as the .prev a later --resume
+      could fall back to;
+    - --out under a file: a NotADirectoryError traceback (exit 1), for train and log;
+    - --resume --lr equal to the rate the run used was refused (it compared with the unset option);
+    - LogTrainer took an environment other than the one the logs record (a true value on the wrong problem);
+    - Trainer.run refused a bad checkpoint_every only after it had rewritten metrics.jsonl;
+    - the metrics files held NaN tokens (not JSON) where an interval was undefined."""
+    out = tmp_path / "run"
+    assert _train(logs, out, "--epochs", "1", "--eval-every", "2") == 0
+    capsys.readouterr()
+    assert _train(logs, out, "--epochs", "1", "--estimator", "vpg_ips") == 2
+    assert "holds a run already (checkpoint.pt, result.json): pass --resume" in capsys.readouterr().err
+    assert json.loads((out / "result.json").read_text())["config"]["estimator"] == "capg"
+    assert _train(logs, out, "--resume", "--lr", "0.01") == 0  # the rate the run used (the default for capg)
+    (tmp_path / "afile").write_text("")
+    assert _train(logs, tmp_path / "afile" / "run") == 2
+    assert "afile is a file, not a folder" in capsys.readouterr().err
+    assert _run(["log", "-n", "10", "--no-progress", "--out", str(tmp_path / "afile" / "x.parquet")]) == 2
+    assert "afile is a file, not a folder" in capsys.readouterr().err
+    for text in ((out / "result.json").read_text(), (out / "metrics.jsonl").read_text()):
+        assert "NaN" not in text and "Infinity" not in text
+    with pytest.raises(ValueError, match="env must be the environment the logs were written on"):
+        LogTrainer(LogTrainConfig((logs,), holdout=0.25), synthetic_env(seed=7))
+    trainer = LogTrainer(LogTrainConfig((logs,), holdout=0.25), synthetic_env())
+    rows = (out / "metrics.jsonl").read_text()
+    for bad, error in ((0, ValueError), (2.5, TypeError)):
+        with pytest.raises(error, match="checkpoint_every"):
+            trainer.run(out_dir=out, checkpoint_every=bad, progress=False)
+    assert (out / "metrics.jsonl").read_text() == rows
+
+
+def test_log_cli_regressions_from_review(tmp_path, capsys):
+    """Each was taken silently (or named the wrong option) before its fix: -M / --embedding-dim next to a --checkpoint
+    (whose ESR has its own), --data on the synthetic environment, and -K 0 (reported as '-M 1: more experts than the
+    K = 0 positions')."""
+    trainer = Trainer(synthetic_env(), TrainConfig(steps=1, num_candidates=K, num_outputs=L))
+    trainer.save(tmp_path / "online.pt")
+    out = str(tmp_path / "x.parquet")
+    for argv, message in ((["--checkpoint", str(tmp_path / "online.pt"), "-M", "2"], "-M: options of a fresh ESR"),
+                          (["--data", "foo.csv"], "--data: the KuaiRec file of --env kuairec"),
+                          (["-K", "0"], "-K must be >= 1, got 0")):
+        assert _run(["log", "-n", "10", "--no-progress", "--out", out, *argv]) == 2, argv
+        assert message in capsys.readouterr().err, argv

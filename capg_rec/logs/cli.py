@@ -38,8 +38,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint", help="a `capg-rec train` checkpoint.pt: its ESR logs (default: a fresh one)")
     p.add_argument("-K", "--num-candidates", type=int, default=None, help="default 10, or the checkpoint's")
     p.add_argument("-L", "--num-outputs", type=int, default=None, help="default 1, or the checkpoint's")
-    p.add_argument("-M", "--num-experts", type=int, default=1, help="experts of a fresh ESR (default 1)")
-    p.add_argument("--embedding-dim", type=int, default=10, help="of a fresh ESR (default 10)")
+    p.add_argument("-M", "--num-experts", type=int, default=None, help="experts of a fresh ESR (default 1)")
+    p.add_argument("--embedding-dim", type=int, default=None, help="of a fresh ESR (default 10)")
     p.add_argument("--temperature", type=float, default=None,
                    help="τ of the logging PL over the model's logits (default 1, or the checkpoint's)")
     p.add_argument("--epsilon", type=float, default=0.0, help="uniform exploration share in [0, 1] (default 0)")
@@ -62,6 +62,13 @@ def _fail(message: str) -> NoReturn:
     raise SystemExit(2)
 
 
+def _data_of(env_name: str, data: str | None) -> str | None:
+    """``--data``, which only kuairec reads (another environment would ignore it silently)."""
+    if data is not None and env_name != "kuairec":
+        raise ValueError(f"--data: the KuaiRec file of --env kuairec, not used by env {env_name!r}")
+    return data
+
+
 def _logging_esr(args: argparse.Namespace, env_name: str | None):
     """``(env, model, K, L, τ, facts)`` from the options and the checkpoint, if any."""
     from capg_rec.train.cli import _make_env
@@ -80,7 +87,7 @@ def _logging_esr(args: argparse.Namespace, env_name: str | None):
         saved_env = state["env"].partition("(")[0]
         if env_name is not None and env_name != saved_env:
             raise ValueError(f"--env {env_name}: the checkpoint's ESR was trained on {saved_env!r}")
-        env = _make_env(saved_env, args.data)
+        env = _make_env(saved_env, _data_of(saved_env, args.data))
         if env.name != state["env"]:
             raise ValueError(f"the checkpoint's env {state['env']!r} is not the one built here ({env.name!r})")
         model = TwoTowerMoE(env.num_users, env.num_items, num_experts=config.num_experts, dim=config.embedding_dim)
@@ -89,7 +96,7 @@ def _logging_esr(args: argparse.Namespace, env_name: str | None):
         facts = {"checkpoint": str(args.checkpoint), "checkpoint_step": state["step"]}
         version = f"{Path(args.checkpoint).name}@step{state['step']}"
     else:
-        env = _make_env(env_name or "synthetic", args.data)
+        env = _make_env(env_name or "synthetic", _data_of(env_name or "synthetic", args.data))
         g = torch.Generator().manual_seed(args.seed)
         model = TwoTowerMoE(env.num_users, env.num_items, num_experts=args.num_experts, dim=args.embedding_dim,
                             generator=g)
@@ -165,6 +172,10 @@ def _summary_path(args: argparse.Namespace) -> Path:
         _fail(f"the summary would overwrite the logs {args.out}: give --out a .parquet name or another --summary")
     if path.is_dir():
         _fail(f"--summary {path}: a folder, not a file")
+    for option, file in (("--out", Path(args.out)), ("--summary", path)):
+        for folder in file.parents:
+            if folder.exists() and not folder.is_dir():
+                _fail(f"{option} {file}: {folder} is a file, not a folder")
     return path
 
 
@@ -172,6 +183,14 @@ def _log(args: argparse.Namespace) -> int:
     path = _summary_path(args)
     if args.seed < 0:
         _fail(f"--seed must be >= 0, got {args.seed}")
+    if args.num_candidates is not None and args.num_candidates < 1:
+        _fail(f"-K must be >= 1, got {args.num_candidates}")
+    fresh = [flag for flag, value in (("-M", args.num_experts), ("--embedding-dim", args.embedding_dim))
+             if value is not None]
+    if args.checkpoint is not None and fresh:
+        _fail(f"{', '.join(fresh)}: options of a fresh ESR; the --checkpoint's ESR has its own")
+    args.num_experts = 1 if args.num_experts is None else args.num_experts
+    args.embedding_dim = 10 if args.embedding_dim is None else args.embedding_dim
     fresh_k = args.num_candidates if args.num_candidates is not None else 10
     if args.checkpoint is None and args.num_experts > fresh_k:
         _fail(f"-M {args.num_experts}: more experts than the K = {fresh_k} positions they draw")

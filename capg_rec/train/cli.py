@@ -29,10 +29,13 @@ _ONLINE_ONLY = ("steps", "adaptive_lr", "train_lsr", "position_weights", "group_
 def _option(parser: argparse.ArgumentParser, *flags: str, help: str | None = None, **kwargs: Any) -> None:
     """A ``train`` option setting the TrainConfig field of its name. It defaults to ``None`` (not
     given) so that a resume can tell the options a user typed from the saved run's."""
-    default = getattr(TrainConfig, flags[-1].lstrip("-").replace("-", "_"))
+    name = flags[-1].lstrip("-").replace("-", "_")
+    default = getattr(TrainConfig, name)
     parts = [help] if help else []
     if default is not None and kwargs.get("action") is None:
         parts.append(f"default {default}")
+        if hasattr(LogTrainConfig, name) and getattr(LogTrainConfig, name) != default:  # training from logs
+            parts.append(f"with --logs: {getattr(LogTrainConfig, name) or 'the logs' + chr(39)}")
     parser.add_argument(*flags, default=None, help="; ".join(parts) + " (with --resume: the saved run's)", **kwargs)
 
 
@@ -143,11 +146,25 @@ def _fail(message: str, command: str = "train") -> NoReturn:
 
 
 def _out_dir(path: str, command: str = "train") -> Path:
-    """``--out`` as a folder: an existing file there exits 2 (a run writes several files into it)."""
+    """``--out`` as a folder: an existing file there, or on its path, exits 2 (a run writes several files into it)."""
     out = Path(path)
-    if out.exists() and not out.is_dir():
-        _fail(f"--out {out}: a file, not a folder (the run writes several files into it)", command)
+    for folder in (out, *out.parents):
+        if folder.exists() and not folder.is_dir():
+            _fail(f"--out {out}: {folder} is a file, not a folder (the run writes several files into it)", command)
     return out
+
+
+_RUN_FILES = ("checkpoint.pt", "checkpoint.pt.prev", "result.json")
+"""What a ``train`` run that got anywhere leaves in its folder: a fresh run there would take its place (and a later
+resume, its ``.prev`` checkpoint)."""
+
+
+def _fresh(out: Path) -> None:
+    """Exit 2 where ``out`` holds a run already: ``--resume`` continues it; a new run takes another folder."""
+    held = [name for name in _RUN_FILES if (out / name).exists()]
+    if held:
+        _fail(f"--out {out} holds a run already ({', '.join(held)}): pass --resume to continue it, or give the new "
+              "run another --out (or remove that folder)")
 
 
 def _resume(args: argparse.Namespace, given: dict, out: Path) -> Trainer:
@@ -164,7 +181,7 @@ def _resume(args: argparse.Namespace, given: dict, out: Path) -> Trainer:
         _fail(f"--resume: the run saved in {path} trained from logs; continue it with the same --logs")
     saved = dict(state["config"], env=state["env"].partition("(")[0])
     given = dict(given, env=args.env) if args.env is not None else given
-    _check_unchanged(path, saved, given, "steps")
+    _check_unchanged(path, saved, given, "steps", TrainConfig(**state["config"]).base_lr)
     steps = given.get("steps")
     if steps is not None and steps <= state["step"]:
         _fail(f"--resume --steps {steps}: the saved run is at step {state['step']}; give more steps to go on")
@@ -175,8 +192,10 @@ def _resume(args: argparse.Namespace, given: dict, out: Path) -> Trainer:
     return Trainer.from_state(state, _make_env(saved["env"], args.data), steps=steps)
 
 
-def _check_unchanged(path: Path, saved: dict, given: dict, extendable: str) -> None:
-    """Exit 2 unless every option in ``given`` but ``extendable`` has the saved run's value."""
+def _check_unchanged(path: Path, saved: dict, given: dict, extendable: str, base_lr: float) -> None:
+    """Exit 2 unless every option in ``given`` but ``extendable`` has the saved run's value (``--lr``: the base rate
+    the run used, ``base_lr``, when it saved none)."""
+    saved = dict(saved, lr=base_lr) if saved.get("lr") is None else saved
     conflicts = [f"--{name.replace('_', '-')} {value} (saved: {saved[name]!r})"
                  for name, value in given.items() if name != extendable and value != saved[name]]
     if conflicts:
@@ -222,7 +241,7 @@ def _train_logs(args: argparse.Namespace, given: dict, out: Path) -> int:
                 _fail(f"--resume: no checkpoint {path} to continue (is --out right?)")
             if state.get("kind") != "logs":
                 _fail(f"--resume: the run saved in {path} trained online; drop --logs to continue it")
-            _check_unchanged(path, state["config"], given, "epochs")
+            _check_unchanged(path, state["config"], given, "epochs", LogTrainConfig(**state["config"]).base_lr)
             trainer = LogTrainer.from_state(state, env, epochs=given.get("epochs"))
         else:
             trainer = LogTrainer(LogTrainConfig(**given), env)
@@ -253,6 +272,8 @@ def _train(args: argparse.Namespace) -> int:
     out = _out_dir(args.out)
     if args.checkpoint_every < 1:
         _fail(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
+    if not args.resume:
+        _fresh(out)
     if args.logs is not None:
         return _train_logs(args, given, out)
     log_only = [f"--{name.replace('_', '-')}" for name in _LOG_ONLY if getattr(args, name) is not None]

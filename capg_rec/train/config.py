@@ -23,17 +23,22 @@ _ON_OVERFLOW = ("stop", "skip")
 
 
 def _int(name: str, value: object, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= {low}, got {type(value).__name__} {value!r}")
+    if value < low:
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
 
 
 def _num(name: str, value: object, *, positive: bool) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or (value <= 0 if positive else value < 0):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value) or (value <= 0 if positive else value < 0):
         raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
 
 
 def _choice(name: str, value: object, choices: tuple) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be one of {choices}, got {type(value).__name__} {value!r}")
     if value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
@@ -108,7 +113,7 @@ class TrainConfig:
                                  f"'with_replacement'; V-PG has none), got estimator {self.estimator!r} with "
                                  f"capg_method {self.capg_method!r}")
         if not isinstance(self.adaptive_lr, bool):
-            raise ValueError(f"adaptive_lr must be a bool, got {self.adaptive_lr!r}")
+            raise TypeError(f"adaptive_lr must be a bool, got {self.adaptive_lr!r}")
         _choice("optimizer", self.optimizer, _OPTIMIZERS)
         _choice("train_lsr", self.train_lsr, LSR_NAMES)
         _choice("eval_lsr", self.eval_lsr, LSR_NAMES)

@@ -93,9 +93,11 @@ class LogTrainConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.logs, (str, os.PathLike)) or not self.logs or \
+        if isinstance(self.logs, (str, os.PathLike)) or not isinstance(self.logs, (list, tuple)) or \
                 not all(isinstance(p, (str, os.PathLike)) for p in self.logs):
-            raise ValueError(f"logs must be a non-empty sequence of paths, got {self.logs!r}")
+            raise TypeError(f"logs must be a list of paths (a file is [path]), got {self.logs!r}")
+        if not self.logs:
+            raise ValueError("logs must name at least one file")
         object.__setattr__(self, "logs", tuple(str(Path(p).resolve()) for p in self.logs))
         _choice("estimator", self.estimator, tuple(LOG_ESTIMATORS))
         if self.capg_method is not None:
@@ -232,6 +234,10 @@ class LogTrainer(Trainer):
         if env is not None and meta.num_items != env.num_items:
             raise ValueError(f"logs: their catalog has {meta.num_items} items, the environment {env.name!r} has "
                              f"{env.num_items}: these logs were not written on it")
+        recorded = meta.extra.get("env")  # capg-rec log records it; logs of your own may not
+        if env is not None and isinstance(recorded, str) and recorded != env.name:
+            raise ValueError(f"env must be the environment the logs were written on, {recorded!r}, got {env.name!r}: "
+                             "the true policy value would be measured on another one")
         for name, value in (("num_candidates", meta.num_candidates), ("num_outputs", meta.num_shown)):
             if getattr(config, name) not in (None, value):
                 raise ValueError(f"{name} = {getattr(config, name)} differs from the logs' {value}")

@@ -11,7 +11,6 @@ store its state, so a resumed run continues bit-identically (file format: :mod:`
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from capg_rec._checks import all_finite, check_items
+from capg_rec._checks import all_finite, check_count, check_items
 from capg_rec.catalog import DenseCatalog
 from capg_rec.losses import CAPGLoss, VPGLoss
 from capg_rec.plackett_luce import greedy_candidates, sample_candidates
@@ -31,6 +30,7 @@ from capg_rec.sim.lsr import LSRPolicy, make_lsr
 from capg_rec.train.checkpoint import CHECKPOINT_VERSION, read_checkpoint, write_checkpoint
 from capg_rec.train.config import TrainConfig
 from capg_rec.train.model import TwoTowerMoE
+from capg_rec.train.report import json_text
 
 __all__ = ["Trainer", "TrainResult", "policy_value", "make_loss"]
 
@@ -124,9 +124,9 @@ class Trainer:
     def _setup(self, env: MatrixEnv, config: TrainConfig, train_lsr: LSRPolicy | None,
                eval_lsr: LSRPolicy | None) -> None:
         if not isinstance(env, MatrixEnv):
-            raise ValueError(f"env must be a MatrixEnv, got {type(env).__name__}")
+            raise TypeError(f"env must be a MatrixEnv, got {type(env).__name__}")
         if not isinstance(config, TrainConfig):
-            raise ValueError(f"config must be a TrainConfig, got {type(config).__name__}")
+            raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
         eval_k = config.eval_candidates or config.num_candidates
         if max(config.num_candidates, eval_k) > env.num_items:
             raise ValueError(f"num_candidates/eval_candidates must be <= env.num_items={env.num_items}, "
@@ -259,11 +259,13 @@ class Trainer:
 
         cfg = self.config
         out = Path(out_dir) if out_dir is not None else None
+        if checkpoint_every is not None:  # checked before anything is written
+            check_count("checkpoint_every", checkpoint_every)
+            if out is None:
+                raise ValueError("checkpoint_every needs an out_dir to write the checkpoints to")
         if out is not None:  # metrics.jsonl mirrors the history (a resumed run drops later rows)
             out.mkdir(parents=True, exist_ok=True)
-            _atomic_write_text(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in self.result.history))
-        if checkpoint_every is not None and (out is None or checkpoint_every < 1):
-            raise ValueError(f"checkpoint_every needs an out_dir and must be >= 1, got {checkpoint_every!r}")
+            _atomic_write_text(out / "metrics.jsonl", "".join(json_text(r) + "\n" for r in self.result.history))
         if not self.result.history:
             self._record(out, None)
         started = time.perf_counter()
@@ -292,7 +294,7 @@ class Trainer:
         if out is not None:
             # reproduce reuses a run of this env only (training from logs may have none)
             record = dict(self.result.to_dict(), env=None if self.env is None else self.env.name)
-            _atomic_write_text(out / "result.json", json.dumps(record, indent=1))
+            _atomic_write_text(out / "result.json", json_text(record, indent=1))
         return self.result
 
     @property
@@ -314,7 +316,7 @@ class Trainer:
         self.result.history.append(row)
         if out is not None:
             with open(out / "metrics.jsonl", "a", encoding="utf-8") as f:
-                f.write(json.dumps(row) + "\n")
+                f.write(json_text(row) + "\n")
 
     # ---------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
@@ -379,6 +381,11 @@ class Trainer:
         saved = state["result"]
         self.result = TrainResult(config=self.config.to_dict(), lr=state["lr"])
         if saved is not None:
+            stopped = saved["stopped_at"]
+            if stopped is not None and self.step_count < self.num_steps:
+                raise ValueError(f"the run stopped at step {stopped} on a gradient overflow (on_overflow='stop'): it "
+                                 "cannot go on to a later target; start a new run (e.g. with a lower learning rate, "
+                                 "or on_overflow='skip')")
             history = saved["history"]
             if history and history[-1]["step"] % self.config.eval_every and self.step_count < self.num_steps:
                 history = history[:-1]  # the end-of-run evaluation of a run now extended
