@@ -51,8 +51,10 @@ def test_synthetic_determinism_and_options():
     assert sym_rank(synthetic_env(3, num_users=30, num_items=30, paper_coupling=False)) > 10
     with pytest.raises(ValueError, match="num_users"):
         synthetic_env(num_users=0)
-    with pytest.raises(ValueError, match="seed"):
+    with pytest.raises(TypeError, match="seed"):
         synthetic_env(1.5)
+    with pytest.raises(ValueError, match="seed"):
+        synthetic_env(2**64)  # an error that names nothing before ("Overflow when unpacking long long")
     with pytest.raises(ValueError, match="scale"):
         synthetic_env(scale=-1.0)
 
@@ -232,3 +234,36 @@ def test_lsr_validation():
         return scores.topk(length, dim=1).indices, None
 
     assert make_lsr(custom) is custom
+
+
+def test_environments_refuse_what_they_would_answer_wrongly():
+    """Regression (found by review): a negative id wrapped around to another user or item, 1-d items or a batch of
+    another size broadcast to a [B, B] table, the rankers ranked NaN scores, NoisyLSR named num_candidates for
+    num_outputs, wrong types were ValueErrors, and movielens_env(min_item_ratings=10**6) failed inside torch."""
+    env = MatrixEnv.from_table(torch.rand(4, 6) + 1)
+    for users, items in ((torch.tensor([-1]), torch.tensor([[0]])), (torch.tensor([0]), torch.tensor([[-3]])),
+                         (torch.tensor([4]), torch.tensor([[0]])), (torch.tensor([0]), torch.tensor([[6]]))):
+        for call in (env.expected_reward, env.ranking_scores, env.sample_reward):
+            with pytest.raises(ValueError, match="must hold ids in"):
+                call(users, items)
+    for users, items in ((torch.arange(4), torch.arange(4)), (torch.arange(4), torch.zeros(1, 3, dtype=torch.long))):
+        with pytest.raises(ValueError, match=r"shapes \[B\] and \[B, L\]"):
+            env.expected_reward(users, items)
+    narrow = env.expected_reward(torch.tensor([1], dtype=torch.int32), torch.tensor([[2]], dtype=torch.int16))
+    assert torch.equal(narrow, env.q[1:2, 2:3])
+    nan = torch.tensor([[math.nan, 1.0, 2.0]])
+    for lsr in (OptimalLSR(), NoisyLSR(), UniformLSR()):
+        with pytest.raises(ValueError, match="NaN"):
+            lsr(nan, 1)
+    with pytest.raises(ValueError, match="num_outputs must be in"):
+        NoisyLSR().expected_value(torch.randn(2, 5), torch.rand(2, 5), 6)
+    with pytest.raises(TypeError, match="scores"):
+        OptimalLSR()([[1.0, 2.0]], 1)
+    with pytest.raises(TypeError, match="q must be a 2-d float tensor"):
+        MatrixEnv([[1.0]], torch.ones(1, 1), torch.ones(1, 1))
+    with pytest.raises(TypeError, match="relative_noise"):
+        MatrixEnv.from_table(torch.ones(2, 2), relative_noise="a")
+    with pytest.raises(TypeError, match="seed"):
+        movielens_env(seed=1.5)
+    with pytest.raises(ValueError, match="keeps no movie"):
+        movielens_env(min_item_ratings=10**6)

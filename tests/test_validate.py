@@ -373,6 +373,12 @@ def float_draws():
     return Spy(draws_dtype=torch.float32)
 
 
+def float_k():
+    esr = Spy()
+    esr.num_candidates = 3.0
+    return esr
+
+
 def empty_contexts():
     return CatalogESR(lambda x: x, 2), torch.zeros(0, 4)
 
@@ -408,7 +414,9 @@ def test_cli_exit_codes(tmp_path, monkeypatch, capsys):
     crashes = {"exit_esrs:crashes_in_sample": "esr.sample raised RuntimeError: boom in sample",
                "exit_esrs:crashes_itself": "the factory exit_esrs:crashes_itself raised ZeroDivisionError",
                "exit_esrs_broken:f": "importing exit_esrs_broken raised ImportError: broken at import",
-               "exit_esrs:float_draws": "breaks the ESR protocol: esr.sample must return an integer"}
+               "exit_esrs:float_draws": "breaks the ESR protocol: esr.sample must return an integer",
+               # found by review: a traceback and exit 1 ("fails validation"), the TypeError uncaught
+               "exit_esrs:float_k": "breaks the ESR protocol: esr.num_candidates must be an int"}
     for spec, message in crashes.items():
         capsys.readouterr()
         assert _exit_code(spec, "--samples", "50") == 3, spec
@@ -423,7 +431,8 @@ def test_cli_exit_codes(tmp_path, monkeypatch, capsys):
              ("exit_esrs:spy", "--plot", str(tmp_path / "no_dir" / "r.png")): "--plot",
              ("exit_esrs:spy", "--samples", "0"): "--samples",
              ("exit_esrs:spy", "--alpha", "1"): "--alpha",
-             ("exit_esrs:spy", "--tolerance", "nan"): "--tolerance"}
+             ("exit_esrs:spy", "--tolerance", "nan"): "--tolerance",
+             ("exit_esrs:spy", "--seed", str(10**23)): "--seed"}  # found by review: exit 3, blaming the ESR
     for argv, message in usage.items():
         calls.clear()
         capsys.readouterr()
@@ -478,18 +487,20 @@ class Broken:
         return self.draws if self.draws is not None else torch.tensor([[0, 1]]).expand(1, num_samples, 2)
 
 
-@pytest.mark.parametrize("esr,match", [
-    (object(), "esr must implement the ESR protocol"),
-    (Broken(claims=torch.zeros(4)), r"esr.inclusion_log_prob must return shape \[B, N\]"),
-    (Broken(claims=torch.zeros(1, 4, dtype=torch.long)), "floating"),
-    (Broken(claims=torch.full((1, 4), math.nan)), "NaN"),
-    (Broken(claims=torch.zeros(1, 1)), "num_candidates must be <= num_items=1"),
-    (Broken(draws=torch.zeros(1, 3, 2, dtype=torch.long)), r"esr.sample must return shape \[B=1, S=5, K=2\]"),
-    (Broken(draws=torch.full((1, 5, 2), 4)), r"ids in \[0, 4\)"),
-    (Broken(draws=torch.zeros(1, 5, 2)), "integer"),
+@pytest.mark.parametrize("esr,error,match", [
+    (object(), TypeError, "esr must implement the ESR protocol"),
+    (Broken(claims=torch.zeros(4)), ValueError, r"esr.inclusion_log_prob must return shape \[B, N\]"),
+    (Broken(claims=torch.zeros(1, 4, dtype=torch.long)), TypeError, "floating"),
+    (Broken(claims=torch.full((1, 4), math.nan)), ValueError, "NaN"),
+    (Broken(claims=torch.zeros(1, 1)), ValueError, "num_candidates must be <= num_items=1"),
+    (Broken(draws=torch.zeros(1, 3, 2, dtype=torch.long)), ValueError,
+     r"esr.sample must return shape \[B=1, S=5, K=2\]"),
+    (Broken(draws=torch.full((1, 5, 2), 4)), ValueError, r"ids in \[0, 4\)"),
+    (Broken(draws=torch.zeros(1, 5, 2)), TypeError, "integer"),
 ])
-def test_protocol_violations_raise(esr, match):
-    with pytest.raises(ValueError, match=match):
+def test_protocol_violations_raise(esr, error, match):
+    """Wrong types are TypeErrors (found by review: they were ValueErrors), wrong values ValueErrors."""
+    with pytest.raises(error, match=match):
         validate_esr(esr, num_samples=5)
 
 

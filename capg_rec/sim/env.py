@@ -12,6 +12,7 @@ A training step only gathers from these tables; nothing is recomputed.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,27 @@ from torch import Tensor
 from capg_rec._checks import check_count
 
 __all__ = ["MatrixEnv"]
+
+
+def check_ids(name: str, ids: object, count: int) -> Tensor:
+    """``ids``: an integer tensor (a ``TypeError`` otherwise) of ids in ``[0, count)`` (a ``ValueError`` otherwise: a
+    negative id would wrap around to another user or item) → as int64 (one host read of its range)."""
+    if not isinstance(ids, Tensor) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
+    low, high = (int(v) for v in torch.aminmax(ids)) if ids.numel() else (0, 0)
+    if low < 0 or high >= count:
+        raise ValueError(f"{name} must hold ids in [0, {count}), got ids in [{low}, {high}]")
+    return ids.long()
+
+
+def check_user_items(users: object, items: object, num_users: int, num_items: int) -> tuple[Tensor, Tensor]:
+    """``users [B]`` and ``items [B, L]`` checked as :func:`check_ids`, and their shapes (one row of items per user:
+    other shapes would broadcast) → both as int64."""
+    users, items = check_ids("users", users, num_users), check_ids("items", items, num_items)
+    if users.dim() != 1 or items.dim() != 2 or items.shape[0] != users.shape[0]:
+        raise ValueError(f"users and items must have shapes [B] and [B, L], got {list(users.shape)} and "
+                         f"{list(items.shape)}")
+    return users, items
 
 
 @dataclass(frozen=True, eq=False)
@@ -38,9 +60,11 @@ class MatrixEnv:
     def __post_init__(self) -> None:
         for field in ("q", "reward_std", "lsr_scores"):
             value = getattr(self, field)
-            if not isinstance(value, Tensor) or not value.is_floating_point() or value.dim() != 2:
-                raise ValueError(f"{field} must be a 2-d float tensor [U, N], got "
-                                 f"{type(value).__name__} {getattr(value, 'shape', '')}")
+            if not isinstance(value, Tensor) or not value.is_floating_point():
+                raise TypeError(f"{field} must be a 2-d float tensor [U, N], got {type(value).__name__} "
+                                f"{getattr(value, 'dtype', '')}")
+            if value.dim() != 2:
+                raise ValueError(f"{field} must be a 2-d float tensor [U, N], got shape {list(value.shape)}")
             if value.shape != self.q.shape:
                 raise ValueError(f"{field} must have the shape of q {tuple(self.q.shape)}, "
                                  f"got {tuple(value.shape)}")
@@ -64,14 +88,17 @@ class MatrixEnv:
 
     def expected_reward(self, users: Tensor, items: Tensor) -> Tensor:
         """``q(x_b, a_{b,l})``: ``users [B]``, ``items [B, L]`` → ``[B, L]``."""
+        users, items = check_user_items(users, items, self.num_users, self.num_items)
         return self.q[users.unsqueeze(1), items]
 
     def ranking_scores(self, users: Tensor, items: Tensor) -> Tensor:
         """The LSR's scores of the given items: ``users [B]``, ``items [B, K]`` → ``[B, K]``."""
+        users, items = check_user_items(users, items, self.num_users, self.num_items)
         return self.lsr_scores[users.unsqueeze(1), items]
 
     def sample_reward(self, users: Tensor, items: Tensor, generator: torch.Generator | None = None) -> Tensor:
         """Observed rewards ``r ~ N(q, reward_std²)``: ``users [B]``, ``items [B, L]`` → ``[B, L]``."""
+        users, items = check_user_items(users, items, self.num_users, self.num_items)
         idx = (users.unsqueeze(1), items)
         noise = torch.randn(items.shape, generator=generator, dtype=self.q.dtype, device=self.q.device)
         return self.q[idx] + self.reward_std[idx] * noise
@@ -86,9 +113,11 @@ class MatrixEnv:
         """An environment from an expected-reward table ``q [U, N]`` with multiplicative noise
         ``r = q · (1 + ε)``, ``ε ~ N(0, relative_noise²)``; the LSRs rank by ``q`` itself."""
         if not isinstance(q, Tensor) or not q.is_floating_point():
-            raise ValueError(f"q must be a float tensor [U, N], got {type(q).__name__}")
-        if isinstance(relative_noise, bool) or not isinstance(relative_noise, (int, float)) or relative_noise < 0:
-            raise ValueError(f"relative_noise must be a number >= 0, got {relative_noise!r}")
+            raise TypeError(f"q must be a float tensor [U, N], got {type(q).__name__}")
+        if isinstance(relative_noise, bool) or not isinstance(relative_noise, (int, float)):
+            raise TypeError(f"relative_noise must be a number >= 0, got {relative_noise!r}")
+        if not 0 <= relative_noise < math.inf:
+            raise ValueError(f"relative_noise must be a finite number >= 0, got {relative_noise!r}")
         return cls(q, relative_noise * q.abs(), q, name=name)
 
     def subset(self, users: Tensor | None = None, items: Tensor | None = None) -> MatrixEnv:

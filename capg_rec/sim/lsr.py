@@ -28,9 +28,13 @@ LSRPolicy = Callable[[Tensor, int, torch.Generator | None], tuple[Tensor, Tensor
 
 
 def _check(scores: Tensor, num_outputs: int) -> None:
-    if not isinstance(scores, Tensor) or not scores.is_floating_point() or scores.dim() != 2:
-        raise ValueError(f"scores must be a float tensor [B, K], got {getattr(scores, 'shape', scores)!r}")
+    if not isinstance(scores, Tensor) or not scores.is_floating_point():
+        raise TypeError(f"scores must be a float tensor [B, K], got {getattr(scores, 'dtype', type(scores).__name__)}")
+    if scores.dim() != 2:
+        raise ValueError(f"scores must have shape [B, K], got {list(scores.shape)}")
     check_count("num_outputs", num_outputs, high=scores.shape[1])
+    if scores.numel() and bool(torch.isnan(scores).any()):  # a ranking of NaN is no ranking
+        raise ValueError("scores must not hold NaN")
 
 
 def _pl_factors(scores: Tensor, picks: Tensor) -> Tensor:
@@ -85,6 +89,7 @@ class NoisyLSR:
         return picks, _pl_factors(s, picks).exp()
 
     def expected_value(self, scores: Tensor, q: Tensor, num_outputs: int) -> Tensor:
+        _check(scores, num_outputs)
         s = scores / self.temperature
         if num_outputs == 1:
             return (torch.softmax(s, dim=1) * q).sum(dim=1)

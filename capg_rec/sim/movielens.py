@@ -81,7 +81,11 @@ def movielens_env(*, min_item_ratings: int = 10, rank: int = 10, reg: float = 0.
                   seed: int = 0, relative_noise: float = 0.3) -> MatrixEnv:
     """The MovieLens environment: 610 users × the movies with ``>= min_item_ratings`` ratings
     (2,269 at the default 10), ``q`` = the ALS completion clipped to the rating scale ``[0.5, 5]``."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
     users, items, ratings = load_movielens_ratings(min_item_ratings)
+    if users.numel() == 0:
+        raise ValueError(f"min_item_ratings={min_item_ratings} keeps no movie (the most rated has fewer ratings)")
     table = fit_matrix_factorization(users, items, ratings, rank=rank, reg=reg, iterations=iterations, seed=seed)
     q = table.clamp(*_RATING_RANGE).float()
     return MatrixEnv.from_table(q, relative_noise=relative_noise,

@@ -23,10 +23,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from capg_rec._checks import check_count, check_positive
-from capg_rec.sim.env import MatrixEnv
+from capg_rec.sim.env import MatrixEnv, check_ids, check_user_items
 from capg_rec.sim.synthetic import _unit_rows
 
 __all__ = ["OnDemandSyntheticEnv"]
+
+_BLOCK = 1 << 22
+"""Entries of the ``[users, items]`` tables (times d for vectors) computed at once by the scans over the catalog."""
 
 _MASK32 = 0xFFFFFFFF
 _USER, _ITEM = 0x55534552, 0x4954454D  # domain tags: users and items draw from separate streams
@@ -48,7 +51,7 @@ def _mix32(x: Tensor) -> Tensor:
 
 def _hashed_uniform(seed: int, tag: int, ids: Tensor, dim: int) -> Tensor:
     """``U(0, 1)`` float64 ``[..., dim]`` (32 random bits each, centred in their bins), a pure function of
-    ``(seed, tag, id, coordinate)``; ids < 2^62."""
+    ``(seed, tag, id, coordinate)``; int64 ids < 2^62 (distinct vectors for ids < 2^32)."""
     key = _mix32(torch.tensor((seed & _MASK32) ^ tag, dtype=torch.long, device=ids.device))
     key = _mix32(key ^ ((seed >> 32) & _MASK32))
     h = _mix32(key ^ _mix32(ids & _MASK32) ^ _mix32(_mix32((ids >> 32) & _MASK32) + 1))
@@ -61,7 +64,8 @@ class OnDemandSyntheticEnv:
 
     Args:
         seed: determines every component.
-        num_users, num_items: U contexts and N items (N up to 2^62).
+        num_users, num_items: U contexts and N items (each up to 2^32: a vector comes from a 32-bit hash of its
+            id, so more ids than that would repeat vectors).
         dim: d; scale: the logit scale of ``q_raw`` (the paper: d = 10, scale 10).
         device: where vectors and rewards are computed.
     """
@@ -73,8 +77,8 @@ class OnDemandSyntheticEnv:
         if not 0 <= seed < 2**62:
             raise ValueError(f"seed must be in [0, 2^62), got {seed}")
         self.seed = seed
-        self.num_users = check_count("num_users", num_users, high=2**62)
-        self.num_items = check_count("num_items", num_items, high=2**62)
+        self.num_users = check_count("num_users", num_users, high=2**32)
+        self.num_items = check_count("num_items", num_items, high=2**32)
         self.dim = check_count("dim", dim)
         self.scale = check_positive("scale", scale)
         self.device = torch.device(device)
@@ -87,23 +91,22 @@ class OnDemandSyntheticEnv:
         self.name = f"ondemand_synthetic(seed={seed}, U={num_users}, N={num_items}, d={dim})"
 
     def user_vectors(self, users: Tensor) -> Tensor:
-        """``users [...]`` → ``[..., d]`` float64 unit vectors."""
-        return _unit_rows(2 * _hashed_uniform(self.seed, _USER, users.to(self.device), self.dim) - 1)
+        """``users [...]`` (ids) → ``[..., d]`` float64 unit vectors."""
+        return self._vectors(_USER, check_ids("users", users, self.num_users))
 
     def item_vectors(self, items: Tensor) -> Tensor:
-        """``items [...]`` → ``[..., d]`` float64 unit vectors."""
-        return _unit_rows(2 * _hashed_uniform(self.seed, _ITEM, items.to(self.device), self.dim) - 1)
+        """``items [...]`` (ids) → ``[..., d]`` float64 unit vectors."""
+        return self._vectors(_ITEM, check_ids("items", items, self.num_items))
+
+    def _vectors(self, tag: int, ids: Tensor) -> Tensor:
+        """Unit vectors of checked int64 ``ids`` (the hash is of int64 ids: narrower ones would overflow in it)."""
+        return _unit_rows(2 * _hashed_uniform(self.seed, tag, ids.to(self.device), self.dim) - 1)
 
     def _tables(self, users: Tensor, items: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``q_raw``, ``q`` and ``reward_std`` of ``users [B]`` × ``items [B, L]`` (float64 ``[B, L]``); ids outside
         ``[0, U)`` and ``[0, N)`` are a ``ValueError`` (their hashes would give a user or item that is not there)."""
-        for name, ids, count in (("users", users, self.num_users), ("items", items, self.num_items)):
-            if not isinstance(ids, Tensor) or ids.is_floating_point() or ids.dtype == torch.bool:
-                raise TypeError(f"{name} must be an integer tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
-            low, high = (int(v) for v in torch.aminmax(ids)) if ids.numel() else (0, 0)
-            if low < 0 or high >= count:
-                raise ValueError(f"{name} must hold ids in [0, {count}), got ids in [{int(low)}, {int(high)}]")
-        return self._tables_of(self.user_vectors(users), self.item_vectors(items))
+        users, items = check_user_items(users, items, self.num_users, self.num_items)
+        return self._tables_of(self._vectors(_USER, users), self._vectors(_ITEM, items))
 
     def _tables_of(self, x: Tensor, a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The tables of user vectors ``x [B, d]`` × item vectors ``a [B, L, d]`` (or ``[1, L, d]``)."""
@@ -134,14 +137,24 @@ class OnDemandSyntheticEnv:
         return q.float() + std.float() * noise  # the draws of MatrixEnv.sample_reward
 
     def top_items(self, users: Tensor, k: int, *, chunk_size: int = 65536) -> tuple[Tensor, Tensor]:
-        """Each user's k best items by ``q`` (a full scan, chunked): ``users [B]`` → ``(q, ids)`` ``[B, k]``."""
+        """Each user's k best items by ``q`` (a full scan, chunked: ``chunk_size`` items and as many users as keep a
+        chunk's tables near :data:`_BLOCK` entries at a time): ``users [B]`` → ``(q, ids)`` ``[B, k]``."""
+        users = check_ids("users", users, self.num_users)
+        if users.dim() != 1:
+            raise ValueError(f"users must have shape [B], got {list(users.shape)}")
+        check_count("chunk_size", chunk_size)
+        rows = max(1, _BLOCK // min(chunk_size, self.num_items))
+        if users.shape[0] > rows:
+            parts = [self.top_items(users[start:start + rows], k, chunk_size=chunk_size)
+                     for start in range(0, users.shape[0], rows)]
+            return torch.cat([q for q, _ in parts]), torch.cat([i for _, i in parts])
         check_count("k", k, high=self.num_items)
         best_q = torch.zeros(users.shape[0], 0, dtype=torch.float64, device=self.device)
         best_id = torch.zeros(users.shape[0], 0, dtype=torch.long, device=self.device)
-        x = self.user_vectors(users)
+        x = self._vectors(_USER, users)
         for start in range(0, self.num_items, chunk_size):
             ids = torch.arange(start, min(start + chunk_size, self.num_items), device=self.device)
-            q = self._tables_of(x, self.item_vectors(ids).unsqueeze(0))[1]
+            q = self._tables_of(x, self._vectors(_ITEM, ids).unsqueeze(0))[1]
             ids = ids.expand(users.shape[0], -1)
             best_q, pos = torch.cat([best_q, q], 1).topk(min(k, best_q.shape[1] + q.shape[1]), dim=1)
             best_id = torch.cat([best_id, ids], 1).gather(1, pos)
@@ -149,12 +162,17 @@ class OnDemandSyntheticEnv:
 
     def optimal_value(self, num_outputs: int = 1, *, users: Tensor | None = None) -> float:
         """Best achievable policy value: mean over ``users`` (default: all) of the mean of the top-L ``q``."""
-        users = torch.arange(self.num_users, device=self.device) if users is None else users.to(self.device)
+        check_count("num_outputs", num_outputs, high=self.num_items)
+        users = torch.arange(self.num_users, device=self.device) if users is None else users
+        if isinstance(users, Tensor) and users.numel() == 0:
+            raise ValueError("users must name at least one user (the mean over none is undefined)")
         return float(self.top_items(users, num_outputs)[0].mean())
 
     def to_matrix_env(self) -> MatrixEnv:
         """The dense :class:`~capg_rec.sim.MatrixEnv` with the same tables (for small U × N)."""
-        users = torch.arange(self.num_users, device=self.device)
-        items = torch.arange(self.num_items, device=self.device).expand(self.num_users, -1)
-        q_raw, q, std = self._tables(users, items)
-        return MatrixEnv(q.float(), std.float(), q_raw.float(), name=self.name)
+        rows = max(1, _BLOCK // (self.num_items * self.dim))  # users at a time: [rows, N, d] vectors
+        items = torch.arange(self.num_items, device=self.device)
+        tables = [self._tables(users, items.expand(users.shape[0], -1))
+                  for users in torch.arange(self.num_users, device=self.device).split(rows)]
+        q_raw, q, std = (torch.cat(parts).float() for parts in zip(*tables))
+        return MatrixEnv(q, std, q_raw, name=self.name)

@@ -69,13 +69,15 @@ def synthetic_env(seed: int = PAPER_SEED, *, num_users: int = 1000, num_items: i
     The defaults are the paper's: 1000 users, 1000 items, d = 10, scale 10, its seed and coupling.
     """
     if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
+        raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
+    if not 0 <= seed < 2**63:
+        raise ValueError(f"seed must be in [0, 2^63), got {seed}")
     check_count("num_users", num_users)
     check_count("num_items", num_items)
     check_count("dim", dim)
     scale = check_positive("scale", scale)
     if not isinstance(paper_coupling, bool):
-        raise ValueError(f"paper_coupling must be a bool, got {paper_coupling!r}")
+        raise TypeError(f"paper_coupling must be a bool, got {paper_coupling!r}")
     p = _draw(seed, num_users, num_items, dim, paper_coupling)
     users, items = p["users"], p["items"]
     rho_user = torch.sigmoid(users @ p["w_user"] + 3)

@@ -160,7 +160,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--samples", type=_number(int, 1), default=20_000, help="draws per context (default 20000)")
     p.add_argument("--alpha", type=_number(float, 0, 1, open_low=True), default=1e-3,
                    help="false-alarm probability (default 1e-3)")
-    p.add_argument("--seed", type=_number(int, 0), default=0)
+    p.add_argument("--seed", type=_number(int, 0, 2**63), default=0)
     p.add_argument("--tolerance", type=_number(float, 0), default=0.0,
                    help="accepted absolute error of the claims (for approximations)")
     p.add_argument("--plot", metavar="PNG", help="write claimed vs empirical probabilities here")
@@ -212,7 +212,7 @@ def _validate(args: argparse.Namespace) -> bool:
                               tolerance=args.tolerance, progress=args.progress)
     except (_UsageError, _ESRCrash):
         raise
-    except ValueError as err:  # the options are checked: what is left is the ESR's output
+    except (ValueError, TypeError) as err:  # the options are checked: what is left is the ESR's (its attributes too)
         raise _ESRCrash(f"its output breaks the ESR protocol: {err}") from None
     print(report)
     if args.json:

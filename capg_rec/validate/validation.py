@@ -21,17 +21,18 @@ _DRAWS_PER_CHUNK = 1 << 21  # B·S·K ids sampled per call to esr.sample
 
 
 def _check_fraction(name: str, value: float, *, closed_low: bool = False) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not (
-            (0 <= value if closed_low else 0 < value) and value < 1):
-        low = "[0" if closed_low else "(0"
+    low = "[0" if closed_low else "(0"
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a number in {low}, 1), got {type(value).__name__} {value!r}")
+    if not ((0 <= value if closed_low else 0 < value) and value < 1):
         raise ValueError(f"{name} must be a number in {low}, 1), got {value!r}")
     return float(value)
 
 
 def _check_claims(name: str, x: object, shape: tuple[int, ...] | None = None) -> Tensor:
     if not isinstance(x, Tensor) or not x.is_floating_point():
-        raise ValueError(f"{name} must return a floating torch.Tensor, got {type(x).__name__} "
-                         f"{getattr(x, 'dtype', '')}")
+        raise TypeError(f"{name} must return a floating torch.Tensor, got {type(x).__name__} "
+                        f"{getattr(x, 'dtype', '')}")
     if (shape is None and x.dim() != 2) or (shape is not None and tuple(x.shape) != shape):
         raise ValueError(f"{name} must return shape {list(shape) if shape else '[B, N]'}, got {list(x.shape)}")
     if bool(torch.isnan(x).any()) or bool((x == math.inf).any()):
@@ -41,8 +42,8 @@ def _check_claims(name: str, x: object, shape: tuple[int, ...] | None = None) ->
 
 def _check_draws(draws: object, batch: int, size: int, k: int, num_items: int) -> Tensor:
     if not isinstance(draws, Tensor) or draws.dtype.is_floating_point or draws.dtype == torch.bool:
-        raise ValueError(f"esr.sample must return an integer torch.Tensor, got {type(draws).__name__} "
-                         f"{getattr(draws, 'dtype', '')}")
+        raise TypeError(f"esr.sample must return an integer torch.Tensor, got {type(draws).__name__} "
+                        f"{getattr(draws, 'dtype', '')}")
     if tuple(draws.shape) != (batch, size, k):
         raise ValueError(f"esr.sample must return shape [B={batch}, S={size}, K={k}], got {list(draws.shape)}")
     lo, hi = int(draws.min()), int(draws.max())
@@ -94,7 +95,7 @@ def validate_esr(esr: ESR, contexts: Any = None, *, num_samples: int = 20_000, a
     error ``rel_error`` with probability ``power``. Randomness comes only from ``seed``.
     """
     if not isinstance(esr, ESR):
-        raise ValueError("esr must implement the ESR protocol (num_candidates, sample(contexts, num_samples, "
+        raise TypeError("esr must implement the ESR protocol (num_candidates, sample(contexts, num_samples, "
                          f"generator), inclusion_log_prob(contexts)), got {type(esr).__name__}")
     k = check_count("esr.num_candidates", esr.num_candidates)
     n = check_count("num_samples", num_samples)
@@ -104,7 +105,9 @@ def validate_esr(esr: ESR, contexts: Any = None, *, num_samples: int = 20_000, a
     num_worst = check_count("num_worst", num_worst, low=0)
     max_enumerated_draws = check_count("max_enumerated_draws", max_enumerated_draws, low=0)
     for name, value in (("tolerance", tolerance), ("sum_tolerance", sum_tolerance), ("rel_error", rel_error)):
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not (0 <= value < math.inf):
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise TypeError(f"{name} must be a finite number >= 0, got {type(value).__name__} {value!r}")
+        if not 0 <= value < math.inf:
             raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     if rel_error <= 0:
         raise ValueError(f"rel_error must be > 0, got {rel_error!r}")
