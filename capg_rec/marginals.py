@@ -235,16 +235,17 @@ def inclusion_log_prob(logits: Tensor | CatalogScores, items: Tensor, num_candid
 
     ``method`` is an :class:`InclusionMethod` or a registered name (see the module docstring);
     ``WithReplacement`` returns the CA-PG-SwR score, which is not a log-probability. Masked items
-    (scored ``-inf``) have log-probability ``-inf``; every row needs at least K unmasked items.
+    (scored ``-inf``) have log-probability ``-inf``; every row needs at least K unmasked items (a draw with
+    replacement, whose expected count ``WithReplacement`` gives, needs none: its K may exceed N too).
     Half-precision logits give float32 results.
     """
     validate = resolve_validate_args(validate_args)
     method = inclusion_method(method)
     catalog = as_catalog(logits, temperature, validate_args=validate)
-    check_count("num_candidates", num_candidates, high=catalog.num_items)
+    check_count("num_candidates", num_candidates, high=catalog.num_items if method.is_probability else None)
     items = check_items("items", items, batch_size=catalog.batch_size, num_items=catalog.num_items,
                         unique=False, validate=validate)
-    if validate:
+    if validate and method.is_probability:
         check_enough_items(catalog, num_candidates)
     return _inclusion_log_prob(catalog, items, num_candidates, method)
 

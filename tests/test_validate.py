@@ -16,7 +16,7 @@ import torch
 from scipy import stats
 from torch import nn
 
-from capg_rec import DenseCatalog, EmbeddingCatalog
+from capg_rec import DenseCatalog, EmbeddingCatalog, inclusion_log_prob
 from capg_rec.catalog import CatalogScores
 from capg_rec.validate import CatalogESR, ESR, validate_esr
 from capg_rec.cli import main
@@ -542,3 +542,17 @@ def test_sample_size_advice_for_a_relative_error_above_one():
     report = validate_esr(CatalogESR(torch.tensor([[2.0, 1.8, 1.6, -3, -3, -3, -3, -3]]), 3), num_samples=200,
                           rel_error=1.5)
     assert report.samples_needed >= 1 and report.detectable_rel_error > 0
+
+
+def test_a_with_replacement_esr_may_draw_more_than_the_catalog():
+    """Regression (found by review): validate_esr takes K > N for an ESR drawing with replacement, but CatalogESR's
+    claims failed in inclusion_log_prob ('num_candidates must be in [1, N]'); the expected count K·softmax has no such
+    bound, nor does it need K unmasked items."""
+    logits = torch.randn(2, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    logits[0, 1] = -math.inf
+    items = torch.tensor([[0, 1], [2, 0]])
+    expected = (5 * torch.softmax(logits, 1)).gather(1, items)
+    torch.testing.assert_close(inclusion_log_prob(logits, items, 5, method="with_replacement").exp(), expected)
+    assert validate_esr(CatalogESR(logits, 5, method="with_replacement"), num_samples=2000).passed
+    with pytest.raises(ValueError, match="num_candidates"):
+        inclusion_log_prob(logits, items, 5, method="mean_field")
