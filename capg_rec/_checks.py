@@ -191,12 +191,20 @@ def check_items(name: str, items: object, *, batch_size: int, num_items: int, un
     return items
 
 
+FAILED_ELSEWHERE = "an input check failed in another process (which raised its error)"
+"""What a process whose inputs passed raises when another's failed (every process raises)."""
+
+
 def raise_where_short(agree: Callable[[Tensor], Tensor], short: Tensor, message: Callable[[tuple[int, ...]], str],
-                      elsewhere: str) -> None:
+                      elsewhere: str, failed: Exception | None = None) -> None:
     """``ValueError`` in every process that shares ``agree`` (a catalog's) if ``short`` (bool, any shape) holds a
     True in any of them: ``message(index)`` of this process's first one, or ``elsewhere`` where it has none.
-    One agreement, taken whatever ``short``'s shape (an empty batch included)."""
-    if bool(agree((~short.any()).reshape(1))[0]):
+    ``failed``: this process's own arguments were bad (it takes part all the same, with placeholders): every process
+    raises, this one ``failed``. One agreement, taken whatever ``short``'s shape (an empty batch included)."""
+    passed, fine = agree(torch.stack([~short.any(), torch.tensor(failed is None, device=short.device)])).tolist()
+    if not fine:
+        raise failed if failed is not None else ValueError(FAILED_ELSEWHERE)
+    if passed:
         return
     if not bool(short.any()):
         raise ValueError(elsewhere)
@@ -421,7 +429,7 @@ class DeferredChecks:
         for mine, (_, message) in zip(here, self._checks):
             if not mine:
                 raise ValueError(message)
-        raise ValueError("an input check failed in another process (which raised its error)")
+        raise ValueError(FAILED_ELSEWHERE)
 
     def _local(self) -> Tensor:
         """The checks' results as one bool tensor ``[C]`` (on the device of the first tensor among them)."""

@@ -92,10 +92,12 @@ class CatalogScores(abc.ABC):
         nobody vouched for: :func:`every_score`). Default: nothing to skip."""
         return contextlib.nullcontext()
 
-    def _drawing(self, num_candidates: int) -> contextlib.AbstractContextManager | None:
+    def _drawing(self, num_candidates: int,
+                 failed: Exception | None = None) -> contextlib.AbstractContextManager | None:
         """For a draw of ``num_candidates``: None (the default) leaves its checks to the caller
         (:func:`~capg_rec.plackett_luce.check_enough_items`); a placement that checks its draws itself does so here,
-        in one go for the whole draw, and returns the context to draw in."""
+        in one go for the whole draw, and returns the context to draw in. ``failed``: this process's arguments were
+        bad (``num_candidates`` is a placeholder): the check must fail in every process, and this one raise it."""
         return None
 
     def _best_items(self, k: int) -> int:

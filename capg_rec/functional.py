@@ -54,13 +54,16 @@ LOG_PROB_TOLERANCE = 1e-4
 def vpg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor, *,
              with_replacement: bool = False, position_weights: Tensor | None = None,
              baseline: Tensor | None = None, temperature: float = 1.0, reduction: str = "mean",
-             validate_args: bool | None = None) -> Tensor:
+             num_candidates: int | None = None, validate_args: bool | None = None) -> Tensor:
     """Vanilla policy gradient: the score is ``log π(A^K | x)`` of the whole ordered draw; with
-    ``with_replacement=True`` every position is normalised over the whole catalog (V-PG-SwR)."""
+    ``with_replacement=True`` every position is normalised over the whole catalog (V-PG-SwR).
+
+    ``num_candidates``, in every loss of this module: the K that ``candidates [B, K]`` must have (``None``: any;
+    the loss modules pass theirs). Like every input check, it fails in every process that shares a catalog."""
     check_flag("with_replacement", with_replacement)
     catalog, candidates, chosen, advantage, scoring = _prepare(logits, candidates, chosen, rewards, position_weights,
                                                                baseline, temperature, reduction, validate_args,
-                                                               distinct=not with_replacement)
+                                                               width=num_candidates, distinct=not with_replacement)
     with scoring:
         score = _candidate_log_prob(catalog, candidates, with_replacement)  # [B]
     return _reduce(-(advantage.sum(1) * score), reduction)
@@ -69,14 +72,15 @@ def vpg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
 def capg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor, *,
               method: str | InclusionMethod = DEFAULT_METHOD, position_weights: Tensor | None = None,
               baseline: Tensor | None = None, temperature: float = 1.0, reduction: str = "mean",
-              validate_args: bool | None = None) -> Tensor:
+              num_candidates: int | None = None, validate_args: bool | None = None) -> Tensor:
     """Credit-assigned policy gradient: the score of shown item ``a_l`` is ``log π(a_l ∈ A^K | x)``
     by ``method`` (an :class:`~capg_rec.marginals.InclusionMethod` or a registered name); K is
     ``candidates.shape[1]``."""
     method = inclusion_method(method)
     catalog, candidates, chosen, advantage, scoring = _prepare(logits, candidates, chosen, rewards, position_weights,
                                                                baseline, temperature, reduction, validate_args,
-                                                               distinct=True, inclusion=method.is_probability,
+                                                               width=num_candidates, distinct=True,
+                                                               inclusion=method.is_probability,
                                                                trusted=_known_lookups(method))
     with scoring:
         score = _inclusion_log_prob(catalog, chosen, candidates.shape[1], method)  # [B, L]
@@ -87,8 +91,8 @@ def offpolicy_capg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chos
                         logged_log_inclusion: Tensor, *, method: str | InclusionMethod = DEFAULT_METHOD,
                         max_weight: float | None = None, self_normalize: bool = False,
                         position_weights: Tensor | None = None, baseline: Tensor | None = None,
-                        temperature: float = 1.0, reduction: str = "mean", validate_args: bool | None = None
-                        ) -> Tensor:
+                        temperature: float = 1.0, reduction: str = "mean", num_candidates: int | None = None,
+                        validate_args: bool | None = None) -> Tensor:
     """Off-policy CA-PG from logs of a logging ESR π₀: ``-Σ_l w_l α_l (r_l - b) log π_θ(a_l ∈ A^K | x)``.
 
     ``logged_log_inclusion [B, L]`` is ``log π₀(a_l ∈ A^K | x)`` of each shown item, stored when the
@@ -109,12 +113,12 @@ def offpolicy_capg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chos
     (at most ``log K``) on the same footing; the weight is the ratio of expected counts.
     """
     method = inclusion_method(method)
-    num_candidates = candidates.shape[1] if isinstance(candidates, Tensor) and candidates.dim() == 2 else 1
-    bound = 0.0 if method.is_probability else math.log(max(num_candidates, 1))
+    width = candidates.shape[1] if isinstance(candidates, Tensor) and candidates.dim() == 2 else 1
+    bound = 0.0 if method.is_probability else math.log(max(width, 1))
     max_weight, self_normalize = _weight_options(max_weight, self_normalize)
     catalog, candidates, chosen, advantage, scoring = _prepare(
         logits, candidates, chosen, rewards, position_weights, baseline, temperature, reduction, validate_args,
-        distinct=True, inclusion=method.is_probability, trusted=_known_lookups(method),
+        width=num_candidates, distinct=True, inclusion=method.is_probability, trusted=_known_lookups(method),
         logged=("logged_log_inclusion", logged_log_inclusion, True, bound))
     with scoring:
         score = _inclusion_log_prob(catalog, chosen, candidates.shape[1], method)  # [B, L]
@@ -126,8 +130,8 @@ def offpolicy_capg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chos
 def offpolicy_vpg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor,
                        logged_log_prob: Tensor, *, max_weight: float | None = None, self_normalize: bool = False,
                        position_weights: Tensor | None = None, baseline: Tensor | None = None,
-                       temperature: float = 1.0, reduction: str = "mean", validate_args: bool | None = None
-                       ) -> Tensor:
+                       temperature: float = 1.0, reduction: str = "mean", num_candidates: int | None = None,
+                       validate_args: bool | None = None) -> Tensor:
     """Off-policy V-PG with the whole-set weight ``w = π_θ(A^K) / π₀(A^K)`` of the ordered draw:
     ``-w Σ_l α_l (r_l - b) log π_θ(A^K | x)``.
 
@@ -139,7 +143,7 @@ def offpolicy_vpg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chose
     max_weight, self_normalize = _weight_options(max_weight, self_normalize)
     catalog, candidates, chosen, advantage, scoring = _prepare(
         logits, candidates, chosen, rewards, position_weights, baseline, temperature, reduction, validate_args,
-        distinct=True, logged=("logged_log_prob", logged_log_prob, False, 0.0))
+        width=num_candidates, distinct=True, logged=("logged_log_prob", logged_log_prob, False, 0.0))
     with scoring:
         score = _candidate_log_prob(catalog, candidates, False)  # [B]
     weight = importance_weights(score - logged_log_prob.to(score.dtype), max_weight=max_weight,
@@ -151,7 +155,7 @@ def topk_reinforce_loss(logits: Tensor | CatalogScores, candidates: Tensor, chos
                         logged_log_item_prob: Tensor, *, max_weight: float | None = None,
                         self_normalize: bool = False, position_weights: Tensor | None = None,
                         baseline: Tensor | None = None, temperature: float = 1.0, reduction: str = "mean",
-                        validate_args: bool | None = None) -> Tensor:
+                        num_candidates: int | None = None, validate_args: bool | None = None) -> Tensor:
     """Top-K off-policy corrected REINFORCE (Chen et al., WSDM 2019):
     ``-Σ_l (π_θ(a_l) / β(a_l)) λ_K(a_l) α_l (r_l - b) log π_θ(a_l | x)``.
 
@@ -168,7 +172,7 @@ def topk_reinforce_loss(logits: Tensor | CatalogScores, candidates: Tensor, chos
     max_weight, self_normalize = _weight_options(max_weight, self_normalize)
     catalog, candidates, chosen, advantage, scoring = _prepare(
         logits, candidates, chosen, rewards, position_weights, baseline, temperature, reduction, validate_args,
-        distinct=True, logged=("logged_log_item_prob", logged_log_item_prob, True, 0.0))
+        width=num_candidates, distinct=True, logged=("logged_log_item_prob", logged_log_item_prob, True, 0.0))
     num_candidates = candidates.shape[1]
     with scoring:
         score = _inclusion_log_prob(catalog, chosen, num_candidates, WithReplacement()) - math.log(num_candidates)
@@ -245,8 +249,8 @@ def _weight_options(max_weight: float | None, self_normalize: bool) -> tuple[flo
 
 def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor,
              position_weights: Tensor | None, baseline: Tensor | None, temperature: float, reduction: str,
-             validate_args: bool | None, *, distinct: bool, inclusion: bool = False, trusted: bool = True,
-             logged: tuple[str, Tensor, bool, float] | None = None
+             validate_args: bool | None, *, width: int | None = None, distinct: bool, inclusion: bool = False,
+             trusted: bool = True, logged: tuple[str, Tensor, bool, float] | None = None
              ) -> tuple[CatalogScores, Tensor, Tensor, Tensor, contextlib.AbstractContextManager]:
     """Checks (structure always, values when validating, in one sync) → catalog, ids, advantage ``[B, L]`` and the
     context to score them in: once validated, the checks' agreement vouched for the candidates and chosen ids, so
@@ -271,6 +275,8 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
     try:
         check_choice("reduction", reduction, REDUCTIONS)
         candidates = check_id_tensor("candidates", candidates, batch_size=batch, columns="K")
+        if width is not None and candidates.shape[1] != width:  # the module's K (a structure check: collective)
+            raise ValueError(f"candidates must have num_candidates={width} columns, got {candidates.shape[1]}")
         check_count("num_candidates (candidates.shape[1])", candidates.shape[1], high=num_items)
         chosen = check_id_tensor("chosen", chosen, batch_size=batch)
         length = chosen.shape[1]
@@ -287,7 +293,8 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
         # Other processes go on to the checks' collectives: take part with inputs of the shapes they likely have,
         # fail the agreement (every process raises) and raise this error here.
         failed = err
-        candidates, chosen = (_placeholder_ids(x, batch, catalog.device) for x in (candidates, chosen))
+        candidates, chosen = (_placeholder_ids(x, batch, catalog.device, w) for x, w in ((candidates, width),
+                                                                                           (chosen, None)))
         length = chosen.shape[1]
         rewards = torch.zeros(batch, length, dtype=catalog.dtype, device=catalog.device)
         baseline = position_weights = None
@@ -352,9 +359,11 @@ def _check_values(catalog: CatalogScores, candidates: Tensor, chosen: Tensor, re
     checks.run(agreement(catalog))
 
 
-def _placeholder_ids(ids: object, batch: int, device: torch.device) -> Tensor:
-    """Zero ids ``[B, width]`` standing in for malformed ``ids`` (their width where they have one, else 1)."""
-    width = ids.shape[1] if isinstance(ids, Tensor) and ids.dim() == 2 else 1
+def _placeholder_ids(ids: object, batch: int, device: torch.device, width: int | None = None) -> Tensor:
+    """Zero ids ``[B, width]`` standing in for malformed ``ids`` (``width`` if given, else theirs where they have one,
+    else 1)."""
+    if width is None:
+        width = ids.shape[1] if isinstance(ids, Tensor) and ids.dim() == 2 else 1
     return torch.zeros(batch, width, dtype=torch.long, device=device)
 
 

@@ -38,11 +38,6 @@ class _PolicyGradientLoss(nn.Module):
         self.reduction = check_choice("reduction", reduction, F.REDUCTIONS)
         self.validate_args = None if validate_args is None else check_flag("validate_args", validate_args)
 
-    def _check_width(self, candidates: Tensor) -> None:
-        if isinstance(candidates, Tensor) and candidates.dim() == 2 and candidates.shape[1] != self.num_candidates:
-            raise ValueError(f"candidates must have num_candidates={self.num_candidates} columns, "
-                             f"got {candidates.shape[1]}")
-
     def extra_repr(self) -> str:
         return (f"num_candidates={self.num_candidates}, temperature={self.temperature}, reduction={self.reduction!r}"
                 + ("" if self.validate_args is None else f", validate_args={self.validate_args}"))
@@ -81,10 +76,10 @@ class VPGLoss(_PolicyGradientLoss):
 
     def forward(self, logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor, *,
                 position_weights: Tensor | None = None, baseline: Tensor | None = None) -> Tensor:
-        self._check_width(candidates)
         return F.vpg_loss(logits, candidates, chosen, rewards, with_replacement=self.with_replacement,
                           position_weights=position_weights, baseline=baseline, temperature=self.temperature,
-                          reduction=self.reduction, validate_args=self.validate_args)
+                          reduction=self.reduction, num_candidates=self.num_candidates,
+                          validate_args=self.validate_args)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", with_replacement={self.with_replacement}"
@@ -119,10 +114,10 @@ class CAPGLoss(_PolicyGradientLoss):
 
     def forward(self, logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor, *,
                 position_weights: Tensor | None = None, baseline: Tensor | None = None) -> Tensor:
-        self._check_width(candidates)
         return F.capg_loss(logits, candidates, chosen, rewards, method=self.method,
                            position_weights=position_weights, baseline=baseline, temperature=self.temperature,
-                           reduction=self.reduction, validate_args=self.validate_args)
+                           reduction=self.reduction, num_candidates=self.num_candidates,
+                          validate_args=self.validate_args)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", method={self.method!r}"
@@ -139,7 +134,7 @@ class _OffPolicyLoss(_PolicyGradientLoss):
 
     def _options(self) -> dict:
         return dict(max_weight=self.max_weight, self_normalize=self.self_normalize, temperature=self.temperature,
-                    reduction=self.reduction, validate_args=self.validate_args)
+                    reduction=self.reduction, num_candidates=self.num_candidates, validate_args=self.validate_args)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", max_weight={self.max_weight}, self_normalize={self.self_normalize}"
@@ -181,7 +176,6 @@ class OffPolicyCAPGLoss(_OffPolicyLoss):
     def forward(self, logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor,
                 logged_log_propensity: Tensor, *, position_weights: Tensor | None = None,
                 baseline: Tensor | None = None) -> Tensor:
-        self._check_width(candidates)
         return F.offpolicy_capg_loss(logits, candidates, chosen, rewards, logged_log_propensity, method=self.method,
                                      position_weights=position_weights, baseline=baseline, **self._options())
 
@@ -201,7 +195,6 @@ class OffPolicyVPGLoss(_OffPolicyLoss):
     def forward(self, logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor,
                 logged_log_prob: Tensor, *, position_weights: Tensor | None = None,
                 baseline: Tensor | None = None) -> Tensor:
-        self._check_width(candidates)
         return F.offpolicy_vpg_loss(logits, candidates, chosen, rewards, logged_log_prob,
                                     position_weights=position_weights, baseline=baseline, **self._options())
 
@@ -219,6 +212,5 @@ class TopKReinforceLoss(_OffPolicyLoss):
     def forward(self, logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor,
                 logged_log_item_prob: Tensor, *, position_weights: Tensor | None = None,
                 baseline: Tensor | None = None) -> Tensor:
-        self._check_width(candidates)
         return F.topk_reinforce_loss(logits, candidates, chosen, rewards, logged_log_item_prob,
                                      position_weights=position_weights, baseline=baseline, **self._options())

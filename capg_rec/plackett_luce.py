@@ -18,7 +18,7 @@ from torch import Tensor
 from capg_rec._checks import check_count, check_flag, check_generator, check_items, raise_where_short, \
     resolve_validate_args
 from capg_rec._numerics import log_softmax_at, reverse_logcumsumexp, sequential_log_softmax
-from capg_rec.catalog import CatalogScores, DenseCatalog, as_catalog
+from capg_rec.catalog import CatalogScores, DenseCatalog, agreement, as_catalog
 
 __all__ = ["expert_of_position", "sample_candidates", "greedy_candidates", "candidate_log_prob"]
 
@@ -67,12 +67,22 @@ def _block_positions(runs: tuple[tuple[int, int], ...], device: torch.device) ->
     return torch.tensor(positions, device=device), torch.tensor(keep, device=device)
 
 
-def _checked(logits: Tensor | CatalogScores, num_candidates: int, temperature: float,
-             validate_args: bool | None) -> tuple[CatalogScores, bool]:
+def _checked(logits: Tensor | CatalogScores, num_candidates: int, temperature: float, validate_args: bool | None,
+             generator: torch.Generator | None = None) -> tuple[CatalogScores, bool, int, Exception | None]:
+    """The draw's arguments checked → catalog, validate, K and None; or, where they are bad in this process but the
+    checks are collective (a catalog shared by processes, validated), one candidate and the error: the draw's first
+    check then fails in every process, and this one raises that error (:func:`_draw`)."""
     validate = resolve_validate_args(validate_args)
-    catalog = as_catalog(logits, temperature, validate_args=validate)
-    check_count("num_candidates", num_candidates, high=catalog.num_items)
-    return catalog, validate
+    catalog = logits if isinstance(logits, CatalogScores) else None
+    try:
+        check_generator(generator)
+        catalog = as_catalog(logits, temperature, validate_args=validate)
+        check_count("num_candidates", num_candidates, high=catalog.num_items)
+    except (TypeError, ValueError) as err:
+        if catalog is None or not (validate and agreement(catalog) is not None):
+            raise
+        return catalog, validate, 1, err
+    return catalog, validate, num_candidates, None
 
 
 def unmasked_needs(catalog: CatalogScores, num_candidates: int) -> tuple[list[int], Tensor, Tensor]:
@@ -85,26 +95,28 @@ def unmasked_needs(catalog: CatalogScores, num_candidates: int) -> tuple[list[in
     return experts, needed, catalog.num_available()[:, experts]
 
 
-def check_enough_items(catalog: CatalogScores, num_candidates: int) -> None:
+def check_enough_items(catalog: CatalogScores, num_candidates: int, failed: Exception | None = None) -> None:
     """``ValueError`` unless every expert block can draw its items from the row's unmasked items
     whatever the earlier blocks took: expert m needs as many unmasked items as positions up to
-    the end of its block (with one shared mask: K unmasked items per row)."""
+    the end of its block (with one shared mask: K unmasked items per row). ``failed``: this process's arguments were
+    bad (:func:`_checked`): the agreement fails everywhere, and this process raises it."""
     experts, needed, available = unmasked_needs(catalog, num_candidates)
     raise_where_short(catalog.agree, available < needed, lambda at: (
         f"num_candidates={num_candidates} needs {int(needed[at[1]])} unmasked items under expert {experts[at[1]]}, "
         f"but row {at[0]} has {int(available[at])} (items scored -inf are masked)"),
         f"num_candidates={num_candidates} needs more unmasked items in another process's rows (items scored -inf "
-        "are masked)")
+        "are masked)", failed)
 
 
 def _draw(catalog: CatalogScores, num_candidates: int, *, perturb: bool, generator: torch.Generator | None,
-          validate: bool) -> Tensor:
+          validate: bool, failed: Exception | None = None) -> Tensor:
     """Each expert block's best (``perturb``: Gumbel-perturbed) items not drawn yet → ``[B, K]``; with ``validate``,
-    first :func:`check_enough_items`, unless the catalog checks its draws itself (``CatalogScores._drawing``)."""
-    drawing = catalog._drawing(num_candidates)
+    first :func:`check_enough_items`, unless the catalog checks its draws itself (``CatalogScores._drawing``).
+    ``failed``: this process's arguments were bad; the first check fails everywhere and this process raises it."""
+    drawing = catalog._drawing(num_candidates, failed)
     if drawing is None:
         if validate:
-            check_enough_items(catalog, num_candidates)
+            check_enough_items(catalog, num_candidates, failed)
         drawing = contextlib.nullcontext()
     picks: list[Tensor] = []
     with drawing:
@@ -125,16 +137,15 @@ def sample_candidates(logits: Tensor | CatalogScores, num_candidates: int, *, te
     vector shared by all blocks, as in the paper's appendix, is biased when experts differ).
     ``validate_args``: check the logits and the unmasked counts (``None``: the module default).
     """
-    check_generator(generator)
-    catalog, validate = _checked(logits, num_candidates, temperature, validate_args)
-    return _draw(catalog, num_candidates, perturb=True, generator=generator, validate=validate)
+    catalog, validate, num_candidates, failed = _checked(logits, num_candidates, temperature, validate_args, generator)
+    return _draw(catalog, num_candidates, perturb=True, generator=generator, validate=validate, failed=failed)
 
 
 def greedy_candidates(logits: Tensor | CatalogScores, num_candidates: int, *,
                       temperature: float = 1.0, validate_args: bool | None = None) -> Tensor:
     """The noise-free draw: each block takes its expert's best remaining items → ``LongTensor[B, K]``."""
-    catalog, validate = _checked(logits, num_candidates, temperature, validate_args)
-    return _draw(catalog, num_candidates, perturb=False, generator=None, validate=validate)
+    catalog, validate, num_candidates, failed = _checked(logits, num_candidates, temperature, validate_args)
+    return _draw(catalog, num_candidates, perturb=False, generator=None, validate=validate, failed=failed)
 
 
 def candidate_log_prob(logits: Tensor | CatalogScores, candidates: Tensor, *, temperature: float = 1.0,

@@ -51,8 +51,8 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from capg_rec._checks import all_finite, check_count, check_float_tensor, check_generator, check_items, \
-    check_positive, raise_where_short, resolve_validate_args
+from capg_rec._checks import FAILED_ELSEWHERE, all_finite, check_count, check_float_tensor, check_generator, \
+    check_items, check_positive, raise_where_short, resolve_validate_args
 from capg_rec._numerics import (exp_floor, gumbel_group_size, gumbel_top_k, no_autocast, safe_logsumexp,
                                 select_experts, top_k)
 from capg_rec.ann import ItemIndex
@@ -700,7 +700,8 @@ class SampledCatalog(CatalogScores):
         each call, which go through :meth:`agree`)."""
         return agreement(self) is None or type(self)._least is not SampledCatalog._least
 
-    def _drawing(self, num_candidates: int) -> contextlib.AbstractContextManager | None:
+    def _drawing(self, num_candidates: int,
+                 failed: Exception | None = None) -> contextlib.AbstractContextManager | None:
         """With ``check_draws``, one check that every row has ``num_candidates`` unmasked items and that its head
         and sample hold as many usable ones (in every process, which must all draw as many; one agreement), and a
         context in which the draw's :meth:`top_items` calls, one per expert block, skip their own checks: each
@@ -710,8 +711,10 @@ class SampledCatalog(CatalogScores):
             return None
         usable, available = self._usable(), self.num_available()[:, 0]  # masks are every expert's
         mine, unmasked = _fewest(usable), _fewest(available)
-        room, spare, fewest, most = self._least(mine - num_candidates, unmasked - num_candidates, num_candidates,
-                                                -num_candidates)
+        fine, room, spare, fewest, most = self._least(int(failed is None), mine - num_candidates,
+                                                      unmasked - num_candidates, num_candidates, -num_candidates)
+        if not fine:  # some process's arguments were bad
+            raise failed if failed is not None else ValueError(FAILED_ELSEWHERE)
         if fewest != -most:
             raise ValueError(f"num_candidates must be the same in every process that shares this SampledCatalog, "
                              f"got {fewest} to {-most}")

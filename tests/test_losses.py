@@ -220,3 +220,17 @@ def test_capg_losses_refuse_an_expert_with_too_few_items_for_its_block(method):
     assert torch.isfinite(CAPGLoss(6, method="with_replacement")(x, cand, chosen, rewards))
     x[0, 1, 3:6] = 0.0  # 6 items now: passes
     assert torch.isfinite(CAPGLoss(6, method=method)(x, cand, chosen, rewards))
+
+
+def test_a_loss_module_checks_the_width_of_candidates_among_its_input_checks():
+    """The modules' K is checked with the other structure checks (collective on a shared catalog: it was a check of
+    the module's own, raised on one rank alone); the functional losses take it as ``num_candidates``."""
+    logits = torch.randn(3, 8)
+    candidates = torch.stack([torch.randperm(8)[:2] for _ in range(3)])
+    chosen, rewards = candidates[:, :1], torch.ones(3, 1)
+    for loss in (CAPGLoss(3), VPGLoss(3)):
+        with pytest.raises(ValueError, match="candidates must have num_candidates=3 columns, got 2"):
+            loss(logits, candidates, chosen, rewards)
+    with pytest.raises(ValueError, match="num_candidates=3 columns"):
+        capg_rec.functional.capg_loss(logits, candidates, chosen, rewards, num_candidates=3)
+    assert torch.isfinite(capg_rec.functional.capg_loss(logits, candidates, chosen, rewards, num_candidates=2))

@@ -28,14 +28,14 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from capg_rec._checks import DeferredChecks, check_count, check_generator, check_id_tensor, raise_where_short, \
+from capg_rec._checks import DeferredChecks, check_count, check_id_tensor, raise_where_short, \
     resolve_validate_args
 from capg_rec._numerics import safe_logaddexp
 from capg_rec.catalog import CatalogScores, DenseCatalog, EmbeddingCatalog, _exclusion_mask, agreement, \
     as_catalog
 from capg_rec.marginals import DEFAULT_METHOD, InclusionMethod, WithReplacement, _inclusion_log_prob, \
     inclusion_method
-from capg_rec.plackett_luce import _candidate_log_prob, _draw, check_enough_items, expert_runs
+from capg_rec.plackett_luce import _candidate_log_prob, _checked, _draw, check_enough_items, expert_runs
 
 __all__ = ["LoggedPropensities", "log_propensities", "explore_candidates"]
 
@@ -108,13 +108,13 @@ def _uniform_draw(catalog: CatalogScores, num_candidates: int, generator: torch.
     return best_id
 
 
-def _check_uniform_possible(catalog: CatalogScores, num_candidates: int) -> None:
+def _check_uniform_possible(catalog: CatalogScores, num_candidates: int, failed: Exception | None = None) -> None:
     available = _uniform_available(catalog)
     raise_where_short(catalog.agree, available < num_candidates, lambda at: (
         f"epsilon > 0 draws num_candidates={num_candidates} items uniformly among a row's items unmasked under every "
         f"expert, but row {at[0]} has {int(available[at])}"),
         f"epsilon > 0 draws num_candidates={num_candidates} items uniformly among a row's items unmasked under every "
-        "expert, but another process's rows have fewer")
+        "expert, but another process's rows have fewer", failed)
 
 
 def explore_candidates(logits: Tensor | CatalogScores, num_candidates: int, *, temperature: float = 1.0,
@@ -142,14 +142,11 @@ def explore_candidates(logits: Tensor | CatalogScores, num_candidates: int, *, t
         >>> candidates = explore_candidates(logits, 50, temperature=2.0, epsilon=0.05, generator=g)
     """
     epsilon = _check_epsilon(epsilon)
-    check_generator(generator)
-    validate = resolve_validate_args(validate_args)
-    catalog = as_catalog(logits, temperature, validate_args=validate)
-    check_count("num_candidates", num_candidates, high=catalog.num_items)
-    if validate and epsilon > 0.0:
-        _check_uniform_possible(catalog, num_candidates)
+    catalog, validate, num_candidates, failed = _checked(logits, num_candidates, temperature, validate_args, generator)
+    if validate and epsilon > 0.0:  # the draw's first check (a collective one fails everywhere if failed)
+        _check_uniform_possible(catalog, num_candidates, failed)
     if epsilon == 0.0:
-        return _draw(catalog, num_candidates, perturb=True, generator=generator, validate=validate)
+        return _draw(catalog, num_candidates, perturb=True, generator=generator, validate=validate, failed=failed)
     uniform = _uniform_draw(catalog, num_candidates, generator)
     if epsilon == 1.0:
         return uniform
