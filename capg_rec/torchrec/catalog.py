@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from capg_rec._checks import check_count, check_float_tensor, check_id_tensor, check_positive, resolve_validate_args
-from capg_rec._numerics import no_autocast, safe_logsumexp
+from capg_rec._numerics import no_autocast, safe_logsumexp, top_k
 from capg_rec.catalog import CatalogScores, _chunked_top_k, _ChunkedLogPowerSums, _expert_views, \
     available_given_masks, compute_dtype
 from capg_rec.torchrec._collective import agree, all_gather_rows, exchange, gather_rows, on_ranks, ranks_where, \
@@ -255,8 +255,11 @@ class ShardedEmbeddingCatalog(CatalogScores):
             all_vals, all_ids = self._per_rank(vals), self._per_rank(ids)  # [W, B_tot, M', k]
             all_vals = all_vals.permute(1, 2, 0, 3).flatten(2)
             all_ids = all_ids.permute(1, 2, 0, 3).flatten(2)
-            best = all_vals.topk(k, dim=2).indices
-            return self._mine(all_ids.gather(2, best))
+            # In id order (pads last), so that top_k's ties go to the lower id, as on one process (each rank's k
+            # are its best with the same ties); torch.topk's order of ties depended on the ranks' layout.
+            order = torch.where(all_ids >= 0, all_ids, self.num_items).argsort(dim=2)
+            all_vals, all_ids = all_vals.gather(2, order), all_ids.gather(2, order)
+            return self._mine(all_ids.gather(2, top_k(all_vals, k)))
 
     def _shared_seed(self, generator: torch.Generator | None, k: int, experts: list[int]) -> list[int]:
         """A seed drawn from ``generator`` on every rank and taken from rank 0 of the group (read back:
