@@ -332,22 +332,24 @@ class TwoTowerRetriever(nn.Module):
         """The user side of a batch of B users → ``[B, M, D]`` (``features``: stride B, the user features
         of ``embeddings``, without the catalog feature): the user half of a serving export. Collective
         when ``embeddings`` is sharded (every rank looks up its batch)."""
-        if not isinstance(features, KeyedJaggedTensor):
-            raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
-        if self.catalog_feature in features.keys():
-            raise ValueError(f"features must not have the catalog feature {self.catalog_feature!r}: "
-                             "user_vectors looks up users only")
-        batch = features.stride()
+        kjt = isinstance(features, KeyedJaggedTensor)
+        batch = features.stride() if kjt else 0
         validate = resolve_validate_args(self.validate_args)
 
         def check() -> list[int]:
+            if not kjt:
+                raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
+            if self.catalog_feature in features.keys():
+                raise ValueError(f"features must not have the catalog feature {self.catalog_feature!r}: "
+                                 "user_vectors looks up users only")
             self._check_user_features(features, bag_features, batch, validate)
             self._check_dense(dense, batch)
             return [-1 if dense is None else dense.shape[1]]
 
         group = self._layout()[2]
         if group is not None and validate:  # one rank's mistake raised on every rank
-            widths = [entries[0] for entries in exchange(check, 1, group, features.values().device)]
+            device = features.values().device if kjt else torch.device("cpu")
+            widths = [entries[0] for entries in exchange(check, 1, group, device)]
             if len(set(widths)) > 1:
                 raise ValueError(f"dense must be given on every rank or none, of one width, got widths (-1: none) "
                                  f"{widths} by rank")
