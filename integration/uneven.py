@@ -28,9 +28,15 @@ ranks with a collective timeout, so that a hang fails the case instead of the jo
   different numbers of best items: both pass;
 * ``dense_rows`` / ``dense_dtype``: a retriever with a user tower, whose ``dense`` input has a row too few on
   rank 1, or another dtype than the tower's: the error on both; ``user_vectors_dense``: the same row too few in
-  the export's ``user_vectors``;
+  the export's ``user_vectors``; ``user_vectors_catalog``: the catalog feature in rank 1's ``user_vectors``;
 * ``structure/*``: rank 1 passes a loss malformed input (rewards of the wrong shape, float ``chosen``, candidates
-  with a row too few), in the sampled mode and on the whole catalog: its own error there, a ``ValueError`` on rank 0.
+  with a row too few, or a column fewer than the loss module's K), in the sampled mode and on the whole catalog: its
+  own error there, a ``ValueError`` on rank 0;
+* ``ties``: a row-wise item table whose rows are all the same: the greedy draw names the lowest ids, as on one
+  process;
+* ``arguments/*``: rank 1 passes a draw a bad argument (K of 0, above N or a float; a generator that is not one),
+  in the sampled mode and on the whole catalog, and to ``greedy_candidates`` and ``explore_candidates``: its own
+  error there, a ``ValueError`` on rank 0.
 
 Writes ``DIR/uneven_rank{r}.json``: each case's outcome, ``"ok"`` or the exception's class and message.
 """
@@ -251,10 +257,47 @@ def main() -> int:
                     rewards = rewards[:, :1]
                 elif what == "chosen":
                     chosen = chosen.float()
+                elif what == "width":  # a column fewer than the module's K
+                    cand = cand[:, 1:]
                 else:
                     cand = cand[1:]
             CAPGLoss(K)(cat, cand, chosen, rewards).backward()
         return case
+
+    def bad_draw(what: str, where: str):
+        def case():  # rank 1 passes the draw a bad argument
+            users, sample, head, listed = batch(rank, PER_RANK)
+            cat = catalog(model, users, sample, head, listed) if where == "sampled" else full(users)
+            k, g = K, torch.Generator().manual_seed(3)
+            if rank == 1:
+                k = {"k_zero": 0, "k_above_n": SETUP.num_items + 1, "k_float": 2.0}.get(what, K)
+                g = "x" if what == "generator" else g
+            if where == "greedy":
+                greedy_candidates(cat, k)
+            elif where == "explore":
+                explore_candidates(cat, k, epsilon=0.1, generator=g)
+            else:
+                sample_candidates(cat, k, generator=g)
+        return case
+
+    def user_vectors_catalog():  # rank 1 passes the export's user side the catalog feature too
+        users = batch(rank, PER_RANK)[0].to(h.device())
+        features = model.module.with_catalog(h.user_batch(users)) if rank == 1 else h.user_batch(users)
+        model.module.user_vectors(features)
+
+    def ties():  # every item row the same (cold-start rows): every score ties, and ties go to the lower id
+        setup = h.Setup(num_items=40, num_experts=1, dim=4, num_users=16)
+        state = h.full_state(setup, 0)
+        state[next(key for key in state if "item_table" in key)][:] = 0.25
+        tied = h.shard(setup, lr=0.1)
+        h.load(tied, state)
+        ref = h.build(setup)
+        ref.load_state_dict(state)
+        users, mine = torch.arange(4), slice(2 * rank, 2 * rank + 2)
+        expected = greedy_candidates(ref(ref.with_catalog(h.user_batch(users))), 5)[mine]
+        got = greedy_candidates(tied(tied.module.with_catalog(h.user_batch(users[mine].to(h.device())))), 5).cpu()
+        if not torch.equal(got, expected):
+            raise AssertionError(f"sharded {got.tolist()}, one process {expected.tolist()}")
 
     def user_vectors_dense():  # the serving export's user side: a row too few on rank 1
         users = batch(rank, PER_RANK)[0]
@@ -273,9 +316,12 @@ def main() -> int:
              "agree_only/mean_field": agree_only("mean_field"), "head_then_other_k": head_then_other_k(False),
              "head_then_other_k/whole": head_then_other_k(True),
              "dense_rows": dense(PER_RANK - rank, torch.float32), "dense_dtype": dense(PER_RANK, torch.float64),
-             "user_vectors_dense": user_vectors_dense,
+             "user_vectors_dense": user_vectors_dense, "user_vectors_catalog": user_vectors_catalog, "ties": ties,
              **{f"structure/{what}/{where}": structure(what, where == "sampled")
-                for what in ("rewards", "chosen", "rows") for where in ("sampled", "whole")}}
+                for what in ("rewards", "chosen", "rows", "width") for where in ("sampled", "whole")},
+             **{f"arguments/{what}/{where}": bad_draw(what, where)
+                for what in ("k_zero", "k_above_n", "k_float", "generator") for where in ("sampled", "whole")},
+             "arguments/greedy": bad_draw("k_above_n", "greedy"), "arguments/explore": bad_draw("k_zero", "explore")}
     outcomes = {name: outcome(case) for name, case in cases.items()}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"uneven_rank{rank}.json").write_text(json.dumps(outcomes, indent=1))

@@ -206,7 +206,7 @@ def test_sampled_mode_checks_agree_whatever_each_rank_holds(tmp_path):
     # head, rank 1 raised alone (the draw) or the ranks hung (mean-field: rank 1 took a check that rank 0 skipped)
     for case in ("empty/mean_field", "empty/with_replacement", "wide", "rewritten", "exact/empty", "propensity/empty",
                  "short_pool/empty", "empty/mean_field_small", "empty/draw", "empty/greedy", "head_then_other_k",
-                 "head_then_other_k/whole"):
+                 "head_then_other_k/whole", "ties"):  # ties (found by review): torch.topk's order merged the ranks
         assert first[case] == second[case] == "ok", (case, first[case], second[case])
     # raised on one rank alone (the others hung): logged ids out of range, a uniform draw a row cannot fill, a draw
     # that one rank's head and sample cannot fill
@@ -236,16 +236,27 @@ def test_sampled_mode_checks_agree_whatever_each_rank_holds(tmp_path):
     assert first["dense_dtype"] == second["dense_dtype"]
     assert first["user_vectors_dense"] == second["user_vectors_dense"]  # the other rank returned (out of step)
     assert first["user_vectors_dense"].startswith("ValueError: dense must have shape [B, F] with B = 4")
+    # regression (found by review): checked before the exchange, on rank 1 alone
+    assert first["user_vectors_catalog"] == second["user_vectors_catalog"]
+    assert "must not have the catalog feature" in first["user_vectors_catalog"]
     assert "dense must have the user tower's dtype torch.float32, got torch.float64" in first["dense_dtype"]
     # regressions (found by review): a loss's malformed input on one rank raised there and left the other waiting
     for where in ("sampled", "whole"):
         assert second[f"structure/rewards/{where}"] == "ValueError: rewards must have shape [4, 2], got [4, 1]"
         assert second[f"structure/chosen/{where}"].startswith("TypeError: chosen must")
         assert second[f"structure/rows/{where}"].startswith("ValueError: candidates must")
-        for what in ("rewards", "chosen", "rows"):
+        # regression (found by review): the loss modules checked candidates' width on their own rank first
+        assert second[f"structure/width/{where}"] == "ValueError: candidates must have num_candidates=5 columns, got 4"
+        for what in ("rewards", "chosen", "rows", "width"):
             assert first[f"structure/{what}/{where}"].startswith("ValueError: an input check failed in another "
                                                                 "process") or \
                 first[f"structure/{what}/{where}"].endswith("(in another process)"), (what, where)
+    # regression (found by review): a draw's bad K or generator raised on rank 1 alone, and rank 0 waited for it
+    for case in [f"arguments/{what}/{where}" for what in ("k_zero", "k_above_n", "k_float", "generator")
+                 for where in ("sampled", "whole")] + ["arguments/greedy", "arguments/explore"]:
+        assert first[case] == "ValueError: an input check failed in another process (which raised its error)", case
+        assert second[case].startswith(("ValueError: num_candidates must be", "TypeError: num_candidates must be",
+                                        "TypeError: generator must be")), (case, second[case])
     assert first["dense_rows"].startswith("ValueError: dense must have shape [B, F] with B = 4")
 
 
