@@ -32,6 +32,8 @@ ranks with a collective timeout, so that a hang fails the case instead of the jo
 * ``structure/*``: rank 1 passes a loss malformed input (rewards of the wrong shape, float ``chosen``, candidates
   with a row too few, or a column fewer than the loss module's K), in the sampled mode and on the whole catalog: its
   own error there, a ``ValueError`` on rank 0;
+* ``uneven_sum``: batches of 3 and 1 users, the loss summed and scaled by W / B_total: one step updates the tables
+  as one process over the 4 users does (the README's recipe for uneven batches);
 * ``ties``: a row-wise item table whose rows are all the same: the greedy draw names the lowest ids, as on one
   process;
 * ``arguments/*``: rank 1 passes a draw a bad argument (K of 0, above N or a float; a generator that is not one),
@@ -280,6 +282,32 @@ def main() -> int:
                 sample_candidates(cat, k, generator=g)
         return case
 
+    def uneven_sum():  # batches of 3 and 1 users: reduction "sum" times W / B_total steps as one process
+        setup, lr, k, sizes = h.Setup(num_items=50, num_experts=1, dim=4, num_users=16), 0.5, 3, (3, 1)
+        state = h.full_state(setup, 0)
+        stepped = h.shard(setup, lr=lr)
+        h.load(stepped, state)
+        ref = h.build(setup)
+        ref.load_state_dict(state)
+        total = sum(sizes)
+        users, mine = torch.arange(total), slice(sum(sizes[:rank]), sum(sizes[:rank + 1]))
+        g = torch.Generator().manual_seed(3)
+        whole = ref(ref.with_catalog(h.user_batch(users)))
+        cands = sample_candidates(whole, k, generator=g)
+        chosen, rewards = cands[:, :1], torch.rand(total, 1, generator=g)
+        CAPGLoss(k)(whole, cands, chosen, rewards).backward()
+        with torch.no_grad():
+            for p in ref.parameters():
+                if p.grad is not None:
+                    p -= lr * p.grad
+        cat = stepped(stepped.module.with_catalog(h.user_batch(users[mine].to(h.device()))))
+        loss = CAPGLoss(k, reduction="sum")(cat, cands[mine].to(h.device()), chosen[mine].to(h.device()),
+                                            rewards[mine].to(h.device()))
+        (loss * (dist.get_world_size() / total)).backward()
+        errors = h.max_shard_error(stepped, ref, base=state)
+        if max(errors.values()) > 1e-4:
+            raise AssertionError(f"updates differ from one process: {errors}")
+
     def user_vectors_catalog():  # rank 1 passes the export's user side the catalog feature too
         users = batch(rank, PER_RANK)[0].to(h.device())
         features = model.module.with_catalog(h.user_batch(users)) if rank == 1 else h.user_batch(users)
@@ -317,6 +345,7 @@ def main() -> int:
              "head_then_other_k/whole": head_then_other_k(True),
              "dense_rows": dense(PER_RANK - rank, torch.float32), "dense_dtype": dense(PER_RANK, torch.float64),
              "user_vectors_dense": user_vectors_dense, "user_vectors_catalog": user_vectors_catalog, "ties": ties,
+             "uneven_sum": uneven_sum,
              **{f"structure/{what}/{where}": structure(what, where == "sampled")
                 for what in ("rewards", "chosen", "rows", "width") for where in ("sampled", "whole")},
              **{f"arguments/{what}/{where}": bad_draw(what, where)
