@@ -32,6 +32,8 @@ ranks with a collective timeout, so that a hang fails the case instead of the jo
 * ``structure/*``: rank 1 passes a loss malformed input (rewards of the wrong shape, float ``chosen``, candidates
   with a row too few, or a column fewer than the loss module's K), in the sampled mode and on the whole catalog: its
   own error there, a ``ValueError`` on rank 0;
+* ``masked/range``, ``masked/float``: rank 1's ``masked_items`` in the sampled mode hold an id outside the catalog, or
+  are floats: the error on both;
 * ``uneven_sum``: batches of 3 and 1 users, the loss summed and scaled by W / B_total: one step updates the tables
   as one process over the 4 users does (the README's recipe for uneven batches);
 * ``ties``: a row-wise item table whose rows are all the same: the greedy draw names the lowest ids, as on one
@@ -73,9 +75,10 @@ def batch(rank: int, size: int) -> tuple[torch.Tensor, DrawnSample, torch.Tensor
     return users, sample, head, torch.cat([sample.ids, head.flatten()]).unique()
 
 
-def catalog(model, users, sample, head, listed):
+def catalog(model, users, sample, head, listed, masked_items=None):
     kjt = model.module.with_catalog(h.user_batch(users.to(h.device())), items=listed.to(h.device()))
-    return model(kjt, sample=sample, head_items=head.to(h.device()))
+    return model(kjt, sample=sample, head_items=head.to(h.device()),
+                 masked_items=None if masked_items is None else masked_items.to(h.device()))
 
 
 def outcome(case) -> str:
@@ -308,6 +311,15 @@ def main() -> int:
         if max(errors.values()) > 1e-4:
             raise AssertionError(f"updates differ from one process: {errors}")
 
+    def masked(what: str):
+        def case():  # rank 1's masks in the sampled mode: an id outside the catalog, or floats
+            users, sample, head, listed = batch(rank, PER_RANK)
+            masks = torch.full((PER_RANK, 2), -1)
+            if rank == 1:
+                masks = masks.float() if what == "float" else masks.fill_(SETUP.num_items + 7)
+            catalog(model, users, sample, head, listed, masks)
+        return case
+
     def user_vectors_catalog():  # rank 1 passes the export's user side the catalog feature too
         users = batch(rank, PER_RANK)[0].to(h.device())
         features = model.module.with_catalog(h.user_batch(users)) if rank == 1 else h.user_batch(users)
@@ -345,7 +357,7 @@ def main() -> int:
              "head_then_other_k/whole": head_then_other_k(True),
              "dense_rows": dense(PER_RANK - rank, torch.float32), "dense_dtype": dense(PER_RANK, torch.float64),
              "user_vectors_dense": user_vectors_dense, "user_vectors_catalog": user_vectors_catalog, "ties": ties,
-             "uneven_sum": uneven_sum,
+             "uneven_sum": uneven_sum, "masked/range": masked("range"), "masked/float": masked("float"),
              **{f"structure/{what}/{where}": structure(what, where == "sampled")
                 for what in ("rewards", "chosen", "rows", "width") for where in ("sampled", "whole")},
              **{f"arguments/{what}/{where}": bad_draw(what, where)

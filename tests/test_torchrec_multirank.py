@@ -236,6 +236,11 @@ def test_sampled_mode_checks_agree_whatever_each_rank_holds(tmp_path):
     assert first["dense_dtype"] == second["dense_dtype"]
     assert first["user_vectors_dense"] == second["user_vectors_dense"]  # the other rank returned (out of step)
     assert first["user_vectors_dense"].startswith("ValueError: dense must have shape [B, F] with B = 4")
+    # regressions (found by review): the sampled mode took masks outside the catalog silently, or raised on rank 1 alone
+    assert first["masked/range"] == second["masked/range"]
+    assert first["masked/range"].startswith("ValueError: masked_items must hold ids in [-1, 3001)")
+    assert first["masked/float"] == second["masked/float"]
+    assert first["masked/float"].startswith("TypeError: masked_items must have an integer dtype")
     # regression (found by review): checked before the exchange, on rank 1 alone
     assert first["user_vectors_catalog"] == second["user_vectors_catalog"]
     assert "must not have the catalog feature" in first["user_vectors_catalog"]

@@ -16,7 +16,7 @@ from torchrec.distributed.types import ShardingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
-from capg_rec._checks import check_count, check_flag, check_positive, resolve_validate_args
+from capg_rec._checks import check_count, check_flag, check_items, check_positive, resolve_validate_args
 from capg_rec.ann import ItemIndex
 from capg_rec.marginals import DEFAULT_METHOD, InclusionMethod
 from capg_rec.catalog import unpadded
@@ -229,7 +229,7 @@ class TwoTowerRetriever(nn.Module):
         offset, rows, group = self._layout()
         if not is_fx_symbolic_tracing():
             self._check_collectively(features, dense, bag_features, offset, rows, group, sample, head_items,
-                                     index_items)
+                                     index_items, masked_items)
         bags = None if self.user_embeddings is None else self.user_embeddings(bag_features)
         return self._scorer(features, self.embeddings(features), bags, dense, masked_items, sample, head_items,
                             index_items)
@@ -237,12 +237,15 @@ class TwoTowerRetriever(nn.Module):
     def _check_collectively(self, features: KeyedJaggedTensor, dense: Tensor | None,
                             bag_features: KeyedJaggedTensor | None, offset: int, rows: int,
                             group: dist.ProcessGroup | None, sample: DrawnSample | None,
-                            head_items: Tensor | None, index_items: Tensor | None) -> None:
+                            head_items: Tensor | None, index_items: Tensor | None, masked_items: Tensor | None) -> None:
         """:meth:`_check_inputs` on every rank; one rank's error is raised on all (when validating)."""
         validate = resolve_validate_args(self.validate_args)
 
         def check() -> list[int]:
             self._check_inputs(features, dense, bag_features, offset, rows, validate, sample, head_items, index_items)
+            if sample is not None and masked_items is not None:  # the sampled catalog is built unchecked
+                check_items("masked_items", masked_items, batch_size=features.stride() - 1, num_items=self.num_items,
+                            unique=False, validate=validate, low=-1)
             # sampled or not, and the heads' widths: the sampled catalogs' lookups are collective when validating;
             # dense's width: the user tower runs on every rank alike
             return [-2 if sample is None else -1 if head_items is None else head_items.shape[1],
