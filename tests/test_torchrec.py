@@ -256,7 +256,17 @@ def test_bad_setups_raise_clear_errors():
         TwoTowerRetriever(width_ec, item_table="item_table")
     with pytest.raises(TypeError, match="EmbeddingCollection"):
         TwoTowerRetriever(nn.Linear(2, 2), item_table="item_table")
+    # regressions (found by review): a str of features split into letters (a ValueError), a repeated feature doubled
+    # its vector silently, a function as a tower failed in .modules(), and with_catalog of a tensor in .keys()
+    with pytest.raises(TypeError, match="user_features must be a list of feature names"):
+        TwoTowerRetriever(width_ec, item_table="item_table", user_features="catalog")
+    with pytest.raises(ValueError, match="user_features must name each feature once"):
+        TwoTowerRetriever(width_ec, item_table="item_table", user_features=["catalog", "catalog"])
+    with pytest.raises(TypeError, match="item_tower must be an nn.Module"):
+        TwoTowerRetriever(width_ec, item_table="item_table", user_tower=nn.Identity(), item_tower=lambda x: x)
     retriever = make_retriever()
+    with pytest.raises(TypeError, match="features must be a KeyedJaggedTensor"):
+        retriever.with_catalog(torch.tensor([1]))
     with pytest.raises(ValueError, match="with_catalog"):
         retriever(user_batch([1]))
     with pytest.raises(TypeError, match="features must be a KeyedJaggedTensor"):

@@ -109,7 +109,14 @@ class TwoTowerRetriever(nn.Module):
         features = {f for c in configs.values() for f in c.feature_names}
         bags = set() if user_embeddings is None else \
             {f for c in user_embeddings.embedding_bag_configs() for f in c.feature_names}
+        if isinstance(user_features, str) or not all(isinstance(f, str) for f in user_features):
+            raise TypeError(f"user_features must be a list of feature names, got {user_features!r}")
         self.user_features = list(user_features)
+        if len(set(self.user_features)) != len(self.user_features):  # a repeat would count its vector twice
+            raise ValueError(f"user_features must name each feature once, got {self.user_features}")
+        for name, tower in (("user_tower", user_tower), ("item_tower", item_tower)):
+            if tower is not None and not isinstance(tower, nn.Module):
+                raise TypeError(f"{name} must be an nn.Module (its parameters are trained), got {type(tower).__name__}")
         bad = [f for f in self.user_features if f not in features | bags or f == self.catalog_feature]
         if bad:
             raise ValueError(f"user_features must be features of embeddings or user_embeddings other than the "
@@ -180,6 +187,8 @@ class TwoTowerRetriever(nn.Module):
         lists those instead, looked up wherever their rows live: :meth:`forward` with ``sample`` then
         scores against them (a sampled catalog, whose cost does not grow with the catalog). Their ``-1``
         entries (a sample's unused slots, an approximate index's padding) are left out."""
+        if not isinstance(features, KeyedJaggedTensor):
+            raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
         if self.catalog_feature in features.keys():
             raise ValueError(f"features already has the catalog feature {self.catalog_feature!r}: call "
                              f"with_catalog once per batch, on features without it")
