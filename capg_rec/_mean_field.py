@@ -73,6 +73,9 @@ def mean_field_log_inclusion(catalog: CatalogScores, items: Tensor, runs: Runs, 
         raise ValueError(f"tol must be in (0, 1), got {tol}")
     if items.shape[0] == 0 and isinstance(catalog, DenseCatalog):  # other catalogs may be collective: run them
         return catalog.gather(items)[:, 0] * 0.0
+    if len(runs) == 1 and runs[0][1] == 1:  # one draw: its inclusion probability is the softmax itself, exactly
+        (expert, _), = runs                  # (Rosén's equation would give 1 - exp(-e^{s - κ}), off by up to 10%)
+        return catalog.log_softmax(items)[:, expert]
     head = _head_size(catalog.num_items, runs)
     if catalog._best_items(head) < head < catalog.num_items:  # a head read through top_items, not the whole catalog
         warnings.warn(f"mean-field reads each expert's best {head} items one by one (8·n + K - n for the largest "
@@ -157,11 +160,13 @@ class _LogHit(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:
         (y,) = ctx.saved_tensors
-        # d/dy = x / (e^x - 1), 1 where x underflows; zero at y = -inf (an item outside the catalog)
+        # d/dy = x / (e^x - 1), 1 where x underflows; zero at y = -inf (an item outside the catalog). Written as
+        # x e^{-x} / (1 - e^{-x}): e^x - 1 overflows beyond x ~ 89 (710 in float64), and a recorded backward's
+        # derivative of the quotient was then 0·inf - inf/inf = NaN (a nearly certain target's Hessian).
         x = torch.exp(y.clamp(max=30.0))
         some = x > torch.finfo(y.dtype).tiny
         safe = torch.where(some, x, torch.ones_like(x))
-        slope = torch.where(some, safe / torch.expm1(safe), (y > -math.inf).to(y.dtype))
+        slope = torch.where(some, safe * torch.exp(-safe) / -torch.expm1(-safe), (y > -math.inf).to(y.dtype))
         return grad * slope
 
 
