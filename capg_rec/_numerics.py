@@ -709,7 +709,10 @@ def _log_total(total: Tensor, top: Tensor) -> Tensor:
     return torch.where(total > 0, total.clamp_min(torch.finfo(total.dtype).tiny).log() + top, -math.inf)
 
 
-_CUMSUM_SPREAD = 700.0  # float64 exps of arguments above -700 neither underflow nor lose the sum
+_CUMSUM_SPREAD = 300.0
+"""Spread within which :func:`reverse_logcumsumexp` sums float64 exps: a suffix total is then at least e^-300, whose
+square, in the double backward of its log (``-g / total²``), stays far above float64's underflow (at 700 it did not:
+second derivatives were inf or NaN beyond ~354 nats)."""
 _PAIRS = 1 << 24  # entries of one slice of _ReverseLogCumSumExp's [..., K, K] triangle (64 MiB in float32)
 
 
@@ -718,8 +721,8 @@ def reverse_logcumsumexp(x: Tensor, dim: int) -> Tensor:
     add nothing, a suffix of them alone gives ``-inf``, and no gradient is NaN.
 
     On the CPU, ``torch.logcumsumexp`` is a serial log-add per element (1.9 ms fwd+bwd at
-    ``[128, 1, 200]``); when every finite entry lies within 700 of its row's maximum, a float64 suffix
-    sum of ``exp(x - max)`` is exact to float32 and ~10x faster. Otherwise (extreme spreads), on other
+    ``[128, 1, 200]``); when every finite entry lies within :data:`_CUMSUM_SPREAD` of its row's maximum, a float64
+    suffix sum of ``exp(x - max)`` is exact to float32 and ~10x faster. Otherwise (extreme spreads), on other
     devices, under ``torch.compile`` and under ``torch.func`` transforms, it is :class:`_ReverseLogCumSumExp`."""
     if x.numel() and eager_cpu(x):  # no host read under vmap/grad
         top = x.detach().amax(dim=dim, keepdim=True).nan_to_num_(neginf=0.0)
