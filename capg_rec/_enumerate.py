@@ -49,3 +49,14 @@ def inclusion_probs(scores: Tensor, experts: Tensor) -> Tensor:
     member = torch.zeros(draws.shape[0], scores.shape[2], dtype=scores.dtype, device=scores.device)
     member.scatter_(1, draws, 1.0)
     return probs @ member
+
+
+def log_inclusion_probs(scores: Tensor, experts: Tensor) -> Tensor:
+    """``log P(item n is among the K draws)`` → ``[B, N]`` for ``scores [B, M, N]``: a log-sum-exp over the draws
+    that hold n (``-inf``, with zero gradient, for an item in none), so that its second derivatives stay finite
+    where a probability is below ~1e-154 (the log of a linear sum divides by its square there)."""
+    draws = all_draws(scores.shape[2], len(experts), scores.device)
+    log_probs = draw_log_probs(scores, draws, experts)  # [B, S]
+    member = torch.zeros(draws.shape[0], scores.shape[2], dtype=torch.bool, device=scores.device)
+    member.scatter_(1, draws, True)
+    return safe_logsumexp(log_probs.unsqueeze(2).masked_fill(~member, -torch.inf), dim=1)

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from capg_rec._enumerate import inclusion_probs
+from capg_rec._enumerate import log_inclusion_probs
 from capg_rec._checks import check_count, check_items, check_positive, resolve_validate_args, under_vmap
 from capg_rec._exact import DEFAULT_MEMORY_BUDGET, EXACT_NUM_POWERS, exact_log_inclusion
 from capg_rec._mean_field import mean_field_log_inclusion
@@ -177,10 +177,8 @@ class Enumeration(InclusionMethod):
         if catalog.num_items > self.max_items:
             raise ValueError(f"Enumeration needs num_items <= {self.max_items}, got {catalog.num_items}")
         experts = torch.tensor([m for m, n in runs for _ in range(n)], device=catalog.device)
-        probs = inclusion_probs(every_score(catalog).double(), experts)  # [B, N]
-        p = probs.gather(1, items)
-        drawable = p > 0  # log(0) with a finite gradient: -inf for masked items
-        return torch.where(drawable, torch.where(drawable, p, 1.0).log(), -math.inf).to(catalog.dtype)
+        log_probs = log_inclusion_probs(every_score(catalog).double(), experts)  # [B, N]
+        return log_probs.gather(1, items).to(catalog.dtype)
 
 
 _KNOWN_LOOKUPS = frozenset(cls.log_inclusion for cls in (WithReplacement, PlugIn, MeanField, Exact, Enumeration))
