@@ -134,6 +134,20 @@ class CatalogScores(abc.ABC):
         return self.gather(named), self.log_power_sums(items, 1)[..., 0]
 
 
+def check_exclude(exclude: object, batch_size: int) -> Tensor | None:
+    """``exclude`` as the protocol takes it: None, or an integer tensor ``[B, E]`` of ids (its shape and dtype only: a
+    check without a host read; a batch of another size would broadcast, or fail inside torch)."""
+    if exclude is None:
+        return None
+    if not isinstance(exclude, Tensor) or exclude.is_floating_point() or exclude.is_complex() \
+            or exclude.dtype == torch.bool:
+        raise TypeError(f"exclude must be an integer tensor [B, E] of ids, got "
+                        f"{getattr(exclude, 'dtype', type(exclude).__name__)}")
+    if exclude.dim() != 2 or exclude.shape[0] != batch_size:
+        raise ValueError(f"exclude must have shape [B={batch_size}, E], got {list(exclude.shape)}")
+    return exclude
+
+
 def every_score(catalog: CatalogScores) -> Tensor:
     """Every item's scores ``[B, M, N]`` (a small catalog read whole), each id checked as in any lookup, also
     where a caller trusts the ids it vouched for: nobody vouched for the whole catalog."""
@@ -242,7 +256,7 @@ class DenseCatalog(CatalogScores):
 
         One scatter of E writes per row (no ``[B, N]`` mask, no host sync); padding (``-1``) writes
         to a spare last column. (A scatter-min without the spare column has a 6x slower backward.)"""
-        if exclude is None or exclude.numel() == 0:
+        if check_exclude(exclude, self.batch_size) is None or exclude.numel() == 0:
             return scores
         index = torch.where(exclude >= 0, exclude, self.num_items).unsqueeze(1).expand(-1, scores.shape[1], -1)
         return torch.nn.functional.pad(scores, (0, 1)).scatter(2, index, value)[..., :-1]
@@ -462,6 +476,7 @@ class EmbeddingCatalog(CatalogScores):
         return available_given_masks(self.masked_items, self.num_items, self.num_experts)
 
     def _with_masked(self, exclude: Tensor | None) -> Tensor | None:
+        exclude = check_exclude(exclude, self.batch_size)
         if self.masked_items is None or exclude is None:
             return self.masked_items if exclude is None else exclude
         return torch.cat([self.masked_items, exclude], dim=1)

@@ -56,8 +56,8 @@ from capg_rec._checks import FAILED_ELSEWHERE, all_finite, check_count, check_fl
 from capg_rec._numerics import (exp_floor, gumbel_group_size, gumbel_top_k, no_autocast, safe_logsumexp,
                                 select_experts, top_k)
 from capg_rec.ann import ItemIndex
-from capg_rec.catalog import CatalogScores, _overflow_error, agreement, available_given_masks, compute_dtype, \
-    masked_named_scores, unpadded
+from capg_rec.catalog import CatalogScores, _overflow_error, agreement, available_given_masks, check_exclude, \
+    compute_dtype, masked_named_scores, unpadded
 
 __all__ = ["SampledCatalog", "NegativeSampler", "UniformSampler", "InBatchSampler", "MixedSampler", "DrawnSample",
            "MAX_SAMPLED_POWERS"]
@@ -644,7 +644,7 @@ class SampledCatalog(CatalogScores):
         """The head's scores ``[B, M, T]`` and the sample's bias ``[B | 1, 1, S]`` (``log w_j``) with ``-inf``
         where left out of the sums: unused, in the head (sample), masked or in ``exclude [B, E]``."""
         head, bias = self.head_scores, self._sample_bias
-        if exclude is not None and exclude.numel():
+        if check_exclude(exclude, self.batch_size) is not None and exclude.numel():
             size = self.head_ids.shape[1]
             if size:  # the first copy of an id in the sorted head is its kept slot
                 spare = torch.zeros(self.batch_size, size + 1, dtype=torch.bool, device=self.device)

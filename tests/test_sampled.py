@@ -766,3 +766,18 @@ def _overflowing_gather(user, item):
     cat = SampledCatalog(user, big, sampler=DrawnSample(torch.tensor([0, 1]), UniformSampler(2)),
                          head_items=torch.tensor([[2], [3]]))
     return cat.gather(torch.tensor([[7], [7]]))
+
+
+def test_exclude_of_another_shape_or_dtype_is_refused_by_every_catalog():
+    """Regression (found by review): an exclude of another batch size broadcast silently on EmbeddingCatalog (the sums
+    of other rows' exclusions) and failed inside torch on SampledCatalog; float ids were taken. Shape and dtype are
+    checked now (no host read)."""
+    user, item = _towers(b=3, n=20)
+    for cat in (EmbeddingCatalog(user, item), capg_rec.DenseCatalog(user @ item.T),
+                SampledCatalog(user, item, sampler=UniformSampler(8), generator=torch.Generator().manual_seed(0))):
+        for bad, error in ((torch.tensor([[1], [2]]), ValueError), (torch.tensor([1, 2, 3]), ValueError),
+                           (torch.tensor([[1.0], [2.0], [3.0]]), TypeError)):
+            with pytest.raises(error, match="exclude must"):
+                cat.log_power_sums(bad)
+            with pytest.raises(error, match="exclude must"):
+                cat.top_items(2, exclude=bad)
