@@ -28,8 +28,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from capg_rec._checks import all_finite, check_count, check_float_tensor, check_items, check_positive, \
-    resolve_validate_args
+from capg_rec._checks import all_finite, check_count, check_float_tensor, check_id_tensor, check_items, \
+    check_positive, resolve_validate_args
 from capg_rec._numerics import (bound_once, exp_floored, filled_logsumexp, gather_with_rest, gumbel_like, gumbel_top_k,
                                log_softmax_at, no_autocast, scaled_terms, select_experts, top_k)
 
@@ -137,15 +137,8 @@ class CatalogScores(abc.ABC):
 def check_exclude(exclude: object, batch_size: int) -> Tensor | None:
     """``exclude`` as the protocol takes it: None, or an integer tensor ``[B, E]`` of ids (its shape and dtype only: a
     check without a host read; a batch of another size would broadcast, or fail inside torch)."""
-    if exclude is None:
-        return None
-    if not isinstance(exclude, Tensor) or exclude.is_floating_point() or exclude.is_complex() \
-            or exclude.dtype == torch.bool:
-        raise TypeError(f"exclude must be an integer tensor [B, E] of ids, got "
-                        f"{getattr(exclude, 'dtype', type(exclude).__name__)}")
-    if exclude.dim() != 2 or exclude.shape[0] != batch_size:
-        raise ValueError(f"exclude must have shape [B={batch_size}, E], got {list(exclude.shape)}")
-    return exclude
+    return None if exclude is None else check_id_tensor("exclude", exclude, batch_size=batch_size, allow_empty=True,
+                                                        columns="E")
 
 
 def every_score(catalog: CatalogScores) -> Tensor:
@@ -256,7 +249,8 @@ class DenseCatalog(CatalogScores):
 
         One scatter of E writes per row (no ``[B, N]`` mask, no host sync); padding (``-1``) writes
         to a spare last column. (A scatter-min without the spare column has a 6x slower backward.)"""
-        if check_exclude(exclude, self.batch_size) is None or exclude.numel() == 0:
+        exclude = check_exclude(exclude, self.batch_size)
+        if exclude is None or exclude.numel() == 0:
             return scores
         index = torch.where(exclude >= 0, exclude, self.num_items).unsqueeze(1).expand(-1, scores.shape[1], -1)
         return torch.nn.functional.pad(scores, (0, 1)).scatter(2, index, value)[..., :-1]

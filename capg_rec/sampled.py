@@ -644,7 +644,8 @@ class SampledCatalog(CatalogScores):
         """The head's scores ``[B, M, T]`` and the sample's bias ``[B | 1, 1, S]`` (``log w_j``) with ``-inf``
         where left out of the sums: unused, in the head (sample), masked or in ``exclude [B, E]``."""
         head, bias = self.head_scores, self._sample_bias
-        if check_exclude(exclude, self.batch_size) is not None and exclude.numel():
+        exclude = check_exclude(exclude, self.batch_size)
+        if exclude is not None and exclude.numel():
             size = self.head_ids.shape[1]
             if size:  # the first copy of an id in the sorted head is its kept slot
                 spare = torch.zeros(self.batch_size, size + 1, dtype=torch.bool, device=self.device)
