@@ -172,10 +172,12 @@ def _summary_path(args: argparse.Namespace) -> Path:
         _fail(f"the summary would overwrite the logs {args.out}: give --out a .parquet name or another --summary")
     if path.is_dir():
         _fail(f"--summary {path}: a folder, not a file")
+    from capg_rec.train.cli import file_in_the_way
+
     for option, file in (("--out", Path(args.out)), ("--summary", path)):
-        for folder in file.parents:
-            if folder.exists() and not folder.is_dir():
-                _fail(f"{option} {file}: {folder} is a file, not a folder")
+        blocking = file_in_the_way(file.parent)
+        if blocking is not None:
+            _fail(f"{option} {file}: {blocking} is a file, not a folder")
     return path
 
 

@@ -148,10 +148,16 @@ def _fail(message: str, command: str = "train") -> NoReturn:
 def _out_dir(path: str, command: str = "train") -> Path:
     """``--out`` as a folder: an existing file there, or on its path, exits 2 (a run writes several files into it)."""
     out = Path(path)
-    for folder in (out, *out.parents):
-        if folder.exists() and not folder.is_dir():
-            _fail(f"--out {out}: {folder} is a file, not a folder (the run writes several files into it)", command)
+    blocking = file_in_the_way(out)
+    if blocking is not None:
+        _fail(f"--out {out}: {blocking} is a file, not a folder (the run writes several files into it)", command)
     return out
+
+
+def file_in_the_way(folder: Path) -> Path | None:
+    """The first of ``folder`` and its parents that exists as something else than a folder (it cannot be created
+    there), or None."""
+    return next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
 
 
 _RUN_FILES = ("checkpoint.pt", "checkpoint.pt.prev", "result.json")
