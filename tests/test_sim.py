@@ -267,3 +267,8 @@ def test_environments_refuse_what_they_would_answer_wrongly():
         movielens_env(seed=1.5)
     with pytest.raises(ValueError, match="keeps no movie"):
         movielens_env(min_item_ratings=10**6)
+
+
+def test_relative_noise_must_be_finite():
+    with pytest.raises(ValueError, match="relative_noise must be a finite number"):
+        MatrixEnv.from_table(torch.ones(2, 2), relative_noise=math.inf)

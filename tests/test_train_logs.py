@@ -373,3 +373,13 @@ def test_log_cli_regressions_from_review(tmp_path, capsys):
                           (["-K", "0"], "-K must be >= 1, got 0")):
         assert _run(["log", "-n", "10", "--no-progress", "--out", out, *argv]) == 2, argv
         assert message in capsys.readouterr().err, argv
+
+
+def test_log_config_values_of_the_wrong_type_are_type_errors(logs):
+    """Regression (found by review): a str for logs (a file is [path]) and other wrong types raised ValueError."""
+    for bad in (dict(logs=str(logs)), dict(logs=(logs,), batch_size=256.0), dict(logs=(logs,), holdout="0.1"),
+                dict(logs=(logs,), estimator=3)):
+        with pytest.raises(TypeError, match=next(k for k in bad if k != "logs" or len(bad) == 1)):
+            LogTrainConfig(**bad)
+    with pytest.raises(ValueError, match="logs must name at least one file"):
+        LogTrainConfig(logs=())
