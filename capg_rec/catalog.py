@@ -73,6 +73,13 @@ class CatalogScores(abc.ABC):
         Excluded items are never returned. No gradient.
         """
 
+    @property
+    def _gradient_dtype(self) -> torch.dtype:
+        """The narrowest dtype the scores' gradients reach (that of the tensors they were computed from, e.g. float16
+        logits scored in float32): the off-policy losses cap their weights so that gradients stay finite there.
+        Default: :attr:`dtype`."""
+        return self.dtype
+
     def agree(self, passed: Tensor) -> Tensor:
         """Input checks' results ``passed [C]`` (bool) → True where a check passed in every process that
         shares this catalog, so that all of them raise or none does (default: one process)."""
@@ -185,6 +192,11 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def narrowest(*dtypes: torch.dtype) -> torch.dtype:
+    """The floating dtype of the smallest range among ``dtypes`` (float16's, when there)."""
+    return min(dtypes, key=lambda dtype: torch.finfo(dtype).max)
+
+
 def _exclusion_mask(exclude: Tensor | None, batch_size: int, start: int, stop: int,
                     device: torch.device) -> Tensor | None:
     """``[B, stop - start]`` bool, True where item ``start + j`` is excluded in row b."""
@@ -214,11 +226,16 @@ class DenseCatalog(CatalogScores):
                                     allow_masked=True)
         tau = check_positive("temperature", temperature)
         scores = logits.unsqueeze(1) if logits.dim() == 2 else logits
+        self._source_dtype = scores.dtype
         if scores.dtype != compute_dtype(scores.dtype):
             scores = scores.to(compute_dtype(scores.dtype))
         self.scores = scores / tau if tau != 1.0 else scores  # [B, M, N]
         self.batch_size, self.num_experts, self.num_items = self.scores.shape
         self.dtype, self.device = self.scores.dtype, self.scores.device
+
+    @property
+    def _gradient_dtype(self) -> torch.dtype:
+        return self._source_dtype
 
     def num_available(self) -> Tensor:
         return (self.scores > -math.inf).sum(2, dtype=torch.int32).long()  # int32 sums: 30% faster on the CPU
@@ -454,6 +471,7 @@ class EmbeddingCatalog(CatalogScores):
         self.chunk_size = check_count("chunk_size", chunk_size)
         user, item = _expert_views(user, item)
         dtype = compute_dtype(user.dtype)
+        self._source_dtypes = (user.dtype, item.dtype)
         user, item = user.to(dtype), item.to(dtype)
         self.user = user / tau if tau != 1.0 else user  # [B, M, D], temperature folded in
         self.item = item  # [N, M, D]
@@ -463,6 +481,10 @@ class EmbeddingCatalog(CatalogScores):
         self.masked_items = None if masked_items is None else check_items(
             "masked_items", masked_items, batch_size=self.batch_size, num_items=self.num_items, unique=False,
             validate=self.validate, low=-1)
+
+    @property
+    def _gradient_dtype(self) -> torch.dtype:
+        return narrowest(*self._source_dtypes)
 
     def num_available(self) -> Tensor:
         if self.masked_items is None:

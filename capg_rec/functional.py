@@ -37,7 +37,7 @@ from torch import Tensor
 
 from capg_rec._checks import DeferredChecks, check_choice, check_count, check_flag, check_id_tensor, \
     check_positive, resolve_validate_args
-from capg_rec.catalog import CatalogScores, DenseCatalog, agreement, as_catalog
+from capg_rec.catalog import CatalogScores, DenseCatalog, agreement, as_catalog, narrowest
 from capg_rec.marginals import DEFAULT_METHOD, InclusionMethod, WithReplacement, _inclusion_log_prob, \
     _known_lookups, inclusion_method
 from capg_rec.plackett_luce import _candidate_log_prob, _expert_index, unmasked_needs
@@ -98,11 +98,12 @@ def offpolicy_capg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chos
     ``logged_log_inclusion [B, L]`` is ``log π₀(a_l ∈ A^K | x)`` of each shown item, stored when the
     row was served. The weight ``w_l = π_θ(a_l ∈ A^K) / π₀(a_l ∈ A^K)`` is computed in log space
     from the detached score (a constant: the gradient is ``w_l ∇ log π_θ``), then capped at
-    ``max_weight`` (``None``: only just below ``sqrt`` of the dtype's largest value, so that the weight and
-    its products stay finite). Without cap, baseline or position weights, the expected negative
-    gradient under π₀ is ``Σ_a r̄(a) ρ₀(a) ∇π_θ(a ∈ A^K)`` per context, ``r̄(a) = E[r | a]`` and
-    ``ρ₀(a) = P_{A~π₀}(LSR shows a | a ∈ A)``: the paper's Lemma with the LSR's propensity taken
-    under the logging ESR (with π₀ = π_θ it is on-policy CA-PG).
+    ``max_weight`` and, whatever it is, just below ``sqrt`` of the largest value of the dtype (that of the logits,
+    if narrower: 256 for float16 logits), so that the weight, its products and the gradients stay finite.
+    Without cap, baseline or position weights, the expected negative gradient under π₀ is
+    ``Σ_a r̄(a) ρ₀(a) ∇π_θ(a ∈ A^K)`` per context, ``r̄(a) = E[r | a]`` and
+    ``ρ₀(a) = P_{A~π₀}(LSR shows a | a ∈ A)``: the paper's Lemma with the LSR's propensity taken under
+    the logging ESR (with π₀ = π_θ it is on-policy CA-PG).
 
     ``self_normalize=True`` (SNIPS) divides every (capped) weight by the mean weight over the
     batch's ``B × L`` shown items, so that the weights of a batch average 1: the ``"mean"`` loss
@@ -122,8 +123,7 @@ def offpolicy_capg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chos
         logged=("logged_log_inclusion", logged_log_inclusion, True, bound))
     with scoring:
         score = _inclusion_log_prob(catalog, chosen, candidates.shape[1], method)  # [B, L]
-    weight = importance_weights(score - logged_log_inclusion.to(score.dtype), max_weight=max_weight,
-                                self_normalize=self_normalize)
+    weight = _weights(catalog, score - logged_log_inclusion.to(score.dtype), max_weight, self_normalize)
     return _reduce(-(weight * advantage * _weighed(weight, score)).sum(1), reduction)
 
 
@@ -146,8 +146,7 @@ def offpolicy_vpg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chose
         width=num_candidates, distinct=True, logged=("logged_log_prob", logged_log_prob, False, 0.0))
     with scoring:
         score = _candidate_log_prob(catalog, candidates, False)  # [B]
-    weight = importance_weights(score - logged_log_prob.to(score.dtype), max_weight=max_weight,
-                                self_normalize=self_normalize)
+    weight = _weights(catalog, score - logged_log_prob.to(score.dtype), max_weight, self_normalize)
     return _reduce(-(weight * advantage.sum(1) * _weighed(weight, score)), reduction)
 
 
@@ -176,8 +175,7 @@ def topk_reinforce_loss(logits: Tensor | CatalogScores, candidates: Tensor, chos
     num_candidates = candidates.shape[1]
     with scoring:
         score = _inclusion_log_prob(catalog, chosen, num_candidates, WithReplacement()) - math.log(num_candidates)
-    ratio = importance_weights(score - logged_log_item_prob.to(score.dtype), max_weight=max_weight,
-                               self_normalize=self_normalize)
+    ratio = _weights(catalog, score - logged_log_item_prob.to(score.dtype), max_weight, self_normalize)
     multiplier = ratio
     if num_candidates > 1:  # λ_1 = 1 (0 · log 0 would be NaN at π_θ(a) = 1)
         single = score.detach().exp().clamp(max=1.0)  # λ_K → 0 as π → 1, so 1 - π's rounding there is harmless
@@ -201,8 +199,14 @@ def importance_weights(log_ratio: Tensor, *, max_weight: float | None = None,
         raise TypeError(f"log_ratio must be a torch.Tensor, got {type(log_ratio).__name__}")
     if not log_ratio.is_floating_point():
         raise TypeError(f"log_ratio must have a floating dtype, got {log_ratio.dtype}")
-    max_weight, self_normalize = _weight_options(max_weight, self_normalize)
-    log_weight = _capped_log_weights(log_ratio, max_weight)
+    return _weights(None, log_ratio, *_weight_options(max_weight, self_normalize))
+
+
+def _weights(catalog: CatalogScores | None, log_ratio: Tensor, max_weight: float | None, self_normalize: bool
+             ) -> Tensor:
+    """:func:`importance_weights` of checked options, capped also for the ``catalog``'s gradient dtype if narrower
+    (float16 logits: below √65504, so that the weighted gradients they get back stay finite)."""
+    log_weight = _capped_log_weights(log_ratio, max_weight, None if catalog is None else catalog._gradient_dtype)
     if not self_normalize:
         return torch.exp(log_weight)
     weight = _relative_weights(log_weight)  # the normalisation cancels the scale
@@ -217,11 +221,12 @@ def _relative_weights(log_weight: Tensor) -> Tensor:
     return torch.exp(log_weight - torch.where(top > -math.inf, top, 0.0))
 
 
-def _capped_log_weights(log_ratio: Tensor, max_weight: float | None) -> Tensor:
-    """``log_ratio`` detached and capped at ``log max_weight`` (``None``: :func:`_largest_log_weight`, so that a weight
-    and its square stay finite)."""
+def _capped_log_weights(log_ratio: Tensor, max_weight: float | None, also: torch.dtype | None = None) -> Tensor:
+    """``log_ratio`` detached and capped at ``log max_weight`` and at :func:`_largest_log_weight` of its dtype (or of
+    ``also``, if narrower), so that a weight and its square stay finite."""
     log_ratio = log_ratio.detach()
-    cap = _LARGEST_LOG_WEIGHT.get(log_ratio.dtype) or _largest_log_weight(log_ratio.dtype)
+    dtype = log_ratio.dtype if also is None else narrowest(log_ratio.dtype, also)
+    cap = _LARGEST_LOG_WEIGHT.get(dtype) or _largest_log_weight(dtype)
     if max_weight is not None:
         cap = min(cap, math.log(check_positive("max_weight", max_weight)))
     return log_ratio.clamp(max=cap)

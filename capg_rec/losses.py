@@ -153,7 +153,7 @@ class OffPolicyCAPGLoss(_OffPolicyLoss):
         temperature, reduction, validate_args: as in :class:`VPGLoss`.
 
     Shape:
-        As :class:`VPGLoss`, plus ``logged_log_propensity [B, L]``: ``log π₀(a_l ∈ A^K | x)``.
+        As :class:`VPGLoss`, plus ``logged_log_inclusion [B, L]``: ``log π₀(a_l ∈ A^K | x)``.
 
     Example:
         >>> loss_fn = OffPolicyCAPGLoss(num_candidates=10, max_weight=100.0)
@@ -174,9 +174,9 @@ class OffPolicyCAPGLoss(_OffPolicyLoss):
         self.method = inclusion_method(method)
 
     def forward(self, logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor,
-                logged_log_propensity: Tensor, *, position_weights: Tensor | None = None,
+                logged_log_inclusion: Tensor, *, position_weights: Tensor | None = None,
                 baseline: Tensor | None = None) -> Tensor:
-        return F.offpolicy_capg_loss(logits, candidates, chosen, rewards, logged_log_propensity, method=self.method,
+        return F.offpolicy_capg_loss(logits, candidates, chosen, rewards, logged_log_inclusion, method=self.method,
                                      position_weights=position_weights, baseline=baseline, **self._options())
 
     def extra_repr(self) -> str:

@@ -189,6 +189,36 @@ def test_the_default_cap_keeps_a_weight_s_square_finite(dtype):
     assert torch.isfinite(w * w).all() and w.item() > 0.69 * math.sqrt(torch.finfo(dtype).max)
 
 
+@pytest.mark.parametrize("loss_cls", [OffPolicyCAPGLoss, OffPolicyVPGLoss, TopKReinforceLoss])
+@pytest.mark.parametrize("catalog", ["logits", "embeddings"])
+def test_half_precision_inputs_get_finite_gradients_from_huge_weights(loss_cls, catalog, device):
+    """float16 logits (or embeddings) are scored in float32, but their gradients come back in float16: the default
+    cap followed float32 (sqrt: 1.8e19), and an explored item (logged at ~1e-6) that the new ESR likes gave a
+    weight of ~1e5 and inf gradients. The cap now follows the narrower dtype: below sqrt(65504)."""
+    gen = torch.Generator().manual_seed(0)
+    b, n, k, length = 2, 64, 4, 2
+    user = torch.randn(b, 8, generator=gen)
+    item = torch.randn(n, 8, generator=gen)
+    item[:k] += 3.0 * user.mean(0)  # the new ESR likes items 0..3
+    candidates = torch.arange(k).expand(b, k).clone().to(device)
+    chosen, rewards = candidates[:, :length], torch.full((b, length), 10.0, device=device)
+    per_item = torch.full((b, length), -14.0, device=device)  # pi0(a in A) ~ 1e-6
+    logged = per_item.sum(1) * 10 if loss_cls is OffPolicyVPGLoss else per_item
+    grads = {}
+    for dtype in (torch.float16, torch.float32):
+        if catalog == "embeddings":
+            leaves = [t.to(device, dtype).requires_grad_() for t in (user, item)]
+            scores = EmbeddingCatalog(*leaves)
+        else:
+            leaves = [(user @ item.T).to(device, dtype).requires_grad_()]
+            scores = leaves[0]
+        loss = loss_cls(k)(scores, candidates, chosen, rewards, logged)
+        loss.backward()
+        grads[dtype] = [leaf.grad for leaf in leaves]
+    assert all(torch.isfinite(g).all() for g in grads[torch.float16])
+    assert max(g.abs().max() for g in grads[torch.float32]) > 65504  # float32's own cap: beyond float16's range
+
+
 def test_offpolicy_loss_is_twice_differentiable_with_constant_weights():
     """Hessian-vector product of the off-policy loss = w times that of on-policy CA-PG (B = L = 1)."""
     logits, candidates, chosen, rewards, logged = _logged_rows(1, b=1, length=1)
@@ -230,6 +260,8 @@ def test_input_checks_name_the_argument():
     logits, candidates, chosen, rewards, logged = _logged_rows(4)
     k = candidates.shape[1]
     loss = OffPolicyCAPGLoss(k)
+    with pytest.raises(ValueError, match="logged_log_inclusion"):  # the module's argument is the functional's
+        loss(logits, candidates, chosen, rewards, logged_log_inclusion=logged[:, :1])
     with pytest.raises(TypeError, match="logged_log_inclusion"):
         loss(logits, candidates, chosen, rewards, logged.tolist())
     with pytest.raises(TypeError, match="logged_log_inclusion"):
