@@ -9,7 +9,8 @@ leaves: logits ``[B, N]`` / ``[B, M, N]`` at N = 1000, and with ``--large`` embe
 ``EmbeddingCatalog`` at N = 1e5 and 1e6. A cell is the median of ``--reps`` forward + backward calls after
 ``--warmup`` calls (fewer at large N and for the exact method). "bare" is the normaliser alone,
 ``logsumexp(logits).sum()`` or ``EmbeddingCatalog.log_normalizer().sum()``, forward + backward: the floor of any
-estimator that normalises over the catalog.
+estimator that normalises over the catalog. The scores are standard normal; ``--scale S`` spreads them S times
+wider, as a trained (confident) ESR's are: mean-field's root solve then takes more Newton steps.
 
 Columns: capg_rec with its default input checks; with ``validate_args=False``; ``torch.compile`` (inductor,
 default mode, ``validate_args=False``; the first call, compilation included, is reported apart with the number
@@ -115,11 +116,12 @@ def _on(device: torch.device, *tensors: Tensor) -> list[Tensor]:
     return [t.to(device) for t in tensors]
 
 
-def dense_problem(batch: int, num_items: int, k: int, m: int, device: torch.device = torch.device("cpu")) -> Problem:
-    """Standard-normal logits leaf ``[B, N]`` (M = 1) or ``[B, M, N]``."""
+def dense_problem(batch: int, num_items: int, k: int, m: int, device: torch.device = torch.device("cpu"),
+                  scale: float = 1.0) -> Problem:
+    """Logits leaf ``[B, N]`` (M = 1) or ``[B, M, N]``, normal with standard deviation ``scale``."""
     gen = torch.Generator().manual_seed(0)
     shape = (batch, num_items) if m == 1 else (batch, m, num_items)
-    cpu_logits = torch.randn(*shape, generator=gen)
+    cpu_logits = scale * torch.randn(*shape, generator=gen)
     draw = _on(device, *_draw(cpu_logits, batch, k, gen))
     logits = cpu_logits.to(device).requires_grad_()
     return Problem(num_items, k, m, [logits], lambda leaves, validate: leaves[0],
@@ -127,10 +129,11 @@ def dense_problem(batch: int, num_items: int, k: int, m: int, device: torch.devi
 
 
 def embedding_problem(batch: int, num_items: int, k: int, m: int, dim: int,
-                      device: torch.device = torch.device("cpu")) -> Problem:
-    """User ``[B, M, D]`` and item ``[N, M, D]`` embedding leaves, scores ≈ standard normal."""
+                      device: torch.device = torch.device("cpu"), scale: float = 1.0) -> Problem:
+    """User ``[B, M, D]`` and item ``[N, M, D]`` embedding leaves, scores ≈ normal with standard deviation
+    ``scale``."""
     gen = torch.Generator().manual_seed(0)
-    user = torch.randn(batch, m, dim, generator=gen) / dim**0.5
+    user = scale * torch.randn(batch, m, dim, generator=gen) / dim**0.5
     item = torch.randn(num_items, m, dim, generator=gen)
 
     def build(leaves: Sequence[Tensor], validate: bool | None) -> EmbeddingCatalog:
@@ -361,6 +364,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--large-items", type=int, nargs="+", default=[100_000, 1_000_000])
     parser.add_argument("--large-reps", type=int, default=5)
     parser.add_argument("--dim", type=int, default=32)
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help="standard deviation of the scores (a trained ESR's are larger: more confident)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
     parser.add_argument("--paper-code", default=None, help="a checkout of the paper authors' released code")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -380,19 +385,20 @@ def main(argv: Sequence[str] | None = None) -> dict:
     extra = None
     with tqdm(total=total, unit="cell") as bar:
         for k, m in configs:
-            cells += measure(dense_problem(args.batch, args.items, k, m, device), args.estimators, variants,
+            cells += measure(dense_problem(args.batch, args.items, k, m, device, args.scale), args.estimators, variants,
                              args.reps, args.warmup, paper, bar)
         for n in large:
             for k, m in configs:
-                cells += measure(embedding_problem(args.batch, n, k, m, args.dim, device), args.estimators,
+                cells += measure(embedding_problem(args.batch, n, k, m, args.dim, device, args.scale), args.estimators,
                                  large_variants, args.large_reps, 1, None, bar)
         if args.exact:  # last, so that no other cell runs after an exact call
             k, m = max(configs)
             bar.set_description(f"CA-PG-SwR around one exact call, K={k} M={m}")
-            extra = after_exact(dense_problem(args.batch, args.items, k, m, device), args.reps, args.warmup)
+            extra = after_exact(dense_problem(args.batch, args.items, k, m, device, args.scale), args.reps,
+                                args.warmup)
             bares = {(c.K, c.M): c for c in cells if (c.N, c.estimator) == (args.items, "bare")}
             for k, m in configs:
-                cells += measure(dense_problem(args.batch, args.items, k, m, device), ["capg_exact"],
+                cells += measure(dense_problem(args.batch, args.items, k, m, device, args.scale), ["capg_exact"],
                                  ["checks", "no checks"], args.exact_reps, 1, None, bar, bare=bares[(k, m)])
     table = markdown(cells, extra)
     print(table)
@@ -402,8 +408,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     meta = {"argv": list(sys.argv[1:] if argv is None else argv), "torch": torch.__version__,
             "python": platform.python_version(), "machine": platform.machine(), "threads": torch.get_num_threads(),
             "device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-            "batch": args.batch, "shown": NUM_SHOWN, "dim": args.dim, "paper_code": paper is not None,
-            "allocator": allocator()}
+            "batch": args.batch, "shown": NUM_SHOWN, "dim": args.dim, "scale": args.scale,
+            "paper_code": paper is not None, "allocator": allocator()}
     result = {"meta": meta, "cells": [dataclasses.asdict(c) for c in cells], "after_exact": extra}
     (out / "results.json").write_text(json.dumps(result, indent=2))
     with open(out / "results.csv", "w", newline="") as f:

@@ -132,3 +132,15 @@ def test_benchmarks_refuse_no_repetitions(script, capsys):
     with pytest.raises(SystemExit) as raised:
         load_script(script).main(["--reps", "0"])
     assert raised.value.code == 2 and "--reps must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_scale_spreads_the_scores_and_is_recorded(tmp_path):
+    """``--scale`` multiplies the scores (a trained ESR's are wider than standard normal) and is in the results."""
+    bench = _load()
+    base, wide = (bench.dense_problem(4, 30, 3, 2, scale=s) for s in (1.0, 3.0))
+    assert (wide.leaves[0] - 3.0 * base.leaves[0]).abs().max() < 1e-5
+    user, wide_user = (bench.embedding_problem(4, 30, 3, 1, 4, scale=s).leaves[0] for s in (1.0, 3.0))
+    assert (wide_user - 3.0 * user).abs().max() < 1e-6
+    result = bench.main(TINY + ["--configs", "4,1", "--estimators", "capg_swr", "--no-compile", "--scale", "3",
+                                "--out", str(tmp_path)])
+    assert result["meta"]["scale"] == 3.0
