@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from capg_rec._checks import all_finite, check_count, check_float_tensor, check_id_tensor, check_items, \
+from capg_rec._checks import _memory_order, all_finite, check_count, check_float_tensor, check_id_tensor, check_items, \
     check_positive, resolve_validate_args
 from capg_rec._numerics import (bound_once, exp_floored, filled_logsumexp, gather_with_rest, gumbel_like, gumbel_top_k,
                                log_softmax_at, no_autocast, scaled_terms, select_experts, top_k)
@@ -192,6 +192,16 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def check_scaled(logits: Tensor, scores: Tensor, tau: float) -> None:
+    """Finite ``logits`` (``-inf`` allowed) over a temperature ``tau < 1`` must stay finite in ``scores``: ``+inf``
+    would make NaN probabilities, ``-inf`` would mask an item (ValueError naming the temperature)."""
+    finite = _memory_order(logits.detach().masked_fill(logits.detach() == -math.inf, 0.0))
+    lo = float(finite.amin())
+    if not (float(_memory_order(scores.detach()).amax()) < math.inf and lo / tau > -torch.finfo(scores.dtype).max):
+        raise ValueError(f"logits / temperature must stay finite: logits in [{lo:g}, {float(finite.amax()):g}] "
+                         f"overflow the {str(scores.dtype).removeprefix('torch.')} range at temperature={tau:g}")
+
+
 def narrowest(*dtypes: torch.dtype) -> torch.dtype:
     """The floating dtype of the smallest range among ``dtypes`` (float16's, when there)."""
     return min(dtypes, key=lambda dtype: torch.finfo(dtype).max)
@@ -222,14 +232,16 @@ class DenseCatalog(CatalogScores):
     """
 
     def __init__(self, logits: Tensor, temperature: float = 1.0, *, validate_args: bool | None = None) -> None:
-        logits = check_float_tensor("logits", logits, ndims=(2, 3), validate=resolve_validate_args(validate_args),
-                                    allow_masked=True)
+        validate = resolve_validate_args(validate_args)
+        logits = check_float_tensor("logits", logits, ndims=(2, 3), validate=validate, allow_masked=True)
         tau = check_positive("temperature", temperature)
         scores = logits.unsqueeze(1) if logits.dim() == 2 else logits
         self._source_dtype = scores.dtype
         if scores.dtype != compute_dtype(scores.dtype):
             scores = scores.to(compute_dtype(scores.dtype))
         self.scores = scores / tau if tau != 1.0 else scores  # [B, M, N]
+        if validate and tau < 1.0 and self.scores.numel():
+            check_scaled(scores, self.scores, tau)
         self.batch_size, self.num_experts, self.num_items = self.scores.shape
         self.dtype, self.device = self.scores.dtype, self.scores.device
 

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from capg_rec._checks import DeferredChecks, check_choice, check_count, check_flag, check_id_tensor, \
     check_positive, resolve_validate_args
-from capg_rec.catalog import CatalogScores, DenseCatalog, agreement, as_catalog, narrowest
+from capg_rec.catalog import CatalogScores, DenseCatalog, agreement, as_catalog, check_scaled, narrowest
 from capg_rec.marginals import DEFAULT_METHOD, InclusionMethod, WithReplacement, _inclusion_log_prob, \
     _known_lookups, inclusion_method
 from capg_rec.plackett_luce import _candidate_log_prob, _expert_index, unmasked_needs
@@ -311,9 +311,11 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
     if position_weights is not None:
         advantage = advantage * position_weights
     if validate:
+        if isinstance(catalog, DenseCatalog) and temperature < 1.0 and catalog.scores.numel() and failed is None:
+            check_scaled(logits, catalog.scores, temperature)  # a dense catalog is one process's: raise here
         try:
             _check_values(catalog, candidates, chosen, rewards, baseline, position_weights, logged, failed,
-                          distinct=distinct, inclusion=inclusion)
+                          distinct=distinct, inclusion=inclusion, scaled=temperature != 1.0)
         except ValueError:
             if failed is not None:  # the agreement failed with it: raise this process's own error
                 raise failed from None
@@ -325,16 +327,18 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
 
 def _check_values(catalog: CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor, baseline: Tensor | None,
                   position_weights: Tensor | None, logged: tuple[str, Tensor, bool, float] | None,
-                  failed: Exception | None, *, distinct: bool, inclusion: bool) -> None:
+                  failed: Exception | None, *, distinct: bool, inclusion: bool, scaled: bool = False) -> None:
     """:func:`_prepare`'s value checks, in one agreement of every process (``failed``: this process's inputs were
-    malformed; they are placeholders here, and the agreement fails)."""
+    malformed; they are placeholders here, and the agreement fails; ``scaled``: the logits were divided by a
+    temperature)."""
     num_items = catalog.num_items
     checks = DeferredChecks()
     if failed is not None:
         checks.require(False, str(failed))
     masked = True  # other catalogs: a catalog call on every process (it may be collective)
-    if isinstance(catalog, DenseCatalog):
-        masked = checks.no_nan_or_inf("logits", catalog.scores, allow_masked=True)
+    if isinstance(catalog, DenseCatalog):  # the scores: logits over a small temperature may overflow
+        masked = checks.no_nan_or_inf("logits / temperature" if scaled else "logits", catalog.scores,
+                                      allow_masked=True)
     inside = checks.draw_and_picks(candidates, chosen, num_items, distinct=distinct)
     for name, ids in (("candidates", candidates), ("chosen", chosen)):  # a placement holding only some rows:
         vouched = catalog._vouch(name, ids)  # the ids it can score, in the agreement below

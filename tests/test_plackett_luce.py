@@ -87,6 +87,28 @@ def test_temperature_divides_logits():
                                candidate_log_prob(scores * 4, cand))
 
 
+@pytest.mark.parametrize("logits", [[1.0, 2.0, -3.0, 0.5, -math.inf], [-1.0, -2.0, -3.0, -0.5, -1.0]])
+def test_logits_that_overflow_over_a_small_temperature_are_refused(logits):
+    """Finite logits over τ = 1e-40 overflow float32: +inf scores gave NaN probabilities and a greedy order that
+    was not the logits' ([0, 1] for [1, 0]); -inf ones masked the items (an error about masking). Every entry
+    point now names the temperature."""
+    import capg_rec
+
+    x = torch.tensor([logits])
+    chosen, cand = torch.tensor([[3]]), torch.tensor([[3, 0]])
+    calls = [lambda: capg_rec.inclusion_log_prob(x, chosen, 2, temperature=1e-40),
+             lambda: candidate_log_prob(x, cand, temperature=1e-40),
+             lambda: capg_rec.greedy_candidates(x, 2, temperature=1e-40),
+             lambda: capg_rec.sample_candidates(x, 2, temperature=1e-40),
+             lambda: capg_rec.CAPGLoss(2, temperature=1e-40)(x, cand, chosen, torch.ones(1, 1)),
+             lambda: capg_rec.VPGLoss(2, temperature=1e-40)(x, cand, chosen, torch.ones(1, 1))]
+    for call in calls:
+        with pytest.raises(ValueError, match="temperature"):
+            call()
+    capg_rec.greedy_candidates(x, 2, temperature=1e-30)  # within range: accepted
+    torch.testing.assert_close(candidate_log_prob(x, cand, temperature=1e-3), candidate_log_prob(x * 1e3, cand))
+
+
 def _draw_counts(draws: torch.Tensor, sampled: torch.Tensor) -> np.ndarray:
     n = int(draws.max()) + 1
     code = lambda d: (d * n ** torch.arange(d.shape[1])).sum(1)  # noqa: E731
