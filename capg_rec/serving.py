@@ -128,7 +128,8 @@ class ServingRetriever:
         user = self.user_vectors(*inputs, **kwargs)
         if not check_flag("sample", sample):
             return Retrieved(self._greedy(user, num_candidates))
-        catalog = EmbeddingCatalog(user, self.item_vectors.to(user.dtype), self.temperature)
+        dtype = torch.promote_types(user.dtype, self.item_vectors.dtype)  # never the item vectors rounded to half
+        catalog = EmbeddingCatalog(user.to(dtype), self.item_vectors.to(dtype), self.temperature)
         candidates = explore_candidates(catalog, num_candidates, epsilon=self.epsilon, generator=generator)
         logged = log_propensities(catalog, candidates, candidates, method=self.method, epsilon=self.epsilon,
                                   validate_args=False)  # our own draw from this very catalog: nothing to check

@@ -83,6 +83,21 @@ class _ShortIndex(ExactIndex):
         return scores, torch.where(torch.arange(k) < 2, ids, -1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_half_precision_user_tower_samples_from_the_float32_item_vectors(dtype):
+    """The item vectors were cast to the user's dtype: a float16 user failed on a float32 entry beyond float16's
+    range (an error about an `item` argument never passed), and a bfloat16 one logged propensities of
+    bf16-rounded vectors (1.3e-2 nats off). Both are now scored in float32, as every catalog scores half inputs."""
+    gen = torch.Generator().manual_seed(0)
+    item = torch.randn(50, 4, generator=gen)
+    item[7, 0] = 7e4 if dtype == torch.float16 else item[7, 0]
+    user = (torch.randn(3, 4, generator=gen) * (1e-4 if dtype == torch.float16 else 1.0)).to(dtype)
+    got = ServingRetriever(lambda x: x, item, method="exact").retrieve(user, num_candidates=5, sample=True,
+                                                                       generator=torch.Generator().manual_seed(1))
+    want = log_propensities(user.double() @ item.double().T, got.candidates, got.candidates, method="exact")
+    torch.testing.assert_close(got.log_candidate_prob.double(), want.log_candidate_prob, rtol=0, atol=1e-5)
+
+
 def test_bad_input_is_a_clear_error():
     tower, items = _towers(20, 2, 3, seed=0)
     users = torch.randn(3, 3, dtype=torch.float64)
