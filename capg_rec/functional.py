@@ -83,7 +83,8 @@ def capg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor
                                                                inclusion=method.is_probability,
                                                                trusted=_known_lookups(method))
     with scoring:
-        score = _inclusion_log_prob(catalog, chosen, candidates.shape[1], method)  # [B, L]
+        score = _inclusion_log_prob(catalog, chosen, candidates.shape[1], method,
+                                    resolve_validate_args(validate_args))  # [B, L]
     return _reduce(-(advantage * score).sum(1), reduction)
 
 
@@ -122,7 +123,8 @@ def offpolicy_capg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chos
         width=num_candidates, distinct=True, inclusion=method.is_probability, trusted=_known_lookups(method),
         logged=("logged_log_inclusion", logged_log_inclusion, True, bound))
     with scoring:
-        score = _inclusion_log_prob(catalog, chosen, candidates.shape[1], method)  # [B, L]
+        score = _inclusion_log_prob(catalog, chosen, candidates.shape[1], method,
+                                    resolve_validate_args(validate_args))  # [B, L]
     weight = _weights(catalog, score - logged_log_inclusion.to(score.dtype), max_weight, self_normalize)
     return _reduce(-(weight * advantage * _weighed(weight, score)).sum(1), reduction)
 

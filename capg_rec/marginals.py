@@ -33,13 +33,14 @@ import torch
 from torch import Tensor
 
 from capg_rec._enumerate import log_inclusion_probs
-from capg_rec._checks import check_count, check_items, check_positive, resolve_validate_args, under_vmap
+from capg_rec._checks import check_count, check_items, check_positive, raise_where_short, resolve_validate_args, \
+    under_vmap
 from capg_rec._exact import DEFAULT_MEMORY_BUDGET, EXACT_NUM_POWERS, exact_log_inclusion
 from capg_rec._mean_field import mean_field_log_inclusion
 from capg_rec._plugin import plugin_log_inclusion
 from capg_rec._head_tail import head_size_for, summarize
 from capg_rec._numerics import safe_logsumexp, select_experts
-from capg_rec.catalog import CatalogScores, as_catalog, every_score
+from capg_rec.catalog import CatalogScores, agreement, as_catalog, every_score
 from capg_rec.plackett_luce import check_enough_items, expert_runs
 
 __all__ = ["InclusionMethod", "Exact", "MeanField", "PlugIn", "WithReplacement", "Enumeration", "inclusion_log_prob",
@@ -195,14 +196,25 @@ _REGISTRY: dict[str, Callable[[], InclusionMethod]] = {
     "exact": Exact, "mean_field": MeanField, "plugin": PlugIn, "with_replacement": WithReplacement,
     "enumerate": Enumeration,
 }
+_BUILT_IN = frozenset(_REGISTRY)
 
 
 def register_inclusion_method(name: str, factory: Callable[[], InclusionMethod]) -> None:
     """Make ``factory()`` available by ``name`` wherever a method is taken (losses, validator, CLI)."""
-    if not isinstance(name, str) or not name:
-        raise TypeError(f"name must be a non-empty str, got {name!r}")
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
+    if not name.isidentifier():  # no spaces: " mean_field" would pass for the built-in
+        raise ValueError(f"name must be an identifier (letters, digits, underscores), got {name!r}")
+    if name in _BUILT_IN:
+        raise ValueError(f"name {name!r} is a built-in method's: choose another")
     if not callable(factory):
         raise TypeError(f"factory must be callable (a class or a function), got {type(factory).__name__}")
+    try:  # made now, so that a factory that needs arguments or makes something else fails here
+        made = factory()
+    except TypeError as err:
+        raise TypeError(f"factory must be callable with no arguments: {err}") from err
+    if not isinstance(made, InclusionMethod):
+        raise TypeError(f"factory() must return an InclusionMethod, got {type(made).__name__}")
     _REGISTRY[name] = factory
 
 
@@ -245,14 +257,43 @@ def inclusion_log_prob(logits: Tensor | CatalogScores, items: Tensor, num_candid
                         unique=False, validate=validate)
     if validate and method.is_probability:
         check_enough_items(catalog, num_candidates)
-    return _inclusion_log_prob(catalog, items, num_candidates, method)
+    return _inclusion_log_prob(catalog, items, num_candidates, method, validate)
 
 
 def _inclusion_log_prob(catalog: CatalogScores, items: Tensor, num_candidates: int,
-                        method: InclusionMethod) -> Tensor:
-    """:func:`inclusion_log_prob` on validated inputs."""
+                        method: InclusionMethod, validate: bool = False) -> Tensor:
+    """:func:`inclusion_log_prob` on validated inputs. A method of your own has its output checked: a tensor of
+    the items' shape, floating (and with ``validate``, no NaN and at most its bound: log 1, or log K for an
+    expected count)."""
     runs = expert_runs(num_candidates, catalog.num_experts)
     if method.is_probability and num_candidates == catalog.num_items:  # every item is drawn: log 1
         scores = catalog.gather(items)[:, 0]
         return torch.where(scores > -math.inf, scores * 0.0, scores)  # zero gradient; -inf stays (masked)
-    return method.log_inclusion(catalog, items, runs)
+    out = method.log_inclusion(catalog, items, runs)
+    if not _known_lookups(method):
+        _check_output(catalog, method, out, items, num_candidates, validate)
+    return out
+
+
+def _check_output(catalog: CatalogScores, method: InclusionMethod, out: object, items: Tensor, num_candidates: int,
+                  validate: bool) -> None:
+    """What a method of your own returned for ``items [B, L]``: a floating tensor ``[B, L]`` (TypeError, ValueError
+    naming the method); with ``validate``, no NaN and nothing above its bound (one host sync)."""
+    if not isinstance(out, Tensor) or not out.is_floating_point():
+        raise TypeError(f"{method!r}.log_inclusion must return a floating torch.Tensor, got "
+                        f"{out.dtype if isinstance(out, Tensor) else type(out).__name__}")
+    if out.shape != items.shape:
+        raise ValueError(f"{method!r}.log_inclusion must return the items' shape {list(items.shape)}, got "
+                         f"{list(out.shape)}")
+    if not validate:
+        return
+    bound = 0.0 if method.is_probability else math.log(num_candidates)
+    short = ~(out.detach() <= bound + 1e-4)  # NaN too
+    what = "a log-probability (<= 0)" if method.is_probability else f"a log expected count (<= log K = {bound:.4g})"
+    message = f"{method!r}.log_inclusion returned values that are not {what}, or NaN"
+    agree = agreement(catalog)
+    if agree is None:
+        if bool(short.any()):
+            raise ValueError(message)
+    else:  # every process that shares the catalog raises
+        raise_where_short(agree, short, lambda index: f"{message} (at {list(index)})", f"{message} in another process")

@@ -400,6 +400,47 @@ def test_a_users_method_plugs_into_losses_validator_and_registry():
         CAPGLoss(4, method="nope")
 
 
+class _Returns(InclusionMethod):
+    """A user's method that returns ``make(items)``."""
+
+    def __init__(self, make):
+        self.make = make
+
+    def log_inclusion(self, catalog, items, runs):
+        return self.make(items)
+
+
+@pytest.mark.parametrize(("make", "error", "match"), [
+    (lambda items: torch.zeros(items.shape[1]), ValueError, "shape"),  # [L]: broadcast to a loss of 0 before
+    (lambda items: torch.zeros(items.shape, dtype=torch.long), TypeError, "floating"),
+    (lambda items: items.tolist(), TypeError, "floating"),
+    (lambda items: torch.full(items.shape, 5.0), ValueError, "log-probability"),  # a loss of -10 before
+    (lambda items: torch.full(items.shape, math.nan), ValueError, "NaN"),
+])
+def test_a_users_method_output_is_checked(make, error, match):
+    g = torch.Generator().manual_seed(10)
+    logits = torch.randn(2, 6, generator=g, requires_grad=True)
+    cand = sample_candidates(logits.detach(), 3, generator=g)
+    method = _Returns(make)
+    with pytest.raises(error, match=match):
+        capg_rec.inclusion_log_prob(logits, cand[:, :2], 3, method=method)
+    with pytest.raises(error, match=match):
+        CAPGLoss(3, method=method)(logits, cand, cand[:, :2], torch.ones(2, 2))
+
+
+def test_registration_keeps_the_built_ins_and_checks_the_factory():
+    with pytest.raises(ValueError, match="built-in"):  # silently replaced "exact" before
+        capg_rec.register_inclusion_method("exact", capg_rec.MeanField)
+    with pytest.raises(ValueError, match="identifier"):  # " mean_field" was registered beside the built-in
+        capg_rec.register_inclusion_method(" mean_field", capg_rec.PlugIn)
+    with pytest.raises(TypeError, match="no arguments"):  # failed at first use before
+        capg_rec.register_inclusion_method("needs_one", lambda scale: capg_rec.PlugIn())
+    with pytest.raises(TypeError, match="InclusionMethod"):
+        capg_rec.register_inclusion_method("not_a_method", lambda: 3)
+    assert isinstance(capg_rec.inclusion_method("exact"), capg_rec.Exact)
+    assert not {" mean_field", "needs_one", "not_a_method"} & set(capg_rec.inclusion_methods())
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_losses_run_on_every_device(device):
     g = torch.Generator().manual_seed(11)

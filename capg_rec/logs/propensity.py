@@ -218,7 +218,7 @@ def log_propensities(logits: Tensor | CatalogScores, candidates: Tensor, shown: 
         if epsilon > 0.0:
             _check_uniform_possible(catalog, num_candidates)
     with torch.no_grad():
-        inclusion = _inclusion_log_prob(catalog, shown, num_candidates, method)
+        inclusion = _inclusion_log_prob(catalog, shown, num_candidates, method, validate)
         runs = expert_runs(num_candidates, catalog.num_experts)
         count = WithReplacement().log_inclusion(catalog, shown, runs)
         draw = _candidate_log_prob(catalog, candidates, False)
