@@ -537,8 +537,13 @@ class _RobustSolve:
             done = done | close | (hi - lo <= width)
             before, last = last, (nxt - kappa).abs()
             kappa = nxt
-            if it < iters - 1 and not compiling and bool(done.all()):
+            if not compiling and bool(done.all()):
                 break
+        else:
+            if not compiling and iters > 0:
+                warnings.warn(f"mean-field's root solve did not converge in max_iter={iters} steps (in "
+                              f"{int((~done).sum())} of {done.numel()} rows): its probabilities may not sum to K; "
+                              "raise max_iter", RuntimeWarning, stacklevel=2)
         keep = (~self.no_root).unsqueeze(1).to(kappa.dtype)
         return kappa, *(share * keep for share in shares)
 

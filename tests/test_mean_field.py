@@ -4,6 +4,7 @@ torch.func, and accuracy against the exact method."""
 
 import math
 import unittest.mock
+import warnings
 
 import numpy as np
 import pytest
@@ -177,6 +178,7 @@ def test_extreme_mixture_stays_finite():
     assert torch.isfinite(grad32).all()
 
 
+@pytest.mark.filterwarnings("ignore:mean-field's root solve did not converge")  # float32 at gaps of 1e5: one row
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_survival_overflowing_to_minus_inf_gives_no_nan(dtype):
     """Regression: with score gaps near 1e5 (5e4·randn, five experts, K = 40), an item's log-survival
@@ -513,3 +515,16 @@ def test_a_mixture_s_summarised_tail_survives_earlier_blocks(m):
     every = torch.arange(n).expand(2, -1)
     got = mean_field_log_inclusion(EmbeddingCatalog(user, item), every, expert_runs(k, m)).exp()
     torch.testing.assert_close(got, torch.full_like(got, k / n), rtol=1e-5, atol=0.0)
+
+
+def test_an_unconverged_solve_warns():
+    """Eager, the solve knows when max_iter ran out: it warns rather than return probabilities that sum to 2.4 K
+    without a word (logit scale 30, K = 50, max_iter = 4)."""
+    scores = 30 * torch.randn(1, 1, 1000, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    items = torch.arange(1000).unsqueeze(0)
+    with pytest.warns(RuntimeWarning, match="max_iter=4"):
+        _log_inclusion(scores, items, 50, max_iter=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        converged = _log_inclusion(scores, items, 50)
+    torch.testing.assert_close(converged.exp().sum(), torch.tensor(50.0, dtype=torch.float64))
