@@ -110,6 +110,18 @@ def test_overflow_stop_ends_the_run(env):
     assert result.history[-1]["step"] == 7  # evaluated at the interruption, as the paper reports
 
 
+@pytest.mark.parametrize("on_overflow", ["stop", "skip"])
+def test_an_update_that_overflows_the_parameters_ends_cleanly(env, tmp_path, on_overflow):
+    """SGD at lr 1e6: the gradients are finite, the step makes the parameters infinite. The next step's logits
+    count as an overflow, and the evaluation that follows gave a traceback (non-finite logits) with no
+    result.json; it is now NaN (null in the files)."""
+    trainer = Trainer(env, _config(optimizer="sgd", lr=1e6, steps=20, eval_every=5, on_overflow=on_overflow))
+    result = trainer.run(out_dir=tmp_path, progress=False)
+    assert result.overflow_count >= 1 and math.isnan(result.history[-1]["policy_value"])
+    assert (result.stopped_at is not None) == (on_overflow == "stop")
+    assert json.loads((tmp_path / "result.json").read_text())["history"][-1]["policy_value"] is None
+
+
 @pytest.mark.parametrize("options", [dict(), dict(baseline="context", adaptive_lr=True, train_lsr="noisy"),
                                      dict(group_size=3, group_offset=1.0, num_experts=2, num_outputs=2,
                                           position_weights="dcg")])

@@ -56,12 +56,16 @@ def policy_value(model: torch.nn.Module, env: MatrixEnv, lsr: LSRPolicy, num_can
                  num_outputs: int, *, temperature: float = 1.0, seed: int = 0) -> float:
     """Exact value of the greedy ESR (top-K logits) under ``lsr``: mean over all users of the
     expected mean ``q`` of the L picks. Uses ``lsr.expected_value`` when the ranker has it,
-    otherwise one draw of ``lsr`` with a generator seeded by ``seed`` (exact if deterministic)."""
+    otherwise one draw of ``lsr`` with a generator seeded by ``seed`` (exact if deterministic). NaN when the
+    model's logits are not finite (an optimizer step that overflowed the parameters)."""
     generator = torch.Generator().manual_seed(seed)
     total = 0.0
     for start in range(0, env.num_users, _EVAL_CHUNK):
         users = torch.arange(start, min(start + _EVAL_CHUNK, env.num_users))
-        candidates = greedy_candidates(model(users), num_candidates, temperature=temperature)
+        logits = model(users)
+        if not all_finite(logits):
+            return math.nan
+        candidates = greedy_candidates(logits, num_candidates, temperature=temperature)
         scores = env.ranking_scores(users, candidates)
         q = env.expected_reward(users, candidates)
         if hasattr(lsr, "expected_value"):
@@ -197,7 +201,9 @@ class Trainer:
 
         A non-finite loss or gradient is a *gradient overflow*: it is recorded in
         ``result.overflow_steps``, no parameter changes, and with ``on_overflow="stop"`` the run
-        is marked stopped (``result.stopped_at``).
+        is marked stopped (``result.stopped_at``). An update that makes the parameters non-finite (finite
+        gradients, a learning rate far too large) shows as an overflow of the next step, whose logits are
+        not finite; the policy value is then NaN.
         """
         self.step_count += 1
         loss, overflowed = self._step()
