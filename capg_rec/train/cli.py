@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -198,6 +199,20 @@ def _resume(args: argparse.Namespace, given: dict, out: Path) -> Trainer:
     return Trainer.from_state(state, _make_env(saved["env"], args.data), steps=steps)
 
 
+def _saved_logs(out: Path) -> list[str] | None:
+    """The logs of the run from logs saved in ``out``, or None (an online run, or no readable checkpoint: the
+    resume then says why)."""
+    from capg_rec.train.checkpoint import read_checkpoint
+
+    try:
+        with warnings.catch_warnings():  # read again, and warned about, where the run is resumed
+            warnings.simplefilter("ignore")
+            state = read_checkpoint(out / "checkpoint.pt")
+    except (OSError, ValueError):
+        return None
+    return list(state["config"]["logs"]) if state.get("kind") == "logs" else None
+
+
 def _check_unchanged(path: Path, saved: dict, given: dict, extendable: str, base_lr: float) -> None:
     """Exit 2 unless every option in ``given`` but ``extendable`` has the saved run's value (``--lr``: the base rate
     the run used, ``base_lr``, when it saved none)."""
@@ -280,6 +295,8 @@ def _train(args: argparse.Namespace) -> int:
         _fail(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
     if not args.resume:
         _fresh(out)
+    elif args.logs is None:  # a run from logs continues from the same logs
+        args.logs = _saved_logs(out)
     if args.logs is not None:
         return _train_logs(args, given, out)
     log_only = [f"--{name.replace('_', '-')}" for name in _LOG_ONLY if getattr(args, name) is not None]
