@@ -45,8 +45,17 @@ def resolve_validate_args(value: bool | None) -> bool:
 
 def under_vmap() -> bool:
     """Whether a ``torch.func.vmap`` transform is active (at any level)."""
+    return _under(torch._C._functorch.TransformType.Vmap)
+
+
+def under_forward_mode() -> bool:
+    """Whether a forward-mode ``torch.func`` transform (``jvp``, ``jacfwd``, ``hessian``) is active."""
+    return _under(torch._C._functorch.TransformType.Jvp)
+
+
+def _under(transform: object) -> bool:
     stack = torch._C._functorch.get_interpreter_stack()
-    return bool(stack) and any(level.key() == torch._C._functorch.TransformType.Vmap for level in stack)
+    return bool(stack) and any(level.key() == transform for level in stack)
 
 
 def check_positive(name: str, value: float) -> float:

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from capg_rec._enumerate import log_inclusion_probs
 from capg_rec._checks import check_count, check_items, check_positive, raise_where_short, resolve_validate_args, \
-    under_vmap
+    under_forward_mode, under_vmap
 from capg_rec._exact import DEFAULT_MEMORY_BUDGET, EXACT_NUM_POWERS, exact_log_inclusion
 from capg_rec._mean_field import mean_field_log_inclusion
 from capg_rec._plugin import plugin_log_inclusion
@@ -158,6 +158,9 @@ class Exact(InclusionMethod):
         if under_vmap():
             raise RuntimeError("the exact method does not run under torch.func.vmap (the sizes of its work depend "
                                "on the scores); use a loop, or another method")
+        if len(runs) > 1 and under_forward_mode():  # its mixture's gradients come from a backward of its own
+            raise NotImplementedError("the exact method for a mixture of experts has no forward mode (torch.func.jvp, "
+                                      "jacfwd, hessian): use reverse mode (torch.func.grad, jacrev)")
         head = head_size_for(catalog.num_items, sum(n for _, n in runs))
         if catalog.exact_top < head < catalog.num_items:  # a head read through top_items
             raise ValueError(f"the 'exact' method is not supported here: it reads each expert's best {head} items "

@@ -365,3 +365,30 @@ def test_mean_field_of_one_draw_is_the_softmax():
     items = torch.tensor([[0, 5, 999], [1, 2, 3]])
     torch.testing.assert_close(inclusion_log_prob(logits, items, 1, method="mean_field"),
                                torch.log_softmax(logits, 1).gather(1, items), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("method", ["mean_field", "plugin", "with_replacement", "exact"])
+def test_forward_mode_raises_not_implemented_or_is_right(method, m):
+    """The README: forward mode is not supported by the custom autograd Functions (NotImplementedError). The exact
+    method for a mixture gave functorch's internal RuntimeError (requires_grad_ inside a transform); for one expert
+    it has no custom Function and its jvp is the directional derivative."""
+    import capg_rec
+    from capg_rec import functional as F
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, m, 10, dtype=torch.float64, generator=gen).squeeze(1)
+    candidates = capg_rec.sample_candidates(logits, 3, generator=gen)
+    rewards = torch.ones(4, 1, dtype=torch.float64)
+    direction = torch.randn(logits.shape, dtype=torch.float64, generator=gen)
+
+    def loss(x):
+        return F.capg_loss(x, candidates, candidates[:, :1], rewards, method=method, validate_args=False)
+
+    if method == "exact" and m == 1:
+        (grad,) = torch.autograd.grad(loss(logits.requires_grad_()), logits)
+        _, tangent = torch.func.jvp(loss, (logits.detach(),), (direction,))
+        torch.testing.assert_close(tangent, (grad * direction).sum())
+    else:
+        with pytest.raises(NotImplementedError):
+            torch.func.jvp(loss, (logits.detach(),), (direction,))
