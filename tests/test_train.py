@@ -653,3 +653,31 @@ def test_a_run_stopped_by_an_overflow_is_not_resumed_into_another(env, tmp_path)
     with pytest.raises(ValueError, match="stopped at step 6 on a gradient overflow"):
         Trainer.load(tmp_path / "checkpoint.pt", env, steps=20)
     assert (tmp_path / "result.json").read_text() == saved
+
+
+def test_help_states_each_default_once_and_every_method(capsys):
+    """Regression (found by review): train --help stated --estimator's default twice, and --capg-method listed
+    three of the methods it takes; log --help offered with_replacement, which it refuses."""
+    from capg_rec.cli import main
+    from capg_rec.marginals import inclusion_methods
+
+    for command in ("train", "log"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        text = text[text.index("options:"):]
+        if command == "train":
+            estimator = text[text.index("--estimator {"):text.index("--capg-method CAPG_METHOD")]
+            assert estimator.count("default capg_swr") == 1
+            method = text[text.index("--capg-method CAPG_METHOD"):]
+            assert all(name in method[:300] for name in inclusion_methods())
+        else:
+            method = text[text.index("--method METHOD inclusion"):]
+            assert "with_replacement" not in method[:200] and "mean_field" in method[:200]
+
+
+def test_a_method_that_cannot_score_the_catalog_exits_2(tmp_path, capsys):
+    """Regression (found by review): --capg-method enumerate on 1,000 items was a traceback from the first step."""
+    with pytest.raises(SystemExit) as exit_info:
+        _train_cli("--out", str(tmp_path / "run"), "--estimator", "capg", "--capg-method", "enumerate", "--steps", "2")
+    assert exit_info.value.code == 2 and "Enumeration needs num_items <= 8" in capsys.readouterr().err

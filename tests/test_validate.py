@@ -391,6 +391,18 @@ def spy():
     return Spy()
 
 
+class NoK:  # the README's two methods without num_candidates: refused, and the message said nothing of it
+    def sample(self, contexts, num_samples, generator):
+        return None
+
+    def inclusion_log_prob(self, contexts):
+        return None
+
+
+def no_k():
+    return NoK()
+
+
 not_callable = 3
 """
 
@@ -424,6 +436,7 @@ def test_cli_exit_codes(tmp_path, monkeypatch, capsys):
     usage = {("exit_esrs:missing",): "exit_esrs has no attribute 'missing'",
              ("no_such_module:f",): "no module named 'no_such_module'",
              ("exit_esrs:not_callable",): "must be callable",
+             ("exit_esrs:no_k",): "NoK, which has no num_candidates",
              ("exit_esrs:empty_contexts",): "returned B = 0 contexts",
              ("exit_esrs:empty_claims",): "the ESR has B = 0 contexts",
              ("exit_esrs:spy", "--json", str(tmp_path / "no_dir" / "r.json")): "--json",

@@ -20,7 +20,7 @@ from typing import NoReturn
 
 import torch
 
-from capg_rec.marginals import DEFAULT_METHOD, inclusion_methods
+from capg_rec.marginals import DEFAULT_METHOD, inclusion_method, inclusion_methods
 from capg_rec.sim.lsr import LSR_NAMES
 from capg_rec.train.cli import _ENVS
 
@@ -43,8 +43,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=None,
                    help="τ of the logging PL over the model's logits (default 1, or the checkpoint's)")
     p.add_argument("--epsilon", type=float, default=0.0, help="uniform exploration share in [0, 1] (default 0)")
+    probabilities = [name for name in inclusion_methods() if inclusion_method(name).is_probability]
     p.add_argument("--method", default=DEFAULT_METHOD,
-                   help=f"inclusion method of log_inclusion, one of {inclusion_methods()} (default {DEFAULT_METHOD})")
+                   help=f"inclusion method of log_inclusion, one of {', '.join(probabilities)} (default "
+                        f"{DEFAULT_METHOD}; the expected count is logged as well, whatever the method)")
     p.add_argument("--lsr", choices=LSR_NAMES, default="optimal", help="the later stage (default optimal)")
     p.add_argument("-n", "--num-interactions", type=int, default=10_000, help="rows to write (default 10000)")
     p.add_argument("--batch-size", type=int, default=2048, help="requests per batch and row group (default 2048)")

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from capg_rec._checks import positive_int
+from capg_rec.marginals import inclusion_methods
 from capg_rec.sim.lsr import LSR_NAMES
 from capg_rec.train.config import ESTIMATORS, TrainConfig
 from capg_rec.train.logged import LOG_ESTIMATORS, LogTrainConfig
@@ -27,13 +28,15 @@ _LOG_ONLY = ("epochs", "workers", "max_weight", "holdout")
 _ONLINE_ONLY = ("steps", "adaptive_lr", "train_lsr", "position_weights", "group_size", "group_offset", "baseline")
 
 
-def _option(parser: argparse.ArgumentParser, *flags: str, help: str | None = None, **kwargs: Any) -> None:
+def _option(parser: argparse.ArgumentParser, *flags: str, help: str | None = None, defaults: bool = True,
+            **kwargs: Any) -> None:
     """A ``train`` option setting the TrainConfig field of its name. It defaults to ``None`` (not
-    given) so that a resume can tell the options a user typed from the saved run's."""
+    given) so that a resume can tell the options a user typed from the saved run's; ``defaults``: the help
+    states the defaults (else ``help`` does)."""
     name = flags[-1].lstrip("-").replace("-", "_")
     default = getattr(TrainConfig, name)
     parts = [help] if help else []
-    if default is not None and kwargs.get("action") is None:
+    if defaults and default is not None and kwargs.get("action") is None:
         parts.append(f"default {default}")
         if hasattr(LogTrainConfig, name) and getattr(LogTrainConfig, name) != default:  # training from logs
             parts.append(f"with --logs: {getattr(LogTrainConfig, name) or 'the logs' + chr(39)}")
@@ -52,8 +55,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--data", help="KuaiRec small_matrix.csv (for --env kuairec)")
     _option(p, "--estimator", choices=ESTIMATORS + tuple(e for e in LOG_ESTIMATORS if e not in ESTIMATORS),
             help=f"online: {', '.join(ESTIMATORS)} (default {TrainConfig.estimator}); with --logs: "
-                 f"{', '.join(LOG_ESTIMATORS)} (default {LogTrainConfig.estimator})")
-    _option(p, "--capg-method", help="CA-PG inclusion method (exact, mean_field, plugin); default the library's")
+                 f"{', '.join(LOG_ESTIMATORS)} (default {LogTrainConfig.estimator})", defaults=False)
+    _option(p, "--capg-method", help=f"CA-PG's inclusion method, one of {', '.join(inclusion_methods())} (enumerate: "
+                                     "catalogs of at most 8 items); default the library's")
     _option(p, "-K", "--num-candidates", type=int)
     _option(p, "-L", "--num-outputs", type=int)
     _option(p, "-M", "--num-experts", type=int)
@@ -319,7 +323,10 @@ def _train(args: argparse.Namespace) -> int:
     except ValueError as err:
         _fail(str(err))
     env = trainer.env
-    result = trainer.run(out_dir=out, checkpoint_every=args.checkpoint_every)
+    try:
+        result = trainer.run(out_dir=out, checkpoint_every=args.checkpoint_every)
+    except (ValueError, TypeError) as err:  # e.g. a method that cannot score this catalog
+        _fail(str(err))
     cfg, best = trainer.config, env.optimal_value(trainer.config.num_outputs)
     write_csv(out / "metrics.csv", result.history)
     plot_curves({f"{cfg.label} on {env.name}, K={cfg.num_candidates}": {cfg.label: [result.history]}},

@@ -70,7 +70,10 @@ def _find_factory(spec: str) -> Callable[[], Any]:
 def _as_esr(spec: str, made: object) -> tuple[ESR, Any]:
     esr, contexts = made if isinstance(made, tuple) and len(made) == 2 else (made, None)
     if not isinstance(esr, ESR):
-        raise _UsageError(f"factory {spec} must return an ESR or (ESR, contexts), got {type(esr).__name__}")
+        missing = [name for name in ("num_candidates", "sample", "inclusion_log_prob") if not hasattr(esr, name)]
+        raise _UsageError(f"factory {spec} must return an ESR or (ESR, contexts): an object with num_candidates, "
+                          "sample(contexts, num_samples, generator) and inclusion_log_prob(contexts); got "
+                          f"{type(esr).__name__}{', which has no ' + ', '.join(missing) if missing else ''}")
     return esr, contexts
 
 
