@@ -416,6 +416,8 @@ def test_targets_and_cli(tmp_path, capsys):
     assert args.func(args) == 0
     text = (out / "results.md").read_text()
     assert "CA-PG-SwR" in text and "7.37" in text  # the paper's number next to ours
+    assert "± n/a" in text and "± 0.00" not in text  # one seed: no standard error (it read 0.00)
+    assert all(cell["se"] is None for cell in json.loads((out / "results.json").read_text())["cells"])
     for name in ("results.csv", "results.json", "curves.png"):
         assert (out / name).stat().st_size > 0
     out = tmp_path / "plugin"

@@ -36,7 +36,7 @@ from capg_rec.sim.env import MatrixEnv
 from capg_rec.sim.lsr import OptimalLSR
 from capg_rec.train.config import TrainConfig
 from capg_rec.train.logged import _LR, _estimator_loss, ope_columns
-from capg_rec.train.report import markdown_table, mean_se, write_csv, write_json
+from capg_rec.train.report import markdown_table, mean_pm_se, mean_se, write_csv, write_json
 from capg_rec.train.trainer import Trainer, policy_value
 
 __all__ = ["OffPolicyStudy", "LEARNERS", "run_offpolicy_study"]
@@ -272,7 +272,7 @@ def _summarize(study: OffPolicyStudy, env: MatrixEnv, runs: Sequence[dict], out:
         ips = sum(r["ope_ips"] for r in group) / len(group)
         snips = sum(r["ope_snips"] for r in group) / len(group)
         passes = sum(r.get("passes", 1) for r in group) / len(group)
-        table.append([k, n, LEARNERS[learner], f"{mean:.3f} ± {se:.3f}", ratio, f"{ips:.3f}", f"{snips:.3f}",
+        table.append([k, n, LEARNERS[learner], mean_pm_se(mean, se, 3), ratio, f"{ips:.3f}", f"{snips:.3f}",
                       f"{passes:.3g}", len(group)])
     ranking = []
     for k in study.ks:

@@ -23,13 +23,18 @@ def value_at(history: Sequence[Mapping], step: int) -> float:
 
 
 def mean_se(values: Sequence[float]) -> tuple[float, float]:
-    """Mean and standard error of the mean (0 for a single value)."""
+    """Mean and standard error of the mean (NaN for a single value: undefined, ``null`` in JSON)."""
     n = len(values)
     mean = sum(values) / n
     if n == 1:
-        return mean, 0.0
+        return mean, math.nan
     var = sum((v - mean) ** 2 for v in values) / (n - 1)
     return mean, math.sqrt(var / n)
+
+
+def mean_pm_se(mean: float, se: float, digits: int) -> str:
+    """``mean ± se`` to ``digits`` decimals; ``n/a`` for an undefined standard error (one seed)."""
+    return f"{mean:.{digits}f} ± {'n/a' if math.isnan(se) else f'{se:.{digits}f}'}"
 
 
 def write_csv(path: str | os.PathLike, rows: Sequence[Mapping]) -> None:

@@ -17,7 +17,7 @@ from capg_rec._checks import check_distinct
 from capg_rec.sim.env import MatrixEnv
 from capg_rec.train.checkpoint import read_checkpoint
 from capg_rec.train.config import ESTIMATOR_LABELS, TrainConfig
-from capg_rec.train.report import markdown_table, mean_se, plot_curves, value_at, write_csv, write_json
+from capg_rec.train.report import markdown_table, mean_pm_se, mean_se, plot_curves, value_at, write_csv, write_json
 from capg_rec.train.trainer import Trainer, TrainResult
 
 __all__ = ["Cell", "TARGETS", "build_target", "run_cells", "summarize"]
@@ -214,7 +214,7 @@ def summarize(target: str, env: MatrixEnv, cells: Sequence[Cell], results: dict,
         overflows = sum(r.overflow_count for r in runs)
         stopped = sum(r.stopped_at is not None for r in runs)
         p50, p500 = cell.paper
-        rows.append([cell.method, cell.setting, f"{mean:.2f} ± {se:.2f}", len(runs),
+        rows.append([cell.method, cell.setting, mean_pm_se(mean, se, 2), len(runs),
                      "–" if p50 is None else f"{p50:.2f}", "–" if p500 is None else f"{p500:.2f}",
                      f"{overflows} ({stopped} stopped)"])
         summary.append({"method": cell.method, "setting": cell.setting, "mean": mean, "se": se, "n": len(runs),
