@@ -119,7 +119,7 @@ def _subprocess(args: argparse.Namespace, index: int, batch: int, extra: list[st
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--memory-budget", type=int, default=None, help="bytes (default: the library's)")

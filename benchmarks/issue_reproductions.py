@@ -6,6 +6,7 @@ one before it share, so that a checkout of either can be checked. Prints FIXED o
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections.abc import Callable
 
@@ -135,6 +136,7 @@ CHECKS: list[tuple[str, Callable[[], bool]]] = [
 ]
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0].rstrip(":") + ".").parse_args()  # --help
     for name, check in CHECKS:
         try:
             ok, why = check(), ""

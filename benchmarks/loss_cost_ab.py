@@ -6,7 +6,8 @@ The earlier checkout's ``capg_rec`` package is copied to a temporary folder as `
 imports renamed), so both versions run side by side on the same tensors, alternating call by call:
 separate processes differ by up to 3x on this kind of machine (the allocator's state, where the
 large buffers land), which swamps a 5% comparison. Forward+backward from a logits leaf, B=128,
-N=1000, L=1, one thread, the median of ``--reps`` calls each (a sixth for mean-field and plug-in at
+N=1000, L=1, one thread, the median of ``--reps`` calls each, timed in CPU time (``time.process_time``: other
+processes' load on a shared machine does not enter it) (a sixth for mean-field and plug-in at
 K=200, M=5, slow before). It uses only the API both versions share (``swr`` was the earlier name of
 ``with_replacement``). Logits are standard normal, or ``--logit-scale`` times that (a confident policy).
 Writes ``ab.json`` and ``ab.csv`` (old ms, new ms, new/old) to ``--out``.
@@ -29,6 +30,7 @@ from types import ModuleType
 import torch
 
 import capg_rec
+from capg_rec._checks import positive_int
 from capg_rec.train.report import write_csv, write_json
 
 CELLS = [(10, 1), (50, 1), (20, 2), (200, 5)]
@@ -74,9 +76,9 @@ def compare(old: ModuleType, reps: int, scale: float = 1.0) -> list[dict]:
                     fns[who](logits, cand, chosen, rewards).backward()
                 for i in range(n):
                     for who in ("old", "new") if i % 2 else ("new", "old"):
-                        start = time.perf_counter()
+                        start = time.process_time()
                         fns[who](logits, cand, chosen, rewards).backward()
-                        times[who].append(time.perf_counter() - start)
+                        times[who].append(time.process_time() - start)
                 a, b = (statistics.median(times[w]) * 1e3 for w in ("old", "new"))
                 rows.append({"K": k, "M": m, "loss": name, "checks": checks, "old_ms": a, "new_ms": b,
                              "new_over_old": b / a})
@@ -86,13 +88,15 @@ def compare(old: ModuleType, reps: int, scale: float = 1.0) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].rstrip(":") + ".")
     parser.add_argument("--old", type=Path, required=True, help="an earlier checkout of this repository")
-    parser.add_argument("--reps", type=int, default=60)
+    parser.add_argument("--reps", type=positive_int, default=60)
     parser.add_argument("--logit-scale", type=float, default=1.0,
                         help="logits are this times standard normal (5: a confident policy, as after training)")
     parser.add_argument("--out", type=Path, default=Path("runs/ab"))
     args = parser.parse_args()
+    if not (args.old / "capg_rec" / "__init__.py").is_file():
+        parser.error(f"--old: {args.old} holds no capg_rec package (a checkout of this repository)")
     print(f"{'K':>4s} {'M':>2s} {'loss':16s} {'':9s} {'old ms':>9s} {'new ms':>9s} {'new/old':>6s}")
     rows = compare(import_renamed(args.old), args.reps, args.logit_scale)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -7,9 +7,11 @@ One process, one thread (on CPU; ``--device cuda`` runs the same problems on the
 end by a device synchronisation), B = 128, L = 1, (K, M) in (10, 1), (50, 1), (20, 2), (200, 5). The inputs are
 leaves: logits ``[B, N]`` / ``[B, M, N]`` at N = 1000, and with ``--large`` embeddings (D = 32) scored through
 ``EmbeddingCatalog`` at N = 1e5 and 1e6. A cell is the median of ``--reps`` forward + backward calls after
-``--warmup`` calls (fewer at large N and for the exact method). "bare" is the normaliser alone,
-``logsumexp(logits).sum()`` or ``EmbeddingCatalog.log_normalizer().sum()``, forward + backward: the floor of any
-estimator that normalises over the catalog. The scores are standard normal; ``--scale S`` spreads them S times
+``--warmup`` calls (fewer at large N and for the exact method), in CPU time on the CPU. "bare" is the normaliser
+alone, ``torch.logsumexp(logits).sum()`` or ``EmbeddingCatalog.log_normalizer().sum()``, forward + backward: the
+reference that the targets are set against (not a strict floor: at M > 1 capg_rec's own one-node log-softmax,
+which the with-replacement estimators use, beats ``torch.logsumexp``'s backward on the CPU, so they come out
+below 1x). The scores are standard normal; ``--scale S`` spreads them S times
 wider, as a trained (confident) ESR's are: mean-field's root solve then takes more Newton steps.
 
 Columns: capg_rec with its default input checks; with ``validate_args=False``; ``torch.compile`` (inductor,
@@ -46,6 +48,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from capg_rec import CAPGLoss, EmbeddingCatalog, VPGLoss, sample_candidates
+from capg_rec._checks import positive_int
 
 LABELS = {"vpg": "V-PG", "vpg_swr": "V-PG-SwR", "capg_mean_field": "CA-PG mean-field (default)",
           "capg_plugin": "CA-PG plug-in", "capg_swr": "CA-PG-SwR / TOP1", "capg_exact": "CA-PG exact"}
@@ -56,6 +59,17 @@ PAPER_FLAGS = {"vpg": {}, "vpg_swr": {"is_vanilla_replacement": True},
                "capg_plugin": {"is_credit_assigned": True}, "capg_swr": {"is_top1": True}}
 """capg_rec estimator → the paper code's ``calc_prob_given_actions`` flags for the same loss."""
 NUM_SHOWN = 1
+
+
+def _config(text: str) -> tuple[int, int]:
+    """An argparse ``type``: ``K,M`` as two integers >= 1."""
+    try:
+        k, m = (int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be K,M (two integers), got {text!r}") from None
+    if k < 1 or m < 1:
+        raise argparse.ArgumentTypeError(f"K and M must be >= 1, got {text!r}")
+    return k, m
 
 
 def make_loss(name: str, k: int, validate: bool | None) -> torch.nn.Module:
@@ -152,16 +166,19 @@ def time_ms(step: Callable[[], Tensor], leaves: Sequence[Tensor], reps: int, war
 
 
 def _calls(step: Callable[[], Tensor], leaves: Sequence[Tensor], count: int) -> list[float]:
+    """Seconds of each of ``count`` calls: CPU time on the CPU (``time.process_time``: another process's load on
+    a shared machine does not enter it), wall-clock time to a device synchronisation on CUDA."""
     times = []
     cuda = leaves[0].is_cuda
+    clock = time.perf_counter if cuda else time.process_time
     for _ in range(count):
         if cuda:
             torch.cuda.synchronize()
-        start = time.perf_counter()
+        start = clock()
         step().backward()
         if cuda:
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
         for leaf in leaves:
             leaf.grad = None
     return times
@@ -350,19 +367,20 @@ def allocator() -> dict[str, str | None]:
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=50)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=positive_int, default=50)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--items", type=int, default=1000)
-    parser.add_argument("--configs", nargs="+", default=["10,1", "50,1", "20,2", "200,5"], help="K,M pairs")
+    parser.add_argument("--batch", type=positive_int, default=128)
+    parser.add_argument("--items", type=positive_int, default=1000)
+    parser.add_argument("--configs", nargs="+", type=_config, default=[(10, 1), (50, 1), (20, 2), (200, 5)],
+                        help="K,M pairs")
     parser.add_argument("--estimators", nargs="+", default=[n for n in LABELS if n != "capg_exact"],
                         choices=[n for n in LABELS if n != "capg_exact"])
     parser.add_argument("--exact", action="store_true", help="also the exact method (slow; N = --items only)")
-    parser.add_argument("--exact-reps", type=int, default=3)
+    parser.add_argument("--exact-reps", type=positive_int, default=3)
     parser.add_argument("--large", action="store_true", help="also N = --large-items through EmbeddingCatalog")
     parser.add_argument("--large-items", type=int, nargs="+", default=[100_000, 1_000_000])
-    parser.add_argument("--large-reps", type=int, default=5)
+    parser.add_argument("--large-reps", type=positive_int, default=5)
     parser.add_argument("--dim", type=int, default=32)
     parser.add_argument("--scale", type=float, default=1.0,
                         help="standard deviation of the scores (a trained ESR's are larger: more confident)")
@@ -371,9 +389,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--out", default="runs/loss_speed")
     args = parser.parse_args(argv)
+    if args.warmup < 0:
+        parser.error(f"--warmup must be >= 0, got {args.warmup}")
+    if any(k > args.items for k, _ in args.configs):
+        parser.error(f"--configs: K must be at most --items={args.items}")
+    if args.paper_code and not (pathlib.Path(args.paper_code) / "src" / "policy").is_dir():
+        parser.error(f"--paper-code: {args.paper_code} is not a checkout of the released code (no src/policy)")
     torch.set_num_threads(1)
     torch._logging.set_logs(dynamo=logging.ERROR, inductor=logging.ERROR)
-    configs = [tuple(map(int, c.split(","))) for c in args.configs]
+    configs = args.configs
     device = torch.device(args.device)
     paper = str(pathlib.Path(args.paper_code).resolve()) if args.paper_code else None
     variants = [v for v in VARIANTS if not (v == "compiled" and args.no_compile or v == "paper code" and not paper)]

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 
+from capg_rec._checks import positive_int
 from capg_rec import DenseCatalog, EmbeddingCatalog, inclusion_log_prob
 from capg_rec._mean_field import mean_field_log_inclusion
 from capg_rec.plackett_luce import expert_runs
@@ -95,11 +96,11 @@ def _row(label: str, times: dict[str, float]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--items", type=int, default=1000, help="N of the dense rows")
-    parser.add_argument("--reps", type=int, default=50, help="repetitions of the dense rows")
-    parser.add_argument("--large-reps", type=int, default=3, help="repetitions of the EmbeddingCatalog rows")
+    parser.add_argument("--reps", type=positive_int, default=50, help="repetitions of the dense rows")
+    parser.add_argument("--large-reps", type=positive_int, default=3, help="repetitions of the EmbeddingCatalog rows")
     parser.add_argument("--dim", type=int, default=16, help="embedding width of the EmbeddingCatalog rows")
     parser.add_argument("--skip-large", action="store_true")
     args = parser.parse_args()

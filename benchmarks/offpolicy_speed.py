@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from capg_rec._checks import positive_int
 from capg_rec import (CAPGLoss, OffPolicyCAPGLoss, OffPolicyVPGLoss, TopKReinforceLoss, VPGLoss,
                       candidate_log_prob, inclusion_log_prob, sample_candidates)
 
@@ -58,8 +59,8 @@ def _time_pair(first, second, reps: int, warmup: int) -> tuple[list[float], list
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=50)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=positive_int, default=50)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--ks", type=int, nargs="+", default=[10, 50, 200])
     parser.add_argument("--batch", type=int, default=128)

@@ -125,7 +125,7 @@ def _plot(rows: list[dict], path: pathlib.Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000])
     p.add_argument("--negatives", type=int, nargs="+", default=[256, 1024, 4096, 16384])
     p.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.3, 0.1])

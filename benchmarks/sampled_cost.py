@@ -146,7 +146,7 @@ def _plot(rows: list[dict], path: pathlib.Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000, 10_000_000])
     p.add_argument("--ann-sizes", type=int, nargs="*", default=[100_000])
     p.add_argument("--reps", type=int, default=10)

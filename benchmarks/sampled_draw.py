@@ -155,7 +155,7 @@ def _plot(small_rows: list[dict], large_rows: list[dict], path: pathlib.Path) ->
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, default=300)
     p.add_argument("--draws", type=int, default=500)
     p.add_argument("--large-size", type=int, default=100_000)

@@ -96,7 +96,7 @@ def run(env: Env, *, method: str, catalog: str, seed: int, steps: int, batch: in
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--num-items", type=int, default=100_000)
     p.add_argument("--num-users", type=int, default=1000)
     p.add_argument("--steps", type=int, default=200)

@@ -17,7 +17,7 @@ from capg_rec.validate import CatalogESR, validate_esr
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--items", type=int, default=1000)
     parser.add_argument("--candidates", type=int, default=50)
     parser.add_argument("--contexts", type=int, default=4)

@@ -534,3 +534,19 @@ def test_nulls_raise_with_checks_off_too(tmp_path, case):
     _write_raw(path, corrupt(_table()))
     with pytest.raises(ValueError, match=f"column '{column}'.*{what}"):
         list(LoggedImpressions(path, 2, validate_args=False))
+
+
+@pytest.mark.parametrize("span", [7, 1000, 2**61])
+def test_the_subset_check_is_the_row_by_row_comparison(span):
+    """The reader's shown ⊂ candidates check searches the rows laid end to end (a [n, L, K] comparison and a torch
+    sort made the checked reader 1.5x slower); it agrees with the comparison, negative and far-apart ids included."""
+    from capg_rec.logs.parquet import _rows_hold
+
+    rng = np.random.default_rng(span % 1000)
+    for _ in range(20):
+        ordered = np.sort(rng.integers(-span, span, size=(64, 6)), axis=1)
+        ids = np.where(rng.random((64, 3)) < 0.8, ordered[np.arange(64)[:, None], rng.integers(0, 6, (64, 3))],
+                       rng.integers(-span, span, size=(64, 3)))
+        want = (ids[:, :, None] == ordered[:, None, :]).any(2).all(1)
+        np.testing.assert_array_equal(_rows_hold(ordered, ids), want)
+    assert _rows_hold(ordered[:, :0], ids).sum() == 0 and _rows_hold(ordered, ids[:, :0]).all()
