@@ -6,7 +6,8 @@ One two-tower model (user and item ``nn.Embedding`` tables, D = 32, sparse gradi
 users per step, K = 10 candidates, L = 2 shown items, one thread. Each configuration runs in its own
 process: the tables are built, then ``--reps`` steps (after 2 warm-ups) are timed as CPU time of the
 process; the median is reported, with the peak resident memory beyond the tables (``ru_maxrss``
-after the steps minus after building the tables). Steps:
+after the steps minus after building the tables) and the process's resident memory once the tables are
+built ("RSS MB": the interpreter, torch and the tables). Steps:
 
 * ``in_batch``: logits of each user against the batch's positives ``[B, B]``, cross-entropy,
   backward, SGD step (the reference: what two-tower retrievers train with).
@@ -39,6 +40,8 @@ import time
 
 import torch
 from tqdm import tqdm
+
+from capg_rec._checks import positive_int
 
 BATCH, DIM, K, SHOWN, USERS = 128, 32, 10, 2, 100_000
 
@@ -113,7 +116,8 @@ def _one(num_items: int, config: str, reps: int) -> dict:
         step()
         times.append(time.process_time() - start)
     return dict(N=num_items, config=config, step_ms=1e3 * statistics.median(times), reps=reps,
-                peak_rss_beyond_tables_mb=_rss_mb() - base_rss, tables_mb=base_rss, index_build_s=build_s)
+                peak_rss_beyond_tables_mb=_rss_mb() - base_rss, rss_after_tables_mb=base_rss,
+                index_build_s=build_s)
 
 
 def _configs(num_items: int, ann_sizes: list[int]) -> list[str]:
@@ -147,11 +151,13 @@ def _plot(rows: list[dict], path: pathlib.Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000, 10_000_000])
+    p.add_argument("--sizes", type=positive_int, nargs="+", default=[100_000, 1_000_000, 10_000_000])
     p.add_argument("--ann-sizes", type=int, nargs="*", default=[100_000])
-    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--reps", type=positive_int, default=10)
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("out/sampled_cost"))
-    p.add_argument("--one", nargs=2, metavar=("N", "CONFIG"), help=argparse.SUPPRESS)
+    p.add_argument("--one", nargs=2, metavar=("N", "CONFIG"),
+                   help="time one configuration in this process and print its JSON; CONFIG one of "
+                        f"{', '.join(_configs(100_000, [100_000]))} (full_* and *_hnsw: N = 10^5)")
     args = p.parse_args(argv)
     if args.one:
         print(json.dumps(_one(int(args.one[0]), args.one[1], args.reps)))
@@ -161,7 +167,11 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for n, config in tqdm(jobs, desc="configurations"):
         done = subprocess.run([sys.executable, __file__, "--one", str(n), config, "--reps", str(args.reps)],
-                              capture_output=True, text=True, check=True)
+                              capture_output=True, text=True)
+        if done.returncode:  # the measured process's own error, not a CalledProcessError (rows so far are kept)
+            print(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}",
+                  file=sys.stderr)
+            p.exit(1, f"sampled_cost.py: --one {n} {config} failed (above); measured before it: {rows}\n")
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
     base = {r["N"]: r["step_ms"] for r in rows if r["config"] == "in_batch"}
     for r in rows:
@@ -171,10 +181,10 @@ def main(argv: list[str] | None = None) -> None:
     write_json(args.out / "sampled_cost.json", {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
     write_csv(args.out / "sampled_cost.csv", rows)
     _plot(rows, args.out / "sampled_cost.png")
-    print(f"{'N':>9} {'config':>18} {'step ms':>9} {'ratio':>7} {'peak MB':>8} {'tables MB':>9}")
+    print(f"{'N':>9} {'config':>18} {'step ms':>9} {'ratio':>7} {'peak MB':>8} {'RSS MB':>9}")
     for r in rows:
         print(f"{r['N']:>9} {r['config']:>18} {r['step_ms']:>9.1f} {r['ratio_to_in_batch']:>7.1f} "
-              f"{r['peak_rss_beyond_tables_mb']:>8.1f} {r['tables_mb']:>9.0f}")
+              f"{r['peak_rss_beyond_tables_mb']:>8.1f} {r['rss_after_tables_mb']:>9.0f}")
 
 
 if __name__ == "__main__":

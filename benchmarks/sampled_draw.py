@@ -135,7 +135,8 @@ def _plot(small_rows: list[dict], large_rows: list[dict], path: pathlib.Path) ->
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig, axes = plt.subplots(1, 2 if large_rows else 1, figsize=(10 if large_rows else 5, 3.6), squeeze=False)
+    axes = axes[0]
     for tau in sorted({r["tau"] for r in small_rows}):
         for head in (0, 3):
             sel = [r for r in small_rows if r["tau"] == tau and r["head"] == head]
@@ -144,11 +145,12 @@ def _plot(small_rows: list[dict], large_rows: list[dict], path: pathlib.Path) ->
                          label=f"τ={tau}, head={head}")
     axes[0].set(xscale="log", xlabel="uniform negatives S", ylabel="TV over K-subsets", title="N=10, K=3")
     axes[0].legend(fontsize=7)
-    labels = [f"τ={r['tau']} h={r['head']} S={r['negatives']}" for r in large_rows]
-    axes[1].barh(labels, [r["inclusion_error"] for r in large_rows], label="sampled vs exact")
-    axes[1].barh(labels, [r["noise_floor"] for r in large_rows], alpha=0.6, label="exact vs exact (noise)")
-    axes[1].set(xlabel="Σ|f - f_exact| / 2K", title=f"N={large_rows[0]['N'] if large_rows else ''}, K=10")
-    axes[1].legend(fontsize=7)
+    if large_rows:  # --large-size 0: no second panel
+        labels = [f"τ={r['tau']} h={r['head']} S={r['negatives']}" for r in large_rows]
+        axes[1].barh(labels, [r["inclusion_error"] for r in large_rows], label="sampled vs exact")
+        axes[1].barh(labels, [r["noise_floor"] for r in large_rows], alpha=0.6, label="exact vs exact (noise)")
+        axes[1].set(xlabel="Σ|f - f_exact| / 2K", title=f"N={large_rows[0]['N']}, K=10")
+        axes[1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
