@@ -70,7 +70,8 @@ class CatalogScores(abc.ABC):
 
         With ``perturb=True`` fresh Gumbel(0, 1) noise (drawn through ``generator``) is added
         to the scores first, which makes the result an exact Plackett-Luce draw of k items.
-        Excluded items are never returned. No gradient.
+        ``k`` is at most ``num_items`` (ValueError otherwise); excluded items are never returned while at
+        least k are left in the row (not checked: a host read), else they fill its last slots. No gradient.
         """
 
     @property
@@ -292,6 +293,7 @@ class DenseCatalog(CatalogScores):
 
     def top_items(self, k: int, *, experts: Sequence[int] | None = None, exclude: Tensor | None = None,
                   generator: torch.Generator | None = None, perturb: bool = False) -> Tensor:
+        check_count("k", k, high=self.num_items)
         with torch.no_grad():
             s = self._drop(self.scores if experts is None else select_experts(self.scores, experts), exclude, -math.inf)
             if perturb:
@@ -510,8 +512,11 @@ class EmbeddingCatalog(CatalogScores):
         return torch.cat([self.masked_items, exclude], dim=1)
 
     def gather(self, items: Tensor) -> Tensor:
-        with no_autocast(self.device):
-            scores = torch.einsum("bmd,blmd->bml", self.user, self.item[items])
+        if items.dim() != 2 or items.shape[0] != self.batch_size:  # a [1, L] broadcast silently to every row
+            raise ValueError(f"items must have shape [B={self.batch_size}, L], got {list(items.shape)}")
+        with no_autocast(self.device):  # index_select: a negative id is an error, not the last item
+            named = self.item.index_select(0, items.reshape(-1)).view(*items.shape, *self.item.shape[1:])
+            scores = torch.einsum("bmd,blmd->bml", self.user, named)
         return masked_named_scores(scores, items, self.masked_items, check=self.validate)
 
     def log_power_sums(self, exclude: Tensor | None = None, num_powers: int = 1) -> Tensor:
@@ -521,6 +526,7 @@ class EmbeddingCatalog(CatalogScores):
 
     def top_items(self, k: int, *, experts: Sequence[int] | None = None, exclude: Tensor | None = None,
                   generator: torch.Generator | None = None, perturb: bool = False) -> Tensor:
+        check_count("k", k, high=self.num_items)
         user = self.user if experts is None else select_experts(self.user, experts)
         item = self.item if experts is None else select_experts(self.item, experts)
         noise = None

@@ -716,3 +716,21 @@ def test_losses_evaluate_under_no_grad_and_inference_mode(loss_name, experts):
         with mode():
             got = _loss(loss_name, 5)(logits.detach(), cand, chosen, rewards)
         assert float(got) == float(want)
+
+
+def test_protocol_lookups_refuse_what_they_cannot_answer():
+    """Found by review: EmbeddingCatalog.gather scored id -1 as item N - 1 and broadcast a [1, L] tensor to every
+    row; top_items(k > N) returned N columns (and the dense catalog raised torch's 'selected index k out of
+    range'). Each is now an error."""
+    gen = torch.Generator().manual_seed(0)
+    user, item = torch.randn(2, 4, generator=gen), torch.randn(10, 4, generator=gen)
+    embedded, dense = EmbeddingCatalog(user, item), DenseCatalog(user @ item.T)
+    with pytest.raises(IndexError):
+        embedded.gather(torch.tensor([[-1], [0]]))
+    with pytest.raises(ValueError, match="items must have shape"):
+        embedded.gather(torch.tensor([[1]]))
+    for catalog in (embedded, dense):
+        with pytest.raises(ValueError, match="k must be in"):
+            catalog.top_items(11)
+    ids = torch.tensor([[1, 2], [3, 9]])
+    torch.testing.assert_close(embedded.gather(ids), dense.gather(ids))
