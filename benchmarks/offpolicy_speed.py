@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 python benchmarks/offpolicy_speed.py [--reps 50] [--out runs/offpolicy_speed]
 
 One process, one thread, B = 128, N = 1000, L = 1, K in (10, 50, 200), logits a leaf. A cell is the
-fastest and the median of ``--reps`` forward + backward calls after ``--warmup`` calls, the on- and
+fastest and the median of ``--reps`` forward + backward calls (CPU time) after ``--warmup`` calls, the on- and
 off-policy calls interleaved (drifting load hits both alike; on a shared machine the fastest call
 is the steadier measure of the cost), with input checks on (the default) and off. Pairs: CA-PG
 (mean-field) vs off-policy CA-PG (capped); CA-PG-SwR vs off-policy CA-PG-SwR; V-PG vs IPS V-PG;
@@ -45,16 +45,16 @@ def _pairs(k: int, validate: bool) -> dict[str, tuple[torch.nn.Module, torch.nn.
 
 
 def _time_pair(first, second, reps: int, warmup: int) -> tuple[list[float], list[float]]:
-    """Seconds of each call of two functions, interleaved."""
+    """CPU seconds of each call of two functions, interleaved."""
     for _ in range(warmup):
         first()
         second()
     times: tuple[list[float], list[float]] = ([], [])
     for _ in range(reps):
         for fn, bucket in ((first, times[0]), (second, times[1])):
-            start = time.perf_counter()
+            start = time.process_time()  # CPU time: another process's load does not enter it
             fn()
-            bucket.append(time.perf_counter() - start)
+            bucket.append(time.process_time() - start)
     return times
 
 
