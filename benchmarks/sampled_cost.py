@@ -160,7 +160,11 @@ def main(argv: list[str] | None = None) -> None:
                         f"{', '.join(_configs(100_000, [100_000]))} (full_* and *_hnsw: N = 10^5)")
     args = p.parse_args(argv)
     if args.one:
-        print(json.dumps(_one(int(args.one[0]), args.one[1], args.reps)))
+        size, config = args.one
+        if not size.isdigit() or int(size) < 1 or config not in _configs(int(size), [int(size)]):
+            p.error(f"--one: N an integer >= 1 and CONFIG one of {', '.join(_configs(10**5, [10**5]))} (full_*: "
+                    f"N <= 10^5), got {size} {config}")
+        print(json.dumps(_one(int(size), config, args.reps)))
         return
     args.out.mkdir(parents=True, exist_ok=True)
     jobs = [(n, c) for n in args.sizes for c in _configs(n, args.ann_sizes)]

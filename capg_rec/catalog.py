@@ -196,6 +196,8 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def check_scaled(logits: Tensor, scores: Tensor, tau: float) -> None:
     """Finite ``logits`` (``-inf`` allowed) over a temperature ``tau < 1`` must stay finite in ``scores``: ``+inf``
     would make NaN probabilities, ``-inf`` would mask an item (ValueError naming the temperature)."""
+    if not float(_memory_order(logits.detach()).amax()) < math.inf:  # NaN propagates: the logits' own fault
+        raise ValueError("logits must be finite or -inf (masked) (no NaN or +inf)")
     finite = _memory_order(logits.detach().masked_fill(logits.detach() == -math.inf, 0.0))
     lo = float(finite.amin())
     if not (float(_memory_order(scores.detach()).amax()) < math.inf and lo / tau > -torch.finfo(scores.dtype).max):

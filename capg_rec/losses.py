@@ -17,6 +17,8 @@ more argument::
 
 from __future__ import annotations
 
+import warnings
+
 from torch import Tensor, nn
 
 from capg_rec import functional as F
@@ -174,8 +176,16 @@ class OffPolicyCAPGLoss(_OffPolicyLoss):
         self.method = inclusion_method(method)
 
     def forward(self, logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor,
-                logged_log_inclusion: Tensor, *, position_weights: Tensor | None = None,
-                baseline: Tensor | None = None) -> Tensor:
+                logged_log_inclusion: Tensor | None = None, *, position_weights: Tensor | None = None,
+                baseline: Tensor | None = None, logged_log_propensity: Tensor | None = None) -> Tensor:
+        if logged_log_propensity is not None:  # the earlier name of this argument
+            if logged_log_inclusion is not None:
+                raise TypeError("pass logged_log_inclusion only (logged_log_propensity is its deprecated name)")
+            warnings.warn("logged_log_propensity is deprecated: pass logged_log_inclusion", DeprecationWarning,
+                          stacklevel=2)
+            logged_log_inclusion = logged_log_propensity
+        if logged_log_inclusion is None:
+            raise TypeError("OffPolicyCAPGLoss.forward() missing its argument logged_log_inclusion")
         return F.offpolicy_capg_loss(logits, candidates, chosen, rewards, logged_log_inclusion, method=self.method,
                                      position_weights=position_weights, baseline=baseline, **self._options())
 

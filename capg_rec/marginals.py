@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import abc
 import functools
+import inspect
 import math
 from collections.abc import Callable, Sequence
 
@@ -212,10 +213,13 @@ def register_inclusion_method(name: str, factory: Callable[[], InclusionMethod])
         raise ValueError(f"name {name!r} is a built-in method's: choose another")
     if not callable(factory):
         raise TypeError(f"factory must be callable (a class or a function), got {type(factory).__name__}")
-    try:  # made now, so that a factory that needs arguments or makes something else fails here
-        made = factory()
+    try:
+        inspect.signature(factory).bind()
     except TypeError as err:
-        raise TypeError(f"factory must be callable with no arguments: {err}") from err
+        raise TypeError(f"factory must be callable with no arguments: {err}") from None
+    except ValueError:  # a builtin without a signature: called below
+        pass
+    made = factory()  # made now, so that a factory that makes something else fails here
     if not isinstance(made, InclusionMethod):
         raise TypeError(f"factory() must return an InclusionMethod, got {type(made).__name__}")
     _REGISTRY[name] = factory

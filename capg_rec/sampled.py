@@ -57,7 +57,7 @@ from capg_rec._numerics import (exp_floor, gumbel_group_size, gumbel_top_k, no_a
                                 select_experts, top_k)
 from capg_rec.ann import ItemIndex
 from capg_rec.catalog import CatalogScores, _overflow_error, agreement, available_given_masks, check_exclude, \
-    compute_dtype, masked_named_scores, unpadded
+    compute_dtype, masked_named_scores, narrowest, unpadded
 
 __all__ = ["SampledCatalog", "NegativeSampler", "UniformSampler", "InBatchSampler", "MixedSampler", "DrawnSample",
            "MAX_SAMPLED_POWERS"]
@@ -457,6 +457,9 @@ class SampledCatalog(CatalogScores):
         check_generator(generator)
         tau = check_positive("temperature", temperature)
         user = user.unsqueeze(1) if user.dim() == 2 else user
+        tower = item.parameters() if isinstance(item, torch.nn.Module) else ()
+        self._source_dtypes = (user.dtype, *([item.dtype] if isinstance(item, Tensor) else
+                                             [p.dtype for p in tower if p.is_floating_point()]))
         self.dtype = compute_dtype(user.dtype)
         self.user = user.to(self.dtype) / tau if tau != 1.0 else user.to(self.dtype)  # [B, M, D]
         self.batch_size, self.num_experts = self.user.shape[:2]
@@ -631,6 +634,10 @@ class SampledCatalog(CatalogScores):
         A product and a sum rather than a batched matmul of B·M ``[L, D] × [D, 1]`` products, whose
         backward is 3x slower at L = 10."""
         return (self._vectors(items) * self.user.unsqueeze(1)).sum(-1).transpose(1, 2)
+
+    @property
+    def _gradient_dtype(self) -> torch.dtype:
+        return narrowest(*self._source_dtypes)
 
     def num_available(self) -> Tensor:
         if self.masked_items is None:

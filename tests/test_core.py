@@ -437,6 +437,15 @@ def test_registration_keeps_the_built_ins_and_checks_the_factory():
         capg_rec.register_inclusion_method("needs_one", lambda scale: capg_rec.PlugIn())
     with pytest.raises(TypeError, match="InclusionMethod"):
         capg_rec.register_inclusion_method("not_a_method", lambda: 3)
+    class Raises(InclusionMethod):  # its own TypeError is its own, not "needs arguments" (found by review)
+        def __init__(self, table=None):
+            self.size = len(table)
+
+        def log_inclusion(self, catalog, items, runs):
+            return items
+
+    with pytest.raises(TypeError, match="has no len"):
+        capg_rec.register_inclusion_method("raises", Raises)
     assert isinstance(capg_rec.inclusion_method("exact"), capg_rec.Exact)
     assert not {" mean_field", "needs_one", "not_a_method"} & set(capg_rec.inclusion_methods())
 

@@ -219,6 +219,44 @@ def test_half_precision_inputs_get_finite_gradients_from_huge_weights(loss_cls, 
     assert max(g.abs().max() for g in grads[torch.float32]) > 65504  # float32's own cap: beyond float16's range
 
 
+@pytest.mark.parametrize("placement", ["sampled", "sharded"])
+def test_half_precision_embeddings_of_other_catalogs_get_finite_gradients(placement):
+    """Found by review: the cap followed float16 on the dense and embedding catalogs only; a SampledCatalog or a
+    ShardedEmbeddingCatalog of float16 embeddings still returned inf gradients."""
+    from capg_rec.sampled import SampledCatalog, UniformSampler
+    from capg_rec.torchrec.catalog import ShardedEmbeddingCatalog
+
+    gen = torch.Generator().manual_seed(0)
+    b, n, k, length = 2, 64, 4, 2
+    user = torch.randn(b, 8, generator=gen)
+    item = torch.randn(n, 8, generator=gen)
+    item[:k] += 3.0 * user.mean(0)
+    candidates = torch.arange(k).expand(b, k).clone()
+    rewards, logged = torch.full((b, length), 10.0), torch.full((b, length), -14.0)
+    u, it = user.half().requires_grad_(), item.half().requires_grad_()
+    if placement == "sampled":
+        catalog = SampledCatalog(u, it, sampler=UniformSampler(32), head_items=candidates,
+                                 generator=torch.Generator().manual_seed(1))
+    else:
+        catalog = ShardedEmbeddingCatalog(u, it, num_items=n)
+    method = "with_replacement" if placement == "sampled" else "mean_field"
+    OffPolicyCAPGLoss(k, method=method)(catalog, candidates, candidates[:, :length], rewards, logged).backward()
+    assert torch.isfinite(u.grad).all() and torch.isfinite(it.grad).all()
+
+
+def test_the_earlier_keyword_still_works_with_a_deprecation_warning():
+    """Found by review: renaming forward's logged_log_propensity to logged_log_inclusion broke keyword callers."""
+    logits, candidates, chosen, rewards, logged = _logged_rows(4)
+    loss = OffPolicyCAPGLoss(candidates.shape[1])
+    with pytest.warns(DeprecationWarning, match="logged_log_inclusion"):
+        old = loss(logits, candidates, chosen, rewards, logged_log_propensity=logged)
+    torch.testing.assert_close(old, loss(logits, candidates, chosen, rewards, logged_log_inclusion=logged))
+    with pytest.raises(TypeError, match="only"):
+        loss(logits, candidates, chosen, rewards, logged, logged_log_propensity=logged)
+    with pytest.raises(TypeError, match="missing"):
+        loss(logits, candidates, chosen, rewards)
+
+
 def test_offpolicy_loss_is_twice_differentiable_with_constant_weights():
     """Hessian-vector product of the off-policy loss = w times that of on-policy CA-PG (B = L = 1)."""
     logits, candidates, chosen, rewards, logged = _logged_rows(1, b=1, length=1)

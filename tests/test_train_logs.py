@@ -124,6 +124,8 @@ def test_cli_resume_extends_and_refuses_conflicts(logs, tmp_path, capsys):
     assert "--logs" in capsys.readouterr().err
     assert _run(["train", "--epochs", "2", "--out", str(tmp_path / "online")]) == 2
     assert "--epochs: options of training from logs" in capsys.readouterr().err
+    assert _run(["train", "--resume", "--out", str(tmp_path / "none"), "--epochs", "3"]) == 2  # says why
+    assert "no checkpoint" in capsys.readouterr().err
     # --logs defaults to the saved run's (it was refused as an option of training from logs)
     assert _run(["train", "--resume", "--out", str(out), "--epochs", "2", "--checkpoint-every", "1"]) == 0
     history = json.loads((out / "result.json").read_text())["history"]

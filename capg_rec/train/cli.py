@@ -204,16 +204,19 @@ def _resume(args: argparse.Namespace, given: dict, out: Path) -> Trainer:
 
 
 def _saved_logs(out: Path) -> list[str] | None:
-    """The logs of the run from logs saved in ``out``, or None (an online run, or no readable checkpoint: the
-    resume then says why)."""
+    """The logs of the run from logs saved in ``out``, or None (an online run); exit 2 if there is no readable
+    checkpoint to continue."""
     from capg_rec.train.checkpoint import read_checkpoint
 
+    path = out / "checkpoint.pt"
     try:
         with warnings.catch_warnings():  # read again, and warned about, where the run is resumed
             warnings.simplefilter("ignore")
-            state = read_checkpoint(out / "checkpoint.pt")
-    except (OSError, ValueError):
-        return None
+            state = read_checkpoint(path)
+    except FileNotFoundError:
+        _fail(f"--resume: no checkpoint {path} to continue (is --out right?)")
+    except (OSError, ValueError) as err:
+        _fail(str(err))
     return list(state["config"]["logs"]) if state.get("kind") == "logs" else None
 
 
