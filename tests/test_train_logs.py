@@ -81,6 +81,17 @@ def test_every_estimator_trains(logs, tmp_path, estimator):
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
 
 
+def test_an_update_that_overflows_the_parameters_gives_no_estimates(logs):
+    """Found by review: after SGD at lr 1e38 overflowed the parameters, the policy value was NaN but the held-out
+    IPS/SNIPS were numbers (the greedy ESR ranked non-finite scores unchecked). They are NaN (null) too."""
+    trainer = LogTrainer(LogTrainConfig((logs,), batch_size=100, holdout=0.25, eval_every=1, epochs=2,
+                                        optimizer="sgd", lr=1e38), synthetic_env())
+    result = trainer.run(progress=False)
+    assert result.overflow_count >= 1
+    last = result.history[-1]
+    assert math.isnan(last["policy_value"]) and all(math.isnan(last[k]) for k in ("ope_ips", "ope_snips", "ope_ess"))
+
+
 def test_capg_method_with_replacement_uses_the_logged_expected_count(logs):
     trainer = LogTrainer(LogTrainConfig((logs,), capg_method="with_replacement", max_weight=None, holdout=0.25),
                          synthetic_env())

@@ -313,11 +313,15 @@ class LogTrainer(Trainer):
     # ------------------------------------------------------------ evaluation
     @torch.no_grad()
     def off_policy_estimate(self) -> dict:
-        """IPS/SNIPS of the greedy ESR (inclusion 1 on its top-K, 0 elsewhere) on the held-out rows."""
+        """IPS/SNIPS of the greedy ESR (inclusion 1 on its top-K, 0 elsewhere) on the held-out rows; NaN when its
+        scores are not finite (an update that overflowed the parameters)."""
         targets, logged, rewards = [], [], []
         for batch in self.eval_data:
-            top = greedy_candidates(self._scores(batch), self.config.num_candidates,
-                                    temperature=self.config.temperature, validate_args=False)
+            scores = self._scores(batch)
+            if not all_finite(scores):  # nothing ranks them: no estimate of this ESR
+                return dict.fromkeys(("ope_ips", "ope_ips_low", "ope_ips_high", "ope_snips", "ope_ess"), math.nan)
+            top = greedy_candidates(scores, self.config.num_candidates, temperature=self.config.temperature,
+                                    validate_args=False)
             inside = (batch.shown.unsqueeze(2) == top.unsqueeze(1)).any(2)
             targets.append(torch.where(inside, 0.0, -math.inf).double())
             logged.append(batch.log_inclusion)
