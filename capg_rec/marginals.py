@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 
 from capg_rec._enumerate import log_inclusion_probs
 from capg_rec._checks import check_count, check_items, check_positive, raise_where_short, resolve_validate_args, \
@@ -160,8 +161,7 @@ class Exact(InclusionMethod):
             raise RuntimeError("the exact method does not run under torch.func.vmap (the sizes of its work depend "
                                "on the scores); use a loop, or another method")
         if len(runs) > 1 and under_forward_mode():  # its mixture's gradients come from a backward of its own
-            raise NotImplementedError("the exact method for a mixture of experts has no forward mode (torch.func.jvp, "
-                                      "jacfwd, hessian): use reverse mode (torch.func.grad, jacrev)")
+            raise _no_forward_mode()
         head = head_size_for(catalog.num_items, sum(n for _, n in runs))
         if catalog.exact_top < head < catalog.num_items:  # a head read through top_items
             raise ValueError(f"the 'exact' method is not supported here: it reads each expert's best {head} items "
@@ -169,6 +169,9 @@ class Exact(InclusionMethod):
                              f"names only its best {catalog.exact_top} exactly (and a sampled catalog estimates "
                              "power sums only to p = 3)")
         ht = summarize(catalog, items, head, self.num_powers)
+        if len(runs) > 1 and any(forward_ad.unpack_dual(t).tangent is not None
+                                 for t in (ht.head_scores, ht.tail_log_power_sums)):  # torch.autograd.forward_ad
+            raise _no_forward_mode()
         return exact_log_inclusion(ht, runs, memory_budget=self.memory_budget)
 
 
@@ -187,6 +190,12 @@ class Enumeration(InclusionMethod):
 
 
 _KNOWN_LOOKUPS = frozenset(cls.log_inclusion for cls in (WithReplacement, PlugIn, MeanField, Exact, Enumeration))
+
+
+def _no_forward_mode() -> NotImplementedError:
+    return NotImplementedError("the exact method for a mixture of experts has no forward mode (torch.func.jvp, jacfwd, "
+                               "hessian, torch.autograd.forward_ad): its tangents would be wrong; use reverse mode "
+                               "(torch.func.grad, jacrev)")
 
 
 def _known_lookups(method: InclusionMethod) -> bool:

@@ -385,10 +385,17 @@ def test_forward_mode_raises_not_implemented_or_is_right(method, m):
     def loss(x):
         return F.capg_loss(x, candidates, candidates[:, :1], rewards, method=method, validate_args=False)
 
+    def dual(x, v):  # torch.autograd.forward_ad: the mixture's tangents were silently wrong (found by review)
+        with torch.autograd.forward_ad.dual_level():
+            return torch.autograd.forward_ad.unpack_dual(loss(torch.autograd.forward_ad.make_dual(x, v))).tangent
+
     if method == "exact" and m == 1:
         (grad,) = torch.autograd.grad(loss(logits.requires_grad_()), logits)
         _, tangent = torch.func.jvp(loss, (logits.detach(),), (direction,))
         torch.testing.assert_close(tangent, (grad * direction).sum())
+        torch.testing.assert_close(dual(logits.detach(), direction), (grad * direction).sum())
     else:
         with pytest.raises(NotImplementedError):
             torch.func.jvp(loss, (logits.detach(),), (direction,))
+        with pytest.raises(NotImplementedError):
+            dual(logits.detach(), direction)
