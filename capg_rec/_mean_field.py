@@ -541,11 +541,28 @@ class _RobustSolve:
                 break
         else:
             if not compiling and iters > 0:
-                warnings.warn(f"mean-field's root solve did not converge in max_iter={iters} steps (in "
-                              f"{int((~done).sum())} of {done.numel()} rows): its probabilities may not sum to K; "
-                              "raise max_iter", RuntimeWarning, stacklevel=2)
+                self._warn_unsolved(kappa, done, iters)
         keep = (~self.no_root).unsqueeze(1).to(kappa.dtype)
         return kappa, *(share * keep for share in shares)
+
+    def _warn_unsolved(self, kappa: Tensor, done: Tensor, iters: int) -> None:
+        """Warn if, in a row the solve did not finish, the block's expected count ``f(κ)`` misses n by more than
+        1e-3 relative (a row that only stalled at rounding, its count right, is not warned about)."""
+        scale_p, scale_q, deficit, p, q = (t.double() for t in self._terms(kappa)[0][:5])
+        miss = (deficit + p * scale_p.exp() - q * scale_q.exp()).abs() / self.count  # |n - f| / n = |A - Q| / n
+        off = ~done & ~(miss <= 1e-3)  # NaN counts as off
+        if bool(off.any()):
+            warnings.warn(f"mean-field's root solve did not converge in max_iter={iters} steps: in {int(off.sum())} of "
+                          f"{off.numel()} rows a block's expected count is off by up to {float(miss[off].max()):.2g} "
+                          "of K; raise max_iter", RuntimeWarning, stacklevel=3)
+
+    def _log_a_q(self, sums: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
+        """``log A`` and ``log Q`` of the sums at κ (see the class): ``n - f = A - Q``."""
+        scale_p, scale_q, deficit, p, q, _, _ = sums
+        log_p = torch.log(p) + scale_p
+        log_a = torch.where(deficit >= 0, torch.logaddexp(torch.log(deficit.clamp(min=0.0)), log_p),
+                            log_p + torch.log1p((deficit * torch.exp(-log_p)).clamp(min=-1.0)))
+        return log_a, torch.log(q) + scale_q
 
     def _terms(self, kappa: Tensor) -> tuple[tuple[Tensor, ...], tuple[Tensor, Tensor, Tensor]]:
         """The scaled sums at κ, and the derivatives of κ that they give."""
@@ -617,10 +634,7 @@ class _RobustSolve:
         scale_p, scale_q, deficit, p, q, b_sat, b_rest = sums
         tiny = self.finfo.tiny
         # log A, A = n - Σ_sat ρ (1 - e^{-x}) = (n - S) + P: -inf where A ≤ 0
-        log_p = torch.log(p) + scale_p
-        log_a = torch.where(deficit >= 0, torch.logaddexp(torch.log(deficit.clamp(min=0.0)), log_p),
-                            log_p + torch.log1p((deficit * torch.exp(-log_p)).clamp(min=-1.0)))
-        log_q = torch.log(q) + scale_q
+        log_a, log_q = self._log_a_q(sums)
         above = log_a > log_q  # n - f = A - Q > 0: f < n, κ is above the root
         hi = torch.where(above, torch.minimum(hi, kappa), hi)
         lo = torch.where(above, lo, torch.maximum(lo, kappa))
