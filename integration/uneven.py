@@ -56,8 +56,8 @@ import torch
 import torch.distributed as dist
 
 import _harness as h
-from capg_rec import CAPGLoss, DrawnSample, SampledCatalog, UniformSampler, VPGLoss, greedy_candidates, \
-    inclusion_log_prob, sample_candidates
+from capg_rec import CAPGLoss, DrawnSample, InclusionMethod, SampledCatalog, UniformSampler, VPGLoss, \
+    WithReplacement, greedy_candidates, inclusion_log_prob, sample_candidates
 from capg_rec.logs import explore_candidates, log_propensities
 
 SETUP = h.Setup(num_items=3_001, num_experts=2, dim=4, num_users=40, temperature=0.5)
@@ -344,6 +344,18 @@ def main() -> int:
         towered.module.user_vectors(h.user_batch(users.to(h.device())), torch.zeros(PER_RANK - rank, 0,
                                                                                      device=h.device()))
 
+    class Squeezed(InclusionMethod):  # a user's method whose .squeeze() drops rank 1's one row
+        is_probability = False
+
+        def log_inclusion(self, catalog, items, runs):
+            return WithReplacement().log_inclusion(catalog, items, runs).squeeze()
+
+    def user_method_shape():  # found by review: rank 1 raised alone, rank 0 waited in the values' agreement
+        users = batch(rank, 1 if rank == 1 else PER_RANK)[0]
+        cat = full(users)
+        cand = sample_candidates(cat, K, generator=torch.Generator().manual_seed(3))
+        CAPGLoss(K, method=Squeezed())(cat, cand, cand[:, :2], ones(users.shape[0]))
+
     cases = {"empty/mean_field": empty("mean_field"), "empty/with_replacement": empty("with_replacement"),
              "empty/mean_field_small": empty("mean_field", small=True), "empty/draw": empty_draw(False),
              "empty/greedy": empty_draw(True),
@@ -362,7 +374,8 @@ def main() -> int:
                 for what in ("rewards", "chosen", "rows", "width") for where in ("sampled", "whole")},
              **{f"arguments/{what}/{where}": bad_draw(what, where)
                 for what in ("k_zero", "k_above_n", "k_float", "generator") for where in ("sampled", "whole")},
-             "arguments/greedy": bad_draw("k_above_n", "greedy"), "arguments/explore": bad_draw("k_zero", "explore")}
+             "arguments/greedy": bad_draw("k_above_n", "greedy"), "arguments/explore": bad_draw("k_zero", "explore"),
+             "user_method_shape": user_method_shape}
     outcomes = {name: outcome(case) for name, case in cases.items()}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"uneven_rank{rank}.json").write_text(json.dumps(outcomes, indent=1))

@@ -237,6 +237,9 @@ def test_sampled_mode_checks_agree_whatever_each_rank_holds(tmp_path):
     assert first["user_vectors_dense"] == second["user_vectors_dense"]  # the other rank returned (out of step)
     assert first["user_vectors_dense"].startswith("ValueError: dense must have shape [B, F] with B = 4")
     # regressions (found by review): the sampled mode took masks outside the catalog silently, or raised on rank 1 alone
+    # found by review: a user's method of the wrong shape on rank 1 alone raised there, and rank 0 hung
+    assert second["user_method_shape"].startswith("ValueError: Squeezed().log_inclusion must return the items' shape")
+    assert first["user_method_shape"].startswith("ValueError: an input check failed in another process")
     assert first["masked/range"] == second["masked/range"]
     assert first["masked/range"].startswith("ValueError: masked_items must hold ids in [-1, 3001)")
     assert first["masked/float"] == second["masked/float"]
