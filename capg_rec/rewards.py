@@ -24,7 +24,9 @@ def group_normalize(rewards: Tensor, *, offset: float = 0.0, dim: int = 0, eps: 
                     validate_args: bool | None = None) -> Tensor:
     """GRPO-style normalisation: ``(r - mean) / (std + eps)`` over ``dim`` (the group), plus ``offset``.
 
-    CA-PG needs positive rewards (the paper's sufficient condition), hence the ``offset``. ``eps > 0``
+    CA-PG's variance argument asks for positive rewards (the paper's sufficient condition), hence the ``offset``,
+    which shifts the normalised rewards up (the paper's choice, 1, leaves a group's lowest below 0 when it is far
+    below the rest: it does not guarantee positivity). ``eps > 0``
     keeps a constant group finite; with ``validate_args`` the rewards must be finite.
     """
     rewards = check_float_tensor("rewards", rewards, ndims=tuple(range(1, 9)),

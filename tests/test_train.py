@@ -683,3 +683,14 @@ def test_a_method_that_cannot_score_the_catalog_exits_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         _train_cli("--out", str(tmp_path / "run"), "--estimator", "capg", "--capg-method", "enumerate", "--steps", "2")
     assert exit_info.value.code == 2 and "Enumeration needs num_items <= 8" in capsys.readouterr().err
+
+
+def test_study_options_that_cannot_be_honoured_are_refused(tmp_path):
+    """Found by review: reproduce variance wrote 4 cells under 2 headers for --estimators vpg vpg, and
+    build_target("table2", lsr=["optimal"]) was a bare KeyError."""
+    from capg_rec.train.variance import gradient_variance_report
+
+    with pytest.raises(ValueError, match="estimators must not repeat"):
+        gradient_variance_report(tmp_path / "variance", ks=[2], estimators=["vpg", "vpg"])
+    with pytest.raises(ValueError, match="noisy, uniform, anti"):
+        build_target("table2", steps=10, lsr=["optimal"])

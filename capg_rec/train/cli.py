@@ -70,7 +70,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _option(p, "--train-lsr", choices=LSR_NAMES)
     _option(p, "--eval-lsr", choices=LSR_NAMES)
     _option(p, "--eval-every", type=int)
-    _option(p, "--position-weights", choices=("mean", "sum", "dcg"))
+    _option(p, "--position-weights", choices=("mean", "sum", "dcg"),
+            help="weights of the L positions in the trained objective (the reported policy value is the mean of "
+                 "q over the L picks whatever they are)")
     _option(p, "--group-size", type=int, help="GRPO group size (1 = off)")
     _option(p, "--group-offset", type=float, help="constant added after group normalisation")
     _option(p, "--baseline", choices=("none", "context"))

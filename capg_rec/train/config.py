@@ -52,7 +52,9 @@ class TrainConfig:
     * ``num_candidates`` K, ``num_outputs`` L, ``num_experts`` M, ``temperature`` τ of the ESR.
     * ``lr``: ``None`` = the paper's (1e-1 for V-PGs, 1e-2 for CA-PGs); ``adaptive_lr`` scales it by
       the inverse mean LSR propensity, estimated once at the start (the paper's appendix).
-    * ``position_weights``: ``mean`` (1/L, the paper's code), ``sum`` (1) or ``dcg``.
+    * ``position_weights``: ``mean`` (1/L, the paper's code), ``sum`` (1) or ``dcg``: the weights of the
+      trained objective. The reported policy value is the mean of q over the L picks whatever they are (the
+      value the paper's tables report).
     * ``group_size`` G > 1 with ``group_offset`` c: GRPO — each user is served G times and rewards
       are normalised within the group, plus c. ``baseline="context"``: subtract a per-user moving
       average of past rewards (decay ``baseline_decay``).

@@ -35,6 +35,8 @@ _PAPER_TABLE2 = {
     "capg_swr": {"K=5": (7.37, 8.11), "K=10": (7.94, 8.40), "K=20": (8.33, 8.62), "noisy": (8.11, 8.41),
                  "uniform": (5.79, 6.90), "anti": (1.00, 1.00)},
 }
+_LSR_COLUMNS = ("noisy", "uniform", "anti")
+"""table2's LSR-alignment columns (``lsr``)."""
 _PAPER_TABLE3 = {  # @500K only; L = 5 values are sums over the 5 positions
     "vpg": {"L=1,M=1": 7.17, "L=1,M=5": 7.63, "L=5,M=1": 25.0, "L=5,M=5": 26.5},
     "vpg_swr": {"L=1,M=1": 8.54, "L=1,M=5": 8.58, "L=5,M=1": 38.1, "L=5,M=5": 37.2},
@@ -110,6 +112,8 @@ def _target_cells(target: str, *, steps: int, estimators: Sequence[str] | None,
                 cells.append(Cell(f"K={k}", base.replace(estimator=est, num_candidates=k),
                                   _PAPER_TABLE2[est].get(f"K={k}", (None, None))))
             for name in lsr:
+                if name not in _LSR_COLUMNS:  # a KeyError before
+                    raise ValueError(f"lsr must hold table2's LSR columns ({', '.join(_LSR_COLUMNS)}), got {name!r}")
                 cfg = base.replace(estimator=est, train_lsr=name, eval_lsr=name,
                                    adaptive_lr=est.startswith("capg"))
                 cells.append(Cell(name, cfg, _PAPER_TABLE2[est][name]))
@@ -230,7 +234,7 @@ def summarize(target: str, env: MatrixEnv, cells: Sequence[Cell], results: dict,
               "paper @500K", "overflows"]
     best = env.optimal_value(1)
     text = (f"# {target}: {env.name}\n\nPolicy value of the greedy ESR (exact, all {env.num_users} users); "
-            f"best achievable (L = 1): {best:.3f}.\n\n" + markdown_table(header, rows))
+            f"best achievable (L = 1, under the optimal LSR): {best:.3f}.\n\n" + markdown_table(header, rows))
     (out / "results.md").write_text(text, encoding="utf-8")
     if per_run:
         write_csv(out / "results.csv", per_run)

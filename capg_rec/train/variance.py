@@ -75,6 +75,7 @@ def gradient_variance_report(out: str | os.PathLike, *, ks: Sequence[int] | None
     ks = list(ks or (2, 5, 10, 20, 50, 100))
     check_distinct("ks", ks)
     estimators = list(estimators or ("vpg", "vpg_swr", "capg", "capg_swr"))
+    check_distinct("estimators", estimators)  # a repeat wrote more cells than headers
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rows = gradient_variance(synthetic_env(), ks, estimators, num_users=num_users, samples=samples, seed=seed)
