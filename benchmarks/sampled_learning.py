@@ -30,7 +30,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from capg_rec import CAPGLoss, EmbeddingCatalog, SampledCatalog, UniformSampler, sample_candidates
+from capg_rec import CAPGLoss, EmbeddingCatalog, SampledCatalog, UniformSampler, inclusion_methods, sample_candidates
 from capg_rec.ann import ExactIndex
 from capg_rec.sim.env import MatrixEnv
 from capg_rec.sim.ondemand import OnDemandSyntheticEnv
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--head", type=int, default=50)
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--methods", nargs="+", default=["with_replacement", "mean_field"])
+    p.add_argument("--methods", nargs="+", default=["with_replacement", "mean_field"], choices=inclusion_methods())
     p.add_argument("--env", choices=("synthetic", "movielens"), default="synthetic")
     p.add_argument("--env-seed", type=int, default=0)
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("out/sampled_learning"))
