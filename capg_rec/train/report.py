@@ -91,7 +91,7 @@ def plot_curves(panels: Mapping[str, Mapping[str, Sequence[Sequence[Mapping]]]],
                 if history[-1].get("overflows", 0):
                     ax.plot(steps[-1], values[-1], "o", color=color, ms=4)
         if optimum is not None:
-            ax.axhline(optimum, color="gray", ls="--", lw=0.8, label="best possible")
+            ax.axhline(optimum, color="gray", ls="--", lw=0.8, label="best possible (optimal LSR)")
         ax.set_title(title)
         ax.set_xlabel("gradient steps")
         ax.grid(alpha=0.3)
