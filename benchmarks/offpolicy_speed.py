@@ -61,12 +61,14 @@ def _time_pair(first, second, reps: int, warmup: int) -> tuple[list[float], list
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=positive_int, default=50)
-    parser.add_argument("--warmup", type=positive_int, default=5)
+    parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--ks", type=int, nargs="+", default=[10, 50, 200])
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--items", type=int, default=1000)
     parser.add_argument("--out", default="runs/offpolicy_speed")
     args = parser.parse_args(argv)
+    if args.warmup < 0:
+        parser.error(f"--warmup must be >= 0, got {args.warmup}")
     g = torch.Generator().manual_seed(0)
     rows = []
     for k in args.ks:
