@@ -196,13 +196,15 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def check_scaled(logits: Tensor, scores: Tensor, tau: float) -> None:
     """Finite ``logits`` (``-inf`` allowed) over a temperature ``tau < 1`` must stay finite in ``scores``: ``+inf``
     would make NaN probabilities, ``-inf`` would mask an item (ValueError naming the temperature)."""
-    if not float(_memory_order(logits.detach()).amax()) < math.inf:  # NaN propagates: the logits' own fault
+    logits = _memory_order(logits.detach())
+    lo, hi = (float(v) for v in torch.aminmax(logits))  # one pass; NaN propagates
+    if not hi < math.inf:  # NaN or +inf: the logits' own fault
         raise ValueError("logits must be finite or -inf (masked) (no NaN or +inf)")
-    finite = _memory_order(logits.detach().masked_fill(logits.detach() == -math.inf, 0.0))
-    lo = float(finite.amin())
+    if lo == -math.inf:  # masked items: the lowest finite logit (a second pass, only then)
+        lo = float(logits.masked_fill(logits == -math.inf, hi).amin())
     if not (float(_memory_order(scores.detach()).amax()) < math.inf and lo / tau > -torch.finfo(scores.dtype).max):
-        raise ValueError(f"logits / temperature must stay finite: logits in [{lo:g}, {float(finite.amax()):g}] "
-                         f"overflow the {str(scores.dtype).removeprefix('torch.')} range at temperature={tau:g}")
+        raise ValueError(f"logits / temperature must stay finite: logits in [{lo:g}, {hi:g}] overflow the "
+                         f"{str(scores.dtype).removeprefix('torch.')} range at temperature={tau:g}")
 
 
 def narrowest(*dtypes: torch.dtype) -> torch.dtype:
