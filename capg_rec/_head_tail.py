@@ -62,8 +62,9 @@ def summarize(catalog: CatalogScores, targets: Tensor, head_size: int, num_power
         ids = catalog.top_items(head_size).flatten(1)  # [B, M·H], each expert's best first
         with catalog._trusting():  # the catalog's own draws
             scores = catalog.gather(unpadded(ids))
-        with torch.no_grad():  # expert m's own H-th best
+        with torch.no_grad():  # expert m's own H-th best; -inf where that slot is a pad (-1: fewer items to name)
             floor = scores.view(batch, experts, experts, head_size)[..., -1].diagonal(dim1=1, dim2=2)
+            floor = floor.masked_fill(ids.view(batch, experts, head_size)[..., -1] < 0, -torch.inf)
     if num_targets:
         scores = torch.cat([scores, catalog.gather(targets)], dim=2)
         ids = torch.cat([ids, targets], dim=1)

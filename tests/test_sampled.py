@@ -781,3 +781,28 @@ def test_exclude_of_another_shape_or_dtype_is_refused_by_every_catalog():
                 cat.log_power_sums(bad)
             with pytest.raises(error, match="exclude must"):
                 cat.top_items(2, exclude=bad)
+
+
+def test_a_row_with_fewer_items_than_mean_field_s_head_gets_no_false_floor():
+    """Found by review: masks leaving 40 items, fewer than mean-field's head (90): the head's last slot was a pad,
+    read as the largest id in the batch, whose finite score became the head's floor and clamped κ. With the checks
+    off the probabilities summed to 11.07 for K = 20 (-0.75 on one item). Every unmasked item is in the index
+    head here and the tail is empty: the answer is the dense one."""
+    from capg_rec._mean_field import mean_field_log_inclusion
+    from capg_rec.plackett_luce import expert_runs
+
+    n, k, m = 3000, 20, 2
+    gen = torch.Generator().manual_seed(0)
+    user = torch.randn(1, m, 4, generator=gen, dtype=torch.float64)
+    item = torch.randn(n, m, 4, generator=gen, dtype=torch.float64)
+    logits = torch.einsum("bmd,nmd->bmn", user, item)
+    logits[:, :, :n - 40] = -math.inf
+    items, runs = torch.arange(n - 40, n).view(1, -1), expert_runs(k, m)
+    dense = mean_field_log_inclusion(capg_rec.DenseCatalog(logits), items, runs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "names only its best 40 exactly": the whole of this row
+        catalog = SampledCatalog(user, item, sampler=UniformSampler(100), index_items=logits.topk(200, dim=2).indices,
+                                 masked_items=torch.arange(n - 40).view(1, -1),
+                                 generator=torch.Generator().manual_seed(0), validate_args=False)
+        sampled = mean_field_log_inclusion(catalog, items, runs)
+    torch.testing.assert_close(sampled.exp(), dense.exp(), rtol=0, atol=1e-9)
