@@ -106,7 +106,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--head", type=int, default=50)
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--methods", nargs="+", default=["with_replacement", "mean_field"], choices=inclusion_methods())
+    p.add_argument("--methods", nargs="+", default=["with_replacement", "mean_field"],
+                   choices=[m for m in inclusion_methods() if m not in ("exact", "enumerate")],  # no sampled catalog
+                   help="inclusion methods (exact and enumerate do not run on a sampled catalog)")
     p.add_argument("--env", choices=("synthetic", "movielens"), default="synthetic")
     p.add_argument("--env-seed", type=int, default=0)
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("out/sampled_learning"))

@@ -200,6 +200,8 @@ def check_scaled(logits: Tensor, scores: Tensor, tau: float) -> None:
     lo, hi = (float(v) for v in torch.aminmax(logits))  # one pass; NaN propagates
     if not hi < math.inf:  # NaN or +inf: the logits' own fault
         raise ValueError("logits must be finite or -inf (masked) (no NaN or +inf)")
+    if hi == -math.inf:  # every item masked: nothing to overflow
+        return
     if lo == -math.inf:  # masked items: the lowest finite logit (a second pass, only then)
         lo = float(logits.masked_fill(logits == -math.inf, hi).amin())
     if not (float(_memory_order(scores.detach()).amax()) < math.inf and lo / tau > -torch.finfo(scores.dtype).max):

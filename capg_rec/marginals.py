@@ -294,9 +294,9 @@ def _inclusion_log_prob(catalog: CatalogScores, items: Tensor, num_candidates: i
 def _check_output(catalog: CatalogScores, method: InclusionMethod, out: object, items: Tensor, num_candidates: int,
                   validate: bool) -> None:
     """What a method of your own returned for ``items [B, L]``: a floating tensor ``[B, L]`` (TypeError, ValueError
-    naming the method); with ``validate``, no NaN and nothing above its bound (one host sync). On a catalog shared by
-    processes, one agreement of them all: every process raises, none waits (its structure is checked whatever
-    ``validate``, a wrong shape being as likely on one process as on all)."""
+    naming the method); with ``validate``, no NaN and nothing above its bound (one host sync). With ``validate``, on a
+    catalog shared by processes, the structure and the values in one agreement of them all: every process raises,
+    none waits. Without it, no collective and no sync: a wrong structure raises where it is found."""
     failed: Exception | None = None
     if not isinstance(out, Tensor) or not out.is_floating_point():
         failed = TypeError(f"{method!r}.log_inclusion must return a floating torch.Tensor, got "
@@ -304,13 +304,15 @@ def _check_output(catalog: CatalogScores, method: InclusionMethod, out: object, 
     elif out.shape != items.shape:
         failed = ValueError(f"{method!r}.log_inclusion must return the items' shape {list(items.shape)}, got "
                             f"{list(out.shape)}")
+    if not validate:  # no collective, no sync: checks off mean that (torch.compile, hot loops)
+        if failed is not None:
+            raise failed
+        return
     agree = agreement(catalog)
     if agree is None and failed is not None:
         raise failed
-    if not validate and agree is None:
-        return
     bound = 0.0 if method.is_probability else math.log(num_candidates)
-    short = torch.zeros(0, dtype=torch.bool, device=items.device) if failed is not None or not validate else \
+    short = torch.zeros(0, dtype=torch.bool, device=items.device) if failed is not None else \
         ~(out.detach() <= bound + 1e-4)  # NaN too
     what = "a log-probability (<= 0)" if method.is_probability else f"a log expected count (<= log K = {bound:.4g})"
     message = f"{method!r}.log_inclusion returned values that are not {what}, or NaN"

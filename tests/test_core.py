@@ -428,6 +428,25 @@ def test_a_users_method_output_is_checked(make, error, match):
         CAPGLoss(3, method=method)(logits, cand, cand[:, :2], torch.ones(2, 2))
 
 
+def test_a_users_method_with_checks_off_takes_no_collective(monkeypatch):
+    """Found by review: the output check of a user's method agreed across processes even with checks off (a sync,
+    a collective that a process skipping the loss would leave waiting, and no torch.compile)."""
+    from capg_rec.torchrec.catalog import ShardedEmbeddingCatalog
+
+    calls = []
+    monkeypatch.setattr(ShardedEmbeddingCatalog, "agree", lambda self, passed: calls.append(1) or passed)
+    gen = torch.Generator().manual_seed(0)
+    user, item = torch.randn(4, 4, generator=gen), torch.randn(50, 4, generator=gen)
+    cand = torch.stack([torch.randperm(50, generator=gen)[:5] for _ in range(4)])
+    method = _Returns(lambda items: torch.full(items.shape, -1.0))
+    catalog = ShardedEmbeddingCatalog(user, item, num_items=50, validate_args=False)
+    capg_rec.functional.capg_loss(catalog, cand, cand[:, :2], torch.ones(4, 2), method=method, validate_args=False)
+    assert not calls
+    with pytest.raises(ValueError, match="shape"):  # still refused, where it is found
+        capg_rec.functional.capg_loss(catalog, cand, cand[:, :2], torch.ones(4, 2), validate_args=False,
+                                      method=_Returns(lambda items: torch.zeros(items.shape[1])))
+
+
 def test_registration_keeps_the_built_ins_and_checks_the_factory():
     with pytest.raises(ValueError, match="built-in"):  # silently replaced "exact" before
         capg_rec.register_inclusion_method("exact", capg_rec.MeanField)

@@ -106,6 +106,9 @@ def test_logits_that_overflow_over_a_small_temperature_are_refused(logits):
         with pytest.raises(ValueError, match="temperature"):
             call()
     capg_rec.greedy_candidates(x, 2, temperature=1e-30)  # within range: accepted
+    masked = torch.full((1, 5), -math.inf)  # every item masked: nothing overflows (found by review: refused)
+    none = capg_rec.inclusion_log_prob(masked, chosen, 2, temperature=0.5, method="with_replacement")
+    assert none.item() == -math.inf
     nan = x.clone()
     nan[0, 0] = math.nan  # the logits' own fault is named as such at any temperature (found by review)
     with pytest.raises(ValueError, match="logits must be finite"):
