@@ -380,6 +380,22 @@ def test_gradcheck_through_the_tail():
     assert torch.autograd.gradcheck(fn, (user, item), atol=1e-6, fast_mode=True)
 
 
+def test_gradcheck_through_a_mixture_s_tail():
+    """The tail's survival through earlier blocks (M > 1 above 2048 items) is part of the graph: first and second
+    derivatives against finite differences, with a mask and a temperature."""
+    gen = torch.Generator().manual_seed(13)
+    user = torch.randn(2, 2, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    item = torch.randn(2100, 2, 3, generator=gen, dtype=torch.float64)
+    items, masked = torch.tensor([[0, 3], [5, 2099]]), torch.tensor([[7, -1], [8, 9]])
+
+    def fn(u):
+        catalog = EmbeddingCatalog(u, item, temperature=0.7, masked_items=masked)
+        return mean_field_log_inclusion(catalog, items, expert_runs(12, 2))
+
+    assert torch.autograd.gradcheck(fn, (user,), atol=1e-6)
+    assert torch.autograd.gradgradcheck(fn, (user,), atol=1e-5)
+
+
 def _unrolled_log_inclusion(scores, items, k, steps=60):
     """Reference in plain autograd: each block's root by Newton steps from the sampling-with-
     replacement solution, differentiated through every step (float64, tiny N)."""
