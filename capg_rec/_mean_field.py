@@ -556,14 +556,6 @@ class _RobustSolve:
                           f"{off.numel()} rows a block's expected count is off by up to {float(miss[off].max()):.2g} "
                           "of K; raise max_iter", RuntimeWarning, stacklevel=3)
 
-    def _log_a_q(self, sums: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
-        """``log A`` and ``log Q`` of the sums at κ (see the class): ``n - f = A - Q``."""
-        scale_p, scale_q, deficit, p, q, _, _ = sums
-        log_p = torch.log(p) + scale_p
-        log_a = torch.where(deficit >= 0, torch.logaddexp(torch.log(deficit.clamp(min=0.0)), log_p),
-                            log_p + torch.log1p((deficit * torch.exp(-log_p)).clamp(min=-1.0)))
-        return log_a, torch.log(q) + scale_q
-
     def _terms(self, kappa: Tensor) -> tuple[tuple[Tensor, ...], tuple[Tensor, Tensor, Tensor]]:
         """The scaled sums at κ, and the derivatives of κ that they give."""
         finfo, dtype = self.finfo, self.d.dtype
@@ -634,7 +626,10 @@ class _RobustSolve:
         scale_p, scale_q, deficit, p, q, b_sat, b_rest = sums
         tiny = self.finfo.tiny
         # log A, A = n - Σ_sat ρ (1 - e^{-x}) = (n - S) + P: -inf where A ≤ 0
-        log_a, log_q = self._log_a_q(sums)
+        log_p = torch.log(p) + scale_p
+        log_a = torch.where(deficit >= 0, torch.logaddexp(torch.log(deficit.clamp(min=0.0)), log_p),
+                            log_p + torch.log1p((deficit * torch.exp(-log_p)).clamp(min=-1.0)))
+        log_q = torch.log(q) + scale_q
         above = log_a > log_q  # n - f = A - Q > 0: f < n, κ is above the root
         hi = torch.where(above, torch.minimum(hi, kappa), hi)
         lo = torch.where(above, lo, torch.maximum(lo, kappa))

@@ -38,8 +38,8 @@ from torch import Tensor
 from capg_rec._checks import DeferredChecks, check_choice, check_count, check_flag, check_id_tensor, \
     check_positive, resolve_validate_args
 from capg_rec.catalog import CatalogScores, DenseCatalog, agreement, as_catalog, check_scaled, narrowest
-from capg_rec.marginals import DEFAULT_METHOD, InclusionMethod, WithReplacement, _inclusion_log_prob, \
-    _known_lookups, inclusion_method
+from capg_rec.marginals import DEFAULT_METHOD, LOG_PROB_TOLERANCE, InclusionMethod, WithReplacement, \
+    _inclusion_log_prob, _known_lookups, inclusion_method
 from capg_rec.plackett_luce import _candidate_log_prob, _expert_index, unmasked_needs
 
 __all__ = ["vpg_loss", "capg_loss", "offpolicy_capg_loss", "offpolicy_vpg_loss", "topk_reinforce_loss",
@@ -47,8 +47,6 @@ __all__ = ["vpg_loss", "capg_loss", "offpolicy_capg_loss", "offpolicy_vpg_loss",
 
 REDUCTIONS = ("mean", "sum", "none")
 
-LOG_PROB_TOLERANCE = 1e-4
-"""How far above its bound (0 for a log-probability) a logged log-propensity may lie: rounding."""
 
 
 def vpg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor, *,
@@ -317,7 +315,7 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
             check_scaled(logits, catalog.scores, temperature)  # a dense catalog is one process's: raise here
         try:
             _check_values(catalog, candidates, chosen, rewards, baseline, position_weights, logged, failed,
-                          distinct=distinct, inclusion=inclusion, scaled=temperature != 1.0)
+                          distinct=distinct, inclusion=inclusion)
         except ValueError:
             if failed is not None:  # the agreement failed with it: raise this process's own error
                 raise failed from None
@@ -329,18 +327,16 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
 
 def _check_values(catalog: CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor, baseline: Tensor | None,
                   position_weights: Tensor | None, logged: tuple[str, Tensor, bool, float] | None,
-                  failed: Exception | None, *, distinct: bool, inclusion: bool, scaled: bool = False) -> None:
+                  failed: Exception | None, *, distinct: bool, inclusion: bool) -> None:
     """:func:`_prepare`'s value checks, in one agreement of every process (``failed``: this process's inputs were
-    malformed; they are placeholders here, and the agreement fails; ``scaled``: the logits were divided by a
-    temperature)."""
+    malformed; they are placeholders here, and the agreement fails)."""
     num_items = catalog.num_items
     checks = DeferredChecks()
     if failed is not None:
         checks.require(False, str(failed))
     masked = True  # other catalogs: a catalog call on every process (it may be collective)
-    if isinstance(catalog, DenseCatalog):  # the scores: logits over a small temperature may overflow
-        masked = checks.no_nan_or_inf("logits / temperature" if scaled else "logits", catalog.scores,
-                                      allow_masked=True)
+    if isinstance(catalog, DenseCatalog):
+        masked = checks.no_nan_or_inf("logits", catalog.scores, allow_masked=True)
     inside = checks.draw_and_picks(candidates, chosen, num_items, distinct=distinct)
     for name, ids in (("candidates", candidates), ("chosen", chosen)):  # a placement holding only some rows:
         vouched = catalog._vouch(name, ids)  # the ids it can score, in the agreement below

@@ -42,7 +42,7 @@ from capg_rec._mean_field import mean_field_log_inclusion
 from capg_rec._plugin import plugin_log_inclusion
 from capg_rec._head_tail import head_size_for, summarize
 from capg_rec._numerics import safe_logsumexp, select_experts
-from capg_rec.catalog import CatalogScores, agreement, as_catalog, every_score
+from capg_rec.catalog import CatalogScores, as_catalog, every_score
 from capg_rec.plackett_luce import check_enough_items, expert_runs
 
 __all__ = ["InclusionMethod", "Exact", "MeanField", "PlugIn", "WithReplacement", "Enumeration", "inclusion_log_prob",
@@ -52,6 +52,9 @@ Runs = Sequence[tuple[int, int]]
 
 DEFAULT_METHOD = "mean_field"
 """The name of the default method (:class:`MeanField`)."""
+
+LOG_PROB_TOLERANCE = 1e-4
+"""How far above its bound (0 for a log-probability, log K for a count) a log-propensity may lie: rounding."""
 
 
 def _swr(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
@@ -308,17 +311,11 @@ def _check_output(catalog: CatalogScores, method: InclusionMethod, out: object, 
         if failed is not None:
             raise failed
         return
-    agree = agreement(catalog)
-    if agree is None and failed is not None:
-        raise failed
     bound = 0.0 if method.is_probability else math.log(num_candidates)
     short = torch.zeros(0, dtype=torch.bool, device=items.device) if failed is not None else \
-        ~(out.detach() <= bound + 1e-4)  # NaN too
+        ~(out.detach() <= bound + LOG_PROB_TOLERANCE)  # NaN too
     what = "a log-probability (<= 0)" if method.is_probability else f"a log expected count (<= log K = {bound:.4g})"
     message = f"{method!r}.log_inclusion returned values that are not {what}, or NaN"
-    if agree is None:
-        if bool(short.any()):
-            raise ValueError(message)
-    else:  # every process that shares the catalog raises (this one its own error, if it has one)
-        raise_where_short(agree, short, lambda index: f"{message} (at {list(index)})", f"{message} in another process",
-                          failed)
+    # every process that shares the catalog raises (this one its own error, if it has one); alone, agree is as is
+    raise_where_short(catalog.agree, short, lambda index: f"{message} (at {list(index)})",
+                      f"{message} in another process", failed)

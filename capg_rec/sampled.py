@@ -57,7 +57,7 @@ from capg_rec._numerics import (exp_floor, gumbel_group_size, gumbel_top_k, no_a
                                 select_experts, top_k)
 from capg_rec.ann import ItemIndex
 from capg_rec.catalog import CatalogScores, _overflow_error, agreement, available_given_masks, check_exclude, \
-    compute_dtype, masked_named_scores, narrowest, unpadded
+    compute_dtype, masked_named_scores, unpadded
 
 __all__ = ["SampledCatalog", "NegativeSampler", "UniformSampler", "InBatchSampler", "MixedSampler", "DrawnSample",
            "MAX_SAMPLED_POWERS"]
@@ -634,10 +634,6 @@ class SampledCatalog(CatalogScores):
         A product and a sum rather than a batched matmul of B·M ``[L, D] × [D, 1]`` products, whose
         backward is 3x slower at L = 10."""
         return (self._vectors(items) * self.user.unsqueeze(1)).sum(-1).transpose(1, 2)
-
-    @property
-    def _gradient_dtype(self) -> torch.dtype:
-        return narrowest(*self._source_dtypes)
 
     def num_available(self) -> Tensor:
         if self.masked_items is None:

@@ -21,7 +21,7 @@ from torch import Tensor
 from capg_rec._checks import check_count, check_float_tensor, check_id_tensor, check_positive, resolve_validate_args
 from capg_rec._numerics import no_autocast, safe_logsumexp, top_k
 from capg_rec.catalog import CatalogScores, _chunked_top_k, _ChunkedLogPowerSums, _expert_views, \
-    available_given_masks, compute_dtype, narrowest
+    available_given_masks, compute_dtype
 from capg_rec.torchrec._collective import agree, all_gather_rows, exchange, gather_rows, on_ranks, ranks_where, \
     reduce_rows
 from capg_rec.torchrec._noise import BLOCK, BlockNoise, draw_seed
@@ -201,10 +201,6 @@ class ShardedEmbeddingCatalog(CatalogScores):
     # -- the CatalogScores protocol ------------------------------------------------------------
     def agree(self, passed: Tensor) -> Tensor:
         return agree(passed, self.group)
-
-    @property
-    def _gradient_dtype(self) -> torch.dtype:
-        return narrowest(*self._source_dtypes)
 
     def num_available(self) -> Tensor:
         if self._masked_sorted is None:
