@@ -515,8 +515,11 @@ class EmbeddingCatalog(CatalogScores):
     def gather(self, items: Tensor) -> Tensor:
         if items.dim() != 2 or items.shape[0] != self.batch_size:  # a [1, L] broadcast silently to every row
             raise ValueError(f"items must have shape [B={self.batch_size}, L], got {list(items.shape)}")
-        with no_autocast(self.device):  # index_select: a negative id is an error, not the last item
-            named = self.item.index_select(0, items.reshape(-1)).view(*items.shape, *self.item.shape[1:])
+        with no_autocast(self.device):
+            try:  # index_select: a negative id is an error, not the last item (and costs no host read to check)
+                named = self.item.index_select(0, items.reshape(-1)).view(*items.shape, *self.item.shape[1:])
+            except IndexError:
+                raise ValueError(f"items must hold ids in [0, {self.num_items})") from None
             scores = torch.einsum("bmd,blmd->bml", self.user, named)
         return masked_named_scores(scores, items, self.masked_items, check=self.validate)
 

@@ -753,8 +753,9 @@ def test_protocol_lookups_refuse_what_they_cannot_answer():
     gen = torch.Generator().manual_seed(0)
     user, item = torch.randn(2, 4, generator=gen), torch.randn(10, 4, generator=gen)
     embedded, dense = EmbeddingCatalog(user, item), DenseCatalog(user @ item.T)
-    with pytest.raises(IndexError):
-        embedded.gather(torch.tensor([[-1], [0]]))
+    for bad in (-1, 10):
+        with pytest.raises(ValueError, match=r"items must hold ids in \[0, 10\)"):
+            embedded.gather(torch.tensor([[bad], [0]]))
     with pytest.raises(ValueError, match="items must have shape"):
         embedded.gather(torch.tensor([[1]]))
     for catalog in (embedded, dense):
