@@ -144,3 +144,22 @@ def test_scale_spreads_the_scores_and_is_recorded(tmp_path):
     result = bench.main(TINY + ["--configs", "4,1", "--estimators", "capg_swr", "--no-compile", "--scale", "3",
                                 "--out", str(tmp_path)])
     assert result["meta"]["scale"] == 3.0
+
+
+@pytest.mark.parametrize(("script", "argv", "named"), [
+    ("loss_speed", ["--configs", "10"], "--configs"),
+    ("loss_speed", ["--configs", "0,1"], "--configs"),
+    ("loss_speed", ["--reps", "0"], "--reps"),
+    ("loss_speed", ["--warmup", "-1"], "--warmup"),
+    ("loss_speed", ["--paper-code", "/nonexistent"], "--paper-code"),
+    ("offpolicy_speed", ["--warmup", "-3"], "--warmup"),
+    ("sampled_cost", ["--one", "1000", "nonsense"], "--one"),
+])
+def test_nonsense_options_are_argparse_errors(script, argv, named, tmp_path, capsys):
+    """Found by review: tracebacks from deep in the code (or a silently mislabelled timing) for nonsense options;
+    each is now argparse's exit 2 naming the option, before anything runs."""
+    module = load_script(f"benchmarks/{script}.py")
+    with pytest.raises(SystemExit) as exit_info:
+        module.main([*argv, "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2 and named in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
