@@ -62,72 +62,93 @@ def _readable_as(got: pa.DataType, want: pa.DataType) -> bool:
     return got == want
 
 
-def _first(bad: Tensor | np.ndarray) -> int | None:
-    """Index of the first True of a 1-d mask, or None."""
+def _first(bad: Tensor | np.ndarray | None) -> int | None:
+    """Index of the first True of a 1-d mask (None: no mask, none is True), or None."""
+    if bad is None:
+        return None
     bad = torch.as_tensor(bad)
     return int(bad.int().argmax()) if bool(bad.any()) else None
 
 
 def _value_problems(cols: dict[str, Tensor], meta: LogMetadata, num_items: int | None
-                    ) -> Iterator[tuple[str, Tensor, str]]:
-    """``(column, bad rows [n] bool, what is wrong)`` for every value check whose columns are present."""
+                    ) -> Iterator[tuple[str, Tensor | np.ndarray | None, str]]:
+    """``(column, bad rows [n] bool, what is wrong)`` for every value check whose columns are present; the
+    rows are None where one pass over the whole column (its min and max) shows that none is bad."""
     sorted_candidates = None
     if "candidates" in cols:
         c = cols["candidates"]
         if c.shape[1] > 1:
-            sorted_candidates = np.sort(c.numpy(), axis=1)  # numpy's: a CPU torch.sort of short rows is ~10x slower
+            # numpy's sort: a CPU torch.sort of short rows is ~10x slower
+            sorted_candidates = np.sort(c.numpy(), axis=1)
             yield "candidates", _repeats(sorted_candidates), "repeats an item"
         if num_items is not None:
-            yield "candidates", ((c < 0) | (c >= num_items)).any(1), f"holds an id outside [0, {num_items}) " \
+            yield "candidates", _outside(c, 0, num_items - 1), f"holds an id outside [0, {num_items}) " \
                 "(an item the catalog does not have)"
         else:
-            yield "candidates", (c < 0).any(1), "holds a negative id"
+            yield "candidates", _outside(c, 0, None), "holds a negative id"
     if "shown" in cols:
         s = cols["shown"]
         if s.shape[1] > 1:
             yield "shown", _repeats(np.sort(s.numpy(), axis=1)), "repeats an item"
         if "candidates" in cols:
-            candidates = sorted_candidates if sorted_candidates is not None else cols["candidates"].numpy()
-            yield "shown", ~_rows_hold(candidates, s.numpy()), \
+            candidates = torch.from_numpy(sorted_candidates) if sorted_candidates is not None else cols["candidates"]
+            yield "shown", ~_rows_hold(candidates, s), \
                 "holds an item that is not among the row's candidates (shown ⊄ candidates)"
         elif num_items is not None:
-            yield "shown", ((s < 0) | (s >= num_items)).any(1), f"holds an id outside [0, {num_items})"
+            yield "shown", _outside(s, 0, num_items - 1), f"holds an id outside [0, {num_items})"
         else:
-            yield "shown", (s < 0).any(1), "holds a negative id"
+            yield "shown", _outside(s, 0, None), "holds a negative id"
     for name in ("rewards", "features"):
         if name in cols:
-            yield name, ~torch.isfinite(cols[name]).all(1), "is not finite (NaN or inf)"
+            yield name, _outside(cols[name], -math.inf, math.inf), "is not finite (NaN or inf)"
     bounds = {"log_inclusion": 0.0, "log_expected_count": math.log(meta.num_candidates), "log_candidate_prob": 0.0}
     for name, bound in bounds.items():
         if name in cols:
             x = cols[name] if cols[name].dim() == 2 else cols[name].unsqueeze(1)
-            yield name, ~torch.isfinite(x).all(1), "is not finite (a zero, NaN or infinite propensity)"
+            if _outside(x, -math.inf, bound + LOG_TOLERANCE) is None:
+                continue  # one pass: finite and below the bound
+            yield name, _outside(x, -math.inf, math.inf), "is not finite (a zero, NaN or infinite propensity)"
             what = "a propensity > 1" if bound == 0.0 else f"an expected count > K = {meta.num_candidates}"
             yield name, (x > bound + LOG_TOLERANCE).any(1), f"is {what} (log above {bound:g})"
 
 
-def _repeats(ordered: np.ndarray) -> np.ndarray:
-    """Rows of ``ordered [n, k]`` (each sorted) that hold an id twice → ``[n]`` bool."""
-    return (ordered[:, 1:] == ordered[:, :-1]).any(1)
+def _outside(x: Tensor, low: float, high: float | None) -> Tensor | None:
+    """Rows of ``x [n, k]`` holding a value outside ``[low, high]`` (``high`` None: no upper bound) or, for
+    floats, one that is not finite → ``[n]`` bool; None when one min/max pass over ``x`` shows that none does."""
+    high = math.inf if high is None else high
+    if x.numel() == 0:
+        return None
+    lo, hi = torch.aminmax(x)  # a NaN propagates to both, and fails every comparison below
+    fine = (lo >= low) & (hi <= high)
+    if x.is_floating_point():
+        fine &= torch.isfinite(lo) & torch.isfinite(hi)
+    if bool(fine):
+        return None
+    ok = (x >= low) & (x <= high)
+    if x.is_floating_point():
+        ok &= torch.isfinite(x)
+    return ~ok.all(1)
 
 
-def _rows_hold(ordered: np.ndarray, ids: np.ndarray) -> np.ndarray:
+def _repeats(ordered: np.ndarray) -> np.ndarray | None:
+    """Rows of ``ordered [n, k]`` (each sorted) that hold an id twice → ``[n]`` bool (numpy's row reductions:
+    torch's are ~5x slower), or None when one pass shows that none does."""
+    same = ordered[:, 1:] == ordered[:, :-1]
+    if not same.any():
+        return None
+    return same.any(1)
+
+
+def _rows_hold(ordered: Tensor, ids: Tensor) -> Tensor:
     """Whether each row of ``ordered [n, k]`` (each sorted) holds every id of its row of ``ids [n, l]`` → ``[n]``
-    bool: one search in the rows laid end to end (row r's ids shifted by r times their span), not an
-    ``[n, l, k]`` comparison."""
-    if ids.size == 0:
-        return np.ones(ids.shape[0], dtype=bool)
+    bool: a binary search in its own row for each id (not an ``[n, l, k]`` comparison)."""
+    if ids.shape[1] == 0:
+        return torch.ones(ids.shape[0], dtype=torch.bool)
     if ordered.shape[1] == 0:
-        return np.zeros(ids.shape[0], dtype=bool)
-    low = min(int(ordered.min()), int(ids.min()))
-    span = max(int(ordered.max()), int(ids.max())) - low + 1
-    if span * ids.shape[0] >= 2**62:  # ids far apart (malformed): the shifted keys would overflow int64
-        return (ids[:, :, None] == ordered[:, None, :]).any(2).all(1)
-    shift = np.arange(ids.shape[0], dtype=np.int64)[:, None] * span - low
-    flat = (ordered + shift).ravel()  # increasing: rows sorted, each row above the one before
-    wanted = (ids + shift).ravel()
-    at = np.minimum(np.searchsorted(flat, wanted), flat.size - 1)
-    return (flat[at] == wanted).reshape(ids.shape).all(1)
+        return torch.zeros(ids.shape[0], dtype=torch.bool)
+    ordered, ids = ordered.contiguous(), ids.contiguous()  # searchsorted copies (and warns about) strided ones
+    at = torch.searchsorted(ordered, ids).clamp_(max=ordered.shape[1] - 1)
+    return (ordered.gather(1, at) == ids).all(1)
 
 
 def _row(row: int, file_row: int | None) -> str:
