@@ -43,6 +43,7 @@ _LIST_WIDTH = {"candidates": "num_candidates", "shown": "num_shown", "rewards": 
 _DTYPES = {"request_id": torch.long, "context": torch.long, "features": torch.float32, "candidates": torch.long,
            "shown": torch.long, "rewards": torch.float32, "log_inclusion": torch.float64,
            "log_expected_count": torch.float64, "log_candidate_prob": torch.float64}
+_ITEMSIZE = {name: dtype.itemsize for name, dtype in _DTYPES.items()}
 
 
 def _readable_as(got: pa.DataType, want: pa.DataType) -> bool:
@@ -62,16 +63,13 @@ def _readable_as(got: pa.DataType, want: pa.DataType) -> bool:
     return got == want
 
 
-def _first(bad: Tensor | np.ndarray | None) -> int | None:
+def _first(bad: np.ndarray | None) -> int | None:
     """Index of the first True of a 1-d mask (None: no mask, none is True), or None."""
-    if bad is None:
-        return None
-    bad = torch.as_tensor(bad)
-    return int(bad.int().argmax()) if bool(bad.any()) else None
+    return int(bad.argmax()) if bad is not None and bad.any() else None
 
 
-def _value_problems(cols: dict[str, Tensor], meta: LogMetadata, num_items: int | None
-                    ) -> Iterator[tuple[str, Tensor | np.ndarray | None, str]]:
+def _value_problems(cols: dict[str, np.ndarray], meta: LogMetadata, num_items: int | None
+                    ) -> Iterator[tuple[str, np.ndarray | None, str]]:
     """``(column, bad rows [n] bool, what is wrong)`` for every value check whose columns are present; the
     rows are None where one pass over the whole column (its min and max) shows that none is bad."""
     sorted_candidates = None
@@ -79,7 +77,7 @@ def _value_problems(cols: dict[str, Tensor], meta: LogMetadata, num_items: int |
         c = cols["candidates"]
         if c.shape[1] > 1:
             # numpy's sort: a CPU torch.sort of short rows is ~10x slower
-            sorted_candidates = np.sort(c.numpy(), axis=1)
+            sorted_candidates = np.sort(c, axis=1)
             yield "candidates", _repeats(sorted_candidates), "repeats an item"
         if num_items is not None:
             yield "candidates", _outside(c, 0, num_items - 1), f"holds an id outside [0, {num_items}) " \
@@ -89,9 +87,9 @@ def _value_problems(cols: dict[str, Tensor], meta: LogMetadata, num_items: int |
     if "shown" in cols:
         s = cols["shown"]
         if s.shape[1] > 1:
-            yield "shown", _repeats(np.sort(s.numpy(), axis=1)), "repeats an item"
+            yield "shown", _repeats(np.sort(s, axis=1)), "repeats an item"
         if "candidates" in cols:
-            candidates = torch.from_numpy(sorted_candidates) if sorted_candidates is not None else cols["candidates"]
+            candidates = sorted_candidates if sorted_candidates is not None else cols["candidates"]
             yield "shown", ~_rows_hold(candidates, s), \
                 "holds an item that is not among the row's candidates (shown ⊄ candidates)"
         elif num_items is not None:
@@ -104,7 +102,7 @@ def _value_problems(cols: dict[str, Tensor], meta: LogMetadata, num_items: int |
     bounds = {"log_inclusion": 0.0, "log_expected_count": math.log(meta.num_candidates), "log_candidate_prob": 0.0}
     for name, bound in bounds.items():
         if name in cols:
-            x = cols[name] if cols[name].dim() == 2 else cols[name].unsqueeze(1)
+            x = cols[name] if cols[name].ndim == 2 else cols[name][:, None]
             if _outside(x, -math.inf, bound + LOG_TOLERANCE) is None:
                 continue  # one pass: finite and below the bound
             yield name, _outside(x, -math.inf, math.inf), "is not finite (a zero, NaN or infinite propensity)"
@@ -112,21 +110,19 @@ def _value_problems(cols: dict[str, Tensor], meta: LogMetadata, num_items: int |
             yield name, (x > bound + LOG_TOLERANCE).any(1), f"is {what} (log above {bound:g})"
 
 
-def _outside(x: Tensor, low: float, high: float | None) -> Tensor | None:
+def _outside(x: np.ndarray, low: float, high: float | None) -> np.ndarray | None:
     """Rows of ``x [n, k]`` holding a value outside ``[low, high]`` (``high`` None: no upper bound) or, for
     floats, one that is not finite → ``[n]`` bool; None when one min/max pass over ``x`` shows that none does."""
     high = math.inf if high is None else high
-    if x.numel() == 0:
+    if x.size == 0:
         return None
-    lo, hi = torch.aminmax(x)  # a NaN propagates to both, and fails every comparison below
-    fine = (lo >= low) & (hi <= high)
-    if x.is_floating_point():
-        fine &= torch.isfinite(lo) & torch.isfinite(hi)
-    if bool(fine):
+    floats = np.issubdtype(x.dtype, np.floating)
+    lo, hi = x.min(), x.max()  # a NaN propagates to both, and fails every comparison below
+    if lo >= low and hi <= high and (not floats or (np.isfinite(lo) and np.isfinite(hi))):
         return None
     ok = (x >= low) & (x <= high)
-    if x.is_floating_point():
-        ok &= torch.isfinite(x)
+    if floats:
+        ok &= np.isfinite(x)
     return ~ok.all(1)
 
 
@@ -139,23 +135,25 @@ def _repeats(ordered: np.ndarray) -> np.ndarray | None:
     return same.any(1)
 
 
-def _rows_hold(ordered: Tensor, ids: Tensor) -> Tensor:
+def _rows_hold(ordered: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """Whether each row of ``ordered [n, k]`` (each sorted) holds every id of its row of ``ids [n, l]`` → ``[n]``
-    bool: a binary search in its own row for each id (not an ``[n, l, k]`` comparison)."""
+    bool: a binary search in its own row for each id (torch's batched search: numpy has none), not an
+    ``[n, l, k]`` comparison."""
     if ids.shape[1] == 0:
-        return torch.ones(ids.shape[0], dtype=torch.bool)
+        return np.ones(ids.shape[0], dtype=bool)
     if ordered.shape[1] == 0:
-        return torch.zeros(ids.shape[0], dtype=torch.bool)
-    ordered, ids = ordered.contiguous(), ids.contiguous()  # searchsorted copies (and warns about) strided ones
+        return np.zeros(ids.shape[0], dtype=bool)
+    # contiguous (torch's search copies and warns about strided ones), writable (torch warns of read-only memory)
+    ordered, ids = (torch.from_numpy(np.require(a, np.int64, ["C", "W"])) for a in (ordered, ids))
     at = torch.searchsorted(ordered, ids).clamp_(max=ordered.shape[1] - 1)
-    return (ordered.gather(1, at) == ids).all(1)
+    return (ordered.gather(1, at) == ids).all(1).numpy()
 
 
 def _row(row: int, file_row: int | None) -> str:
     return f"row {row}" if file_row is None else f"row {row} (file row {file_row + row})"
 
 
-def _raise_first(cols: dict[str, Tensor], meta: LogMetadata, num_items: int | None, where: str,
+def _raise_first(cols: dict[str, np.ndarray], meta: LogMetadata, num_items: int | None, where: str,
                  row0: int, file_row0: int | None = None) -> None:
     """``ValueError`` naming ``where``, the row (``row0`` + index; and the file's row if ``file_row0``
     is given) and the column of the first failing check."""
@@ -278,19 +276,19 @@ class LogWriter:
             raise ValueError(f"LogWriter for {self.path} is closed")
         if not isinstance(batch, LoggedBatch):
             raise TypeError(f"batch must be a LoggedBatch, got {type(batch).__name__}")
-        cols = self._columns(batch)
+        cols = {name: x.detach().cpu().numpy() for name, x in self._columns(batch).items()}
         n = len(cols["context"])
         if self.validate:
             where = f"batch {self.batches_written} written to {self.path}"
             _raise_first(cols, self.meta, self.meta.num_items, where, 0)
         if "request_id" not in cols:
-            cols["request_id"] = torch.arange(self.rows_written, self.rows_written + n)
+            cols["request_id"] = np.arange(self.rows_written, self.rows_written + n)
         arrays = []
         for f in self.schema:
             if f.name == "policy_version":
                 arrays.append(pa.repeat(pa.scalar(self.policy_version, pa.string()), n))
                 continue
-            values = cols[f.name].detach().cpu().numpy()
+            values = cols[f.name]
             if values.ndim == 1:
                 arrays.append(pa.array(values, type=f.type))
             else:
@@ -607,7 +605,7 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
         return self._row_groups_of(*self._shard())
 
     def __iter__(self) -> Iterator[LoggedBatch]:
-        pending: list[dict[str, Tensor]] = []
+        pending: list[dict[str, np.ndarray]] = []
         count = 0
         current: tuple[int, pq.ParquetFile | None] = (-1, None)
         try:
@@ -621,7 +619,7 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
                 for record_batch in _readable(current[1].iter_batches(
                         batch_size=max(self.batch_size, _READ_ROWS), row_groups=[group], columns=self.columns,
                         use_threads=False), where):
-                    cols = self._tensors(record_batch, where, row0, first_row)
+                    cols = self._arrays(record_batch, where, row0, first_row)
                     row0 += record_batch.num_rows
                     pending.append(cols)
                     count += record_batch.num_rows
@@ -635,9 +633,10 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
             if current[1] is not None:
                 current[1].close()
 
-    def _tensors(self, record_batch: pa.RecordBatch, where: str, row0: int, file_row0: int) -> dict[str, Tensor]:
-        """The batch's columns as tensors; with validation, every check (naming ``where`` and the row:
-        ``row0`` is the batch's first row in its row group, ``file_row0`` the group's first in the file)."""
+    def _arrays(self, record_batch: pa.RecordBatch, where: str, row0: int, file_row0: int) -> dict[str, np.ndarray]:
+        """The batch's columns as numpy views of Arrow's buffers (read-only, in the file's dtypes: copied and cast
+        once, into the batch); with validation, every check (naming ``where`` and the row: ``row0`` is the
+        batch's first row in its row group, ``file_row0`` the group's first in the file)."""
         cols = {}
         for name in self.columns:
             arr = record_batch.column(name)
@@ -659,16 +658,16 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
                     row = _first(values.is_null().to_numpy(zero_copy_only=False)) // width
                     raise ValueError(f"{where}, {_row(row0 + row, file_row0)}: column {name!r} holds a missing "
                                      "(null) value")
-                x = torch.from_numpy(values.to_numpy(zero_copy_only=False).copy()).view(n, width)
+                cols[name] = values.to_numpy(zero_copy_only=False).reshape(n, width)
             else:
-                x = torch.from_numpy(arr.to_numpy(zero_copy_only=False).copy())
-            cols[name] = x.to(_DTYPES[name])  # a no-op unless the file holds another readable type
+                cols[name] = arr.to_numpy(zero_copy_only=False)
         if self.validate:
             _raise_first(cols, self.meta, self.num_items, where, row0, file_row0)
         return cols
 
 
-def _split(pending: list[dict[str, Tensor]], size: int) -> tuple[dict[str, Tensor], list[dict[str, Tensor]]]:
+def _split(pending: list[dict[str, np.ndarray]], size: int
+           ) -> tuple[dict[str, np.ndarray], list[dict[str, np.ndarray]]]:
     """The first ``size`` rows of the pending pieces, and the pieces left."""
     taken, left, need = [], [], size
     for piece in pending:
@@ -682,20 +681,19 @@ def _split(pending: list[dict[str, Tensor]], size: int) -> tuple[dict[str, Tenso
             need = 0
         else:
             left.append(piece)
-    joined = taken[0] if len(taken) == 1 else {k: torch.cat([p[k] for p in taken]) for k in taken[0]}
+    joined = taken[0] if len(taken) == 1 else {k: np.concatenate([p[k] for p in taken]) for k in taken[0]}
     return joined, left
 
 
-def _batch(cols: dict[str, Tensor]) -> LoggedBatch:
-    """The columns copied into ONE byte buffer, each a contiguous typed view of it: a DataLoader worker then
-    hands the whole batch over through one shared-memory block instead of one per column (~2x the rows/s),
-    and a batch never keeps the larger decoded chunk it was cut from alive."""
-    sizes = {name: -(-x.numel() * x.element_size() // 8) * 8 for name, x in cols.items()}  # 8-byte aligned
+def _batch(cols: dict[str, np.ndarray]) -> LoggedBatch:
+    """The columns copied (and cast to the schema's dtypes) into ONE byte buffer, each a contiguous typed view
+    of it: a DataLoader worker then hands the whole batch over through one shared-memory block instead of one
+    per column (~2x the rows/s), and a batch never keeps the larger decoded chunk it was cut from alive."""
+    sizes = {name: -(-x.size * _ITEMSIZE[name] // 8) * 8 for name, x in cols.items()}  # 8-byte aligned
     buffer = torch.empty(sum(sizes.values()), dtype=torch.uint8)
     out, offset = {}, 0
     for name, x in cols.items():
-        nbytes = x.numel() * x.element_size()
-        view = buffer[offset:offset + nbytes].view(x.dtype).view(x.shape)
-        view.copy_(x)
+        view = buffer[offset:offset + x.size * _ITEMSIZE[name]].view(_DTYPES[name]).view(x.shape)
+        np.copyto(view.numpy(), x, casting="unsafe")  # the file's type was checked readable as the schema's
         out[name], offset = view, offset + sizes[name]
     return LoggedBatch(**{name: out.get(name) for name in LoggedBatch._fields})
