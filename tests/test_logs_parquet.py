@@ -187,6 +187,20 @@ def test_write_logs_and_empty_batch(tmp_path):
     assert list(LoggedImpressions(tmp_path / "empty.parquet", 4)) == []
 
 
+
+def test_writer_takes_batches_on_any_device_and_with_grad(tmp_path, device):
+    """The writer checks a batch where it lies (CUDA too: its checks read numpy copies; they called .numpy() on the
+    device tensors before) and one whose propensities still track gradients, and both read back as written."""
+    batch = _as_written(_batch(9, 0))
+    moved = LoggedBatch(*(None if x is None else x.to(device) for x in batch))
+    moved = moved._replace(log_inclusion=moved.log_inclusion.clone().requires_grad_())
+    write_logs(tmp_path / "d.parquet", moved, num_items=N)
+    _assert_same(_cat(list(LoggedImpressions(tmp_path / "d.parquet", 4))), batch)
+    row5 = torch.tensor([5], device=device)
+    bad = moved._replace(log_inclusion=moved.log_inclusion.detach().index_fill(0, row5, 1.0))
+    with pytest.raises(ValueError, match="row 5: column 'log_inclusion' is a propensity > 1"):
+        write_logs(tmp_path / "e.parquet", bad, num_items=N)
+
 # ------------------------------------------------------------------------------------------ malformed files
 
 def _table(rows=6, nullable=False):
