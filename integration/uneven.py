@@ -38,6 +38,11 @@ ranks with a collective timeout, so that a hang fails the case instead of the jo
   as one process over the 4 users does (the README's recipe for uneven batches);
 * ``ties``: a row-wise item table whose rows are all the same: the greedy draw names the lowest ids, as on one
   process;
+* ``catalog_arguments/*``: rank 1 passes the whole sharded catalog's ``top_items`` a K above N, another K than
+  rank 0's or an expert it does not have, or ``log_power_sums`` no powers: the error on both;
+* ``key_order/*``: a batch whose keys come in another order than the first batch's (TorchRec's sharded lookup
+  would read it in the first order), on rank 1 alone or on both: a ``ValueError`` on both;
+* ``baseline_dtype``: the baselines over float32 rewards on rank 0 and float64 ones on rank 1: one mean on both;
 * ``arguments/*``: rank 1 passes a draw a bad argument (K of 0, above N or a float; a generator that is not one),
   in the sampled mode and on the whole catalog, and to ``greedy_candidates`` and ``explore_candidates``: its own
   error there, a ``ValueError`` on rank 0.
@@ -59,6 +64,7 @@ import _harness as h
 from capg_rec import CAPGLoss, DrawnSample, InclusionMethod, SampledCatalog, UniformSampler, VPGLoss, \
     WithReplacement, greedy_candidates, inclusion_log_prob, sample_candidates
 from capg_rec.logs import explore_candidates, log_propensities
+from capg_rec.torchrec import ContextBaseline, global_mean_baseline
 
 SETUP = h.Setup(num_items=3_001, num_experts=2, dim=4, num_users=40, temperature=0.5)
 PER_RANK, WIDE, SAMPLES, HEAD, K = 4, 1_500, 400, 30, 5
@@ -356,6 +362,32 @@ def main() -> int:
         cand = sample_candidates(cat, K, generator=torch.Generator().manual_seed(3))
         CAPGLoss(K, method=Squeezed())(cat, cand, cand[:, :2], ones(users.shape[0]))
 
+    def catalog_arguments(what: str):
+        def case():  # rank 1 passes the whole sharded catalog's own methods a bad or another argument
+            cat, other = full(batch(rank, PER_RANK)[0]), rank == 1
+            if what == "k":
+                cat.top_items(SETUP.num_items + 1 if other else 3)
+            elif what == "other_k":
+                cat.top_items(3 + rank)
+            elif what == "experts":
+                cat.top_items(3, experts=[5] if other else [0])
+            else:
+                cat.log_power_sums(num_powers=0 if other else 1)
+        return case
+
+    def key_order(one_rank: bool):
+        def case():  # the usual keys in another order (the catalog feature first), on rank 1 alone or on both
+            kjt = model.module.with_catalog(h.user_batch(batch(rank, PER_RANK)[0].to(h.device())))
+            model(kjt.permute([1, 0]) if rank == 1 or not one_rank else kjt)
+        return case
+
+    def baseline_dtype():  # rank 1's rewards in float64, rank 0's in float32: one mean, in each rank's dtype
+        rewards = torch.full((PER_RANK, 2), float(rank + 1), dtype=torch.float64 if rank == 1 else torch.float32)
+        for base in (global_mean_baseline(rewards, dist.group.WORLD),
+                     ContextBaseline(SETUP.num_users, process_group=dist.group.WORLD)(torch.arange(PER_RANK), rewards)):
+            if base.dtype != rewards.dtype or not torch.equal(base, torch.full_like(base, 1.5)):
+                raise AssertionError(f"baseline {base.tolist()} ({base.dtype}), want 1.5 ({rewards.dtype})")
+
     cases = {"empty/mean_field": empty("mean_field"), "empty/with_replacement": empty("with_replacement"),
              "empty/mean_field_small": empty("mean_field", small=True), "empty/draw": empty_draw(False),
              "empty/greedy": empty_draw(True),
@@ -375,7 +407,10 @@ def main() -> int:
              **{f"arguments/{what}/{where}": bad_draw(what, where)
                 for what in ("k_zero", "k_above_n", "k_float", "generator") for where in ("sampled", "whole")},
              "arguments/greedy": bad_draw("k_above_n", "greedy"), "arguments/explore": bad_draw("k_zero", "explore"),
-             "user_method_shape": user_method_shape}
+             "user_method_shape": user_method_shape,
+             **{f"catalog_arguments/{what}": catalog_arguments(what) for what in ("k", "other_k", "experts", "powers")},
+             "key_order/one_rank": key_order(True), "key_order/both": key_order(False),
+             "baseline_dtype": baseline_dtype}
     outcomes = {name: outcome(case) for name, case in cases.items()}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"uneven_rank{rank}.json").write_text(json.dumps(outcomes, indent=1))

@@ -497,6 +497,13 @@ def test_global_mean_baseline_is_the_batch_mean(with_group, request, device):
         global_mean_baseline(torch.ones(3), group)
 
 
+def test_global_mean_baseline_of_many_half_precision_rewards():
+    """Regression (found by review): the sum and the count were taken in the rewards' dtype, so 70,000 float16
+    rewards of 1 (beyond float16's 65,504) gave a NaN baseline; they are taken in float64."""
+    base = global_mean_baseline(torch.ones(70_000, 1, dtype=torch.float16))
+    assert base.dtype == torch.float16 and torch.equal(base, torch.ones_like(base))
+
+
 def test_context_baseline_is_a_per_context_moving_average(one_rank):
     """The trainer's rule: seen contexts get their moving average, new ones this batch's mean."""
     rounds = [(torch.tensor([0, 2, 2]), torch.tensor([[1.0, 3.0], [4.0, 0.0], [2.0, 2.0]])),
@@ -595,6 +602,26 @@ def test_item_tower_in_chunks_matches_the_whole_catalog_and_recomputes_in_backwa
     for name, a, b in zip(params, got, want):
         torch.testing.assert_close(a, b, msg=name)
     assert set(n.split(".")[0] for n in params) == {"embeddings", "user_embeddings", "item_tower"}
+
+
+def test_every_batch_lists_its_keys_in_the_first_batch_order():
+    """TorchRec's sharded lookups read every batch in the key order of the first (found by review: the same ids with
+    the keys swapped were looked up under the wrong features, silently): a batch in another order is a ValueError,
+    in one process too, and the export's lookups follow the first order."""
+    retriever = _bag_retriever()
+    users = _no_user_features(3)
+    retriever(retriever.with_catalog(users), bag_features=_bags())
+    swapped = _bags().permute([1, 0])
+    with pytest.raises(ValueError, match=r"bag_features must list its keys in the order of the first batch looked up, "
+                                         r"\['user_id', 'history'\].*got \['history', 'user_id'\]"):
+        retriever(retriever.with_catalog(users), bag_features=swapped)
+    with pytest.raises(ValueError, match="bag_features must list its keys in the order"):
+        retriever.user_vectors(users, bag_features=swapped)
+    retriever(retriever.with_catalog(users), bag_features=_bags())  # the first order still works
+    assert retriever.user_vectors(users, bag_features=_bags()).shape == (3, 2, 2)
+    plain = make_retriever()
+    with pytest.raises(ValueError, match="must list the catalog feature 'catalog' last, got keys .'catalog'"):
+        plain(plain.with_catalog(user_batch([1, 2])).permute([1, 0]))
 
 
 def test_bag_and_tower_set_up_errors():

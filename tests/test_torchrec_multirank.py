@@ -266,6 +266,18 @@ def test_sampled_mode_checks_agree_whatever_each_rank_holds(tmp_path):
         assert second[case].startswith(("ValueError: num_candidates must be", "TypeError: num_candidates must be",
                                         "TypeError: generator must be")), (case, second[case])
     assert first["dense_rows"].startswith("ValueError: dense must have shape [B, F] with B = 4")
+    # regressions (found by review): the whole sharded catalog's own argument checks raised on rank 1 alone and rank 0
+    # hung; keys in another order were looked up under the wrong features (silently) or hung; float64 rewards on one
+    # rank and float32 on the other aborted gloo in the baselines
+    for what, message in (("k", "k must be in [1, 3001], got 3002"), ("experts", "experts must be in [0, 2), got [5]"),
+                          ("powers", "num_powers must be >= 1, got 0"),
+                          ("other_k", "k and experts must be the same on every rank")):
+        case = f"catalog_arguments/{what}"
+        assert first[case] == second[case] and first[case].startswith(f"ValueError: {message}"), (case, first[case])
+    for case in ("key_order/one_rank", "key_order/both"):
+        assert first[case] == second[case], case
+        assert first[case].startswith("ValueError: features must list the catalog feature 'catalog' last"), case
+    assert first["baseline_dtype"] == second["baseline_dtype"] == "ok"
 
 
 def test_sampled_mode_matches_one_process(tmp_path):

@@ -20,8 +20,9 @@ __all__ = ["ContextBaseline", "global_mean_baseline"]
 
 
 def _all_sum(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
-    """``x`` summed over the ranks of ``group`` (a copy; itself without a group)."""
-    x = x.clone()
+    """``x`` summed over the ranks of ``group`` in float64 (ranks may hold rewards of other dtypes, whose
+    buffers must match in size; half-precision counts would overflow), as float64 (a copy; itself without a group)."""
+    x = x.to(torch.float64, copy=True)
     if group is not None:
         dist.all_reduce(x, group=group)
     return x
@@ -75,9 +76,9 @@ def global_mean_baseline(rewards: Tensor, process_group: dist.ProcessGroup | Non
 
 
 def _global_mean(rewards: Tensor, process_group: dist.ProcessGroup | None) -> Tensor:
-    stats = _all_sum(torch.stack([rewards.sum(), torch.tensor(rewards.numel(), dtype=rewards.dtype,
-                                                                device=rewards.device)]), process_group)
-    return (stats[0] / stats[1].clamp(min=1)).expand(rewards.shape[0])
+    stats = _all_sum(torch.stack([rewards.sum(dtype=torch.float64), torch.tensor(
+        float(rewards.numel()), dtype=torch.float64, device=rewards.device)]), process_group)
+    return (stats[0] / stats[1].clamp(min=1)).to(rewards.dtype).expand(rewards.shape[0])
 
 
 class ContextBaseline(nn.Module):
@@ -117,7 +118,7 @@ class ContextBaseline(nn.Module):
         stats = torch.zeros(2, self.num_contexts, dtype=self.average.dtype, device=self.average.device)
         stats[0].index_add_(0, contexts, observed)
         stats[1].index_add_(0, contexts, torch.ones_like(observed))
-        sums, counts = _all_sum(stats, self.process_group)
+        sums, counts = _all_sum(stats, self.process_group).to(self.average.dtype)
         hit = counts > 0
         mean = sums / counts.clamp(min=1)
         updated = torch.where(self.seen, self.decay * self.average + (1 - self.decay) * mean, mean)

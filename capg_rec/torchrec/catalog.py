@@ -12,7 +12,7 @@ into the local users: the same gradients as one process holding the concatenated
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -227,7 +227,7 @@ class ShardedEmbeddingCatalog(CatalogScores):
         return scores.masked_fill(masked.unsqueeze(1), -math.inf)
 
     def log_power_sums(self, exclude: Tensor | None = None, num_powers: int = 1) -> Tensor:
-        check_count("num_powers", num_powers)
+        self._arguments("num_powers", 1, lambda: [check_count("num_powers", num_powers)])
         # check_finite stays off: one rank's overflow error would leave the others in the next collective
         part = _ChunkedLogPowerSums.apply(self.user_all, self.item, self._drop(exclude), num_powers, self.chunk_size,
                                           False)
@@ -235,10 +235,16 @@ class ShardedEmbeddingCatalog(CatalogScores):
 
     def top_items(self, k: int, *, experts: Sequence[int] | None = None, exclude: Tensor | None = None,
                   generator: torch.Generator | None = None, perturb: bool = False) -> Tensor:
-        check_count("k", k, high=self.num_items)
-        sel = list(range(self.num_experts)) if experts is None else [int(m) for m in experts]
-        if any(m < 0 or m >= self.num_experts for m in sel):
-            raise ValueError(f"experts must be in [0, {self.num_experts}), got {sel}")
+        def arguments() -> list[int]:
+            check_count("k", k, high=self.num_items)
+            chosen = list(range(self.num_experts)) if experts is None else [int(m) for m in experts]
+            if any(m < 0 or m >= self.num_experts for m in chosen):
+                raise ValueError(f"experts must be in [0, {self.num_experts}), got {chosen}")
+            sel.extend(chosen)
+            return [k, len(chosen), hash(tuple(chosen)) >> 2]  # int hashes are the same in every process
+
+        sel: list[int] = []
+        self._arguments("k and experts", 3, arguments)
         with torch.no_grad():
             user = self.user_all.detach()[:, sel]
             item = self.item.detach()[:, sel]
@@ -261,6 +267,18 @@ class ShardedEmbeddingCatalog(CatalogScores):
             order = torch.where(all_ids >= 0, all_ids, self.num_items).argsort(dim=2)
             all_vals, all_ids = all_vals.gather(2, order), all_ids.gather(2, order)
             return self._mine(all_ids.gather(2, top_k(all_vals, k)))
+
+    def _arguments(self, names: str, size: int, check: Callable[[], list[int]]) -> None:
+        """A method's argument checks, raised on every rank when validating with a group (one exchange, which also
+        requires the same arguments everywhere: the method's collectives pair them), else on this rank."""
+        if not self.validate or self.group is None:
+            check()
+            return
+        table = exchange(check, size, self.group, self.device)
+        if len({tuple(entries) for entries in table}) > 1:  # the first entry is shown: the others are fingerprints
+            raise ValueError(f"{names} must be the same on every rank (the catalog's collectives pair them), got "
+                             f"{names.split()[0]} = {[entries[0] for entries in table]} by rank"
+                             f"{' (or other experts)' if size > 1 else ''}")
 
     def _shared_seed(self, generator: torch.Generator | None, k: int, experts: list[int]) -> list[int]:
         """A seed drawn from ``generator`` on every rank and taken from rank 0 of the group (read back:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 
@@ -146,6 +147,8 @@ class TwoTowerRetriever(nn.Module):
         self.validate_args = None if validate_args is None else check_flag("validate_args", validate_args)
         self._catalog_group: dist.ProcessGroup | None = None
         self._scorer = _Scorer(self._scores)
+        # the order of the keys of the first KJT each lookup took ("features", "bag_features"): see _check_key_order
+        self._key_orders: dict[str, tuple[str, ...]] = {}
 
     def _layout(self) -> tuple[int, int, dist.ProcessGroup | None]:
         """(first global row, number of rows, process group) of this rank's item rows."""
@@ -240,8 +243,9 @@ class TwoTowerRetriever(nn.Module):
             self._check_collectively(features, dense, bag_features, offset, rows, group, sample, head_items,
                                      index_items, masked_items)
         bags = None if self.user_embeddings is None else self.user_embeddings(bag_features)
-        return self._scorer(features, self.embeddings(features), bags, dense, masked_items, sample, head_items,
-                            index_items)
+        out = self.embeddings(features)
+        self._record_key_orders(features, bag_features)
+        return self._scorer(features, out, bags, dense, masked_items, sample, head_items, index_items)
 
     def _check_collectively(self, features: KeyedJaggedTensor, dense: Tensor | None,
                             bag_features: KeyedJaggedTensor | None, offset: int, rows: int,
@@ -258,11 +262,14 @@ class TwoTowerRetriever(nn.Module):
             # sampled or not, and the heads' widths: the sampled catalogs' lookups are collective when validating;
             # dense's width: the user tower runs on every rank alike
             return [-2 if sample is None else -1 if head_items is None else head_items.shape[1],
-                    -1 if index_items is None else index_items.shape[-1], -1 if dense is None else dense.shape[1]]
+                    -1 if index_items is None else index_items.shape[-1], -1 if dense is None else dense.shape[1],
+                    _fingerprint(features.keys(), None if bag_features is None else bag_features.keys())]
 
         if group is not None and validate:
             device = features.values().device if isinstance(features, KeyedJaggedTensor) else torch.device("cpu")
-            shapes = [tuple(entries) for entries in exchange(check, 3, group, device)]
+            table = exchange(check, 4, group, device)
+            _same_key_orders([entries[3] for entries in table])
+            shapes = [tuple(entries[:3]) for entries in table]
             if len(set(shapes)) > 1:
                 raise ValueError(f"sample, head_items, index_items and dense must be given on every rank or none, "
                                  f"each of one width, got (sample: -2 if none, else head_items' width or -1; "
@@ -319,8 +326,10 @@ class TwoTowerRetriever(nn.Module):
         return item if self.item_tower is None else _chunked_tower(self.item_tower, item, self.chunk_size)
 
     def _without_users(self, batch: int, device: torch.device) -> KeyedJaggedTensor:
-        """Features of ``batch`` samples with every user feature of ``embeddings`` and no ids."""
-        keys = self._other_features
+        """Features of ``batch`` samples with every user feature of ``embeddings`` and no ids, in the order of
+        the first batch looked up (:meth:`_check_key_order`)."""
+        seen = self._key_orders.get("features")
+        keys = self._other_features if seen is None else list(seen[:-1])
         none = torch.zeros(0, dtype=torch.long, device=device)
         return KeyedJaggedTensor(keys=keys, values=none, lengths=torch.zeros(len(keys) * batch, dtype=torch.int32,
                                                                              device=device), stride=batch)
@@ -331,7 +340,9 @@ class TwoTowerRetriever(nn.Module):
         rank: the item half of a serving export. Collective when sharded (call it on every rank)."""
         offset, rows, group = self._layout()
         with _eval_mode(self):  # no dropout; batch norm's running statistics read, not updated
-            item = self._item(self.embeddings(self.with_catalog(self._without_users(0, torch.device(device)))))
+            features = self.with_catalog(self._without_users(0, torch.device(device)))
+            item = self._item(self.embeddings(features))
+            self._record_key_orders(features, None)
         if group is not None:  # every rank's rows, in global id order
             layout = exchange(lambda: [offset, rows], 2, group, item.device)  # [offset, rows] per rank
             item = all_gather_rows(item, [n for _, n in layout], group)
@@ -354,14 +365,19 @@ class TwoTowerRetriever(nn.Module):
             if self.catalog_feature in features.keys():
                 raise ValueError(f"features must not have the catalog feature {self.catalog_feature!r}: "
                                  "user_vectors looks up users only")
+            keys = [*features.keys(), self.catalog_feature]  # as the lookup below takes them
+            self._check_key_order("features", keys)
             self._check_user_features(features, bag_features, batch, validate)
             self._check_dense(dense, batch)
-            return [-1 if dense is None else dense.shape[1]]
+            return [-1 if dense is None else dense.shape[1],
+                    _fingerprint(keys, None if bag_features is None else bag_features.keys())]
 
         group = self._layout()[2]
         if group is not None and validate:  # one rank's mistake raised on every rank
             device = features.values().device if kjt else torch.device("cpu")
-            widths = [entries[0] for entries in exchange(check, 1, group, device)]
+            table = exchange(check, 2, group, device)
+            _same_key_orders([entries[1] for entries in table])
+            widths = [entries[0] for entries in table]
             if len(set(widths)) > 1:
                 raise ValueError(f"dense must be given on every rank or none, of one width, got widths (-1: none) "
                                  f"{widths} by rank")
@@ -376,6 +392,7 @@ class TwoTowerRetriever(nn.Module):
         with _eval_mode(self):  # no dropout; batch norm's running statistics read, not updated
             bags = None if self.user_embeddings is None else self.user_embeddings(bag_features)
             user = self._user(self.embeddings(with_empty_catalog), bags, dense, batch)
+            self._record_key_orders(with_empty_catalog, bag_features)
         return user.view(batch, self.num_experts, user.shape[1] // self.num_experts)
 
     def serving_export(self, *, index: ItemIndex | None = None, temperature: float | None = None,
@@ -398,6 +415,10 @@ class TwoTowerRetriever(nn.Module):
         if self.catalog_feature not in features.keys() or features.stride() < 1:
             raise ValueError(f"features has no catalog feature {self.catalog_feature!r} (keys {features.keys()}): "
                              f"add this rank's item rows with retriever.with_catalog(features)")
+        if features.keys()[-1] != self.catalog_feature:
+            raise ValueError(f"features must list the catalog feature {self.catalog_feature!r} last, got keys "
+                             f"{features.keys()}: build it with retriever.with_catalog(features)")
+        self._check_key_order("features", features.keys())
         catalog = features[self.catalog_feature]
         ids, lengths = catalog.values(), catalog.lengths()
         if sample is not None or head_items is not None or index_items is not None:
@@ -410,6 +431,22 @@ class TwoTowerRetriever(nn.Module):
                              f"build it with retriever.with_catalog(features)")
         self._check_dense(dense, features.stride() - 1)
         self._check_user_features(features, bag_features, features.stride() - 1, validate)
+
+    def _check_key_order(self, name: str, keys: Sequence[str]) -> None:
+        """TorchRec's sharded lookups take the order of their input's keys from the first batch and read every
+        later batch in it: a KJT of the same keys in another order would be looked up under the wrong features,
+        silently. So every KJT of ``name`` ("features", "bag_features") must list its keys as the first did."""
+        seen = self._key_orders.get(name)
+        if seen is not None and tuple(keys) != seen:
+            raise ValueError(f"{name} must list its keys in the order of the first batch looked up, {list(seen)} "
+                             f"(TorchRec's sharded lookup reads every batch in that order), got {list(keys)}")
+
+    def _record_key_orders(self, features: KeyedJaggedTensor, bag_features: KeyedJaggedTensor | None) -> None:
+        """After a lookup: the key orders that :meth:`_check_key_order` requires from now on (the first ones)."""
+        if not is_fx_symbolic_tracing():
+            self._key_orders.setdefault("features", tuple(features.keys()))
+            if bag_features is not None:
+                self._key_orders.setdefault("bag_features", tuple(bag_features.keys()))
 
     def _check_dense(self, dense: Tensor | None, batch: int) -> None:
         """``dense [B, F]``, given only with a user tower, in its parameters' dtype."""
@@ -446,6 +483,7 @@ class TwoTowerRetriever(nn.Module):
             if missing:
                 raise ValueError(f"bag_features must hold every feature of user_embeddings: {missing} missing from "
                                  f"{bag_features.keys()}")
+            self._check_key_order("bag_features", bag_features.keys())
             stride = bag_features.stride()
             if stride not in (batch, batch + 1) or stride < 1:
                 raise ValueError(f"bag_features must have stride B = {batch} (or B + 1 with an empty last sample; "
@@ -599,6 +637,20 @@ class _ListedRows:
 
 _UNLISTED = ("was not looked up: list it in retriever.with_catalog(features, items) (candidates and shown items must "
              "be; mean-field and plug-in read catalogs of up to 2048 items whole)")
+
+
+def _fingerprint(features: Sequence[str], bag_features: Sequence[str] | None) -> int:
+    """The keys of a batch's KJTs, in order, as one int that ranks can compare (:func:`zlib.crc32`: the same in
+    every process, unlike ``hash`` of a str)."""
+    text = "\0".join(features) + "\1" + ("" if bag_features is None else "\0".join(bag_features))
+    return zlib.crc32(text.encode())
+
+
+def _same_key_orders(fingerprints: list[int]) -> None:
+    """Every rank's :func:`_fingerprint` alike: the sharded lookups' all-to-alls pair features by position."""
+    if len(set(fingerprints)) > 1:
+        raise ValueError("features (and bag_features) must list the same keys in the same order on every rank, got "
+                         f"orders that differ: fingerprints {fingerprints} by rank")
 
 
 def _group_timeout(group: dist.ProcessGroup) -> timedelta | None:
