@@ -227,7 +227,8 @@ class ShardedEmbeddingCatalog(CatalogScores):
         return scores.masked_fill(masked.unsqueeze(1), -math.inf)
 
     def log_power_sums(self, exclude: Tensor | None = None, num_powers: int = 1) -> Tensor:
-        self._arguments("num_powers", 1, lambda: [check_count("num_powers", num_powers)])
+        self._arguments("num_powers must be the same on every rank", 1,
+                        lambda: [check_count("num_powers", num_powers)])
         # check_finite stays off: one rank's overflow error would leave the others in the next collective
         part = _ChunkedLogPowerSums.apply(self.user_all, self.item, self._drop(exclude), num_powers, self.chunk_size,
                                           False)
@@ -244,7 +245,8 @@ class ShardedEmbeddingCatalog(CatalogScores):
             return [k, len(chosen), hash(tuple(chosen)) >> 2]  # int hashes are the same in every process
 
         sel: list[int] = []
-        self._arguments("k and experts", 3, arguments)
+        self._arguments("every rank must draw alike (the same K in sample_candidates) and ask top_items for the "
+                        "same k and experts", 3, arguments)
         with torch.no_grad():
             user = self.user_all.detach()[:, sel]
             item = self.item.detach()[:, sel]
@@ -268,16 +270,16 @@ class ShardedEmbeddingCatalog(CatalogScores):
             all_vals, all_ids = all_vals.gather(2, order), all_ids.gather(2, order)
             return self._mine(all_ids.gather(2, top_k(all_vals, k)))
 
-    def _arguments(self, names: str, size: int, check: Callable[[], list[int]]) -> None:
-        """A method's argument checks, raised on every rank when validating with a group (one exchange, which also
-        requires the same arguments everywhere: the method's collectives pair them), else on this rank."""
+    def _arguments(self, same: str, size: int, check: Callable[[], list[int]]) -> None:
+        """A method's argument checks (``check``: ``size`` ints, the first shown), raised on every rank when
+        validating with a group (one exchange, which also requires the same arguments everywhere, else a
+        ``ValueError`` starting with ``same``: the method's collectives pair them), else on this rank."""
         if not self.validate or self.group is None:
             check()
             return
         table = exchange(check, size, self.group, self.device)
         if len({tuple(entries) for entries in table}) > 1:  # the first entry is shown: the others are fingerprints
-            raise ValueError(f"{names} must be the same on every rank (the catalog's collectives pair them), got "
-                             f"{names.split()[0]} = {[entries[0] for entries in table]} by rank"
+            raise ValueError(f"{same}, got {[entries[0] for entries in table]} by rank"
                              f"{' (or other experts)' if size > 1 else ''}")
 
     def _shared_seed(self, generator: torch.Generator | None, k: int, experts: list[int]) -> list[int]:
