@@ -445,7 +445,8 @@ def test_file_level_gaps_in_the_schema_are_named(tmp_path):
     _write_raw(tmp_path / "pv.parquet", _set(_table(), "policy_version", 4, None))
     with pytest.raises(ValueError, match="pv.parquet, row group 1: column 'policy_version' is missing"):
         LoggedImpressions(tmp_path / "pv.parquet", 2)
-    assert LoggedImpressions(tmp_path / "pv.parquet", 2, validate_args=False).num_rows == 6
+    with pytest.raises(ValueError, match="column 'policy_version' is missing"):  # nulls raise either way (found by
+        LoggedImpressions(tmp_path / "pv.parquet", 2, validate_args=False)   # review: read without the checks)
     _write(tmp_path / "good.parquet", [6])
     table = pq.read_table(tmp_path / "good.parquet")
     twice = table.append_column(pa.field("candidates", pa.list_(pa.int64())), table.column("candidates"))
@@ -471,8 +472,10 @@ def test_file_level_gaps_in_the_schema_are_named(tmp_path):
 
 def test_writer_and_null_check_corner_cases(tmp_path):
     """A struct column before policy_version shifted the null check onto another column (Parquet counts one
-    leaf column per field); a folder as path failed only at close and left a hidden file; a writer left open
-    published nothing when collected (pyarrow's own writer finishes its file)."""
+    leaf column per field); a folder as path failed only at close and left a hidden file. A writer left open
+    and collected is discarded with a ResourceWarning, leaving the path as it was (a later review: closing it then,
+    as pyarrow's own writer does, replaced existing logs with the partial file of a job that failed outside a with
+    block)."""
     import gc
 
     _write(tmp_path / "good.parquet", [6])
@@ -494,11 +497,13 @@ def test_writer_and_null_check_corner_cases(tmp_path):
     other = LogWriter(tmp_path / "open.parquet", num_candidates=K, num_shown=L, num_items=N, num_features=F)
     assert open_writer._partial != other._partial  # two writers of one path keep apart
     other.discard()
+    write_logs(tmp_path / "open.parquet", _as_written(_batch(5, 0)), num_items=N)
     open_writer.write(_batch(3, 0))
-    del open_writer
-    gc.collect()
-    assert LoggedImpressions(tmp_path / "open.parquet", 4).num_rows == 3
-    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
+    with pytest.warns(ResourceWarning, match="open.parquet was never closed: what it wrote was discarded"):
+        del open_writer
+        gc.collect()
+    assert LoggedImpressions(tmp_path / "open.parquet", 4).num_rows == 5  # the logs that were there
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial") or p.name.startswith(".")]
 
 
 def _rewrite(src, dst, retype):
@@ -567,3 +572,53 @@ def test_the_subset_check_is_the_row_by_row_comparison(span):
         want = (ids[:, :, None] == ordered[:, None, :]).any(2).all(1)
         np.testing.assert_array_equal(_rows_hold(ordered, ids), want)
     assert _rows_hold(ordered[:, :0], ids).sum() == 0 and _rows_hold(ordered, ids[:, :0]).all()
+
+
+@pytest.mark.parametrize("column, value", [("rewards", [1e300, 0.5]), ("features", [0.0, -1e39, 1.0])])
+def test_wider_floats_beyond_float32_are_named_not_read_as_inf(tmp_path, column, value):
+    """Regression (found by review): float64 rewards or features beyond float32's range passed the finiteness check
+    (taken in float64) and were read as ±inf (cast after it)."""
+    cols = _set(_table(), column, 4, value)
+    schema = pa.schema([pa.field(f.name, pa.list_(pa.float64()) if f.name == column else f.type) for f in LOG_SCHEMA])
+    table = pa.Table.from_pydict({f.name: cols[f.name] for f in schema}, schema=schema.with_metadata(
+        LogMetadata(K, L, "mean_field", N, F).to_arrow()))
+    pq.write_table(table, tmp_path / "wide.parquet", row_group_size=3)
+    with pytest.raises(ValueError, match=f"row group 1, row 1 \\(file row 4\\): column '{column}' is not finite "
+                                         "\\(NaN or inf\\) in float32"):
+        list(LoggedImpressions(tmp_path / "wide.parquet", 2))
+    cols = _set(_table(), column, 4, [3e38 if i == 0 else 0.0 for i in range(len(value))])  # within float32's range
+    table = pa.Table.from_pydict({f.name: cols[f.name] for f in schema}, schema=table.schema)
+    pq.write_table(table, tmp_path / "wide.parquet", row_group_size=3)
+    got = getattr(_cat(list(LoggedImpressions(tmp_path / "wide.parquet", 2))), column)
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+
+
+def test_one_write_is_one_row_group_however_large(tmp_path):
+    """Regression (found by review): a write of more than 1,048,576 rows became two row groups (pyarrow's default
+    cap), where the docs say one per write()."""
+    rows = 1_100_000
+    cands = torch.arange(K).expand(rows, K)
+    logged = torch.full((rows, L), -1.0, dtype=torch.float64)
+    batch = LoggedBatch(torch.zeros(rows, dtype=torch.long), cands, cands[:, :L], torch.zeros(rows, L), logged, logged,
+                        logged[:, 0])
+    with LogWriter(tmp_path / "big.parquet", num_candidates=K, num_shown=L, validate_args=False) as writer:
+        writer.write(batch)
+    assert pq.ParquetFile(tmp_path / "big.parquet").metadata.num_row_groups == 1
+
+
+def test_write_logs_and_writer_arguments_are_checked(tmp_path):
+    """Regression (found by review): write_logs read the batch's shapes before any check (a bare IndexError or
+    AttributeError), took num_candidates twice (Python's own TypeError), and a writer stored any method name."""
+    good = _batch(4, 0)
+    for bad, error, match in (
+            (good._replace(candidates=good.candidates[:, 0]), ValueError, "batch.candidates must have 2"),
+            (good._replace(shown=None), TypeError, "batch.shown must be a torch.Tensor"),
+            (good._replace(candidates=good.candidates.tolist()), TypeError, "batch.candidates must be"),
+            (good._replace(features=good.features[:, 0]), ValueError, "batch.features must have 2")):
+        with pytest.raises(error, match=match):
+            write_logs(tmp_path / "w.parquet", bad, num_items=N)
+    with pytest.raises(TypeError, match=r"write_logs reads \['num_candidates'\] off the batch"):
+        write_logs(tmp_path / "w.parquet", good, num_candidates=K)
+    with pytest.raises(ValueError, match="method must be an InclusionMethod or one of"):
+        LogWriter(tmp_path / "w.parquet", num_candidates=K, num_shown=L, method="bogus")
+    assert not list(tmp_path.iterdir())

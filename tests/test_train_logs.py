@@ -262,6 +262,27 @@ def test_first_gradient_on_own_logs_is_on_policy_capg(tmp_path):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
+def test_the_loss_takes_the_logs_inclusion_method(tmp_path):
+    """Regression (found by review): the trainer's CA-PG computed the default method (mean-field) whatever method
+    the logs' log_inclusion came from, so each weight was a ratio of two approximations (0.92 to 1.14 on logs of
+    the trained ESR itself). By default it takes the logs' method, and another one warns."""
+    path = tmp_path / "own.parquet"
+    assert _run(["log", "-n", "200", "-K", str(K), "-L", str(L), "--temperature", "1", "--epsilon", "0", "-M", "2",
+                 "--method", "plugin", "--seed", "4", "--out", str(path), "--no-progress"]) == 0
+    config = LogTrainConfig((path,), num_experts=2, max_weight=None, batch_size=50, holdout=0.0, seed=4)
+    trainer = LogTrainer(config, synthetic_env())
+    assert trainer.config.capg_method == "plugin"
+    batch = trainer._next_batch()
+    logits = trainer.model(batch.context)
+    off = torch.autograd.grad(trainer.loss_fn(logits, batch), list(trainer.model.parameters()))
+    on_loss = CAPGLoss(K, method="plugin")(trainer.model(batch.context), batch.candidates, batch.shown,
+                                           batch.rewards, position_weights=torch.full((L,), 1 / L))
+    for a, b in zip(off, torch.autograd.grad(on_loss, list(trainer.model.parameters()))):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)  # every weight 1: on-policy CA-PG's gradient
+    with pytest.warns(UserWarning, match="came from inclusion method 'plugin', the loss computes 'mean_field'"):
+        LogTrainer(config.replace(capg_method="mean_field"), synthetic_env())
+
+
 def test_speed_benchmark_runs(tmp_path):
     module = load_script("benchmarks/train_logs_speed.py")
     result = module.main(["--rows", "300", "-K", "4", "-L", "1", "--batch-size", "64", "--steps", "3",

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import uuid
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from torch import Tensor
 
 from capg_rec._checks import check_count, check_flag, resolve_validate_args
 from capg_rec.logs.schema import LOG_SCHEMA, REQUIRED_COLUMNS, TENSOR_COLUMNS, LogMetadata, LoggedBatch, file_schema
-from capg_rec.marginals import DEFAULT_METHOD, InclusionMethod
+from capg_rec.marginals import DEFAULT_METHOD, InclusionMethod, inclusion_method
 
 __all__ = ["LogWriter", "write_logs", "LoggedImpressions"]
 
@@ -44,6 +45,7 @@ _DTYPES = {"request_id": torch.long, "context": torch.long, "features": torch.fl
            "shown": torch.long, "rewards": torch.float32, "log_inclusion": torch.float64,
            "log_expected_count": torch.float64, "log_candidate_prob": torch.float64}
 _ITEMSIZE = {name: dtype.itemsize for name, dtype in _DTYPES.items()}
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def _readable_as(got: pa.DataType, want: pa.DataType) -> bool:
@@ -96,9 +98,10 @@ def _value_problems(cols: dict[str, np.ndarray], meta: LogMetadata, num_items: i
             yield "shown", _outside(s, 0, num_items - 1), f"holds an id outside [0, {num_items})"
         else:
             yield "shown", _outside(s, 0, None), "holds a negative id"
-    for name in ("rewards", "features"):
+    for name in ("rewards", "features"):  # read as float32: a wider type's values must lie in its range
         if name in cols:
-            yield name, _outside(cols[name], -math.inf, math.inf), "is not finite (NaN or inf)"
+            yield name, _outside(cols[name], -_FLOAT32_MAX, _FLOAT32_MAX), \
+                "is not finite (NaN or inf) in float32, the type it is read as"
     bounds = {"log_inclusion": 0.0, "log_expected_count": math.log(meta.num_candidates), "log_candidate_prob": 0.0}
     for name, bound in bounds.items():
         if name in cols:
@@ -208,6 +211,8 @@ class LogWriter:
             raise TypeError(f"policy_version must be a str, got {type(policy_version).__name__}")
         if not isinstance(method, (str, InclusionMethod)):
             raise TypeError(f"method must be an InclusionMethod or a name, got {type(method).__name__}")
+        if isinstance(method, str):
+            inclusion_method(method)  # a ValueError naming the known methods: the name is what a reader trusts
         if not isinstance(compression, str):
             raise TypeError(f"compression must be a codec name, got {type(compression).__name__}")
         if compression.lower() != "none" and not _codec_available(compression):
@@ -248,8 +253,8 @@ class LogWriter:
             self.discard()
 
     def close(self) -> None:
-        """Finish the file and put it at ``path`` (idempotent; also when a writer left open is collected, as
-        pyarrow's writer does)."""
+        """Finish the file and put it at ``path`` (idempotent). A writer collected while still open was never
+        closed (a job that failed outside a ``with`` block, say): it is discarded, with a ``ResourceWarning``."""
         if self._writer is not None:
             self._writer.close()
             self._writer = None
@@ -261,7 +266,9 @@ class LogWriter:
 
     def __del__(self) -> None:
         if getattr(self, "_writer", None) is not None:
-            self.close()
+            warnings.warn(f"LogWriter for {self.path} was never closed: what it wrote was discarded and the path left "
+                          "as it was (close it, or use it in a with block)", ResourceWarning, stacklevel=2)
+            self.discard()
 
     def discard(self) -> None:
         """Drop what was written, leaving ``path`` as it was (idempotent)."""
@@ -295,7 +302,9 @@ class LogWriter:
                 width = values.shape[1]
                 offsets = pa.array(np.arange(0, (n + 1) * width, width, dtype=np.int32) if n else [0], pa.int32())
                 arrays.append(pa.ListArray.from_arrays(offsets, pa.array(values.ravel(), type=f.type.value_type)))
-        self._writer.write_table(pa.Table.from_arrays(arrays, schema=self.schema), row_group_size=self.row_group_size)
+        # pyarrow's own default cuts a write into row groups of 1,048,576 rows: one per write() unless asked
+        self._writer.write_table(pa.Table.from_arrays(arrays, schema=self.schema),
+                                 row_group_size=self.row_group_size or max(n, 1))
         self.rows_written += n
         self.batches_written += 1
 
@@ -333,6 +342,16 @@ def write_logs(path: str | os.PathLike, batch: LoggedBatch, **kwargs: Any) -> No
     ``kwargs`` go to :class:`LogWriter` (``num_items``, ``method``, ``policy_version``, ...)."""
     if not isinstance(batch, LoggedBatch):
         raise TypeError(f"batch must be a LoggedBatch, got {type(batch).__name__}")
+    given = sorted({"num_candidates", "num_shown", "num_features"} & set(kwargs))
+    if given:
+        raise TypeError(f"write_logs reads {given} off the batch's shapes: do not pass them")
+    for name in ("candidates", "shown", "features"):
+        x = getattr(batch, name)
+        if name != "features" or x is not None:
+            if not isinstance(x, Tensor):
+                raise TypeError(f"batch.{name} must be a torch.Tensor, got {type(x).__name__}")
+            if x.dim() != 2:
+                raise ValueError(f"batch.{name} must have 2 dims [B, width], got shape {list(x.shape)}")
     widths = dict(num_candidates=batch.candidates.shape[1], num_shown=batch.shown.shape[1],
                   num_features=None if batch.features is None else batch.features.shape[1])
     with LogWriter(path, **widths, **kwargs) as writer:
@@ -525,8 +544,8 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
                         raise ValueError(f"log file {path}: missing column {name!r}")
                     if not _readable_as(schema.field(name).type, LOG_SCHEMA.field(name).type):
                         raise ValueError(f"log file {path}: column {name!r} must have type "
-                                         f"{LOG_SCHEMA.field(name).type} (or a list or a number type read as it "
-                                         f"without loss), got {schema.field(name).type}")
+                                         f"{LOG_SCHEMA.field(name).type} (or another list layout, integer or float "
+                                         f"type read as it), got {schema.field(name).type}")
                 if meta is None:
                     meta = here
                 else:
@@ -537,7 +556,7 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
                         if getattr(here, name) != getattr(meta, name):
                             raise ValueError(f"log file {path}: {name} = {getattr(here, name)} differs from "
                                              f"{self.files[0]}'s {getattr(meta, name)}")
-                bad = _first_group_with_nulls(pf, "policy_version") if self.validate else None
+                bad = _first_group_with_nulls(pf, "policy_version")  # checked always, as every null
                 if bad is not None:
                     raise ValueError(f"log file {path}, row group {bad}: column 'policy_version' is missing (null)")
                 first = 0

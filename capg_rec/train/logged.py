@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ from torch import Tensor
 
 from capg_rec._checks import all_finite
 from capg_rec.losses import OffPolicyCAPGLoss, OffPolicyVPGLoss, TopKReinforceLoss
-from capg_rec.marginals import inclusion_methods
+from capg_rec.marginals import DEFAULT_METHOD, inclusion_method, inclusion_methods
 from capg_rec.offpolicy_evaluation import OffPolicyEstimate, off_policy_value
 from capg_rec.plackett_luce import expert_runs, greedy_candidates
 from capg_rec.sim.env import MatrixEnv
@@ -60,8 +61,10 @@ class LogTrainConfig:
     """One run of training from logs.
 
     * ``logs``: the Parquet files or directories (resolved paths); ``estimator`` one of :data:`LOG_ESTIMATORS`,
-      ``capg_method`` the inclusion method of the CA-PG estimators (``None``: the library default; ``capg_swr``
-      is ``capg`` with ``"with_replacement"``, weighted by the logged expected count); ``max_weight`` caps the
+      ``capg_method`` the inclusion method of the CA-PG estimators (``None``: the logs' method, that of their
+      ``log_inclusion``, when it is a built-in or registered one, else the library default; another one than
+      the logs' warns: each weight would be a ratio of two approximations; ``capg_swr`` is ``capg`` with
+      ``"with_replacement"``, weighted by the logged expected count); ``max_weight`` caps the
       importance weights (``None``: only the overflow cap).
     * ``num_candidates`` K and ``num_outputs`` L: the logs' (``None`` until read from them).
     * The model: ``num_experts`` M, ``embedding_dim``, scored at ``temperature``, initialised from ``seed``.
@@ -242,6 +245,15 @@ class LogTrainer(Trainer):
             if getattr(config, name) not in (None, value):
                 raise ValueError(f"{name} = {getattr(config, name)} differs from the logs' {value}")
         config = config.replace(num_candidates=meta.num_candidates, num_outputs=meta.num_shown)
+        if config.estimator in ("capg", "capg_snips") and config.capg_method != "with_replacement":
+            # the weights' numerator by the method of their denominator (with_replacement's is the expected count)
+            known = meta.method in inclusion_methods() and inclusion_method(meta.method).is_probability
+            if config.capg_method is None and known:
+                config = config.replace(capg_method=meta.method)
+            elif (config.capg_method or DEFAULT_METHOD) != meta.method:
+                warnings.warn(f"the logs' log_inclusion came from inclusion method {meta.method!r}, the loss computes "
+                              f"{config.capg_method or DEFAULT_METHOD!r}: each weight is a ratio of two approximations "
+                              "(biased where they differ)", stacklevel=3)
         if config.num_experts > config.num_candidates:
             raise ValueError(f"num_experts must be <= the logs' K = {config.num_candidates}, "
                              f"got {config.num_experts}")
