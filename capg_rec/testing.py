@@ -48,8 +48,9 @@ def logits(*, max_batch: int = 3, max_experts: int = 1, min_items: int = 1, max_
            dtype: torch.dtype = torch.float32):
     """Logits ``[B, N]`` (``max_experts == 1``) or ``[B, M, N]``, with ``1 ≤ B ≤ max_batch``.
 
-    Values are float32 numbers in ``[-scale, scale]``, finite in ``dtype`` (the bound is lowered to
-    ``dtype``'s largest finite value and to a float32 number); with ``extreme`` about a quarter are
+    Values are numbers of ``dtype`` in ``[-scale, scale]`` (drawn as float32 numbers within the largest number
+    that both float32 and ``dtype`` hold at most ``scale``: rounded to ``dtype`` they stay within it); with
+    ``extreme`` about a quarter are
     ``±EXTREME_LOGIT``; with ``ties`` many entries repeat a small drawn pool of values; with
     ``masked`` some items of a row are ``-inf`` under every expert (masked out of that row's
     catalog), at least ``min_items`` of each row staying unmasked.
@@ -60,7 +61,7 @@ def logits(*, max_batch: int = 3, max_experts: int = 1, min_items: int = 1, max_
     check_count("min_items", min_items)
     check_count("max_items", max_items, low=min_items)
     check_positive("scale", scale)
-    bound = _float32_at_most(min(scale, torch.finfo(dtype).max))
+    bound = _at_most(scale, dtype)
 
     @st.composite
     def build(draw) -> Tensor:
@@ -93,6 +94,18 @@ def _float32_at_most(value: float) -> float:
     """The largest float32 number that is at most ``value`` (> 0)."""
     rounded = np.float32(min(value, float(np.finfo(np.float32).max)))
     return float(rounded if float(rounded) <= value else np.nextafter(rounded, np.float32(0)))
+
+
+def _at_most(value: float, dtype: torch.dtype) -> float:
+    """The largest float32 number at most ``value`` (> 0) that ``dtype`` holds too: a float32 number within it
+    stays within it when rounded to ``dtype`` (rounding is monotone and leaves the bound as it is)."""
+    bound = _float32_at_most(min(value, torch.finfo(dtype).max))
+    if dtype == torch.float16:
+        rounded = np.float16(bound)
+        return float(rounded if float(rounded) <= bound else np.nextafter(rounded, np.float16(0)))
+    if dtype == torch.bfloat16:  # a float32 with its low 16 bits cleared: truncated towards 0
+        return float((np.array(bound, np.float32).view(np.int32) & np.int32(-65536)).view(np.float32))
+    return bound
 
 
 def num_candidates(num_items: int):

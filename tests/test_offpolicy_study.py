@@ -134,3 +134,14 @@ def test_ope_scores_the_greedy_draw_of_a_mixture():
                  log_inclusion=torch.zeros(2, 1), log_count=torch.zeros(2, 1), log_set=torch.zeros(2))
     estimate = _ope(model, env, logs, 2)
     assert estimate["ope_ips"] == 0.5  # the rewarded row shows item 2, inside the greedy draw, with weight 1
+
+
+@pytest.mark.parametrize("option, value, error", [
+    ("logging_temperature", -1.0, ValueError), ("logging_steps", 0, ValueError), ("max_weight", 0.0, ValueError),
+    ("lr", -1.0, ValueError), ("eval_rows", 0, ValueError), ("num_outputs", 0, ValueError),
+    ("ks", (0,), ValueError), ("batch_size", 1.5, TypeError), ("num_outputs", 20, ValueError)])
+def test_study_options_are_checked_before_any_work(option, value, error):
+    """Regression (found by review): these were taken and failed only after the logging ESR was trained (5 to 60 s
+    in), naming the inner function's parameter; num_outputs above a K failed inside the draw."""
+    with pytest.raises(error, match=option if option != "ks" else "ks entries"):
+        OffPolicyStudy(**{option: value})

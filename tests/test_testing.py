@@ -114,3 +114,15 @@ def test_logits_at_a_scale_beyond_float32_warn_nothing():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         testing.logits(scale=1e300, dtype=torch.float64)  # np.float32(1e300) warned of an overflow
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_logits_stay_within_the_scale_in_their_dtype(dtype):
+    """Regression (found by review): the bound was a float32 number, and rounding to bfloat16 took 5.02 to
+    5.03125 > scale."""
+    @settings(max_examples=200, derandomize=True, database=None)
+    @given(testing.logits(scale=5.02, dtype=dtype, extreme=False, max_items=16))
+    def check(x):
+        assert x.dtype == dtype and x.abs().max() <= 5.02
+
+    check()

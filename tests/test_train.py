@@ -309,6 +309,20 @@ def test_reproduce_restarts_a_checkpoint_past_its_steps(env, tmp_path):
     assert result.steps_done == 10 and [row["step"] for row in result.history] == [0, 10]
 
 
+def test_reproduce_reuses_a_diverged_run(env, tmp_path):
+    """Regression (found by review): a run whose value went NaN saved it as null, and reusing the run read None
+    back (a TypeError in the summary's arithmetic); it is NaN again, in the table as in the first call."""
+    from capg_rec.train.reproduce import summarize
+
+    cell = Cell("K=5", _config(estimator="vpg", steps=6, eval_every=2, lr=1e30, optimizer="sgd"))
+    first = run_cells(env, [cell], [0], tmp_path, progress=False)
+    assert math.isnan(first[("V-PG", "K=5")][0].history[-1]["policy_value"])
+    again = run_cells(env, [cell], [0], tmp_path, progress=False)  # reused from result.json
+    assert math.isnan(again[("V-PG", "K=5")][0].history[-1]["policy_value"])
+    table = summarize("t", env, [cell], first, tmp_path, steps=6)
+    assert summarize("t", env, [cell], again, tmp_path, steps=6) == table
+
+
 def test_reproduce_refuses_runs_of_another_environment_and_repeated_cells(env, tmp_path, capsys):
     """A finished run is reused only for its own environment (the same config on another env or data file
     was reported as this one's); a repeated K or estimator would count one run twice."""

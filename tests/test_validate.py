@@ -569,3 +569,20 @@ def test_a_with_replacement_esr_may_draw_more_than_the_catalog():
     assert validate_esr(CatalogESR(logits, 5, method="with_replacement"), num_samples=2000).passed
     with pytest.raises(ValueError, match="num_candidates"):
         inclusion_log_prob(logits, items, 5, method="mean_field")
+
+
+def test_report_json_is_strict_at_every_depth(tmp_path):
+    """Regression (found by review): a claim of 0 for an item the sampler draws gave z = inf in the worst items,
+    written as the non-JSON token Infinity (only top-level values were made finite)."""
+    logits = torch.randn(2, 20, generator=torch.Generator().manual_seed(0))
+
+    class ClaimsZero(CatalogESR):
+        def inclusion_log_prob(self, contexts=None):
+            out = super().inclusion_log_prob(contexts).clone()
+            out[:, 0] = -math.inf
+            return out
+
+    report = validate_esr(ClaimsZero(logits, 2), num_samples=2000)
+    assert not report.passed and any(not math.isfinite(w.z) for w in report.worst)
+    strict = json.dumps(report.to_dict(), allow_nan=False)  # raises on a NaN or an infinity at any depth
+    assert "Infinity" not in strict and json.loads(strict)["worst"]

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from capg_rec._checks import all_finite, check_choice, check_count, check_distinct
+from capg_rec._checks import all_finite, check_choice, check_count, check_distinct, check_positive
 from capg_rec.catalog import DenseCatalog
 from capg_rec.logs.propensity import log_propensities
 from capg_rec.logs.schema import LoggedBatch
@@ -74,7 +74,10 @@ class OffPolicyStudy:
 
     def __post_init__(self) -> None:
         check_choice("env", self.env, ("synthetic", "movielens"))
-        check_count("epochs", self.epochs)
+        for name in ("epochs", "logging_steps", "batch_size", "eval_rows", "num_outputs"):
+            check_count(name, getattr(self, name))
+        for name in ("logging_temperature", "max_weight", "lr"):
+            check_positive(name, getattr(self, name))
         for name in ("ks", "sizes", "seeds", "learners"):
             if not getattr(self, name):
                 raise ValueError(f"{name} must not be empty")
@@ -82,6 +85,11 @@ class OffPolicyStudy:
         unknown = set(self.learners) - set(LEARNERS)
         if unknown:
             raise ValueError(f"learners must be among {tuple(LEARNERS)}, got {sorted(unknown)}")
+        for name in ("ks", "sizes"):
+            for value in getattr(self, name):
+                check_count(f"{name} entries", value)
+        if self.num_outputs > min(self.ks):
+            raise ValueError(f"num_outputs must be <= every K of ks, got {self.num_outputs} and ks {list(self.ks)}")
         if min(self.sizes) < self.batch_size:
             raise ValueError(f"sizes must be >= batch_size={self.batch_size}, got {min(self.sizes)}")
 

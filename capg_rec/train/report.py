@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import csv
-import json
 import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from capg_rec._json import json_text
 
 __all__ = ["value_at", "mean_se", "write_csv", "write_json", "json_text", "markdown_table", "plot_curves",
            "METHOD_COLORS"]
@@ -46,22 +47,6 @@ def write_csv(path: str | os.PathLike, rows: Sequence[Mapping]) -> None:
 
 def write_json(path: str | os.PathLike, obj: object) -> None:
     Path(path).write_text(json_text(obj, indent=1), encoding="utf-8")
-
-
-def json_text(obj: object, indent: int | None = None) -> str:
-    """``obj`` as strict JSON: a NaN or infinite number (an undefined interval, say) is ``null``, which every
-    JSON parser reads (Python's ``NaN`` token is not JSON)."""
-    return json.dumps(_finite(obj), indent=indent, allow_nan=False)
-
-
-def _finite(obj: object) -> object:
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, Mapping):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

@@ -8,6 +8,7 @@ Writes ``results.md`` / ``results.csv`` / ``results.json`` and ``curves.png`` in
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -182,7 +183,10 @@ def run_cells(env: MatrixEnv, cells: Sequence[Cell], seeds: Sequence[int], out: 
                 raise ValueError(f"{run_dir} holds a run on {saved['env']}, not on {env.name}: give each "
                                  "environment (and data file) its own output folder")
             if saved["config"] == config.to_dict() and "env" in saved:
-                result = TrainResult(config=saved["config"], history=saved["history"],
+                # a value that was NaN (a diverged run) is saved as null: NaN again
+                history = [dict(row, policy_value=math.nan if row["policy_value"] is None else row["policy_value"])
+                           for row in saved["history"]]
+                result = TrainResult(config=saved["config"], history=history,
                                      overflow_steps=saved["overflow_steps"], stopped_at=saved["stopped_at"],
                                      steps_done=saved["steps_done"], lr=saved["lr"], seconds=saved["seconds"])
                 results.setdefault((cell.method, cell.setting), []).append(result)

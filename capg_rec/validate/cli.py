@@ -15,7 +15,6 @@ import argparse
 import functools
 import importlib
 import importlib.util
-import json
 import math
 import os
 import sys
@@ -27,6 +26,7 @@ from typing import Any, NoReturn
 import torch
 from torch import Tensor
 
+from capg_rec._json import json_text
 from capg_rec.validate.protocol import ESR
 from capg_rec.validate.validation import validate_esr
 
@@ -220,7 +220,7 @@ def _validate(args: argparse.Namespace) -> bool:
     print(report)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(report.to_dict(), f, indent=1)
+            f.write(json_text(report.to_dict(), indent=1))
         print(f"wrote {args.json}")
     if args.plot:
         print(f"wrote {report.plot(args.plot)}")

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from capg_rec._json import finite
 
 __all__ = ["Check", "ItemResult", "ValidationReport"]
 
@@ -86,7 +87,7 @@ class ValidationReport:
         out = {k: v for k, v in self.__dict__.items() if k not in ("claimed", "empirical", "stderr")}
         out["checks"] = [c.__dict__ for c in self.checks]
         out["worst"] = [w.__dict__ for w in self.worst]
-        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in out.items()}
+        return finite(out)  # non-finite numbers at any depth (an unbounded z-score) as None
 
     def __str__(self) -> str:
         quantity = "E[count]" if self.with_replacement else "P(in A^K)"
