@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import copy
 import math
 from collections.abc import Callable, Sequence
 
@@ -110,6 +111,13 @@ class CatalogScores(abc.ABC):
         in one go for the whole draw, and returns the context to draw in. ``failed``: this process's arguments were
         bad (``num_candidates`` is a placeholder): the check must fail in every process, and this one raise it."""
         return None
+
+    def _recentred(self) -> CatalogScores:
+        """The same catalog with each row and expert's scores less a constant of its own where that is cheap
+        (every probability is unchanged): sums over the catalog taken on that scale keep their digits at any
+        offset of the logits, which sums on the original scale, rounded to the catalog's dtype, lose. Default:
+        itself (scores given as dot products have no such constant)."""
+        return self
 
     def _best_items(self, k: int) -> int:
         """:attr:`exact_top`, asked by a method about to read each expert's best ``k`` items (:meth:`top_items`): a
@@ -257,6 +265,13 @@ class DenseCatalog(CatalogScores):
 
     def num_available(self) -> Tensor:
         return (self.scores > -math.inf).sum(2, dtype=torch.int32).long()  # int32 sums: 30% faster on the CPU
+
+    def _recentred(self) -> DenseCatalog:
+        """Each row and expert's scores less their max (detached; 0 for a row of masked items)."""
+        top = self.scores.detach().amax(2, keepdim=True)
+        out = copy.copy(self)
+        out.scores = self.scores - torch.where(torch.isfinite(top), top, 0.0)
+        return out
 
     def gather(self, items: Tensor) -> Tensor:
         return self.scores.gather(2, self._per_expert(items))

@@ -171,6 +171,8 @@ class Exact(InclusionMethod):
                              f"one by one and the rest's power sums up to p = {self.num_powers}, but this catalog "
                              f"names only its best {catalog.exact_top} exactly (and a sampled catalog estimates "
                              "power sums only to p = 3)")
+        if head < catalog.num_items:  # the rest's power sums, taken relative to each row's best where that is cheap
+            catalog = catalog._recentred()
         ht = summarize(catalog, items, head, self.num_powers)
         if len(runs) > 1 and any(forward_ad.unpack_dual(t).tangent is not None
                                  for t in (ht.head_scores, ht.tail_log_power_sums)):  # torch.autograd.forward_ad

@@ -14,6 +14,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from capg_rec import inclusion_log_prob
 from capg_rec._enumerate import inclusion_probs
 from capg_rec._exact import _FFTConv, exact_log_inclusion
 from capg_rec._head_tail import HeadTail
@@ -476,3 +477,31 @@ def test_mixture_item_far_below_the_others(dtype, gaps):
         (grad,) = torch.autograd.grad(got.sum(), x)
         assert bool(torch.isfinite(grad).all())
         assert torch.allclose(got[0].detach().double(), want, rtol=_RTOL[dtype], atol=_RTOL[dtype]), (gap, got, want)
+
+
+@pytest.mark.parametrize("experts", [1, 2])
+def test_exact_beyond_the_head_is_invariant_to_a_logit_offset(experts):
+    """Regression (found by review): above 2048 items the rest's power sums were taken on the logits' own scale and
+    then recentred, so an offset cancelled their digits: at 1e16 (float64) the result was 1.5e-2 off, and
+    logits all rounding to one value (1e30) gave 3 K/N instead of K/N. They are taken relative to each row's best."""
+    n, k = 3000, 4
+    base = torch.randn(2, experts, n, dtype=torch.float64, generator=torch.Generator().manual_seed(20)) * 2
+    items = torch.tensor([[0, 1], [5, 2999]])
+    for shift in (1e8, 1e16):
+        shifted = (base + shift).requires_grad_()
+        reference = (shifted.detach() - shift).requires_grad_()  # the same values, recentred exactly
+        got = inclusion_log_prob(shifted, items, k, method="exact")
+        want = inclusion_log_prob(reference, items, k, method="exact")
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=0)
+        g, = torch.autograd.grad(got.sum(), shifted)
+        w, = torch.autograd.grad(want.sum(), reference)
+        torch.testing.assert_close(g, w, rtol=1e-7, atol=1e-12)
+    uniform = torch.full((1, experts, n), 1e30, dtype=torch.float64)  # as zeros: K/N with one expert
+    torch.testing.assert_close(inclusion_log_prob(uniform, items[:1], k, method="exact"),
+                               inclusion_log_prob(torch.zeros_like(uniform), items[:1], k, method="exact"),
+                               rtol=1e-12, atol=0)
+    # float32 at an offset of 1e7: within float32's own rounding of the recentred values
+    single = (base + 1e7).float()
+    torch.testing.assert_close(inclusion_log_prob(single, items, k, method="exact").double(),
+                               inclusion_log_prob(single.double() - 1e7, items, k, method="exact"),
+                               rtol=0, atol=100 * torch.finfo(torch.float32).eps)
