@@ -4,7 +4,7 @@ from capg_rec import functional
 from capg_rec._checks import set_default_validate_args
 from capg_rec.catalog import CatalogScores, DenseCatalog, EmbeddingCatalog, as_catalog
 from capg_rec.losses import CAPGLoss, OffPolicyCAPGLoss, OffPolicyVPGLoss, TopKReinforceLoss, VPGLoss
-from capg_rec.marginals import (DEFAULT_METHOD, Exact, InclusionMethod, MeanField, PlugIn, WithReplacement,
+from capg_rec.marginals import (DEFAULT_METHOD, Enumeration, Exact, InclusionMethod, MeanField, PlugIn, WithReplacement,
                                 inclusion_log_prob, inclusion_method, inclusion_methods, register_inclusion_method)
 from capg_rec.plackett_luce import candidate_log_prob, expert_of_position, greedy_candidates, sample_candidates
 from capg_rec.rewards import dcg_weights, group_normalize
@@ -15,7 +15,7 @@ __all__ = [
     "CAPGLoss", "VPGLoss", "OffPolicyCAPGLoss", "OffPolicyVPGLoss", "TopKReinforceLoss", "functional",
     "CatalogScores", "DenseCatalog", "EmbeddingCatalog", "as_catalog",
     "SampledCatalog", "NegativeSampler", "UniformSampler", "InBatchSampler", "MixedSampler", "DrawnSample",
-    "InclusionMethod", "Exact", "MeanField", "PlugIn", "WithReplacement", "DEFAULT_METHOD",
+    "InclusionMethod", "Exact", "MeanField", "PlugIn", "WithReplacement", "Enumeration", "DEFAULT_METHOD",
     "inclusion_log_prob", "inclusion_method", "inclusion_methods", "register_inclusion_method",
     "candidate_log_prob", "expert_of_position", "greedy_candidates", "sample_candidates",
     "dcg_weights", "group_normalize", "set_default_validate_args",
