@@ -62,7 +62,8 @@ def accuracy(sizes: list[int], negatives: list[int], temperatures: list[float], 
                     with torch.no_grad():
                         # the head through the index, so that the catalog knows it names the best items
                         # (as head_items it was the same ids, but mean-field warned that it could not tell)
-                        cat = SampledCatalog(user, item, temperature=tau, sampler=UniformSampler(s), index=index,
+                        cat = SampledCatalog(user, item, temperature=tau, sampler=UniformSampler(s),
+                                             index=index if head else None,
                                              head_size=head, head_items=targets,
                                              generator=torch.Generator().manual_seed(seed), validate_args=False)
                         errors["log_normalizer"].append(cat.log_normalizer()[:, 0] - exact["log_normalizer"])

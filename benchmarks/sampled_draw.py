@@ -65,8 +65,9 @@ def small(seeds: int, temperatures: list[float]) -> list[dict]:
             for s in tqdm((4, 8, 16, 32), desc=f"small tau={tau} head={head}", leave=False):
                 laws = []
                 for seed in range(seeds):
-                    cat = SampledCatalog(user, item, temperature=tau, sampler=UniformSampler(s), index=index,
-                                         head_size=head, generator=torch.Generator().manual_seed(seed))
+                    cat = SampledCatalog(user, item, temperature=tau, sampler=UniformSampler(s),
+                                         index=index if head else None, head_size=head,
+                                         generator=torch.Generator().manual_seed(seed))
                     per_row = []
                     for b in range(batch):
                         keep_h = cat.head_ids[b] >= 0

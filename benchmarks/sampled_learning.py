@@ -63,7 +63,7 @@ def run(env: Env, *, method: str, catalog: str, seed: int, steps: int, batch: in
     item_w = torch.randn(env.num_items, DIM, generator=g).requires_grad_()
     opt = torch.optim.SGD([user_w, item_w], lr=lr)
     loss_fn = CAPGLoss(K, method=method, validate_args=False)
-    index = ExactIndex(item_w.detach())  # holds the live table: always current
+    index = ExactIndex(item_w.detach()) if head else None  # holds the live table: always current
     history = [dict(step=0, value=_policy_value(env, user_w.detach(), item_w.detach(), eval_users, best))]
     start = time.process_time()
     for step in range(1, steps + 1):

@@ -33,9 +33,11 @@ use the estimated normaliser at every size.
 
 Candidate sampling (``top_items(perturb=True)``, hence :func:`~capg_rec.sample_candidates`) is a
 Gumbel top-K over H ∪ S with the sample's keys ``s_j + log w_j``: each drawn slot stands for the
-tail mass it estimates. The draw is exact when the head holds the whole catalog; otherwise only
-items of H ∪ S can be drawn, and a tail item's chance is right in expectation over the sample for
-the first position only (later positions condition on an estimated remaining mass). With
+tail mass it estimates. The draw is exact when the head holds the whole catalog; otherwise it is an
+approximation: only items of H ∪ S can be drawn, and even at the first position an item's chance is
+a ratio of estimates (its weight over the estimated normaliser), not unbiased over samples: with
+few negatives the head is over-drawn or under-drawn (``benchmarks/sampled_draw.py`` measures its
+distance from the exact draw). With
 ``validate_args``, asking :meth:`~SampledCatalog.top_items` for more items than a row's head and sample
 hold usable (unmasked, not excluded, distinct) is a ``ValueError`` naming the row (a host sync).
 """
@@ -142,6 +144,9 @@ class InBatchSampler(NegativeSampler):
                  alpha: float = 0.01, seed: int = 0) -> None:
         if frequency is not None:
             frequency = check_float_tensor("frequency", frequency, ndims=(1,))
+            if frequency.dtype not in (torch.float32, torch.float64):  # 1e-6 is a float16 subnormal, off by 1.3%
+                raise TypeError(f"frequency must be float32 or float64 (half precision rounds the small probabilities "
+                                f"of a large catalog), got {frequency.dtype}")
             if bool((frequency < 0).any()) or not bool(torch.isfinite(frequency).all()):
                 raise ValueError("frequency must hold finite probabilities >= 0")
             total = float(frequency.double().sum())
@@ -203,7 +208,11 @@ class InBatchSampler(NegativeSampler):
         if self.frequency is not None:
             if self.frequency.shape[0] != num_items:
                 raise ValueError(f"frequency must have num_items={num_items} entries, got {self.frequency.shape[0]}")
-            slots = (batch_items >= 0).sum().to(torch.float64) if batch_items is not None else 0.0
+            if batch_items is None:  # its slots: without them every count would be 0 and every sample term dropped
+                raise ValueError("InBatchSampler needs the batch's named items for its expected counts: pass "
+                                 "head_items (or batch_items) to the SampledCatalog, or the batch_items a DrawnSample "
+                                 "was drawn with")
+            slots = (batch_items >= 0).sum().to(torch.float64)
             q = self.frequency.to(device=ids.device, dtype=torch.float64)[ids.clamp(min=0)]
             return torch.log(q * slots)
         if self._last is None:
@@ -282,8 +291,10 @@ class DrawnSample(NegativeSampler):
     def __init__(self, ids: Tensor, sampler: NegativeSampler, batch_items: Tensor | None = None) -> None:
         if not isinstance(sampler, NegativeSampler) or isinstance(sampler, DrawnSample):
             raise TypeError(f"sampler must be the NegativeSampler that drew ids, got {type(sampler).__name__}")
-        if not isinstance(ids, Tensor) or ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
-            raise TypeError(f"ids must be a 1-d integer tensor [S], got {getattr(ids, 'shape', type(ids).__name__)}")
+        if not isinstance(ids, Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise TypeError(f"ids must be an integer tensor [S], got {getattr(ids, 'dtype', type(ids).__name__)}")
+        if ids.dim() != 1:
+            raise ValueError(f"ids must be 1-d [S], got shape {list(ids.shape)}")
         if batch_items is not None and (not isinstance(batch_items, Tensor) or batch_items.is_floating_point()
                                         or batch_items.dtype == torch.bool):
             raise TypeError(f"batch_items must be an integer tensor [B, H], got "
@@ -497,6 +508,8 @@ class SampledCatalog(CatalogScores):
         self.head_size = check_count("head_size", head_size, low=0, high=self.num_items)
         if self.head_size and index is None:
             raise ValueError("head_size > 0 needs an index (an ItemIndex over the items)")
+        if index is not None and not self.head_size:
+            raise ValueError("index needs head_size > 0 (the items per expert it adds to the head), got head_size=0")
         found = self._index_items(index_items, index)
         with torch.no_grad():
             parts = [] if head_items is None else [head_items]

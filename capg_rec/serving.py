@@ -83,7 +83,7 @@ class ServingRetriever:
             raise TypeError(f"user_tower must be callable, got {type(user_tower).__name__}")
         item_vectors = check_float_tensor("item_vectors", item_vectors, ndims=(2, 3), validate=True)
         self.user_tower = user_tower
-        self.item_vectors = item_vectors.detach()
+        self.item_vectors = item_vectors.detach().clone()  # a snapshot, as the index is: one policy served
         self.index = FaissIndex(self.item_vectors) if index is None else index
         if not isinstance(self.index, ItemIndex):
             raise TypeError(f"index must be a capg_rec.ann.ItemIndex, got {type(self.index).__name__}")

@@ -362,9 +362,11 @@ def test_drawn_sample_refuses_what_is_not_a_sample():
     sampler = UniformSampler(4)
     ids = torch.tensor([3, 1, 4, 1])
     assert torch.equal(DrawnSample(ids, sampler).draw(10, None, generator=None, device=torch.device("cpu")), ids)
-    for bad in (ids.float(), ids.bool(), ids.view(2, 2), [3, 1, 4, 1]):
-        with pytest.raises(TypeError, match="ids must be a 1-d integer tensor"):
+    for bad in (ids.float(), ids.bool(), [3, 1, 4, 1]):
+        with pytest.raises(TypeError, match="ids must be an integer tensor"):
             DrawnSample(bad, sampler)
+    with pytest.raises(ValueError, match="ids must be 1-d"):  # a wrong shape of the right type: a value error
+        DrawnSample(ids.view(2, 2), sampler)
     for bad in (None, DrawnSample(ids, sampler)):
         with pytest.raises(TypeError, match="sampler must be the NegativeSampler"):
             DrawnSample(ids, bad)
@@ -806,3 +808,27 @@ def test_a_row_with_fewer_items_than_mean_field_s_head_gets_no_false_floor():
                                  generator=torch.Generator().manual_seed(0), validate_args=False)
         sampled = mean_field_log_inclusion(catalog, items, runs)
     torch.testing.assert_close(sampled.exp(), dense.exp(), rtol=0, atol=1e-9)
+
+
+def test_sampler_and_head_arguments_found_by_review():
+    """Regressions (found by review): a DrawnSample of an InBatchSampler with a given frequency, on a catalog
+    without the batch, dropped its whole sample silently (every expected count log(q · 0)); a float16 frequency
+    biased every logQ weight (1e-6 is a subnormal there, 1.3% off); an index with the default head_size=0 was
+    ignored; a 2-d id tensor was a TypeError."""
+    g = torch.Generator().manual_seed(0)
+    n, users, items = 1000, torch.randn(2, 4, generator=g), torch.randn(1000, 4, generator=g)
+    sampler = InBatchSampler(frequency=torch.full((n,), 1.0 / n))
+    batch = torch.randint(n, (2, 5), generator=g)
+    drawn = DrawnSample(sampler.draw(n, batch, generator=g, device=torch.device("cpu")), sampler)
+    with pytest.raises(ValueError, match="InBatchSampler needs the batch's named items for its expected counts"):
+        SampledCatalog(users, items, num_items=n, sampler=drawn).log_normalizer()
+    estimate = SampledCatalog(users, items, num_items=n, sampler=DrawnSample(drawn.ids, sampler, batch_items=batch))
+    assert torch.isfinite(estimate.log_normalizer()).all()
+    with pytest.raises(TypeError, match="frequency must be float32 or float64"):
+        InBatchSampler(frequency=torch.full((n,), 1.0 / n, dtype=torch.float16))
+    with pytest.raises(ValueError, match="index needs head_size > 0"):
+        SampledCatalog(users, items, num_items=n, sampler=UniformSampler(10), index=ExactIndex(items))
+    with pytest.raises(ValueError, match=r"ids must be 1-d \[S\], got shape \[2, 2\]"):
+        DrawnSample(torch.zeros(2, 2, dtype=torch.long), UniformSampler(4))
+    with pytest.raises(TypeError, match="ids must be an integer tensor .S., got torch.float32"):
+        DrawnSample(torch.zeros(4), UniformSampler(4))

@@ -153,3 +153,19 @@ def test_recall_benchmark_writes_its_files(tmp_path):
     assert [r["index"] for r in rows] == ["full-catalog scan", "faiss flat", "faiss hnsw", "faiss ivf"]
     assert rows[1]["recall_at_k"] == 1.0 and all(0 <= r["recall_at_k"] <= 1 for r in rows)
     assert (tmp_path / "serving_recall.csv").exists()
+
+
+def test_the_server_serves_a_snapshot_of_the_item_vectors():
+    """Regression (found by review): the server kept a view of the item table while its index is a snapshot, so
+    after an in-place update greedy retrieval (the index) and sampled retrieval and its logged propensities (the
+    live table) served two policies. Both serve the vectors it was built on."""
+    g = torch.Generator().manual_seed(0)
+    items = torch.randn(200, 8, generator=g)
+    users = torch.randn(3, 8, generator=g)
+    server = ServingRetriever(lambda u: u, items, temperature=1e-3)
+    before = server.retrieve(users, num_candidates=3, sample=True, generator=torch.Generator().manual_seed(1))
+    items.neg_()  # the training job updates its table in place
+    after = server.retrieve(users, num_candidates=3, sample=True, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(after.log_inclusion, before.log_inclusion, rtol=0, atol=0)
+    assert torch.equal(after.candidates, before.candidates)
+    assert torch.equal(server.retrieve(users, num_candidates=3).candidates, after.candidates)  # τ → 0: the greedy
