@@ -98,7 +98,8 @@ def offpolicy_capg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chos
     row was served. The weight ``w_l = π_θ(a_l ∈ A^K) / π₀(a_l ∈ A^K)`` is computed in log space
     from the detached score (a constant: the gradient is ``w_l ∇ log π_θ``), then capped at
     ``max_weight`` and, whatever it is, just below ``sqrt`` of the largest value of the dtype (that of the logits,
-    if narrower: 256 for float16 logits), so that the weight, its products and the gradients stay finite.
+    if narrower: 256 for float16 logits), so that the weight and its products stay finite (a gradient, the
+    weight times the advantage times ``∇ log π_θ``, may still overflow float16 for large rewards).
     Without cap, baseline or position weights, the expected negative gradient under π₀ is
     ``Σ_a r̄(a) ρ₀(a) ∇π_θ(a ∈ A^K)`` per context, ``r̄(a) = E[r | a]`` and
     ``ρ₀(a) = P_{A~π₀}(LSR shows a | a ∈ A)``: the paper's Lemma with the LSR's propensity taken under
@@ -205,8 +206,10 @@ def importance_weights(log_ratio: Tensor, *, max_weight: float | None = None,
 def _weights(catalog: CatalogScores | None, log_ratio: Tensor, max_weight: float | None, self_normalize: bool
              ) -> Tensor:
     """:func:`importance_weights` of checked options, capped also for the ``catalog``'s gradient dtype if narrower
-    (float16 logits: below √65504, so that the weighted gradients they get back stay finite)."""
-    log_weight = _capped_log_weights(log_ratio, max_weight, None if catalog is None else catalog._gradient_dtype)
+    (float16 logits: below √65504), except self-normalised ones: they are at most the batch's size once normalised,
+    and a cap taken before the normalisation would change their ratios (a float16 loss unlike a float32 one)."""
+    also = None if catalog is None or self_normalize else catalog._gradient_dtype
+    log_weight = _capped_log_weights(log_ratio, max_weight, also)
     if not self_normalize:
         return torch.exp(log_weight)
     weight = _relative_weights(log_weight)  # the normalisation cancels the scale
@@ -266,7 +269,8 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
     ``inclusion``: the loss takes inclusion probabilities, whose methods assume that each expert block can draw
     its items whatever the earlier blocks took (:func:`~capg_rec.plackett_luce.check_enough_items`, as
     :func:`~capg_rec.marginals.inclusion_log_prob` does); with one expert, K distinct unmasked candidates imply
-    it. (CA-PG-SwR's expected count needs no such assumption.)
+    it, unless they were logged (drawn by another ESR, they may hold items this one masks). (CA-PG-SwR's
+    expected count needs no such assumption.)
 
     ``logged = (name, tensor, per_item, bound)``: a logged log-propensity ``[B, L]`` (``per_item``)
     or ``[B]``, checked finite and ``<= bound + LOG_PROB_TOLERANCE``. Logged candidates were drawn by the
@@ -347,7 +351,8 @@ def _check_values(catalog: CatalogScores, candidates: Tensor, chosen: Tensor, re
             checks.all_above(_drawing_scores(catalog, inside), -math.inf,
                              "candidates must not hold masked items (scored -inf by the expert that drew them): "
                              "the ESR cannot draw them")
-    if masked and inclusion and catalog.num_experts > 1:
+    if masked and inclusion and (catalog.num_experts > 1 or logged is not None):
+        # one expert: K distinct candidates it can draw imply K unmasked items, but logged ones were drawn by another
         experts, needed, available = unmasked_needs(catalog, candidates.shape[1])
         checks.all_above(available - needed, -1,
                          f"num_candidates={candidates.shape[1]} needs, under the experts {experts} "

@@ -2,6 +2,7 @@
 ValueError naming file, row group, row and column for each kind of malformed file."""
 
 import math
+import warnings
 
 import numpy as np
 import pyarrow as pa
@@ -497,12 +498,18 @@ def test_writer_and_null_check_corner_cases(tmp_path):
     other = LogWriter(tmp_path / "open.parquet", num_candidates=K, num_shown=L, num_items=N, num_features=F)
     assert open_writer._partial != other._partial  # two writers of one path keep apart
     other.discard()
+    for p in tmp_path.glob("*.parquet"):
+        p.unlink()  # the folder holds only the logs below
     write_logs(tmp_path / "open.parquet", _as_written(_batch(5, 0)), num_items=N)
     open_writer.write(_batch(3, 0))
-    with pytest.warns(ResourceWarning, match="open.parquet was never closed: what it wrote was discarded"):
+    with pytest.warns(UserWarning, match="open.parquet was never closed: the path was left as it was, and its 3 rows "
+                                         "are in .*open.parquet.unclosed"):
         del open_writer
         gc.collect()
     assert LoggedImpressions(tmp_path / "open.parquet", 4).num_rows == 5  # the logs that were there
+    assert LoggedImpressions(tmp_path, 4).num_rows == 5  # the folder's logs: not the unclosed file
+    kept = tmp_path / "open.parquet.unclosed"
+    assert pq.ParquetFile(kept).metadata.num_rows == 3  # nothing lost: finished beside, to look at
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial") or p.name.startswith(".")]
 
 
@@ -619,6 +626,38 @@ def test_write_logs_and_writer_arguments_are_checked(tmp_path):
             write_logs(tmp_path / "w.parquet", bad, num_items=N)
     with pytest.raises(TypeError, match=r"write_logs reads \['num_candidates'\] off the batch"):
         write_logs(tmp_path / "w.parquet", good, num_candidates=K)
-    with pytest.raises(ValueError, match="method must be an InclusionMethod or one of"):
-        LogWriter(tmp_path / "w.parquet", num_candidates=K, num_shown=L, method="bogus")
     assert not list(tmp_path.iterdir())
+
+
+def test_the_method_stored_is_a_name_or_the_registered_name_of_an_instance(tmp_path):
+    """A later review: an instance was stored as its repr (so train --logs could not match it with the method it
+    is), and refusing unregistered names blocked logs whose propensities come from another system."""
+    from capg_rec import Exact, MeanField
+
+    for method, stored in ((MeanField(), "mean_field"), (Exact(), "exact"), ("prod_ranker_v3", "prod_ranker_v3")):
+        write_logs(tmp_path / "m.parquet", _as_written(_batch(4, 0)), num_items=N, method=method)
+        assert LoggedImpressions(tmp_path / "m.parquet", 2).meta.method == stored
+
+
+def test_narrow_and_wide_float_columns_are_checked_at_their_exact_bounds(tmp_path):
+    """A later review of the fast checks: a float16 column was compared with its bound rounded to float16 (an
+    expected count above K passed), the float32 range was cast to float16 (an overflow warning on every read, an
+    error under -W error), and a float64 reward that rounds to a finite float32 was refused."""
+    def write(column, value_type, row_value):
+        cols = _set(_table(), column, 4, row_value)
+        schema = pa.schema([pa.field(f.name, pa.list_(value_type) if f.name == column else f.type) for f in LOG_SCHEMA])
+        table = pa.Table.from_pydict({f.name: cols[f.name] for f in schema},
+                                     schema=schema.with_metadata(LogMetadata(K, L, "mean_field", N, F).to_arrow()))
+        pq.write_table(table, tmp_path / "t.parquet", row_group_size=3)
+        return tmp_path / "t.parquet"
+
+    above = float(np.float16(math.log(K) + 1e-3))  # a float16 number above log K + tolerance
+    with pytest.raises(ValueError, match="row 1 \\(file row 4\\): column 'log_expected_count' is an expected count"):
+        list(LoggedImpressions(write("log_expected_count", pa.float16(), [above, -1.0]), 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = _cat(list(LoggedImpressions(write("rewards", pa.float16(), [1.5, -2.0]), 2))).rewards
+    assert got[4].tolist() == [1.5, -2.0]
+    finite = 3.4028234663852886e38 + 2.0**100  # above float32's largest, below the half step that rounds to inf
+    got = _cat(list(LoggedImpressions(write("rewards", pa.float64(), [finite, 0.0]), 2))).rewards
+    assert torch.isfinite(got).all() and got[4, 0] == torch.finfo(torch.float32).max

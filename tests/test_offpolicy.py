@@ -409,3 +409,35 @@ def test_logged_draws_may_hold_items_the_trained_esr_masks():
             assert bool(torch.isfinite(grad).all()), name
         alone = F.offpolicy_capg_loss(logits[:1], cand[:1], shown[:1], rewards[:1], per_item[:1], reduction="none")
         torch.testing.assert_close(losses["capg"][:1].detach(), alone)
+
+
+def test_self_normalised_weights_are_the_same_for_half_logits():
+    """Regression (found by review): the float16 overflow cap (~254) was taken before the normalisation, which
+    changed the weights' ratios: a SNIPS loss 9% off float32's for float16 logits of the same values."""
+    g = torch.Generator().manual_seed(4)
+    batch, n, k, length = 4, 7, 3, 2
+    logits = (torch.randn(batch, n, generator=g, dtype=torch.float64) * 3).half().double()  # float16 values
+    candidates = torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(batch)])
+    shown, rewards = candidates[:, :length], torch.rand(batch, length, generator=g, dtype=torch.float64)
+    logged_set = torch.full((batch,), -12.0, dtype=torch.float64)
+    logged_items = torch.full((batch, length), -6.0, dtype=torch.float64)
+    for loss_fn, logged in ((OffPolicyVPGLoss(k, self_normalize=True), logged_set),
+                            (OffPolicyCAPGLoss(k, self_normalize=True, method="exact"), logged_items)):
+        want = loss_fn(logits.float(), candidates, shown, rewards.float(), logged.float())
+        got = loss_fn(logits.half(), candidates, shown, rewards.float(), logged.float())
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=0)  # float16 scores, float32 compute: ~eps16 apart
+
+
+def test_logged_candidates_beyond_the_new_esrs_unmasked_items_are_refused():
+    """Regression (found by review): with one expert, a new ESR that masks all but 2 items has no inclusion
+    probability for K = 3 (inclusion_log_prob refuses it), but the off-policy CA-PG losses scored log 1 = 0 and
+    weighed it 1/π₀ silently: the logged candidates were drawn by another ESR. CA-PG-SwR's expected count stays
+    defined."""
+    logits = torch.tensor([[0.5, -math.inf, 0.2, -math.inf, -math.inf]], dtype=torch.float64, requires_grad=True)
+    candidates, shown = torch.tensor([[0, 1, 2]]), torch.tensor([[0, 2]])
+    rewards, logged = torch.ones(1, 2, dtype=torch.float64), torch.full((1, 2), math.log(0.5), dtype=torch.float64)
+    for method in ("mean_field", "exact", "plugin", "enumerate"):
+        with pytest.raises(ValueError, match="num_candidates=3 needs, under the experts .0. of its blocks, .3."):
+            F.offpolicy_capg_loss(logits, candidates, shown, rewards, logged, method=method)
+    count = torch.log(torch.full((1, 2), 0.9, dtype=torch.float64))
+    assert torch.isfinite(F.offpolicy_capg_loss(logits, candidates, shown, rewards, count, method="with_replacement"))

@@ -145,3 +145,8 @@ def test_study_options_are_checked_before_any_work(option, value, error):
     in), naming the inner function's parameter; num_outputs above a K failed inside the draw."""
     with pytest.raises(error, match=option if option != "ks" else "ks entries"):
         OffPolicyStudy(**{option: value})
+
+
+def test_study_takes_no_weight_cap():
+    """A later review: the option checks refused max_weight=None, which the losses take as the overflow cap only."""
+    assert OffPolicyStudy(max_weight=None).max_weight is None

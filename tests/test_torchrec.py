@@ -604,24 +604,40 @@ def test_item_tower_in_chunks_matches_the_whole_catalog_and_recomputes_in_backwa
     assert set(n.split(".")[0] for n in params) == {"embeddings", "user_embeddings", "item_tower"}
 
 
-def test_every_batch_lists_its_keys_in_the_first_batch_order():
+def test_every_batch_lists_its_keys_in_the_first_batch_order_where_the_lookup_is_sharded():
     """TorchRec's sharded lookups read every batch in the key order of the first (found by review: the same ids with
-    the keys swapped were looked up under the wrong features, silently): a batch in another order is a ValueError,
-    in one process too, and the export's lookups follow the first order."""
-    retriever = _bag_retriever()
+    the keys swapped were looked up under the wrong features, silently): there, a batch in another order is a
+    ValueError, and the export's lookups follow the first order. The unsharded collections look keys up by name:
+    any order is taken, with the same scores (a later review: they were refused too)."""
     users = _no_user_features(3)
-    retriever(retriever.with_catalog(users), bag_features=_bags())
+    plain = _bag_retriever()
+    first = plain(plain.with_catalog(users), bag_features=_bags()).log_power_sums()
     swapped = _bags().permute([1, 0])
+    torch.testing.assert_close(plain(plain.with_catalog(users), bag_features=swapped).log_power_sums(), first)
+    assert plain.user_vectors(users, bag_features=swapped).shape == (3, 2, 2)
+
+    class Positional(nn.Module):  # stands for a sharded collection: not one that looks keys up by name
+        def __init__(self, bags):
+            super().__init__()
+            self.bags = bags
+
+        def forward(self, kjt):
+            return self.bags(kjt)
+
+        def embedding_bag_configs(self):
+            return self.bags.embedding_bag_configs()
+
+    sharded = _bag_retriever()
+    sharded.user_embeddings = Positional(sharded.user_embeddings)
+    sharded(sharded.with_catalog(users), bag_features=_bags())
     with pytest.raises(ValueError, match=r"bag_features must list its keys in the order of the first batch looked up, "
                                          r"\['user_id', 'history'\].*got \['history', 'user_id'\]"):
-        retriever(retriever.with_catalog(users), bag_features=swapped)
+        sharded(sharded.with_catalog(users), bag_features=swapped)
     with pytest.raises(ValueError, match="bag_features must list its keys in the order"):
-        retriever.user_vectors(users, bag_features=swapped)
-    retriever(retriever.with_catalog(users), bag_features=_bags())  # the first order still works
-    assert retriever.user_vectors(users, bag_features=_bags()).shape == (3, 2, 2)
-    plain = make_retriever()
+        sharded.user_vectors(users, bag_features=swapped)
+    torch.testing.assert_close(sharded(sharded.with_catalog(users), bag_features=_bags()).log_power_sums(), first)
     with pytest.raises(ValueError, match="must list the catalog feature 'catalog' last, got keys .'catalog'"):
-        plain(plain.with_catalog(user_batch([1, 2])).permute([1, 0]))
+        make_retriever()(make_retriever().with_catalog(user_batch([1, 2])).permute([1, 0]))
 
 
 def test_bag_and_tower_set_up_errors():

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from capg_rec._checks import check_count, check_flag, resolve_validate_args
 from capg_rec.logs.schema import LOG_SCHEMA, REQUIRED_COLUMNS, TENSOR_COLUMNS, LogMetadata, LoggedBatch, file_schema
-from capg_rec.marginals import DEFAULT_METHOD, InclusionMethod, inclusion_method
+from capg_rec.marginals import DEFAULT_METHOD, InclusionMethod, inclusion_method, inclusion_methods
 
 __all__ = ["LogWriter", "write_logs", "LoggedImpressions"]
 
@@ -45,7 +45,7 @@ _DTYPES = {"request_id": torch.long, "context": torch.long, "features": torch.fl
            "shown": torch.long, "rewards": torch.float32, "log_inclusion": torch.float64,
            "log_expected_count": torch.float64, "log_candidate_prob": torch.float64}
 _ITEMSIZE = {name: dtype.itemsize for name, dtype in _DTYPES.items()}
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
+_FLOAT32_MAX = float(np.nextafter(2.0**128 - 2.0**103, 0))  # the largest float64 that rounds to a finite float32
 
 
 def _readable_as(got: pa.DataType, want: pa.DataType) -> bool:
@@ -120,12 +120,14 @@ def _outside(x: np.ndarray, low: float, high: float | None) -> np.ndarray | None
     if x.size == 0:
         return None
     floats = np.issubdtype(x.dtype, np.floating)
-    lo, hi = x.min(), x.max()  # a NaN propagates to both, and fails every comparison below
-    if lo >= low and hi <= high and (not floats or (np.isfinite(lo) and np.isfinite(hi))):
+    # compared as Python numbers (float64, or exact ints): numpy would round a bound to a narrower column's type
+    lo, hi = x.min().item(), x.max().item()  # a NaN propagates to both, and fails every comparison below
+    if lo >= low and hi <= high and (not floats or (math.isfinite(lo) and math.isfinite(hi))):
         return None
-    ok = (x >= low) & (x <= high)
+    wide = x.astype(np.float64) if floats else x  # the rows of a failed check, located in float64
+    ok = (wide >= low) & (wide <= high)
     if floats:
-        ok &= np.isfinite(x)
+        ok &= np.isfinite(wide)
     return ~ok.all(1)
 
 
@@ -211,8 +213,6 @@ class LogWriter:
             raise TypeError(f"policy_version must be a str, got {type(policy_version).__name__}")
         if not isinstance(method, (str, InclusionMethod)):
             raise TypeError(f"method must be an InclusionMethod or a name, got {type(method).__name__}")
-        if isinstance(method, str):
-            inclusion_method(method)  # a ValueError naming the known methods: the name is what a reader trusts
         if not isinstance(compression, str):
             raise TypeError(f"compression must be a codec name, got {type(compression).__name__}")
         if compression.lower() != "none" and not _codec_available(compression):
@@ -225,7 +225,7 @@ class LogWriter:
         except (TypeError, ValueError) as err:
             raise TypeError(f"extra must hold JSON values (str, int, float, bool, None, lists and dicts of them): "
                             f"{err}") from None
-        self.meta = LogMetadata(num_candidates, num_shown, method if isinstance(method, str) else repr(method),
+        self.meta = LogMetadata(num_candidates, num_shown, _method_name(method),
                                 num_items, num_features, extra=dict(extra or {}))
         self.path = Path(path)
         self.policy_version = policy_version
@@ -254,7 +254,8 @@ class LogWriter:
 
     def close(self) -> None:
         """Finish the file and put it at ``path`` (idempotent). A writer collected while still open was never
-        closed (a job that failed outside a ``with`` block, say): it is discarded, with a ``ResourceWarning``."""
+        closed (a job that failed outside a ``with`` block, say): its file is finished beside ``path``, as
+        ``<path>.unclosed`` (not read as logs), ``path`` is left as it was, and a warning says so."""
         if self._writer is not None:
             self._writer.close()
             self._writer = None
@@ -266,9 +267,17 @@ class LogWriter:
 
     def __del__(self) -> None:
         if getattr(self, "_writer", None) is not None:
-            warnings.warn(f"LogWriter for {self.path} was never closed: what it wrote was discarded and the path left "
-                          "as it was (close it, or use it in a with block)", ResourceWarning, stacklevel=2)
-            self.discard()
+            self._writer.close()
+            self._writer = None
+            kept = self.path.with_name(self.path.name + ".unclosed")
+            try:
+                os.replace(self._partial, kept)
+            except OSError:
+                self._partial.unlink(missing_ok=True)
+                kept = None
+            warnings.warn(f"LogWriter for {self.path} was never closed: the path was left as it was, and its "
+                          f"{self.rows_written} rows are {f'in {kept}' if kept else 'lost'} (close the writer, or use "
+                          "it in a with block)", UserWarning, stacklevel=1)
 
     def discard(self) -> None:
         """Drop what was written, leaving ``path`` as it was (idempotent)."""
@@ -335,6 +344,14 @@ class LogWriter:
                 raise ValueError(f"batch.{name} must have shape {list(shape)}, got {list(x.shape)}")
             cols[name] = x.to(_DTYPES[name])
         return cols
+
+
+def _method_name(method: str | InclusionMethod) -> str:
+    """The name stored for ``method``: a name as given (logs of another system may name their own), an instance by
+    the name it is registered under (``MeanField()`` is ``"mean_field"``), else its ``repr``."""
+    if isinstance(method, str):
+        return method
+    return next((name for name in inclusion_methods() if inclusion_method(name) == method), repr(method))
 
 
 def write_logs(path: str | os.PathLike, batch: LoggedBatch, **kwargs: Any) -> None:

@@ -263,7 +263,7 @@ class TwoTowerRetriever(nn.Module):
             # dense's width: the user tower runs on every rank alike
             return [-2 if sample is None else -1 if head_items is None else head_items.shape[1],
                     -1 if index_items is None else index_items.shape[-1], -1 if dense is None else dense.shape[1],
-                    _fingerprint(features.keys(), None if bag_features is None else bag_features.keys())]
+                    self._key_fingerprint(features.keys(), bag_features)]
 
         if group is not None and validate:
             device = features.values().device if isinstance(features, KeyedJaggedTensor) else torch.device("cpu")
@@ -370,7 +370,7 @@ class TwoTowerRetriever(nn.Module):
             self._check_user_features(features, bag_features, batch, validate)
             self._check_dense(dense, batch)
             return [-1 if dense is None else dense.shape[1],
-                    _fingerprint(keys, None if bag_features is None else bag_features.keys())]
+                    self._key_fingerprint(keys, bag_features)]
 
         group = self._layout()[2]
         if group is not None and validate:  # one rank's mistake raised on every rank
@@ -432,21 +432,35 @@ class TwoTowerRetriever(nn.Module):
         self._check_dense(dense, features.stride() - 1)
         self._check_user_features(features, bag_features, features.stride() - 1, validate)
 
+    def _order_matters(self, name: str) -> bool:
+        """Whether the lookup of ``name`` ("features", "bag_features") reads keys by position: a sharded one (the
+        unsharded collections look each key up by its name)."""
+        module = self.embeddings if name == "features" else self.user_embeddings
+        return not isinstance(module, (EmbeddingCollection, EmbeddingBagCollection))
+
     def _check_key_order(self, name: str, keys: Sequence[str]) -> None:
         """TorchRec's sharded lookups take the order of their input's keys from the first batch and read every
         later batch in it: a KJT of the same keys in another order would be looked up under the wrong features,
-        silently. So every KJT of ``name`` ("features", "bag_features") must list its keys as the first did."""
+        silently. So every KJT of ``name`` ("features", "bag_features") must list its keys as the first did, where
+        the lookup is sharded."""
         seen = self._key_orders.get(name)
         if seen is not None and tuple(keys) != seen:
             raise ValueError(f"{name} must list its keys in the order of the first batch looked up, {list(seen)} "
                              f"(TorchRec's sharded lookup reads every batch in that order), got {list(keys)}")
 
+    def _key_fingerprint(self, keys: Sequence[str], bag_features: KeyedJaggedTensor | None) -> int:
+        """The keys of a batch's KJTs (in order where the lookup is sharded) as one int that ranks can compare
+        (:func:`zlib.crc32`: the same in every process, unlike ``hash`` of a str)."""
+        parts = [("features", list(keys)), ("bag_features", [] if bag_features is None else bag_features.keys())]
+        text = "\1".join("\0".join(k if self._order_matters(name) else sorted(k)) for name, k in parts)
+        return zlib.crc32(text.encode())
+
     def _record_key_orders(self, features: KeyedJaggedTensor, bag_features: KeyedJaggedTensor | None) -> None:
         """After a lookup: the key orders that :meth:`_check_key_order` requires from now on (the first ones)."""
         if not is_fx_symbolic_tracing():
-            self._key_orders.setdefault("features", tuple(features.keys()))
-            if bag_features is not None:
-                self._key_orders.setdefault("bag_features", tuple(bag_features.keys()))
+            for name, kjt in (("features", features), ("bag_features", bag_features)):
+                if kjt is not None and self._order_matters(name):
+                    self._key_orders.setdefault(name, tuple(kjt.keys()))
 
     def _check_dense(self, dense: Tensor | None, batch: int) -> None:
         """``dense [B, F]``, given only with a user tower, in its parameters' dtype."""
@@ -637,13 +651,6 @@ class _ListedRows:
 
 _UNLISTED = ("was not looked up: list it in retriever.with_catalog(features, items) (candidates and shown items must "
              "be; mean-field and plug-in read catalogs of up to 2048 items whole)")
-
-
-def _fingerprint(features: Sequence[str], bag_features: Sequence[str] | None) -> int:
-    """The keys of a batch's KJTs, in order, as one int that ranks can compare (:func:`zlib.crc32`: the same in
-    every process, unlike ``hash`` of a str)."""
-    text = "\0".join(features) + "\1" + ("" if bag_features is None else "\0".join(bag_features))
-    return zlib.crc32(text.encode())
 
 
 def _same_key_orders(fingerprints: list[int]) -> None:

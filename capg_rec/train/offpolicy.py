@@ -67,7 +67,7 @@ class OffPolicyStudy:
     logging_steps: int = 1000
     logging_temperature: float = 2.0
     batch_size: int = 128
-    max_weight: float = 100.0
+    max_weight: float | None = 100.0
     eval_rows: int = 20_000
     lr: float = 1e-2
     epochs: int = 1
@@ -76,8 +76,10 @@ class OffPolicyStudy:
         check_choice("env", self.env, ("synthetic", "movielens"))
         for name in ("epochs", "logging_steps", "batch_size", "eval_rows", "num_outputs"):
             check_count(name, getattr(self, name))
-        for name in ("logging_temperature", "max_weight", "lr"):
+        for name in ("logging_temperature", "lr"):
             check_positive(name, getattr(self, name))
+        if self.max_weight is not None:  # None: the losses' overflow cap only
+            check_positive("max_weight", self.max_weight)
         for name in ("ks", "sizes", "seeds", "learners"):
             if not getattr(self, name):
                 raise ValueError(f"{name} must not be empty")
