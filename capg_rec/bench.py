@@ -186,8 +186,16 @@ def _main(args: argparse.Namespace) -> None:
     import pathlib
 
     out = pathlib.Path(args.out)
-    if out.is_dir():  # found before the tables are computed, not after
-        print(f"capg-rec bench: error: --out must be a file path, got the folder {out}", file=sys.stderr)
+    problem = None  # found before the tables are computed, not after
+    if out.is_dir():
+        problem = f"--out must be a file path, got the folder {out}"
+    else:
+        try:  # its folder, made now: a file on the way is an error before the work
+            out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            problem = f"--out {out}: its folder cannot be made ({err.strerror or err})"
+    if problem is not None:
+        print(f"capg-rec bench: error: {problem}", file=sys.stderr)
         raise SystemExit(2)
     result = {}
     if not args.skip_cost:

@@ -193,8 +193,9 @@ def _weighed(weight: Tensor, score: Tensor) -> Tensor:
 def importance_weights(log_ratio: Tensor, *, max_weight: float | None = None,
                        self_normalize: bool = False) -> Tensor:
     """``exp(log_ratio)``, detached and capped at ``max_weight`` (``None``: just below ``sqrt`` of the dtype's
-    largest value) → the shape of ``log_ratio``; ``-inf`` gives 0. With ``self_normalize`` the
-    capped weights are divided by their mean over all entries (a batch of zeros stays zero). Values are not
+    largest value) → the shape of ``log_ratio``; ``-inf`` gives 0. With ``self_normalize`` the weights, capped
+    at ``max_weight`` only (the normalisation cancels their scale), are divided by their mean over all entries (a
+    batch of zeros stays zero), then capped just below ``sqrt`` of the dtype's largest value. Values are not
     checked (NaN gives NaN): the losses that call it check their inputs."""
     if not isinstance(log_ratio, Tensor):
         raise TypeError(f"log_ratio must be a torch.Tensor, got {type(log_ratio).__name__}")
@@ -206,15 +207,20 @@ def importance_weights(log_ratio: Tensor, *, max_weight: float | None = None,
 def _weights(catalog: CatalogScores | None, log_ratio: Tensor, max_weight: float | None, self_normalize: bool
              ) -> Tensor:
     """:func:`importance_weights` of checked options, capped also for the ``catalog``'s gradient dtype if narrower
-    (float16 logits: below √65504), except self-normalised ones: they are at most the batch's size once normalised,
-    and a cap taken before the normalisation would change their ratios (a float16 loss unlike a float32 one)."""
-    also = None if catalog is None or self_normalize else catalog._gradient_dtype
-    log_weight = _capped_log_weights(log_ratio, max_weight, also)
+    (float16 logits: below √65504). Self-normalised ones are capped at ``max_weight`` only before the normalisation,
+    which cancels their scale (a dtype's cap there would change their ratios: a float32 or float16 loss unlike a
+    float64 one), and at the dtypes' cap after it (they reach the batch's size)."""
+    gradient_dtype = None if catalog is None else catalog._gradient_dtype
     if not self_normalize:
-        return torch.exp(log_weight)
-    weight = _relative_weights(log_weight)  # the normalisation cancels the scale
+        return torch.exp(_capped_log_weights(log_ratio, max_weight, gradient_dtype))
+    log_weight = log_ratio.detach()
+    if max_weight is not None:
+        log_weight = log_weight.clamp(max=math.log(max_weight))
+    weight = _relative_weights(log_weight)  # at most 1: no overflow in any dtype
     mean = weight.mean() if weight.numel() else weight.new_ones(())
-    return weight / torch.where(mean > 0, mean, 1.0)
+    weight = weight / torch.where(mean > 0, mean, 1.0)
+    dtype = weight.dtype if gradient_dtype is None else narrowest(weight.dtype, gradient_dtype)
+    return weight.clamp(max=math.exp(_LARGEST_LOG_WEIGHT.get(dtype) or _largest_log_weight(dtype)))
 
 
 def _relative_weights(log_weight: Tensor) -> Tensor:

@@ -147,3 +147,16 @@ def test_log_names_a_checkpoint_trained_from_logs(tmp_path, capsys):
     assert _run(["log", "--checkpoint", str(tmp_path / "t" / "checkpoint.pt"), "-n", "10", "--out",
                  str(tmp_path / "again.parquet"), "--no-progress"]) == 2
     assert "a run trained from logs" in capsys.readouterr().err
+
+
+def test_log_refuses_fewer_positions_than_the_checkpoints_experts(tmp_path, capsys):
+    """Found by review: -K 2 for a 3-expert checkpoint logged with expert 2 never serving, under the checkpoint's
+    version as if it were its ESR."""
+    run = tmp_path / "m3"
+    assert _run(["train", "-M", "3", "-K", "6", "--steps", "2", "--eval-every", "2", "--out", str(run)]) == 0
+    capsys.readouterr()
+    assert _run(["log", "--checkpoint", str(run / "checkpoint.pt"), "-K", "2", "-n", "10", "--no-progress",
+                 "--out", str(tmp_path / "l.parquet")]) == 2
+    assert "-K 2: fewer positions than the ESR's 3 experts" in capsys.readouterr().err
+    assert not (tmp_path / "l.parquet").exists()
+    assert _run(["log", "--seed", str(2**64), "-n", "10", "--out", str(tmp_path / "s.parquet")]) == 2

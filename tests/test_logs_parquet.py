@@ -661,3 +661,35 @@ def test_narrow_and_wide_float_columns_are_checked_at_their_exact_bounds(tmp_pat
     finite = 3.4028234663852886e38 + 2.0**100  # above float32's largest, below the half step that rounds to inf
     got = _cat(list(LoggedImpressions(write("rewards", pa.float64(), [finite, 0.0]), 2))).rewards
     assert torch.isfinite(got).all() and got[4, 0] == torch.finfo(torch.float32).max
+
+
+def test_float32_propensities_above_the_bound_by_less_than_a_float32_step_are_named(tmp_path):
+    """A later review: the failing row was searched for in the column's own float32, where the bound rounds up to
+    the value itself (K = 2: float32(log 2 + 1e-6) > log 2 + 1e-6), so the fast check failed but no row was named
+    and the file was read."""
+    cols = _table()
+    cols["candidates"] = [row[:2] for row in cols["candidates"]]  # K = 2, both shown
+    cols["shown"] = [row[:2] for row in cols["candidates"]]
+    cols["log_expected_count"] = [[-1.0, -1.0] for _ in cols["log_expected_count"]]
+    cols["log_expected_count"][4][0] = float(np.float32(math.log(2) + 1e-6))  # above the bound in float64
+    assert cols["log_expected_count"][4][0] > math.log(2) + 1e-6
+    schema = pa.schema([pa.field(f.name, pa.list_(pa.float32()) if f.name == "log_expected_count" else f.type)
+                        for f in LOG_SCHEMA]).with_metadata(LogMetadata(2, L, "mean_field", N, F).to_arrow())
+    pq.write_table(pa.Table.from_pydict({f.name: cols[f.name] for f in schema}, schema=schema), tmp_path / "b.parquet",
+                   row_group_size=3)
+    with pytest.raises(ValueError, match="row 1 \\(file row 4\\): column 'log_expected_count' is an expected count"):
+        list(LoggedImpressions(tmp_path / "b.parquet", 2))
+
+
+def test_two_unclosed_writers_keep_both_their_rows(tmp_path):
+    """A later review: a second unclosed writer of a path replaced the first one's rescued rows."""
+    import gc
+
+    for rows in (2, 4):
+        writer = LogWriter(tmp_path / "d.parquet", num_candidates=K, num_shown=L, num_items=N, num_features=F)
+        writer.write(_batch(rows, 0))
+        with pytest.warns(UserWarning, match=f"its {rows} rows are in"):
+            del writer
+            gc.collect()
+    assert pq.ParquetFile(tmp_path / "d.parquet.unclosed").metadata.num_rows == 2
+    assert pq.ParquetFile(tmp_path / "d.parquet.unclosed.1").metadata.num_rows == 4

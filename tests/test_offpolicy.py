@@ -441,3 +441,23 @@ def test_logged_candidates_beyond_the_new_esrs_unmasked_items_are_refused():
             F.offpolicy_capg_loss(logits, candidates, shown, rewards, logged, method=method)
     count = torch.log(torch.full((1, 2), 0.9, dtype=torch.float64))
     assert torch.isfinite(F.offpolicy_capg_loss(logits, candidates, shown, rewards, count, method="with_replacement"))
+
+
+def test_self_normalised_weights_at_extreme_ratios_in_every_dtype():
+    """A later review of the fix above: the log-ratio's own dtype cap (about 44 for float32) still clipped before
+    normalising (float32 weights unlike float64 ones), and without any cap after it the normalised weights, which
+    reach the batch's size, overflowed float16 gradients."""
+    log_ratio = torch.tensor([0.0, 40.0, 60.0], dtype=torch.float64)
+    want = F.importance_weights(log_ratio, self_normalize=True)
+    torch.testing.assert_close(F.importance_weights(log_ratio.float(), self_normalize=True), want.float())
+    g = torch.Generator().manual_seed(0)
+    batch, n, k, length = 50_000, 12, 3, 2
+    logits = torch.randn(batch, n, generator=g)
+    candidates = torch.rand(batch, n, generator=g).argsort(1)[:, :k]
+    logged = torch.full((batch, length), math.log(0.5), dtype=torch.float64)
+    logged[0, 0] = -30.0  # one row the logging policy almost never showed: its weight dominates the batch
+    for dtype in (torch.float16, torch.bfloat16):
+        half = logits.to(dtype).requires_grad_()
+        F.offpolicy_capg_loss(half, candidates, candidates[:, :length], torch.ones(batch, length), logged,
+                              self_normalize=True, reduction="sum", validate_args=False).backward()
+        assert torch.isfinite(half.grad).all(), dtype

@@ -594,13 +594,14 @@ def test_gradient_variance_signal_is_unbiased_against_enumeration():
                                   ["demo", "-K", "2000"], ["bench", "--reps", "0"], ["bench", "--mc-samples", "0"],
                                   ["bench", "--sizes", "300", "0"], ["bench", "--out", "."],
                                   ["bench", "--case-timeout", "-1"], ["bench", "--memory-limit", "-1"],
-                                  ["bench", "--case-timeout", "nan"]])
+                                  ["bench", "--case-timeout", "nan"], ["bench", "--out", "afile/x.json"]])
 def test_demo_and_bench_refuse_bad_arguments_up_front(argv, tmp_path, capsys, monkeypatch):
     """They raised tracebacks (demo), wrote empty tables before a KeyError (demo --seeds 0), ran every case to
     NaN or 'no median' and exited 0 (bench), or failed on --out only after computing everything."""
     from capg_rec.cli import main
 
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").touch()  # found by a later review: an --out under a file failed after all the work
     if argv[0] == "demo":
         argv = [*argv, "--out", str(tmp_path / "demo")]
     with pytest.raises(SystemExit) as exit_info:
@@ -708,3 +709,29 @@ def test_study_options_that_cannot_be_honoured_are_refused(tmp_path):
         gradient_variance_report(tmp_path / "variance", ks=[2], estimators=["vpg", "vpg"])
     with pytest.raises(ValueError, match="noisy, uniform, anti"):
         build_target("table2", steps=10, lsr=["optimal"])
+
+
+def test_cli_errors_found_by_the_command_review(tmp_path, capsys):
+    """A mid-run error was erased by the progress bar's clean-up (the bar is closed before it is reported);
+    `--estimator capg_swr --capg-method with_replacement` (its own method) was refused with a message that
+    contradicted itself; `reproduce variance` listed --capg-method among the options it reads; a seed beyond 64
+    bits was torch's 'Overflow when unpacking long long'."""
+    from capg_rec.cli import main
+
+    def run(*argv):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_info:
+            main(list(argv))
+        return exit_info.value.code, capsys.readouterr().err
+
+    code, err = run("train", "--estimator", "capg", "--capg-method", "enumerate", "--steps", "3", "--out",
+                    str(tmp_path / "e"))
+    assert code == 2 and err.rstrip().endswith("Enumeration needs num_items <= 8, got 1000")  # nothing erases it
+    assert "Enumeration needs" in err.rsplit("\r", 1)[-1]  # written after the bar's last carriage return
+    code, err = run("train", "--estimator", "capg_swr", "--capg-method", "with_replacement", "--steps", "2",
+                    "--eval-every", "2", "--out", str(tmp_path / "s"))
+    assert code == 0, err
+    code, err = run("reproduce", "variance", "--steps", "10")
+    assert code == 2 and "--capg-method" not in err
+    code, err = run("train", "--seed", str(10**20), "--steps", "3", "--out", str(tmp_path / "big"))
+    assert code == 2 and "seed must be an int in [0, 9223372036854775807]" in err

@@ -159,15 +159,17 @@ def _bad_logs(path, *, num_items=1000, num_users=1000, extra=None, bad_group=Non
                                      torch.full((20,), -20.0, dtype=torch.float64)))
 
 
-@pytest.mark.parametrize("bad_group", [0, 2])  # a training row group, the held-out one
-def test_malformed_logs_exit_2_naming_row_group_and_column(tmp_path, capsys, bad_group):
+@pytest.mark.parametrize("bad_group, workers", [(0, 0), (2, 0), (0, 1)])  # a training row group, the held-out one
+def test_malformed_logs_exit_2_naming_row_group_and_column(tmp_path, capsys, bad_group, workers):
+    """Through a DataLoader worker too, in one line (found by review: the worker's whole traceback was printed)."""
     path = tmp_path / "bad.parquet"
     _bad_logs(path, bad_group=bad_group)
     assert _run(["train", "--logs", str(path), "--batch-size", "16", "--holdout", "0.3", "--eval-every", "100",
-                 "--out", str(tmp_path / "run")]) == 2
+                 "--workers", str(workers), "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert f"row group {bad_group}, row 7 (file row {20 * bad_group + 7}): column 'log_inclusion' is a propensity > 1" \
         in err
+    assert "Traceback" not in err and err.count("error:") == 1
 
 
 def test_logs_missing_a_column_exit_2(tmp_path, capsys):

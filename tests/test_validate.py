@@ -445,7 +445,9 @@ def test_cli_exit_codes(tmp_path, monkeypatch, capsys):
              ("exit_esrs:spy", "--samples", "0"): "--samples",
              ("exit_esrs:spy", "--alpha", "1"): "--alpha",
              ("exit_esrs:spy", "--tolerance", "nan"): "--tolerance",
-             ("exit_esrs:spy", "--seed", str(10**23)): "--seed"}  # found by review: exit 3, blaming the ESR
+             ("exit_esrs:spy", "--seed", str(10**23)): "--seed",  # found by review: exit 3, blaming the ESR
+             # found by a later review: a traceback after a PASS, exit 1 ("fails validation")
+             ("exit_esrs:good", "--plot", str(tmp_path / "r.txt")): "--plot"}
     for argv, message in usage.items():
         calls.clear()
         capsys.readouterr()

@@ -23,6 +23,7 @@ import torch
 from capg_rec.marginals import DEFAULT_METHOD, inclusion_method, inclusion_methods
 from capg_rec.sim.lsr import LSR_NAMES
 from capg_rec.train.cli import _ENVS
+from capg_rec.train.config import SEED_MAX
 
 __all__ = ["register", "generate_logs"]
 
@@ -105,6 +106,9 @@ def _logging_esr(args: argparse.Namespace, env_name: str | None):
         k, length, tau = 10, 1, 1.0
         version = f"fresh-seed{args.seed}"
     k = args.num_candidates if args.num_candidates is not None else k
+    if model.num_experts > k:  # positions 1..K go to experts in blocks: some expert would never serve
+        raise ValueError(f"-K {k}: fewer positions than the ESR's {model.num_experts} experts (each serves a block "
+                         "of positions: one would never serve)")
     length = args.num_outputs if args.num_outputs is not None else length
     tau = args.temperature if args.temperature is not None else tau
     facts["policy_version"] = args.policy_version if args.policy_version is not None else version
@@ -185,8 +189,8 @@ def _summary_path(args: argparse.Namespace) -> Path:
 
 def _log(args: argparse.Namespace) -> int:
     path = _summary_path(args)
-    if args.seed < 0:
-        _fail(f"--seed must be >= 0, got {args.seed}")
+    if not 0 <= args.seed <= SEED_MAX:
+        _fail(f"--seed must be in [0, {SEED_MAX}], got {args.seed}")
     if args.num_candidates is not None and args.num_candidates < 1:
         _fail(f"-K must be >= 1, got {args.num_candidates}")
     fresh = [flag for flag, value in (("-M", args.num_experts), ("--embedding-dim", args.embedding_dim))

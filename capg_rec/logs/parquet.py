@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -110,7 +111,7 @@ def _value_problems(cols: dict[str, np.ndarray], meta: LogMetadata, num_items: i
                 continue  # one pass: finite and below the bound
             yield name, _outside(x, -math.inf, math.inf), "is not finite (a zero, NaN or infinite propensity)"
             what = "a propensity > 1" if bound == 0.0 else f"an expected count > K = {meta.num_candidates}"
-            yield name, (x > bound + LOG_TOLERANCE).any(1), f"is {what} (log above {bound:g})"
+            yield name, (x.astype(np.float64) > bound + LOG_TOLERANCE).any(1), f"is {what} (log above {bound:g})"
 
 
 def _outside(x: np.ndarray, low: float, high: float | None) -> np.ndarray | None:
@@ -270,6 +271,10 @@ class LogWriter:
             self._writer.close()
             self._writer = None
             kept = self.path.with_name(self.path.name + ".unclosed")
+            for copy_number in itertools.count(1):  # an earlier unclosed writer's rows stay where they are
+                if not kept.exists():
+                    break
+                kept = self.path.with_name(f"{self.path.name}.unclosed.{copy_number}")
             try:
                 os.replace(self._partial, kept)
             except OSError:

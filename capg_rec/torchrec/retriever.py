@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 
@@ -262,14 +261,11 @@ class TwoTowerRetriever(nn.Module):
             # sampled or not, and the heads' widths: the sampled catalogs' lookups are collective when validating;
             # dense's width: the user tower runs on every rank alike
             return [-2 if sample is None else -1 if head_items is None else head_items.shape[1],
-                    -1 if index_items is None else index_items.shape[-1], -1 if dense is None else dense.shape[1],
-                    self._key_fingerprint(features.keys(), bag_features)]
+                    -1 if index_items is None else index_items.shape[-1], -1 if dense is None else dense.shape[1]]
 
         if group is not None and validate:
             device = features.values().device if isinstance(features, KeyedJaggedTensor) else torch.device("cpu")
-            table = exchange(check, 4, group, device)
-            _same_key_orders([entries[3] for entries in table])
-            shapes = [tuple(entries[:3]) for entries in table]
+            shapes = [tuple(entries) for entries in exchange(check, 3, group, device)]
             if len(set(shapes)) > 1:
                 raise ValueError(f"sample, head_items, index_items and dense must be given on every rank or none, "
                                  f"each of one width, got (sample: -2 if none, else head_items' width or -1; "
@@ -369,15 +365,12 @@ class TwoTowerRetriever(nn.Module):
             self._check_key_order("features", keys)
             self._check_user_features(features, bag_features, batch, validate)
             self._check_dense(dense, batch)
-            return [-1 if dense is None else dense.shape[1],
-                    self._key_fingerprint(keys, bag_features)]
+            return [-1 if dense is None else dense.shape[1]]
 
         group = self._layout()[2]
         if group is not None and validate:  # one rank's mistake raised on every rank
             device = features.values().device if kjt else torch.device("cpu")
-            table = exchange(check, 2, group, device)
-            _same_key_orders([entries[1] for entries in table])
-            widths = [entries[0] for entries in table]
+            widths = [entries[0] for entries in exchange(check, 1, group, device)]
             if len(set(widths)) > 1:
                 raise ValueError(f"dense must be given on every rank or none, of one width, got widths (-1: none) "
                                  f"{widths} by rank")
@@ -447,13 +440,6 @@ class TwoTowerRetriever(nn.Module):
         if seen is not None and tuple(keys) != seen:
             raise ValueError(f"{name} must list its keys in the order of the first batch looked up, {list(seen)} "
                              f"(TorchRec's sharded lookup reads every batch in that order), got {list(keys)}")
-
-    def _key_fingerprint(self, keys: Sequence[str], bag_features: KeyedJaggedTensor | None) -> int:
-        """The keys of a batch's KJTs (in order where the lookup is sharded) as one int that ranks can compare
-        (:func:`zlib.crc32`: the same in every process, unlike ``hash`` of a str)."""
-        parts = [("features", list(keys)), ("bag_features", [] if bag_features is None else bag_features.keys())]
-        text = "\1".join("\0".join(k if self._order_matters(name) else sorted(k)) for name, k in parts)
-        return zlib.crc32(text.encode())
 
     def _record_key_orders(self, features: KeyedJaggedTensor, bag_features: KeyedJaggedTensor | None) -> None:
         """After a lookup: the key orders that :meth:`_check_key_order` requires from now on (the first ones)."""
@@ -651,13 +637,6 @@ class _ListedRows:
 
 _UNLISTED = ("was not looked up: list it in retriever.with_catalog(features, items) (candidates and shown items must "
              "be; mean-field and plug-in read catalogs of up to 2048 items whole)")
-
-
-def _same_key_orders(fingerprints: list[int]) -> None:
-    """Every rank's :func:`_fingerprint` alike: the sharded lookups' all-to-alls pair features by position."""
-    if len(set(fingerprints)) > 1:
-        raise ValueError("features (and bag_features) must list the same keys in the same order on every rank, got "
-                         f"orders that differ: fingerprints {fingerprints} by rank")
 
 
 def _group_timeout(group: dist.ProcessGroup) -> timedelta | None:

@@ -146,6 +146,16 @@ def _make_env(name: str, data: str | None):
     return load_kuairec(data)
 
 
+def _original_message(err: Exception) -> str:
+    """``err``'s message, or for an error a DataLoader worker re-raised here (its message the worker's whole
+    traceback) the original error's own message: one line."""
+    text = str(err)
+    if "Original Traceback" not in text:
+        return text
+    last = text.rstrip().splitlines()[-1]
+    return last.split(": ", 1)[1] if ": " in last else last
+
+
 def _fail(message: str, command: str = "train") -> NoReturn:
     """Report a usage or input error of ``command`` and exit with status 2, as argparse does."""
     print(f"capg-rec {command}: error: {message}", file=sys.stderr)
@@ -277,7 +287,7 @@ def _train_logs(args: argparse.Namespace, given: dict, out: Path) -> int:
             trainer = LogTrainer(LogTrainConfig(**given), env)
         result = trainer.run(out_dir=out, checkpoint_every=args.checkpoint_every)
     except (ValueError, TypeError) as err:
-        _fail(str(err))
+        _fail(_original_message(err))
     written = write_log_reports(trainer, out)
     cfg, last = trainer.config, result.history[-1]
     value = "no environment" if env is None else f"policy value {last['policy_value']:.4f} (best achievable " \
@@ -314,7 +324,8 @@ def _train(args: argparse.Namespace) -> int:
     estimator = given.get("estimator", TrainConfig.estimator)
     if estimator not in ESTIMATORS:
         _fail(f"--estimator {estimator}: an off-policy estimator, for --logs; online: {', '.join(ESTIMATORS)}")
-    if not args.resume and "capg_method" in given and estimator != "capg":
+    if not args.resume and "capg_method" in given and estimator != "capg" and \
+            (estimator, given["capg_method"]) != ("capg_swr", "with_replacement"):
         _fail(f"--capg-method: the inclusion method of --estimator capg, not of {estimator}"
               f"{' (the default)' if 'estimator' not in given else ''} (capg_swr's is with_replacement; V-PG has "
               "none)")
@@ -356,7 +367,7 @@ _OFFPOLICY = ("ks", "seeds", "env", "sizes", "learners", "logging_steps", "loggi
               "first_seed", "quick")
 _REPRODUCE_OPTIONS = {"table2": (*_TRAINING, "lsr"), "table3": tuple(o for o in _TRAINING if o != "ks"),
                       "grpo": _TRAINING, "movielens": _TRAINING, "kuairec": (*_TRAINING, "data"),
-                      "variance": ("ks", "estimators", "capg_method"), "offpolicy": _OFFPOLICY}
+                      "variance": ("ks", "estimators"), "offpolicy": _OFFPOLICY}
 """The options each ``reproduce`` target reads (besides ``--out``); another one given is an error, not ignored."""
 _REPRODUCE_DEFAULTS = {"steps": 50_000, "seeds": 3, "eval_every": 1000, "lsr": (), "env": "synthetic", "first_seed": 0}
 

@@ -22,11 +22,16 @@ _BASELINES = ("none", "context")
 _ON_OVERFLOW = ("stop", "skip")
 
 
-def _int(name: str, value: object, low: int) -> None:
+SEED_MAX = 2**63 - 1
+"""The largest seed: torch's generators take a 64-bit integer."""
+
+
+def _int(name: str, value: object, low: int, high: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int >= {low}, got {type(value).__name__} {value!r}")
-    if value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be an int {bound}, got {value!r}")
 
 
 def _num(name: str, value: object, *, positive: bool) -> None:
@@ -92,7 +97,7 @@ class TrainConfig:
         for name in ("num_candidates", "num_outputs", "num_experts", "steps", "batch_size",
                      "adaptive_lr_batches", "embedding_dim", "eval_every", "group_size"):
             _int(name, getattr(self, name), 1)
-        _int("seed", self.seed, 0)
+        _int("seed", self.seed, 0, SEED_MAX)
         if self.num_outputs > self.num_candidates:
             raise ValueError(f"num_outputs must be <= num_candidates={self.num_candidates}, "
                              f"got {self.num_outputs}")

@@ -32,7 +32,7 @@ from capg_rec.plackett_luce import expert_runs, greedy_candidates
 from capg_rec.sim.env import MatrixEnv
 from capg_rec.sim.lsr import LSR_NAMES, make_lsr
 from capg_rec.train.checkpoint import CHECKPOINT_VERSION, read_checkpoint
-from capg_rec.train.config import _choice, _int, _num
+from capg_rec.train.config import SEED_MAX, _choice, _int, _num
 from capg_rec.train.model import TwoTowerMoE
 from capg_rec.train.report import plot_curves, write_csv
 from capg_rec.train.trainer import Trainer, TrainResult
@@ -118,7 +118,7 @@ class LogTrainConfig:
         for name in ("num_experts", "embedding_dim", "epochs", "batch_size", "eval_every"):
             _int(name, getattr(self, name), 1)
         _int("workers", self.workers, 0)
-        _int("seed", self.seed, 0)
+        _int("seed", self.seed, 0, SEED_MAX)
         _num("temperature", self.temperature, positive=True)
         if self.lr is not None:
             _num("lr", self.lr, positive=True)

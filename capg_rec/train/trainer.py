@@ -277,22 +277,24 @@ class Trainer:
         started = time.perf_counter()
         bar = tqdm(total=self.num_steps, initial=self.step_count, disable=not progress,
                    desc=f"{cfg.label} K={cfg.num_candidates}", leave=False)
-        while self.step_count < self.num_steps and self.result.stopped_at is None:
-            loss, overflowed = self.step()
-            bar.update(1)
-            if not overflowed:
-                self.interval_losses.append(loss)
-            if self.step_count % cfg.eval_every == 0 or self.step_count == self.num_steps or \
-                    self.result.stopped_at is not None:
-                losses = self.interval_losses
-                mean_loss = sum(losses) / len(losses) if losses else None
-                if self.step_count % cfg.eval_every == 0:  # an off-grid end-of-run row keeps them
-                    losses.clear()
-                self._record(out, mean_loss)
-                bar.set_postfix_str(self._progress_text(self.result.history[-1]))
-            if checkpoint_every is not None and self.step_count % checkpoint_every == 0:
-                self.save(out / "checkpoint.pt")
-        bar.close()
+        try:  # the bar is closed before an error is reported (left open, its clean-up erased the message)
+            while self.step_count < self.num_steps and self.result.stopped_at is None:
+                loss, overflowed = self.step()
+                bar.update(1)
+                if not overflowed:
+                    self.interval_losses.append(loss)
+                if self.step_count % cfg.eval_every == 0 or self.step_count == self.num_steps or \
+                        self.result.stopped_at is not None:
+                    losses = self.interval_losses
+                    mean_loss = sum(losses) / len(losses) if losses else None
+                    if self.step_count % cfg.eval_every == 0:  # an off-grid end-of-run row keeps them
+                        losses.clear()
+                    self._record(out, mean_loss)
+                    bar.set_postfix_str(self._progress_text(self.result.history[-1]))
+                if checkpoint_every is not None and self.step_count % checkpoint_every == 0:
+                    self.save(out / "checkpoint.pt")
+        finally:
+            bar.close()
         if checkpoint_every is not None and self.step_count % checkpoint_every:  # the end, off the grid
             self.save(out / "checkpoint.pt")
         self.result.steps_done = self.step_count

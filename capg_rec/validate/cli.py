@@ -196,6 +196,13 @@ def _validate(args: argparse.Namespace) -> bool:
     _check_writable("--plot", args.plot)
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise _UsageError("--plot needs matplotlib: pip install matplotlib")
+    if args.plot is not None:  # matplotlib picks the format from the suffix: an unknown one would fail after the run
+        from matplotlib.figure import Figure
+
+        formats = Figure().canvas.get_supported_filetypes()
+        if Path(args.plot).suffix.lstrip(".").lower() not in formats:
+            raise _UsageError(f"--plot {args.plot}: the suffix must name an image format, one of "
+                              f"{', '.join(sorted(formats))}")
     module_name = args.factory.partition(":")[0]
     try:
         factory = _find_factory(args.factory)
