@@ -735,3 +735,21 @@ def test_cli_errors_found_by_the_command_review(tmp_path, capsys):
     assert code == 2 and "--capg-method" not in err
     code, err = run("train", "--seed", str(10**20), "--steps", "3", "--out", str(tmp_path / "big"))
     assert code == 2 and "seed must be an int in [0, 9223372036854775807]" in err
+
+
+def test_demo_says_when_ca_pg_reached_v_pgs_value_also_at_step_0_or_never():
+    """Found by review: the demo dropped its line when CA-PG-SwR's first value already beat V-PG-SwR's last (step 0
+    read as no step), and said nothing when it never reached it."""
+    from capg_rec.train.cli import _reach_line
+    from capg_rec.train.trainer import TrainResult
+
+    def run(values):
+        history = [{"step": 100 * i, "policy_value": v} for i, v in enumerate(values)]
+        return TrainResult(config={"seed": 3}, history=history, steps_done=100 * (len(values) - 1))
+
+    vpg = run([5.0, 6.0, 7.0])
+    assert _reach_line(vpg, run([5.0, 7.5, 8.0])) == ("seed 3: CA-PG-SwR reached V-PG-SwR's 200-step value (7.000) "
+                                                      "after 100 steps (2.0x fewer).")
+    assert "started at V-PG-SwR's 200-step value (7.000) or above (step 0" in _reach_line(vpg, run([7.2, 8.0]))
+    assert _reach_line(vpg, run([5.0, 6.5])) == ("seed 3: CA-PG-SwR did not reach V-PG-SwR's 200-step value (7.000) in "
+                                                 "its 100 steps.")

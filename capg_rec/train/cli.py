@@ -16,7 +16,7 @@ from capg_rec.train.config import ESTIMATORS, TrainConfig
 from capg_rec.train.logged import LOG_ESTIMATORS, LogTrainConfig
 
 if TYPE_CHECKING:
-    from capg_rec.train.trainer import Trainer
+    from capg_rec.train.trainer import Trainer, TrainResult
 
 __all__ = ["register"]
 
@@ -427,6 +427,19 @@ def _offpolicy(args: argparse.Namespace, out: Path) -> int:
     return 0
 
 
+def _reach_line(vpg: TrainResult, capg: TrainResult) -> str:
+    """When CA-PG-SwR first reached V-PG-SwR's final value, in one seed's runs (also at step 0, or never)."""
+    target = vpg.final_value
+    reached = next((row["step"] for row in capg.history if row["policy_value"] >= target), None)
+    head = f"seed {capg.config['seed']}: CA-PG-SwR"
+    value = f"V-PG-SwR's {vpg.steps_done}-step value ({target:.3f})"
+    if reached is None:
+        return f"{head} did not reach {value} in its {capg.steps_done} steps."
+    if reached == 0:
+        return f"{head} started at {value} or above (step 0, before any update)."
+    return f"{head} reached {value} after {reached} steps ({vpg.steps_done / reached:.1f}x fewer)."
+
+
 def _demo(args: argparse.Namespace) -> int:
     from capg_rec.sim.synthetic import synthetic_env
     from capg_rec.train.reproduce import Cell, run_cells, summarize
@@ -444,11 +457,7 @@ def _demo(args: argparse.Namespace) -> int:
     print(summarize("demo", env, cells, results, out, steps=args.steps))
     setting = cells[0].setting
     for vpg, capg in zip(results[("V-PG-SwR", setting)], results[("CA-PG-SwR", setting)]):
-        target = vpg.final_value
-        reached = next((row["step"] for row in capg.history if row["policy_value"] >= target), None)
-        if reached:
-            print(f"seed {capg.config['seed']}: CA-PG-SwR reached V-PG-SwR's {vpg.steps_done}-step value "
-                  f"({target:.3f}) after {reached} steps ({vpg.steps_done / max(reached, 1):.1f}x fewer).")
+        print(_reach_line(vpg, capg))
     print(f"table: {out / 'results.md'} (also {out / 'results.csv'}, {out / 'results.json'}); "
           f"plot: {out / 'curves.png'}")
     return 0
