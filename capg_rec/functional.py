@@ -219,8 +219,7 @@ def _weights(catalog: CatalogScores | None, log_ratio: Tensor, max_weight: float
     weight = _relative_weights(log_weight)  # at most 1: no overflow in any dtype
     mean = weight.mean() if weight.numel() else weight.new_ones(())
     weight = weight / torch.where(mean > 0, mean, 1.0)
-    dtype = weight.dtype if gradient_dtype is None else narrowest(weight.dtype, gradient_dtype)
-    return weight.clamp(max=math.exp(_LARGEST_LOG_WEIGHT.get(dtype) or _largest_log_weight(dtype)))
+    return weight.clamp(max=math.exp(_log_weight_cap(weight.dtype, gradient_dtype)))
 
 
 def _relative_weights(log_weight: Tensor) -> Tensor:
@@ -234,11 +233,16 @@ def _capped_log_weights(log_ratio: Tensor, max_weight: float | None, also: torch
     """``log_ratio`` detached and capped at ``log max_weight`` and at :func:`_largest_log_weight` of its dtype (or of
     ``also``, if narrower), so that a weight and its square stay finite."""
     log_ratio = log_ratio.detach()
-    dtype = log_ratio.dtype if also is None else narrowest(log_ratio.dtype, also)
-    cap = _LARGEST_LOG_WEIGHT.get(dtype) or _largest_log_weight(dtype)
+    cap = _log_weight_cap(log_ratio.dtype, also)
     if max_weight is not None:
         cap = min(cap, math.log(check_positive("max_weight", max_weight)))
     return log_ratio.clamp(max=cap)
+
+
+def _log_weight_cap(dtype: torch.dtype, also: torch.dtype | None) -> float:
+    """:func:`_largest_log_weight` of ``dtype``, or of ``also`` if narrower."""
+    dtype = dtype if also is None else narrowest(dtype, also)
+    return _LARGEST_LOG_WEIGHT.get(dtype) or _largest_log_weight(dtype)
 
 
 def _largest_log_weight(dtype: torch.dtype) -> float:

@@ -258,27 +258,28 @@ class LogWriter:
         closed (a job that failed outside a ``with`` block, say): its file is finished beside ``path``, as
         ``<path>.unclosed`` (not read as logs), ``path`` is left as it was, and a warning says so."""
         if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-            try:
-                os.replace(self._partial, self.path)
-            except OSError:
-                self._partial.unlink(missing_ok=True)
-                raise
+            self._finish(self.path)
+
+    def _finish(self, target: Path) -> None:
+        """Finish the file and move it to ``target`` (on failure, remove it and raise)."""
+        self._writer.close()
+        self._writer = None
+        try:
+            os.replace(self._partial, target)
+        except OSError:
+            self._partial.unlink(missing_ok=True)
+            raise
 
     def __del__(self) -> None:
         if getattr(self, "_writer", None) is not None:
-            self._writer.close()
-            self._writer = None
             kept = self.path.with_name(self.path.name + ".unclosed")
             for copy_number in itertools.count(1):  # an earlier unclosed writer's rows stay where they are
                 if not kept.exists():
                     break
                 kept = self.path.with_name(f"{self.path.name}.unclosed.{copy_number}")
             try:
-                os.replace(self._partial, kept)
+                self._finish(kept)
             except OSError:
-                self._partial.unlink(missing_ok=True)
                 kept = None
             warnings.warn(f"LogWriter for {self.path} was never closed: the path was left as it was, and its "
                           f"{self.rows_written} rows are {f'in {kept}' if kept else 'lost'} (close the writer, or use "
