@@ -9,6 +9,8 @@
   buffer, on ``-e^x`` of the same (the arguments of mean-field's Newton steps);
 - top-k of float32 rows, best first with capg_rec's tie policy: ``top_k`` (the pruned path where rows hold
   at least 8k entries) against its partition path and ``torch.topk`` (which does not order ties alike);
+- the pruned path's group maxima (about 4k groups of n / 4k entries), consecutive groups in torch (what it takes
+  for long groups) against strided groups in numpy (what it takes for short ones);
 - the Gumbel top-k draw of k of n items per row: ``gumbel_top_k`` with its default groups (none below a group
   size of 4) against the two-level draw with groups of ``int(√(n/k))`` (its default before) and, last
   column, one Gumbel per item.
@@ -29,7 +31,9 @@ import torch
 from capg_rec._numerics import _top_k_partition, exp_floored_, expm1_, gumbel_top_k, top_k
 
 EXP_SHAPES = [(128, 1000), (128, 5, 1000)]
-TOP_K = [(128, 1000, 10), (128, 1000, 50), (640, 1000, 200), (128, 16384, 100), (128, 100_000, 50)]
+TOP_K = [(128, 1000, 10), (128, 1000, 50), (640, 1000, 200), (128, 16384, 10), (128, 16384, 100),
+         (128, 100_000, 10), (128, 100_000, 50)]
+GROUP_MAXIMA = [(128, 16384, 10), (128, 100_000, 10), (128, 100_000, 50)]
 GUMBEL = [(128, 138, 10), (128, 1034, 10), (128, 256, 50), (128, 1000, 200), (128, 16384, 100)]
 
 
@@ -67,6 +71,14 @@ def main(argv: list[str] | None = None) -> list[tuple[str, float, float, float |
         reps = max(3, args.reps * 1000 // (num_rows * n // 128))
         rows.append((f"top-{k} of [{num_rows}, {n}]", median_us(lambda: top_k(x, k), reps),
                      median_us(lambda: _top_k_partition(x, k), reps), median_us(lambda: x.topk(k), reps)))
+    for num_rows, n, k in GROUP_MAXIMA:
+        a = torch.randn(num_rows, n, generator=gen).numpy()
+        size = n // (4 * k)
+        whole = a[:, :n // size * size]
+        reps = max(3, args.reps * 1000 // (num_rows * n // 128))
+        rows.append((f"maxima of groups of {size}, [{num_rows}, {n}]",
+                     median_us(lambda: torch.from_numpy(whole).reshape(num_rows, -1, size).amax(2), reps),
+                     median_us(lambda: whole.reshape(num_rows, size, -1).max(axis=1), reps), None))
     for num_rows, n, k in GUMBEL:
         x = torch.randn(num_rows, n, generator=gen)
         reps = max(3, args.reps * 1000 // (num_rows * n // 128))

@@ -122,7 +122,7 @@ def test_cpu_kernels_benchmark_times_every_kernel(capsys):
     """benchmarks/cpu_kernels.py: a row per kernel with positive times, printed as a table."""
     rows = load_script("benchmarks/cpu_kernels.py").main(["--reps", "1"])
     table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
-    assert len(rows) == 14 and len(table) == 15
+    assert len(rows) == 19 and len(table) == 20
     assert all(ours > 0 and old > 0 and (other is None or other > 0) for _, ours, old, other in rows)
 
 

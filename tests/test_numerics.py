@@ -444,16 +444,19 @@ def test_top_k_numpy_and_torch_paths_give_the_tie_policy(dtype, k):
     assert torch.equal(compiled(x), _stable_top_k(x, 8))
 
 
-@pytest.mark.parametrize("k", [1, 10, 31, 125])
-def test_top_k_grouped_path_gives_the_tie_policy(k):
-    """The pruned float32 path (rows of at least 8k entries): group maxima bound the k-th value from below;
-    ties, -inf rows, -0.0, a remainder after the last full group, strided rows, and NaN (left to the
-    partition path) give the stable sort's positions."""
-    from capg_rec._numerics import _top_k_grouped
+@pytest.mark.parametrize("n, k, consecutive", [(1003, 1, True), (1003, 10, False), (1003, 31, False),
+                                                (1003, 125, False), (4099, 3, True), (20011, 10, True),
+                                                (20011, 20, False)])
+def test_top_k_grouped_path_gives_the_tie_policy(n, k, consecutive):
+    """The pruned float32 path (rows of at least 8k entries): group maxima bound the k-th value from below,
+    with strided or consecutive groups; ties, -inf rows, -0.0, a remainder after the last full group, strided
+    rows, and NaN (left to the partition path) give the stable sort's positions."""
+    from capg_rec._numerics import _consecutive_groups, _top_k_grouped
 
+    assert _consecutive_groups(n, n // (4 * k)) == consecutive  # both layouts of the groups are under test
     gen = torch.Generator().manual_seed(5)
-    plain = torch.randn(6, 1003, generator=gen)
-    ties = torch.randint(0, 3, (6, 1003), generator=gen).float()
+    plain = torch.randn(6, n, generator=gen)
+    ties = torch.randint(0, 3, (6, n), generator=gen).float()
     masked = ties.clone()
     masked[masked == 0] = -math.inf
     masked[1, :] = -math.inf
@@ -461,7 +464,7 @@ def test_top_k_grouped_path_gives_the_tie_policy(k):
     masked[..., ::5] = -0.0
     nan = plain.clone()
     nan[4, 900] = math.nan
-    for x in (plain, ties, masked, torch.randn(6, 2006, generator=gen)[:, ::2], nan):
+    for x in (plain, ties, masked, torch.randn(6, 2 * n, generator=gen)[:, ::2], nan):
         ref = _stable_top_k(x, k)
         assert torch.equal(_top_k_numpy(x, k), ref)
         assert torch.equal(top_k(x, k), ref)
