@@ -630,14 +630,39 @@ def test_every_batch_lists_its_keys_in_the_first_batch_order_where_the_lookup_is
     sharded = _bag_retriever()
     sharded.user_embeddings = Positional(sharded.user_embeddings)
     sharded(sharded.with_catalog(users), bag_features=_bags())
-    with pytest.raises(ValueError, match=r"bag_features must list its keys in the order of the first batch looked up, "
-                                         r"\['user_id', 'history'\].*got \['history', 'user_id'\]"):
+    with pytest.raises(ValueError, match=r"bag_features must list its keys in the order of the first lookup, "
+                                         r"\['user_id', 'history'\], made by the first batch.*"
+                                         r"got \['history', 'user_id'\]"):
         sharded(sharded.with_catalog(users), bag_features=swapped)
     with pytest.raises(ValueError, match="bag_features must list its keys in the order"):
         sharded.user_vectors(users, bag_features=swapped)
     torch.testing.assert_close(sharded(sharded.with_catalog(users), bag_features=_bags()).log_power_sums(), first)
     with pytest.raises(ValueError, match="must list the catalog feature 'catalog' last, got keys .'catalog'"):
         make_retriever()(make_retriever().with_catalog(user_batch([1, 2])).permute([1, 0]))
+
+
+def test_an_export_before_the_first_batch_looks_users_up_in_the_order_of_user_features(monkeypatch):
+    """The export's item-only lookup (item_vectors, serving_export) may be a sharded collection's first, which fixes
+    the order TorchRec reads every later batch in (found by review: it listed the user features sorted, so a first
+    batch in the order of user_features, ["uid", "hist"], was refused on 2 ranks). It now lists them as user_features
+    does, and a batch in another order is refused naming the export. The lookup is made positional here as a sharded
+    one is (one process: the unsharded collection itself takes any order)."""
+    ec = EmbeddingCollection(tables=[
+        EmbeddingConfig(name="item_table", embedding_dim=4, num_embeddings=30, feature_names=["catalog", "hist"]),
+        EmbeddingConfig(name="uids", embedding_dim=4, num_embeddings=10, feature_names=["uid"])])
+    torch.manual_seed(0)
+    retriever = TwoTowerRetriever(ec, item_table="item_table", num_experts=2, user_features=["uid", "hist"])
+    monkeypatch.setattr(retriever, "_order_matters", lambda name: True)
+    items = retriever.item_vectors()
+    assert items.shape == (30, 2, 2)
+    users = KeyedJaggedTensor.from_lengths_sync(["uid", "hist"], torch.tensor([1, 4, 3, 5, 7]),
+                                                torch.tensor([1, 1, 2, 1]))
+    catalog = retriever(retriever.with_catalog(users))
+    ref = EmbeddingCatalog(retriever.user_vectors(users), items)
+    torch.testing.assert_close(catalog.log_normalizer(), ref.log_normalizer())
+    with pytest.raises(ValueError, match=r"features must list its keys in the order of the first lookup, "
+                                         r"\['uid', 'hist', 'catalog'\], made by item_vectors\(\)"):
+        retriever(retriever.with_catalog(users.permute([1, 0])))
 
 
 def test_bag_and_tower_set_up_errors():

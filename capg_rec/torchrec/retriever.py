@@ -125,7 +125,11 @@ class TwoTowerRetriever(nn.Module):
             raise ValueError(f"embeddings and user_embeddings must not share feature names, "
                              f"got {sorted(features & bags)}")
         self._bag_features = bags
-        self._other_features = sorted(features - {self.catalog_feature})  # the collection's user features
+        # The collection's user features, in the order of user_features, then the others sorted: the order of the
+        # lookups made without a user batch (item_vectors), which may be the first ones (see _check_key_order).
+        others = features - {self.catalog_feature}
+        self._other_features = [f for f in self.user_features if f in others] + \
+            sorted(others - set(self.user_features))
         self._feature_rows = {f: c.num_embeddings for c in [*configs.values(), *(
             [] if user_embeddings is None else user_embeddings.embedding_bag_configs())] for f in c.feature_names}
         if user_tower is None and not self.user_features:
@@ -146,8 +150,9 @@ class TwoTowerRetriever(nn.Module):
         self.validate_args = None if validate_args is None else check_flag("validate_args", validate_args)
         self._catalog_group: dist.ProcessGroup | None = None
         self._scorer = _Scorer(self._scores)
-        # the order of the keys of the first KJT each lookup took ("features", "bag_features"): see _check_key_order
-        self._key_orders: dict[str, tuple[str, ...]] = {}
+        # the order of the keys of the first KJT each lookup took ("features", "bag_features"), and which call took it:
+        # see _check_key_order
+        self._key_orders: dict[str, tuple[tuple[str, ...], str]] = {}
 
     def _layout(self) -> tuple[int, int, dist.ProcessGroup | None]:
         """(first global row, number of rows, process group) of this rank's item rows."""
@@ -325,7 +330,7 @@ class TwoTowerRetriever(nn.Module):
         """Features of ``batch`` samples with every user feature of ``embeddings`` and no ids, in the order of
         the first batch looked up (:meth:`_check_key_order`)."""
         seen = self._key_orders.get("features")
-        keys = self._other_features if seen is None else list(seen[:-1])
+        keys = self._other_features if seen is None else list(seen[0][:-1])
         none = torch.zeros(0, dtype=torch.long, device=device)
         return KeyedJaggedTensor(keys=keys, values=none, lengths=torch.zeros(len(keys) * batch, dtype=torch.int32,
                                                                              device=device), stride=batch)
@@ -338,7 +343,9 @@ class TwoTowerRetriever(nn.Module):
         with _eval_mode(self):  # no dropout; batch norm's running statistics read, not updated
             features = self.with_catalog(self._without_users(0, torch.device(device)))
             item = self._item(self.embeddings(features))
-            self._record_key_orders(features, None)
+            self._record_key_orders(features, None, "item_vectors() (serving_export), whose item-only lookup lists "
+                                    "the user features of the collection as user_features does, then the others "
+                                    "sorted")
         if group is not None:  # every rank's rows, in global id order
             layout = exchange(lambda: [offset, rows], 2, group, item.device)  # [offset, rows] per rank
             item = all_gather_rows(item, [n for _, n in layout], group)
@@ -385,7 +392,7 @@ class TwoTowerRetriever(nn.Module):
         with _eval_mode(self):  # no dropout; batch norm's running statistics read, not updated
             bags = None if self.user_embeddings is None else self.user_embeddings(bag_features)
             user = self._user(self.embeddings(with_empty_catalog), bags, dense, batch)
-            self._record_key_orders(with_empty_catalog, bag_features)
+            self._record_key_orders(with_empty_catalog, bag_features, "user_vectors()")
         return user.view(batch, self.num_experts, user.shape[1] // self.num_experts)
 
     def serving_export(self, *, index: ItemIndex | None = None, temperature: float | None = None,
@@ -437,16 +444,19 @@ class TwoTowerRetriever(nn.Module):
         silently. So every KJT of ``name`` ("features", "bag_features") must list its keys as the first did, where
         the lookup is sharded."""
         seen = self._key_orders.get(name)
-        if seen is not None and tuple(keys) != seen:
-            raise ValueError(f"{name} must list its keys in the order of the first batch looked up, {list(seen)} "
-                             f"(TorchRec's sharded lookup reads every batch in that order), got {list(keys)}")
+        if seen is not None and tuple(keys) != seen[0]:
+            raise ValueError(f"{name} must list its keys in the order of the first lookup, {list(seen[0])}, made by "
+                             f"{seen[1]} (TorchRec's sharded lookup reads every later one in that order), got "
+                             f"{list(keys)}")
 
-    def _record_key_orders(self, features: KeyedJaggedTensor, bag_features: KeyedJaggedTensor | None) -> None:
-        """After a lookup: the key orders that :meth:`_check_key_order` requires from now on (the first ones)."""
+    def _record_key_orders(self, features: KeyedJaggedTensor, bag_features: KeyedJaggedTensor | None,
+                           origin: str = "the first batch") -> None:
+        """After a lookup made by ``origin``: the key orders that :meth:`_check_key_order` requires from now on (the
+        first ones)."""
         if not is_fx_symbolic_tracing():
             for name, kjt in (("features", features), ("bag_features", bag_features)):
                 if kjt is not None and self._order_matters(name):
-                    self._key_orders.setdefault(name, tuple(kjt.keys()))
+                    self._key_orders.setdefault(name, (tuple(kjt.keys()), origin))
 
     def _check_dense(self, dense: Tensor | None, batch: int) -> None:
         """``dense [B, F]``, given only with a user tower, in its parameters' dtype."""
