@@ -37,10 +37,11 @@ from torch import Tensor
 
 from capg_rec._checks import DeferredChecks, check_choice, check_count, check_flag, check_id_tensor, \
     check_positive, resolve_validate_args
-from capg_rec.catalog import CatalogScores, DenseCatalog, agreement, as_catalog, check_scaled, narrowest
+from capg_rec.catalog import CatalogScores, DenseCatalog, agreement, as_catalog, check_scaled, narrowest, resolution
 from capg_rec.marginals import DEFAULT_METHOD, LOG_PROB_TOLERANCE, InclusionMethod, WithReplacement, \
     _inclusion_log_prob, _known_lookups, inclusion_method
-from capg_rec.plackett_luce import _candidate_log_prob, _expert_index, unmasked_needs
+from capg_rec.plackett_luce import _candidate_log_prob, _drawing_scores, _unresolved_message, unmasked_needs, \
+    unresolved_draws
 
 __all__ = ["vpg_loss", "capg_loss", "offpolicy_capg_loss", "offpolicy_vpg_loss", "topk_reinforce_loss",
            "importance_weights"]
@@ -61,7 +62,8 @@ def vpg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
     check_flag("with_replacement", with_replacement)
     catalog, candidates, chosen, advantage, scoring = _prepare(logits, candidates, chosen, rewards, position_weights,
                                                                baseline, temperature, reduction, validate_args,
-                                                               width=num_candidates, distinct=not with_replacement)
+                                                               width=num_candidates, distinct=not with_replacement,
+                                                               ordered=not with_replacement)
     with scoring:
         score = _candidate_log_prob(catalog, candidates, with_replacement)  # [B]
     return _reduce(-(advantage.sum(1) * score), reduction)
@@ -144,7 +146,7 @@ def offpolicy_vpg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chose
     max_weight, self_normalize = _weight_options(max_weight, self_normalize)
     catalog, candidates, chosen, advantage, scoring = _prepare(
         logits, candidates, chosen, rewards, position_weights, baseline, temperature, reduction, validate_args,
-        width=num_candidates, distinct=True, logged=("logged_log_prob", logged_log_prob, False, 0.0))
+        width=num_candidates, distinct=True, ordered=True, logged=("logged_log_prob", logged_log_prob, False, 0.0))
     with scoring:
         score = _candidate_log_prob(catalog, candidates, False)  # [B]
     weight = _weights(catalog, score - logged_log_prob.to(score.dtype), max_weight, self_normalize)
@@ -224,9 +226,11 @@ def _weights(catalog: CatalogScores | None, log_ratio: Tensor, max_weight: float
 
 def _relative_weights(log_weight: Tensor) -> Tensor:
     """``exp(log_weight)`` over its largest: weights far below 1 do not underflow to all zeros (self-normalised
-    estimates and effective sample sizes do not depend on the scale); all ``-inf`` (or none) gives zeros."""
+    estimates and effective sample sizes do not depend on the scale); all ``-inf`` (or none) gives zeros, and
+    ``+inf`` entries, the limit: 1 each, every finite one 0."""
     top = log_weight.amax() if log_weight.numel() else log_weight.new_zeros(())
-    return torch.exp(log_weight - torch.where(top > -math.inf, top, 0.0))
+    relative = torch.exp(log_weight - torch.where(top.isfinite(), top, 0.0))
+    return torch.where(top == math.inf, (log_weight == math.inf).to(relative.dtype), relative)
 
 
 def _capped_log_weights(log_ratio: Tensor, max_weight: float | None, also: torch.dtype | None = None) -> Tensor:
@@ -268,7 +272,7 @@ def _weight_options(max_weight: float | None, self_normalize: bool) -> tuple[flo
 def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor,
              position_weights: Tensor | None, baseline: Tensor | None, temperature: float, reduction: str,
              validate_args: bool | None, *, width: int | None = None, distinct: bool, inclusion: bool = False,
-             trusted: bool = True, logged: tuple[str, Tensor, bool, float] | None = None
+             ordered: bool = False, trusted: bool = True, logged: tuple[str, Tensor, bool, float] | None = None
              ) -> tuple[CatalogScores, Tensor, Tensor, Tensor, contextlib.AbstractContextManager]:
     """Checks (structure always, values when validating, in one sync) → catalog, ids, advantage ``[B, L]`` and the
     context to score them in: once validated, the checks' agreement vouched for the candidates and chosen ids, so
@@ -280,7 +284,9 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
     its items whatever the earlier blocks took (:func:`~capg_rec.plackett_luce.check_enough_items`, as
     :func:`~capg_rec.marginals.inclusion_log_prob` does); with one expert, K distinct unmasked candidates imply
     it, unless they were logged (drawn by another ESR, they may hold items this one masks). (CA-PG-SwR's
-    expected count needs no such assumption.)
+    expected count needs no such assumption.) The inclusion methods and, with ``ordered``, the ordered-draw
+    probability (V-PG's) also need no draw among scores beyond resolution
+    (:func:`~capg_rec.plackett_luce.unresolved_draws`).
 
     ``logged = (name, tensor, per_item, bound)``: a logged log-propensity ``[B, L]`` (``per_item``)
     or ``[B]``, checked finite and ``<= bound + LOG_PROB_TOLERANCE``. Logged candidates were drawn by the
@@ -329,7 +335,7 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
             check_scaled(logits, catalog.scores, temperature)  # a dense catalog is one process's: raise here
         try:
             _check_values(catalog, candidates, chosen, rewards, baseline, position_weights, logged, failed,
-                          distinct=distinct, inclusion=inclusion)
+                          distinct=distinct, inclusion=inclusion, ordered=ordered)
         except ValueError:
             if failed is not None:  # the agreement failed with it: raise this process's own error
                 raise failed from None
@@ -341,16 +347,16 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
 
 def _check_values(catalog: CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor, baseline: Tensor | None,
                   position_weights: Tensor | None, logged: tuple[str, Tensor, bool, float] | None,
-                  failed: Exception | None, *, distinct: bool, inclusion: bool) -> None:
+                  failed: Exception | None, *, distinct: bool, inclusion: bool, ordered: bool) -> None:
     """:func:`_prepare`'s value checks, in one agreement of every process (``failed``: this process's inputs were
     malformed; they are placeholders here, and the agreement fails)."""
     num_items = catalog.num_items
     checks = DeferredChecks()
     if failed is not None:
         checks.require(False, str(failed))
-    masked = True  # other catalogs: a catalog call on every process (it may be collective)
+    masked = True  # -inf scores, or scores beyond resolution; other catalogs: a catalog call on every process
     if isinstance(catalog, DenseCatalog):
-        masked = checks.no_nan_or_inf("logits", catalog.scores, allow_masked=True)
+        masked = _check_logits(checks, catalog)
     inside = checks.draw_and_picks(candidates, chosen, num_items, distinct=distinct)
     for name, ids in (("candidates", candidates), ("chosen", chosen)):  # a placement holding only some rows:
         vouched = catalog._vouch(name, ids)  # the ids it can score, in the agreement below
@@ -369,16 +375,37 @@ def _check_values(catalog: CatalogScores, candidates: Tensor, chosen: Tensor, re
                          f"of its blocks, {needed.tolist()} unmasked items (as many as the positions up to the end of "
                          "each block), but a row has fewer (items scored -inf are masked): the inclusion "
                          "methods assume it (CA-PG-SwR does not)")
+    if masked and (inclusion or ordered) and isinstance(catalog, DenseCatalog):
+        unresolved = unresolved_draws(catalog, candidates.shape[1], ordered=not inclusion).any()
+        checks.require(not bool(unresolved) if unresolved.is_cpu else ~unresolved,
+                       _unresolved_message(catalog, candidates.shape[1], "in a row"))
     for name, x in (("rewards", rewards), ("baseline", baseline), ("position_weights", position_weights)):
         if x is not None:
             checks.no_nan_or_inf(name, x)
     logged_name, log_propensity, _, bound = logged if logged is not None else (None, None, False, 0.0)
     if log_propensity is not None and log_propensity.numel():
         checks.no_nan_or_inf(logged_name, log_propensity)
+        if torch.finfo(log_propensity.dtype).bits > torch.finfo(catalog.dtype).bits:  # the weights' dtype
+            lowest = torch.finfo(catalog.dtype).min
+            checks.all_above(log_propensity.detach().to(catalog.dtype), -math.inf,
+                             f"{logged_name} must be finite in the scores' dtype {catalog.dtype} (below {lowest:.4g} "
+                             f"it rounds to -inf there: a zero propensity)")
         checks.at_most(log_propensity, bound + LOG_PROB_TOLERANCE,
                        f"{logged_name} must be <= {bound:.6g} (a logged log-propensity: a probability is at "
                        f"most 1, an expected count at most K)")
     checks.run(agreement(catalog))
+
+
+def _check_logits(checks: DeferredChecks, catalog: DenseCatalog) -> bool:
+    """No NaN or ``+inf`` in a dense catalog's scores → whether a row may hold masked (``-inf``) scores or scores beyond
+    :func:`~capg_rec.catalog.resolution` below its best: in host memory, from the scores' range."""
+    scores = catalog.scores.detach()
+    host = checks._host(scores) if scores.numel() else None
+    if host is None:
+        return checks.no_nan_or_inf("logits", scores, allow_masked=True) or bool(scores.numel())
+    low, high = float(host.min()), float(host.max())  # NaN propagates
+    checks.require(high < math.inf, "logits must be finite or -inf (masked) (no NaN or +inf)")  # NaN fails too
+    return not high - low <= resolution(catalog.dtype)
 
 
 def _placeholder_ids(ids: object, batch: int, device: torch.device, width: int | None = None) -> Tensor:
@@ -387,18 +414,6 @@ def _placeholder_ids(ids: object, batch: int, device: torch.device, width: int |
     if width is None:
         width = ids.shape[1] if isinstance(ids, Tensor) and ids.dim() == 2 else 1
     return torch.zeros(batch, width, dtype=torch.long, device=device)
-
-
-def _drawing_scores(catalog: CatalogScores, candidates: Tensor) -> Tensor:
-    """``s_{m(k)}(a_k)``: each candidate's score under the expert that drew it → ``[B, K]`` (one
-    ``[B, K]`` gather on a dense catalog rather than ``[B, M, K]``)."""
-    if isinstance(catalog, DenseCatalog) and catalog.num_experts == 1:
-        return catalog.scores[:, 0].gather(1, candidates)
-    experts = _expert_index(candidates.shape[1], catalog.num_experts, candidates.device)
-    if isinstance(catalog, DenseCatalog) and catalog.scores.is_contiguous():
-        return catalog.scores.flatten(1).gather(1, experts * catalog.num_items + candidates)
-    index = experts.view(1, 1, -1).expand(candidates.shape[0], 1, -1)
-    return catalog.gather(candidates).gather(1, index)[:, 0]
 
 
 def _float(name: str, x: object, shapes: tuple[tuple[int, ...], ...]) -> Tensor:

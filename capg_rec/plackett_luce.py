@@ -18,7 +18,7 @@ from torch import Tensor
 from capg_rec._checks import check_count, check_flag, check_generator, check_items, raise_where_short, \
     resolve_validate_args
 from capg_rec._numerics import log_softmax_at, reverse_logcumsumexp, sequential_log_softmax
-from capg_rec.catalog import CatalogScores, DenseCatalog, agreement, as_catalog
+from capg_rec.catalog import CatalogScores, DenseCatalog, agreement, as_catalog, resolution
 
 __all__ = ["expert_of_position", "sample_candidates", "greedy_candidates", "candidate_log_prob"]
 
@@ -95,17 +95,63 @@ def unmasked_needs(catalog: CatalogScores, num_candidates: int) -> tuple[list[in
     return experts, needed, catalog.num_available()[:, experts]
 
 
-def check_enough_items(catalog: CatalogScores, num_candidates: int, failed: Exception | None = None) -> None:
+def unresolved_draws(catalog: CatalogScores, num_candidates: int, *, ordered: bool) -> Tensor:
+    """Where a draw of ``num_candidates`` must tell apart scores beyond :func:`~capg_rec.catalog.resolution` below
+    their expert's best (a soft mask such as -1e9; only a :class:`DenseCatalog`'s scores reach such gaps) → bool
+    ``[B, R]`` per expert block: it takes some of those items and must choose among more of them, or, when the draw's
+    ``ordered`` (sampling, the ordered-draw probability), takes more than one of them (in an order they decide).
+    Taking all of them (every unmasked item) needs no choice: inclusion probabilities of 1, like K = N."""
+    if not isinstance(catalog, DenseCatalog) or catalog._within_resolution():
+        runs = expert_runs(num_candidates, catalog.num_experts)
+        return torch.zeros(catalog.batch_size, len(runs), dtype=torch.bool, device=catalog.device)
+    experts, needed, available = unmasked_needs(catalog, num_candidates)
+    taken = torch.minimum(needed, available) - catalog._num_resolved()[:, experts]  # items beyond resolution drawn
+    return (taken > 0) & ((needed < available) | (taken > 1 if ordered else False))
+
+
+def _drawing_scores(catalog: CatalogScores, candidates: Tensor) -> Tensor:
+    """``s_{m(k)}(a_k)``: each candidate's score under the expert that drew it → ``[B, K]`` (one
+    ``[B, K]`` gather on a dense catalog rather than ``[B, M, K]``)."""
+    if isinstance(catalog, DenseCatalog) and catalog.num_experts == 1:
+        return catalog.scores[:, 0].gather(1, candidates)
+    experts = _expert_index(candidates.shape[1], catalog.num_experts, candidates.device)
+    if isinstance(catalog, DenseCatalog) and catalog.scores.is_contiguous():
+        return catalog.scores.flatten(1).gather(1, experts * catalog.num_items + candidates)
+    index = experts.view(1, 1, -1).expand(candidates.shape[0], 1, -1)
+    return catalog.gather(candidates).gather(1, index)[:, 0]
+
+
+def check_enough_items(catalog: CatalogScores, num_candidates: int, failed: Exception | None = None, *,
+                       ordered: bool | None = False) -> None:
     """``ValueError`` unless every expert block can draw its items from the row's unmasked items
     whatever the earlier blocks took: expert m needs as many unmasked items as positions up to
-    the end of its block (with one shared mask: K unmasked items per row). ``failed``: this process's arguments were
-    bad (:func:`_checked`): the agreement fails everywhere, and this process raises it."""
+    the end of its block (with one shared mask: K unmasked items per row), and (unless ``ordered`` is None: a greedy
+    draw, ordered by score alone) need not tell apart scores beyond resolution (:func:`unresolved_draws`).
+    ``failed``: this process's arguments were bad (:func:`_checked`): the agreement fails everywhere, and this
+    process raises it."""
     experts, needed, available = unmasked_needs(catalog, num_candidates)
-    raise_where_short(catalog.agree, available < needed, lambda at: (
-        f"num_candidates={num_candidates} needs {int(needed[at[1]])} unmasked items under expert {experts[at[1]]}, "
-        f"but row {at[0]} has {int(available[at])} (items scored -inf are masked)"),
-        f"num_candidates={num_candidates} needs more unmasked items in another process's rows (items scored -inf "
-        "are masked)", failed)
+    short = available < needed
+    if ordered is not None:
+        short = torch.stack([short, unresolved_draws(catalog, num_candidates, ordered=ordered)])  # [2, B, R]
+
+    def message(at: tuple[int, ...]) -> str:
+        what, row, block = at if len(at) == 3 else (0, *at)
+        if what:
+            return _unresolved_message(catalog, num_candidates, f"under expert {experts[block]}, in row {row}")
+        return (f"num_candidates={num_candidates} needs {int(needed[block])} unmasked items under expert "
+                f"{experts[block]}, but row {row} has {int(available[row, block])} (items scored -inf are masked)")
+
+    raise_where_short(catalog.agree, short, message, f"num_candidates={num_candidates} needs more unmasked items in "
+                      "another process's rows (items scored -inf are masked), or draws there among items beyond "
+                      "resolution", failed)
+
+
+def _unresolved_message(catalog: CatalogScores, num_candidates: int, where: str) -> str:
+    """The message of a draw among scores beyond resolution (:func:`unresolved_draws`), ``where`` it is."""
+    return (f"num_candidates={num_candidates} must draw {where} among items more than "
+            f"{resolution(catalog.dtype):.4g} below their expert's best score, where {catalog.dtype} cannot tell "
+            "their scores apart (a soft mask such as -1e9? mask such items with -inf, then a row needs K unmasked "
+            "items)")
 
 
 def _draw(catalog: CatalogScores, num_candidates: int, *, perturb: bool, generator: torch.Generator | None,
@@ -116,7 +162,7 @@ def _draw(catalog: CatalogScores, num_candidates: int, *, perturb: bool, generat
     drawing = catalog._drawing(num_candidates, failed)
     if drawing is None:
         if validate:
-            check_enough_items(catalog, num_candidates, failed)
+            check_enough_items(catalog, num_candidates, failed, ordered=True if perturb else None)
         drawing = contextlib.nullcontext()
     picks: list[Tensor] = []
     with drawing:
@@ -156,13 +202,20 @@ def candidate_log_prob(logits: Tensor | CatalogScores, candidates: Tensor, *, te
     remaining mass is summed directly (items outside the draw plus the later draws), never
     obtained by subtraction, so confident policies stay finite. With ``with_replacement=True``
     every position is normalised over the whole catalog (the V-PG-SwR score). A draw that
-    holds a masked item (scored ``-inf``) has log-probability ``-inf``.
+    holds a masked item (scored ``-inf``) has log-probability ``-inf``. When validating (without replacement), a row
+    where a draw of K takes more than one item beyond resolution below its expert's best score, or chooses among
+    them (:func:`unresolved_draws`; a soft mask such as -1e9), is a ``ValueError``.
     """
     validate = resolve_validate_args(validate_args)
     catalog = as_catalog(logits, temperature, validate_args=validate)
     candidates = check_items("candidates", candidates, batch_size=catalog.batch_size, num_items=catalog.num_items,
                              unique=not check_flag("with_replacement", with_replacement), validate=validate,
                              columns="K")
+    if validate and not with_replacement and candidates.shape[1]:
+        num_candidates = candidates.shape[1]
+        raise_where_short(catalog.agree, unresolved_draws(catalog, num_candidates, ordered=True),
+                          lambda at: _unresolved_message(catalog, num_candidates, f"in row {at[0]}"),
+                          _unresolved_message(catalog, num_candidates, "in another process's rows"))
     return _candidate_log_prob(catalog, candidates, with_replacement)
 
 

@@ -152,15 +152,22 @@ def contexts(*, max_batch: int = 4, dim: int = 8, scale: float = 1.0, dtype: tor
 def esr_cases(*, max_batch: int = 3, max_experts: int = 1, min_items: int = 1, max_items: int = 8,
               extreme: bool = True, ties: bool = True, masked: bool = False):
     """``(logits, K, τ, seed)`` with ``K`` at most each row's unmasked items: a complete PL(-MoE)
-    problem to test against."""
+    problem to test against, whose draw of K need not tell apart scores ``logits / τ`` beyond float32's
+    resolution (:func:`~capg_rec.plackett_luce.unresolved_draws`: the checks refuse such draws)."""
     st = _st()
 
     @st.composite
     def build(draw) -> tuple[Tensor, int, float, int]:
+        from capg_rec.catalog import DenseCatalog
+        from capg_rec.plackett_luce import unresolved_draws
+
         x = draw(logits(max_batch=max_batch, max_experts=max_experts, min_items=min_items, max_items=max_items,
                         extreme=extreme, ties=ties, masked=masked))
+        tau = draw(temperatures())
         available = int((x > -torch.inf).sum(-1).min())
-        return x, draw(num_candidates(available)), draw(temperatures()), draw(seeds())
+        scores = DenseCatalog(x, tau, validate_args=False)
+        ks = [k for k in range(1, available + 1) if not unresolved_draws(scores, k, ordered=True).any()]
+        return x, draw(st.sampled_from(ks)), tau, draw(seeds())
 
     return build()
 

@@ -105,8 +105,10 @@ def test_finite_values_whose_sum_overflows_pass_and_inf_pairs_fail(path):
     huge = logits.clone()
     huge[:, :, 0] = big  # every row's sum overflows; candidates keep their scores
     rewards_big = torch.full_like(rewards, big)
-    for loss in (CAPGLoss(5, method="with_replacement"), VPGLoss(5)):
-        loss(huge, cand, chosen, rewards_big)  # finite everywhere: valid
+    CAPGLoss(5, method="with_replacement")(huge, cand, chosen, rewards_big)  # finite everywhere: valid
+    VPGLoss(5)(torch.full_like(logits, big), cand, chosen, rewards_big)
+    with pytest.raises(ValueError, match="must draw in a row among items more than 3.277e[+]04 below"):
+        VPGLoss(5)(huge, cand, chosen, rewards_big)  # valid, but the draw's order is beyond float32 there
     masked = huge.clone()
     masked[0, 0, next(i for i in range(30) if i not in cand[0].tolist())] = -math.inf
     CAPGLoss(5, method="with_replacement")(masked, cand, chosen, rewards)  # -inf masks an item: valid

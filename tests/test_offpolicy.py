@@ -461,3 +461,25 @@ def test_self_normalised_weights_at_extreme_ratios_in_every_dtype():
         F.offpolicy_capg_loss(half, candidates, candidates[:, :length], torch.ones(batch, length), logged,
                               self_normalize=True, reduction="sum", validate_args=False).backward()
         assert torch.isfinite(half.grad).all(), dtype
+
+
+def test_logged_propensities_beyond_the_scores_dtype_are_refused_and_infinite_ratios_normalise():
+    """Found by review: a float64 logged log-propensity of -1e300 is finite, but -inf once cast to float32 logits'
+    dtype (a zero propensity): its weight was +inf, and the self-normalised loss NaN. It is now refused, naming the
+    argument, by every off-policy loss; importance_weights normalises +inf log-ratios to their limit (1 each before
+    the mean, the finite ones 0) instead of NaN."""
+    logits = torch.randn(2, 6, generator=torch.Generator().manual_seed(0))
+    candidates = torch.tensor([[0, 1, 2], [3, 4, 5]])
+    rewards = torch.ones(2, 1)
+    logged = torch.tensor([[-1e300], [-1.0]], dtype=torch.float64)
+    for normalise in (False, True):
+        with pytest.raises(ValueError, match=r"logged_log_inclusion must be finite in the scores' dtype torch.float32"):
+            F.offpolicy_capg_loss(logits, candidates, candidates[:, :1], rewards, logged, self_normalize=normalise)
+    with pytest.raises(ValueError, match=r"logged_log_prob must be finite in the scores. dtype"):
+        F.offpolicy_vpg_loss(logits, candidates, candidates[:, :1], rewards, logged[:, 0])
+    with pytest.raises(ValueError, match=r"logged_log_item_prob must be finite in the scores' dtype"):
+        F.topk_reinforce_loss(logits, candidates, candidates[:, :1], rewards, logged)
+    fine = F.offpolicy_capg_loss(logits.double(), candidates, candidates[:, :1], rewards, logged, self_normalize=True)
+    assert torch.isfinite(fine)  # float64 scores: the weight is capped, then normalised
+    weights = F.importance_weights(torch.tensor([math.inf, 0.0, -math.inf, math.inf]), self_normalize=True)
+    torch.testing.assert_close(weights, torch.tensor([2.0, 0.0, 0.0, 2.0]))

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from capg_rec import (DenseCatalog, EmbeddingCatalog, candidate_log_prob, expert_of_position,
-                      greedy_candidates, sample_candidates)
+from capg_rec import (CAPGLoss, DenseCatalog, EmbeddingCatalog, VPGLoss, candidate_log_prob, expert_of_position,
+                      greedy_candidates, inclusion_log_prob, sample_candidates)
 from capg_rec._enumerate import all_draws, draw_log_probs
 from capg_rec._numerics import gumbel_top_k
 from tests.stats import assert_counts_match, chi_square_pvalue
@@ -319,3 +319,41 @@ def test_expert_of_position_checks_types_even_after_an_int_call(bad):
 def test_sample_candidates_names_a_generator_of_the_wrong_type():
     with pytest.raises(TypeError, match="generator must be a torch.Generator or None"):
         sample_candidates(torch.randn(2, 5), 2, generator=5)
+
+
+def test_draws_among_scores_beyond_resolution_are_refused_and_right_within_it():
+    """Found by review: items far below a row's best (a soft mask such as -1e9 in float32) round alike relative to
+    it, and a draw that had to choose among them was wrong, silently: the sampler always took the same item (1/3
+    each, by symmetry), mean-field gave them 0 and the plug-in 1, "enumerate" summed to 9, the ordered-draw
+    log-probability missed its log(1/3). Every entry point now refuses such a draw when validating; in float64
+    the same scores are within resolution, and every method, the draw's probability and the sampler are right."""
+    soft = [[0.0, 0.5, -1e9, -1e9, -1e9]]
+    items = torch.arange(5).expand(1, 5)
+    x32 = torch.tensor(soft)
+    beyond = r"must draw .*among items more than 3.277e\+04 below their expert's best score"
+    with pytest.raises(ValueError, match=beyond):
+        sample_candidates(x32, 3)
+    for method in ("exact", "mean_field", "plugin", "enumerate"):
+        with pytest.raises(ValueError, match=beyond):
+            inclusion_log_prob(x32, items, 3, method=method)
+    with pytest.raises(ValueError, match=beyond):
+        candidate_log_prob(x32, torch.tensor([[0, 1, 2]]))
+    for loss in (CAPGLoss(3), VPGLoss(3)):
+        with pytest.raises(ValueError, match=beyond):
+            loss(x32, torch.tensor([[0, 1, 2]]), torch.tensor([[2]]), torch.ones(1, 1))
+    # A draw that takes every unmasked item chooses none of them: π = 1, as for K = N; greedy draws by score alone.
+    forced = torch.tensor([[0.0, 0.0, -math.inf, -1e9]])
+    assert (inclusion_log_prob(forced, torch.tensor([[0, 1, 3]]), 3) == 0).all()
+    assert greedy_candidates(x32, 3)[0].tolist() == [1, 0, 2]
+    x64 = torch.tensor(soft, dtype=torch.float64)
+    want = torch.tensor([[1.0, 1.0, 1 / 3, 1 / 3, 1 / 3]], dtype=torch.float64)
+    for method in ("exact", "mean_field", "plugin", "enumerate"):
+        torch.testing.assert_close(inclusion_log_prob(x64, items, 3, method=method).exp(), want)
+    torch.testing.assert_close(candidate_log_prob(x64, torch.tensor([[0, 1, 2]])),
+                               torch.tensor([math.log(1 / (1 + math.exp(0.5)) / 3)], dtype=torch.float64))
+    num_samples = 30_000
+    drawn = sample_candidates(x64.expand(num_samples, -1), 3, generator=torch.Generator().manual_seed(0))
+    counts = np.bincount(drawn.flatten().numpy(), minlength=5)
+    assert_counts_match(counts, want[0].numpy(), num_samples)
+    with pytest.raises(ValueError, match=r"more than 1.759e\+13 below"):
+        sample_candidates(torch.tensor([[0.0, 0.5, -1e30, -1e30, -1e30]], dtype=torch.float64), 3)

@@ -112,14 +112,20 @@ def test_overflow_stop_ends_the_run(env):
 
 @pytest.mark.parametrize("on_overflow", ["stop", "skip"])
 def test_an_update_that_overflows_the_parameters_ends_cleanly(env, tmp_path, on_overflow):
-    """SGD at lr 1e6: the gradients are finite, the step makes the parameters infinite. The next step's logits
-    count as an overflow, and the evaluation that follows gave a traceback (non-finite logits) with no
-    result.json; it is now NaN (null in the files)."""
+    """SGD at lr 1e6: the gradients are finite, the step makes the parameters huge. The next step's logits
+    count as an overflow (so far apart that no draw can tell them apart; a review found the sampler's draw among
+    such scores biased, and it now refuses them), and the evaluation that follows gave a traceback (non-finite
+    logits) with no result.json; non-finite logits now give NaN (null in the files)."""
     trainer = Trainer(env, _config(optimizer="sgd", lr=1e6, steps=20, eval_every=5, on_overflow=on_overflow))
     result = trainer.run(out_dir=tmp_path, progress=False)
-    assert result.overflow_count >= 1 and math.isnan(result.history[-1]["policy_value"])
+    assert result.overflow_count >= 1 and result.overflow_steps[0] == 2
     assert (result.stopped_at is not None) == (on_overflow == "stop")
-    assert json.loads((tmp_path / "result.json").read_text())["history"][-1]["policy_value"] is None
+    saved = json.loads((tmp_path / "result.json").read_text())["history"][-1]["policy_value"]
+    assert saved == result.history[-1]["policy_value"]
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.fill_(math.inf)
+    assert math.isnan(trainer.evaluate())
 
 
 @pytest.mark.parametrize("options", [dict(), dict(baseline="context", adaptive_lr=True, train_lsr="noisy"),

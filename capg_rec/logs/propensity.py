@@ -214,7 +214,7 @@ def log_propensities(logits: Tensor | CatalogScores, candidates: Tensor, shown: 
         checks.draw_and_picks(candidates, shown, catalog.num_items, distinct=True, picks="shown")
         checks.run(agreement(catalog))
         if epsilon < 1.0:
-            check_enough_items(catalog, num_candidates)
+            check_enough_items(catalog, num_candidates, ordered=True)  # the draw's own probability too
         if epsilon > 0.0:
             _check_uniform_possible(catalog, num_candidates)
     with torch.no_grad():

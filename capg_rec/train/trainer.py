@@ -23,7 +23,7 @@ from torch import Tensor
 from capg_rec._checks import all_finite, check_count, check_items
 from capg_rec.catalog import DenseCatalog
 from capg_rec.losses import CAPGLoss, VPGLoss
-from capg_rec.plackett_luce import greedy_candidates, sample_candidates
+from capg_rec.plackett_luce import greedy_candidates, sample_candidates, unresolved_draws
 from capg_rec.rewards import dcg_weights, group_normalize
 from capg_rec.sim.env import MatrixEnv
 from capg_rec.sim.lsr import LSRPolicy, make_lsr
@@ -203,7 +203,8 @@ class Trainer:
         ``result.overflow_steps``, no parameter changes, and with ``on_overflow="stop"`` the run
         is marked stopped (``result.stopped_at``). An update that makes the parameters non-finite (finite
         gradients, a learning rate far too large) shows as an overflow of the next step, whose logits are
-        not finite; the policy value is then NaN.
+        not finite (the policy value is then NaN), or so far apart that the draw cannot tell them apart
+        (:func:`~capg_rec.plackett_luce.unresolved_draws`).
         """
         self.step_count += 1
         loss, overflowed = self._step()
@@ -222,7 +223,9 @@ class Trainer:
         if not all_finite(logits):  # checked once here: the sampler and the loss skip their checks
             return math.nan, True
         catalog = DenseCatalog(logits.detach(), cfg.temperature, validate_args=False)
-        candidates = sample_candidates(catalog, cfg.num_candidates, generator=self.generator)
+        if unresolved_draws(catalog, cfg.num_candidates, ordered=True).any():  # logits too far apart to draw from
+            return math.nan, True
+        candidates = sample_candidates(catalog, cfg.num_candidates, generator=self.generator, validate_args=False)
         picks, _ = self.train_lsr(self.env.ranking_scores(users, candidates), cfg.num_outputs, self.generator)
         picks = check_items("the LSR's picks", picks, batch_size=len(users), num_items=cfg.num_candidates)
         chosen = candidates.gather(1, picks)
