@@ -759,3 +759,12 @@ def test_demo_says_when_ca_pg_reached_v_pgs_value_also_at_step_0_or_never():
     assert "started at V-PG-SwR's 200-step value (7.000) or above (step 0" in _reach_line(vpg, run([7.2, 8.0]))
     assert _reach_line(vpg, run([5.0, 6.5])) == ("seed 3: CA-PG-SwR did not reach V-PG-SwR's 200-step value (7.000) in "
                                                  "its 100 steps.")
+
+
+def test_csv_files_write_every_undefined_value_as_an_empty_cell(tmp_path):
+    """Found by review: metrics.csv wrote an undefined interval (NaN) as "nan" but a missing OPE value (None) as an
+    empty cell; both are empty now, in every CSV the commands write (they share write_csv)."""
+    from capg_rec.train.report import write_csv
+
+    write_csv(tmp_path / "m.csv", [{"step": 0, "low": math.nan, "ope": None, "value": 1.5}])
+    assert (tmp_path / "m.csv").read_text().splitlines() == ["step,low,ope,value", "0,,,1.5"]

@@ -39,10 +39,12 @@ def mean_pm_se(mean: float, se: float, digits: int) -> str:
 
 
 def write_csv(path: str | os.PathLike, rows: Sequence[Mapping]) -> None:
+    """``rows`` (the first one's keys are the columns) as CSV; an undefined value, None or NaN, is an empty cell."""
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows({key: "" if isinstance(value, float) and math.isnan(value) else value
+                          for key, value in row.items()} for row in rows)
 
 
 def write_json(path: str | os.PathLike, obj: object) -> None:
