@@ -14,7 +14,7 @@ from capg_rec import CAPGLoss, inclusion_log_prob
 from capg_rec.plackett_luce import expert_of_position
 from capg_rec.cli import main
 from capg_rec.logs import LoggedBatch, LoggedImpressions, LogWriter
-from capg_rec.sim.lsr import OptimalLSR
+from capg_rec.sim.lsr import LSR_NAMES, OptimalLSR
 from capg_rec.sim.synthetic import synthetic_env
 from capg_rec.train import Trainer, policy_value
 from capg_rec.train.config import TrainConfig
@@ -391,6 +391,12 @@ def test_train_regressions_from_review(logs, tmp_path, capsys):
     assert "holds a run already (checkpoint.pt, result.json): pass --resume" in capsys.readouterr().err
     assert json.loads((out / "result.json").read_text())["config"]["estimator"] == "capg"
     assert _train(logs, out, "--resume", "--lr", "0.01") == 0  # the rate the run used (the default for capg)
+    # --eval-lsr of the LSR the run took from the logs (it saved none): the same run (a review's quirk: refused)
+    lsr = LoggedImpressions([str(logs)], 1).meta.extra["lsr"]
+    assert _train(logs, out, "--resume", "--eval-lsr", lsr) == 0
+    other = next(name for name in LSR_NAMES if name != lsr)
+    assert _train(logs, out, "--resume", "--eval-lsr", other) == 2
+    assert f"--eval-lsr {other} (saved: {lsr!r})" in capsys.readouterr().err
     (tmp_path / "afile").write_text("")
     assert _train(logs, tmp_path / "afile" / "run") == 2
     assert "afile is a file, not a folder" in capsys.readouterr().err

@@ -261,6 +261,7 @@ def _log_env(paths: list[str], data: str | None):
 
 
 def _train_logs(args: argparse.Namespace, given: dict, out: Path) -> int:
+    from capg_rec.logs.parquet import LoggedImpressions
     from capg_rec.train.checkpoint import read_checkpoint
     from capg_rec.train.logged import LogTrainer, write_log_reports
 
@@ -281,7 +282,10 @@ def _train_logs(args: argparse.Namespace, given: dict, out: Path) -> int:
                 _fail(f"--resume: no checkpoint {path} to continue (is --out right?)")
             if state.get("kind") != "logs":
                 _fail(f"--resume: the run saved in {path} trained online; drop --logs to continue it")
-            _check_unchanged(path, state["config"], given, "epochs", LogTrainConfig(**state["config"]).base_lr)
+            saved = dict(state["config"])
+            if saved.get("eval_lsr") is None:  # the logs' LSR, as the run took it
+                saved["eval_lsr"] = LoggedImpressions(args.logs, 1).meta.extra.get("lsr", "optimal")
+            _check_unchanged(path, saved, given, "epochs", LogTrainConfig(**state["config"]).base_lr)
             trainer = LogTrainer.from_state(state, env, epochs=given.get("epochs"))
         else:
             trainer = LogTrainer(LogTrainConfig(**given), env)
