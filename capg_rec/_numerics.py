@@ -526,12 +526,15 @@ def gumbel_top_k(scores: Tensor, k: int, *, generator: torch.Generator | None,
     the k best groups are drawn first, and only their items get noise, conditioned on their
     group's maximum (a truncated Gumbel; Kool, van Hoof & Welling 2019, appendix B). The k best
     items always lie in the k best groups, so the draw is exact, with ``N/g + k·g`` random
-    numbers per row instead of N (and top-k over as many values).
+    numbers per row instead of N (and top-k over as many values). The noise is added to the scores relative to
+    their row's best (a constant): large scores (all near -1e9, say) would round it away.
     """
     n = scores.shape[-1]
     size = gumbel_group_size(n, k) if group_size is None else group_size
     if size < 2:
-        return (scores + _gumbel(scores.shape, scores, generator)).topk(k, dim=-1).indices
+        top = scores.amax(dim=-1, keepdim=True)
+        return (scores - torch.where(top > -math.inf, top, 0.0) + _gumbel(scores.shape, scores, generator)).topk(
+            k, dim=-1).indices
     groups = -(-n // size)
     picked = min(k, groups)
     lead = scores.shape[:-1]
@@ -544,9 +547,11 @@ def gumbel_top_k(scores: Tensor, k: int, *, generator: torch.Generator | None,
     # In-place chains and clamps rather than masks: this is the sampler's hot path. An empty
     # group's key stays at the lowest finite value, below every group that has an item.
     peak = members.amax(dim=-2, keepdim=True).clamp_(min=finfo.min)
-    group_max = (members - peak).clamp_(min=exp_floor(scores.dtype)).exp_().sum(dim=-2).log_().add_(peak.squeeze(-2))
+    best = peak.amax(dim=-1, keepdim=True)  # [..., 1, 1]: the row's best; the keys are relative to it
+    group_max = (members - peak).clamp_(min=exp_floor(scores.dtype)).exp_().sum(dim=-2).log_().add_(
+        (peak - best).squeeze(-2))
     top, group = group_max.add_(noise[..., :groups]).topk(picked, dim=-1, sorted=False)  # [..., k']
-    perturbed = members.gather(-1, group.unsqueeze(-2).expand(*lead, size, picked))  # [..., g, k']
+    perturbed = members.gather(-1, group.unsqueeze(-2).expand(*lead, size, picked)).sub_(best)  # [..., g, k']
     perturbed += noise[..., groups:].view(*lead, size, picked)
     peak = perturbed.amax(dim=-2, keepdim=True).clamp_(min=finfo.min)
     # Shift each group's perturbed scores so that their maximum is `top`:

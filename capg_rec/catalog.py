@@ -177,11 +177,12 @@ def unpadded(ids: Tensor) -> Tensor:
 
 def resolution(dtype: torch.dtype) -> float:
     """How far below its expert's best score an item may lie for a draw or a probability to tell its score apart from
-    a neighbour's: ``1 / (256 eps)`` (float32 32,768, float64 1.8e13), where the rounding of a score relative to the
-    best reaches 4e-3. Items further below (a soft mask such as -1e9 or ``finfo.min``) round alike, and neither the
-    samplers nor the methods can choose among them right: the checks refuse a draw that must
+    a neighbour's: ``1 / (16 eps)`` (float32 524,288, float64 2.8e14). A score ``g`` below the best is rounded by up
+    to ``g·eps/2`` relative to it, and so are the log-probabilities that depend on it: 0.03 at this limit. Items
+    further below (a soft mask such as -1e9 or ``finfo.min`` in float32) round alike, and neither the samplers nor
+    the methods can choose among them right: the checks refuse a draw of a dense catalog's that must
     (:func:`~capg_rec.plackett_luce.unresolved_draws`)."""
-    return 1.0 / (256 * torch.finfo(dtype).eps)
+    return 1.0 / (16 * torch.finfo(dtype).eps)
 
 
 def agreement(catalog: CatalogScores) -> Callable[[Tensor], Tensor] | None:
@@ -275,16 +276,20 @@ class DenseCatalog(CatalogScores):
     def num_available(self) -> Tensor:
         return (self.scores > -math.inf).sum(2, dtype=torch.int32).long()  # int32 sums: 30% faster on the CPU
 
-    def _within_resolution(self) -> bool:
-        """Whether every score lies within :func:`resolution` of every other (no ``-inf``): then every item is
-        resolved. Read on the host for CPU scores (one pass); False elsewhere (no sync: count them instead)."""
+    def _within_resolution(self, low: float | None = None, high: float | None = None) -> bool:
+        """Whether every unmasked score lies within :func:`resolution` of every other: then every unmasked item is
+        resolved. Read on the host for CPU scores (one or two passes; ``low`` and ``high``: the scores' least and
+        largest, where known); False elsewhere (no sync: count them instead)."""
         scores = self.scores.detach()
         if not scores.numel():
             return True
         if not eager_cpu(scores):
             return False
-        low, high = torch.aminmax(scores)
-        return float(high) - float(low) <= resolution(self.dtype)  # False for NaN or -inf
+        if low is None or high is None:
+            low, high = (float(v) for v in torch.aminmax(scores))
+        if low == -math.inf and high > -math.inf:  # masked items: the lowest unmasked score
+            low = float(torch.nan_to_num(scores, nan=high, neginf=high).amin())
+        return high == -math.inf or high - low <= resolution(self.dtype)  # False for NaN or +inf
 
     def _num_resolved(self) -> Tensor:
         """Items within :func:`resolution` of their expert's best score, per row and expert → ``LongTensor[B, M]``

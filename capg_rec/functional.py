@@ -354,9 +354,9 @@ def _check_values(catalog: CatalogScores, candidates: Tensor, chosen: Tensor, re
     checks = DeferredChecks()
     if failed is not None:
         checks.require(False, str(failed))
-    masked = True  # -inf scores, or scores beyond resolution; other catalogs: a catalog call on every process
+    masked = far = True  # -inf scores, scores beyond resolution; other catalogs: a catalog call on every process
     if isinstance(catalog, DenseCatalog):
-        masked = _check_logits(checks, catalog)
+        masked, far = _check_logits(checks, catalog)
     inside = checks.draw_and_picks(candidates, chosen, num_items, distinct=distinct)
     for name, ids in (("candidates", candidates), ("chosen", chosen)):  # a placement holding only some rows:
         vouched = catalog._vouch(name, ids)  # the ids it can score, in the agreement below
@@ -375,7 +375,7 @@ def _check_values(catalog: CatalogScores, candidates: Tensor, chosen: Tensor, re
                          f"of its blocks, {needed.tolist()} unmasked items (as many as the positions up to the end of "
                          "each block), but a row has fewer (items scored -inf are masked): the inclusion "
                          "methods assume it (CA-PG-SwR does not)")
-    if masked and (inclusion or ordered) and isinstance(catalog, DenseCatalog):
+    if far and (inclusion or ordered) and isinstance(catalog, DenseCatalog):
         unresolved = unresolved_draws(catalog, candidates.shape[1], ordered=not inclusion).any()
         checks.require(not bool(unresolved) if unresolved.is_cpu else ~unresolved,
                        _unresolved_message(catalog, candidates.shape[1], "in a row"))
@@ -396,16 +396,18 @@ def _check_values(catalog: CatalogScores, candidates: Tensor, chosen: Tensor, re
     checks.run(agreement(catalog))
 
 
-def _check_logits(checks: DeferredChecks, catalog: DenseCatalog) -> bool:
-    """No NaN or ``+inf`` in a dense catalog's scores → whether a row may hold masked (``-inf``) scores or scores beyond
-    :func:`~capg_rec.catalog.resolution` below its best: in host memory, from the scores' range."""
+def _check_logits(checks: DeferredChecks, catalog: DenseCatalog) -> tuple[bool, bool]:
+    """No NaN or ``+inf`` in a dense catalog's scores → whether a row may hold masked (``-inf``) scores, and unmasked
+    ones beyond :func:`~capg_rec.catalog.resolution` below its best: in host memory, from the scores' range."""
     scores = catalog.scores.detach()
     host = checks._host(scores) if scores.numel() else None
     if host is None:
-        return checks.no_nan_or_inf("logits", scores, allow_masked=True) or bool(scores.numel())
+        masked = checks.no_nan_or_inf("logits", scores, allow_masked=True) or bool(scores.numel())
+        return masked, masked
     low, high = float(host.min()), float(host.max())  # NaN propagates
     checks.require(high < math.inf, "logits must be finite or -inf (masked) (no NaN or +inf)")  # NaN fails too
-    return not high - low <= resolution(catalog.dtype)
+    far = not high - low <= resolution(catalog.dtype) and not catalog._within_resolution(low, high)
+    return low == -math.inf, far
 
 
 def _placeholder_ids(ids: object, batch: int, device: torch.device, width: int | None = None) -> Tensor:

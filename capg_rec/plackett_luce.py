@@ -96,11 +96,13 @@ def unmasked_needs(catalog: CatalogScores, num_candidates: int) -> tuple[list[in
 
 
 def unresolved_draws(catalog: CatalogScores, num_candidates: int, *, ordered: bool) -> Tensor:
-    """Where a draw of ``num_candidates`` must tell apart scores beyond :func:`~capg_rec.catalog.resolution` below
-    their expert's best (a soft mask such as -1e9; only a :class:`DenseCatalog`'s scores reach such gaps) → bool
-    ``[B, R]`` per expert block: it takes some of those items and must choose among more of them, or, when the draw's
-    ``ordered`` (sampling, the ordered-draw probability), takes more than one of them (in an order they decide).
-    Taking all of them (every unmasked item) needs no choice: inclusion probabilities of 1, like K = N."""
+    """Where a draw of ``num_candidates`` from a :class:`DenseCatalog` must tell apart scores beyond
+    :func:`~capg_rec.catalog.resolution` below their expert's best (a soft mask such as -1e9) → bool ``[B, R]`` per
+    expert block: it takes some of those items and must choose among more of them, or, when the draw's ``ordered``
+    (sampling, the ordered-draw probability), takes more than one of them (in an order they decide). Taking all of
+    them (every unmasked item) needs no choice: inclusion probabilities of 1, like K = N. As with masked items, each
+    block must find enough resolved items whatever the earlier blocks took. The other placements are not checked
+    (all False): their scores are dot products, which reach such gaps only through a bias or a tiny temperature."""
     if not isinstance(catalog, DenseCatalog) or catalog._within_resolution():
         runs = expert_runs(num_candidates, catalog.num_experts)
         return torch.zeros(catalog.batch_size, len(runs), dtype=torch.bool, device=catalog.device)

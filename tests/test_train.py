@@ -768,3 +768,13 @@ def test_csv_files_write_every_undefined_value_as_an_empty_cell(tmp_path):
 
     write_csv(tmp_path / "m.csv", [{"step": 0, "low": math.nan, "ope": None, "value": 1.5}])
     assert (tmp_path / "m.csv").read_text().splitlines() == ["step,low,ope,value", "0,,,1.5"]
+
+
+def test_a_tiny_temperature_trains_as_before():
+    """A review of the resolution checks: at τ = 1e-4 the fresh model's scaled logits spread over 3e5, and the first
+    version of the trainer's check (a resolution of 32,768) called that an overflow and stopped at step 1. The
+    resolution is 524,288 in float32 now: the run trains, with no overflow."""
+    env = synthetic_env(0, num_users=60, num_items=50)
+    result = Trainer(env, TrainConfig(num_candidates=5, steps=20, batch_size=16, eval_every=10, temperature=1e-4,
+                                      lr=0.5)).run(progress=False)
+    assert result.overflow_count == 0 and result.stopped_at is None
