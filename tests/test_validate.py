@@ -8,7 +8,9 @@ import importlib.util
 import json
 import math
 import re
+import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -588,3 +590,23 @@ def test_report_json_is_strict_at_every_depth(tmp_path):
     assert not report.passed and any(not math.isfinite(w.z) for w in report.worst)
     strict = json.dumps(report.to_dict(), allow_nan=False)  # raises on a NaN or an infinity at any depth
     assert "Infinity" not in strict and json.loads(strict)["worst"]
+
+
+def test_ordered_draws_are_counted_in_memory_that_follows_the_draws_not_n_to_the_k(tmp_path):
+    """Found by review: the ordered-draw counts of a tiny catalog took B·N^K float64 cells, twice (6.6 GB at B = 1000,
+    N = K = 7: 5,040 draws are enumerated, 823,543 codes counted). They take B·(S + 1) now: in a fresh process, a
+    validation at B = 300, N = K = 7 (2 GB before) raises the peak memory by less than 400 MB."""
+    script = tmp_path / "peak.py"
+    script.write_text(
+        "import resource, torch\n"
+        "from capg_rec.validate import CatalogESR, validate_esr\n"
+        "esr = CatalogESR(torch.randn(300, 7, generator=torch.Generator().manual_seed(0)), 7, method='enumerate')\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "report = validate_esr(esr, num_samples=64, alpha=1e-3)\n"
+        "grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before\n"
+        "assert any(c.name == 'ordered_draws' for c in report.checks), report\n"
+        "print(grown // 1024)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout.split()[-1]) < 400, done.stdout
