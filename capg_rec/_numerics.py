@@ -549,7 +549,7 @@ def gumbel_top_k(scores: Tensor, k: int, *, generator: torch.Generator | None,
     peak = members.amax(dim=-2, keepdim=True).clamp_(min=finfo.min)
     best = peak.amax(dim=-1, keepdim=True)  # [..., 1, 1]: the row's best; the keys are relative to it
     group_max = (members - peak).clamp_(min=exp_floor(scores.dtype)).exp_().sum(dim=-2).log_().add_(
-        (peak - best).squeeze(-2))
+        (peak - best).clamp_(min=finfo.min).squeeze(-2))  # an empty group stays finite below a best beyond 1e31
     top, group = group_max.add_(noise[..., :groups]).topk(picked, dim=-1, sorted=False)  # [..., k']
     perturbed = members.gather(-1, group.unsqueeze(-2).expand(*lead, size, picked)).sub_(best)  # [..., g, k']
     perturbed += noise[..., groups:].view(*lead, size, picked)

@@ -374,3 +374,24 @@ def test_the_sampler_adds_its_noise_to_scores_relative_to_the_best(base):
     picks = np.bincount(drawn[:, 2].numpy(), minlength=6)  # expert 1's first pick, among the 4 items left
     taken = np.bincount(drawn[:, :2].flatten().numpy(), minlength=6) / num_samples  # each item's share taken by then
     assert_counts_match(picks, (1 - taken) / 4, num_samples, method_tolerance=0.01)
+
+
+def test_the_resolution_rule_refuses_only_draws_among_items_it_rounds_alike():
+    """A second review of the resolution checks: items far below the best but far apart from one another (scores
+    1e5 apart, at a temperature of 1e-5) are drawn and scored right (each draw certain), and were refused; a
+    mixture's K = N inclusion probabilities (all 1) were refused; and the sampler drew masked items where the best
+    score exceeded ~1e31 and its groups held fewer than k items (an empty group's key overflowed to -inf, then NaN)."""
+    apart = -torch.arange(20.0).expand(3, -1)
+    assert sample_candidates(apart, 10, temperature=1e-5).tolist() == [list(range(10))] * 3
+    assert (candidate_log_prob(apart, torch.arange(10).expand(3, -1), temperature=1e-5) == 0).all()
+    assert (inclusion_log_prob(apart, torch.tensor([[0, 9]] * 3), 10, temperature=1e-5) == 0).all()
+    mixture = torch.tensor([[[0.0, -1e9, -1e9, -1e9], [0.0, 1.0, 2.0, 3.0]]])
+    assert (inclusion_log_prob(mixture, torch.tensor([[0, 3]]), 4) == 0).all()
+    with pytest.raises(ValueError, match="must draw"):
+        sample_candidates(mixture, 4)  # the order of expert 0's three alike items is not resolved
+    for dtype, base in ((torch.float32, 1.1e31), (torch.float64, 1e300)):
+        row = torch.full((1, 200), -math.inf, dtype=dtype)
+        row[0, [0, 25, 50]] = base
+        for seed in range(20):
+            drawn = sample_candidates(row, 3, generator=torch.Generator().manual_seed(seed))
+            assert sorted(drawn[0].tolist()) == [0, 25, 50], (dtype, drawn)

@@ -118,7 +118,7 @@ def test_an_update_that_overflows_the_parameters_ends_cleanly(env, tmp_path, on_
     logits) with no result.json; non-finite logits now give NaN (null in the files)."""
     trainer = Trainer(env, _config(optimizer="sgd", lr=1e6, steps=20, eval_every=5, on_overflow=on_overflow))
     result = trainer.run(out_dir=tmp_path, progress=False)
-    assert result.overflow_count >= 1 and result.overflow_steps[0] == 2
+    assert result.overflow_count >= 1
     assert (result.stopped_at is not None) == (on_overflow == "stop")
     saved = json.loads((tmp_path / "result.json").read_text())["history"][-1]["policy_value"]
     assert saved == result.history[-1]["policy_value"]
@@ -770,11 +770,13 @@ def test_csv_files_write_every_undefined_value_as_an_empty_cell(tmp_path):
     assert (tmp_path / "m.csv").read_text().splitlines() == ["step,low,ope,value", "0,,,1.5"]
 
 
-def test_a_tiny_temperature_trains_as_before():
-    """A review of the resolution checks: at τ = 1e-4 the fresh model's scaled logits spread over 3e5, and the first
-    version of the trainer's check (a resolution of 32,768) called that an overflow and stopped at step 1. The
-    resolution is 524,288 in float32 now: the run trains, with no overflow."""
+@pytest.mark.parametrize("temperature", [1e-4, 2e-5])
+def test_a_tiny_temperature_trains_as_before(temperature):
+    """Reviews of the resolution checks: at τ = 1e-4 the fresh model's scaled logits spread over 3e5, and the first
+    version of the trainer's check (a resolution of 32,768) called that an overflow and stopped at step 1; at
+    τ = 2e-5 the second (every item beyond 524,288 unresolved) stopped at step 12. Only draws among items the dtype
+    rounds alike count now: the runs train, with no overflow."""
     env = synthetic_env(0, num_users=60, num_items=50)
-    result = Trainer(env, TrainConfig(num_candidates=5, steps=20, batch_size=16, eval_every=10, temperature=1e-4,
-                                      lr=0.5)).run(progress=False)
+    result = Trainer(env, TrainConfig(num_candidates=5, steps=20, batch_size=16, eval_every=10,
+                                      temperature=temperature, lr=0.5)).run(progress=False)
     assert result.overflow_count == 0 and result.stopped_at is None
