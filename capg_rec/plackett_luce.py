@@ -96,35 +96,24 @@ def unmasked_needs(catalog: CatalogScores, num_candidates: int) -> tuple[list[in
 
 
 def unresolved_draws(catalog: CatalogScores, num_candidates: int, *, ordered: bool) -> Tensor:
-    """Where a draw of ``num_candidates`` from a :class:`DenseCatalog` must tell apart scores that its dtype rounds
-    alike → bool ``[B, R]`` per expert block. Items more than :func:`~capg_rec.catalog.resolution` below their
-    expert's best are rounded by more than 0.03 relative to it (``g·eps/2`` at a gap ``g``): the block is unresolved
-    where it takes some of them and its last one is not clearly above the next one, or, when the draw's ``ordered``
-    (sampling, the ordered-draw probability), where two it takes are not clearly apart: "clearly", 40 nats beyond
-    their rounding (``e^-40``: a negligible chance of the other outcome). Soft masks (-1e9 or ``finfo.min`` in
-    float32, all alike) are unresolved; items as far but far apart (at a temperature of 1e-5, say) are not. A block
-    that takes every unmasked item needs no choice; as with masked items, each block is taken to find its items
-    whatever the earlier blocks took. The other placements are not checked (all False): their scores are dot
-    products, which reach such gaps only through a bias dimension or a tiny temperature."""
+    """Where a draw of ``num_candidates`` from a :class:`DenseCatalog` must take items more than
+    :func:`~capg_rec.catalog.resolution` below their expert's best → bool ``[B, R]`` per expert block. Relative to the
+    best (where every sampler and method works) such scores are rounded by more than 0.03 (``g·eps/2`` at a gap
+    ``g``), and nearly equal ones alike (a soft mask such as -1e9 or ``finfo.min`` in float32): a block that takes
+    some of them and must choose among more of them, or, when the draw's ``ordered`` (sampling, the ordered-draw
+    probability), takes more than one of them, is unresolved. Taking all of them (every unmasked item) needs no
+    choice, nor does an inclusion probability with K = N (each is 1). Even far apart from one another such items are
+    refused: the methods' own sums (mean-field's root, the enumeration's orders) lose them. As with masked items, each
+    block must find enough resolved items whatever the earlier blocks took. The other placements are not checked (all
+    False): their scores are dot products, which reach such gaps only through a bias dimension or a tiny
+    temperature."""
     runs = expert_runs(num_candidates, catalog.num_experts)
     every = not ordered and num_candidates >= catalog.num_items  # each item drawn: π = 1, whatever the blocks take
     if every or not isinstance(catalog, DenseCatalog) or catalog._within_resolution():
         return torch.zeros(catalog.batch_size, len(runs), dtype=torch.bool, device=catalog.device)
     experts, needed, available = unmasked_needs(catalog, num_candidates)
-    scores = catalog.scores.detach()[:, experts].sort(dim=2, descending=True).values  # [B, R, N]
-    top = scores[..., :1]
-    below = top - scores  # how far below the best: the rounding of each score relative to it is below·eps/2
-    resolved = (below <= resolution(catalog.dtype)).sum(2)  # [B, R]
-    apart = scores[..., :-1] - scores[..., 1:] >= 40.0 + below[..., 1:] * torch.finfo(catalog.dtype).eps
-    apart = torch.nn.functional.pad(apart | (scores[..., 1:] == -math.inf), (0, 1), value=True)  # [B, R, N]: j, j+1
-    last = (torch.minimum(needed, available) - 1).clamp(min=0)  # the last item taken, sorted
-    taken = last + 1 - resolved  # items beyond resolution the block takes
-    choice = (needed < available) & ~apart.gather(2, last.unsqueeze(2)).squeeze(2)
-    if ordered:  # two items taken beyond resolution not clearly apart: j in [resolved, last)
-        position = torch.arange(scores.shape[2], device=scores.device)
-        inside = (position >= resolved.unsqueeze(2)) & (position < last.unsqueeze(2))
-        choice = choice | (inside & ~apart).any(2)
-    return (taken > 0) & choice
+    taken = torch.minimum(needed, available) - catalog._num_resolved()[:, experts]  # items beyond resolution drawn
+    return (taken > 0) & ((needed < available) | (taken > 1 if ordered else False))
 
 
 def _drawing_scores(catalog: CatalogScores, candidates: Tensor) -> Tensor:
@@ -167,8 +156,8 @@ def check_enough_items(catalog: CatalogScores, num_candidates: int, failed: Exce
 def _unresolved_message(catalog: CatalogScores, num_candidates: int, where: str) -> str:
     """The message of a draw among scores beyond resolution (:func:`unresolved_draws`), ``where`` it is."""
     return (f"num_candidates={num_candidates} must draw {where} among items more than "
-            f"{resolution(catalog.dtype):.4g} below their expert's best score whose scores are not clearly apart: "
-            f"{catalog.dtype} rounds them alike there (a soft mask such as -1e9? mask such items with -inf, then a "
+            f"{resolution(catalog.dtype):.4g} below their expert's best score, which {catalog.dtype} rounds there "
+            "by more than 0.03, nearly equal ones alike (a soft mask such as -1e9? mask such items with -inf, then a "
             "row needs K unmasked items)")
 
 

@@ -376,15 +376,25 @@ def test_the_sampler_adds_its_noise_to_scores_relative_to_the_best(base):
     assert_counts_match(picks, (1 - taken) / 4, num_samples, method_tolerance=0.01)
 
 
-def test_the_resolution_rule_refuses_only_draws_among_items_it_rounds_alike():
-    """A second review of the resolution checks: items far below the best but far apart from one another (scores
-    1e5 apart, at a temperature of 1e-5) are drawn and scored right (each draw certain), and were refused; a
-    mixture's K = N inclusion probabilities (all 1) were refused; and the sampler drew masked items where the best
-    score exceeded ~1e31 and its groups held fewer than k items (an empty group's key overflowed to -inf, then NaN)."""
-    apart = -torch.arange(20.0).expand(3, -1)
-    assert sample_candidates(apart, 10, temperature=1e-5).tolist() == [list(range(10))] * 3
-    assert (candidate_log_prob(apart, torch.arange(10).expand(3, -1), temperature=1e-5) == 0).all()
-    assert (inclusion_log_prob(apart, torch.tensor([[0, 9]] * 3), 10, temperature=1e-5) == 0).all()
+def test_draws_beyond_resolution_are_refused_even_far_apart_and_k_n_and_huge_bests_are_right():
+    """Reviews of the resolution checks: a rule that took far items lying 40 nats apart (beyond their rounding)
+    answered wrong (mean-field 0.934 and 0 for two certain items at -1e7 in float32; "enumerate" π = 2 for two equal
+    items both taken at -1e20; the plug-in 1 and 0.368 for a mixture's 0.731 and 0.269): any draw that takes such
+    items and must choose or order them is refused. A mixture's K = N inclusion probabilities (all 1) are taken, and
+    the sampler no longer draws masked items where the best score exceeds ~1e31 and its groups hold fewer than k."""
+    beyond = r"must draw .*among items more than 5.243e\+05 below their expert's best score"
+    apart = torch.tensor([[0.0, -1e7, -1e7 - 60, -1e7 - 120, -1e7 - 180]])
+    for method in ("mean_field", "plugin", "enumerate", "exact"):
+        with pytest.raises(ValueError, match=beyond):
+            inclusion_log_prob(apart, torch.tensor([[2, 3]]), 4, method=method)
+    with pytest.raises(ValueError, match=beyond):
+        inclusion_log_prob(torch.tensor([[0.0, -1e20, -1e20, -1e20 - 1e14, -1e20 - 2e14]]), torch.tensor([[1, 2]]), 3,
+                           method="enumerate")
+    mixed = torch.tensor([[[10.0, -50, -50, 10, -50], [0, -1e7, -1e7 - 1, -1e7 - 1000, -1e7 - 2000]]])
+    with pytest.raises(ValueError, match=beyond):
+        inclusion_log_prob(mixed, torch.tensor([[1, 2]]), 3, method="plugin")
+    with pytest.raises(ValueError, match=beyond):
+        sample_candidates(-torch.arange(20.0).expand(3, -1), 10, temperature=1e-5)  # far apart, but far
     mixture = torch.tensor([[[0.0, -1e9, -1e9, -1e9], [0.0, 1.0, 2.0, 3.0]]])
     assert (inclusion_log_prob(mixture, torch.tensor([[0, 3]]), 4) == 0).all()
     with pytest.raises(ValueError, match="must draw"):
