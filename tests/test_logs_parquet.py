@@ -444,7 +444,8 @@ def test_file_level_gaps_in_the_schema_are_named(tmp_path):
     naming no file)."""
     cols = _table()
     _write_raw(tmp_path / "pv.parquet", _set(_table(), "policy_version", 4, None))
-    with pytest.raises(ValueError, match="pv.parquet, row group 1: column 'policy_version' is missing"):
+    with pytest.raises(ValueError, match=r"pv.parquet, row group 1, row \d+ \(file row 4\): column 'policy_version' "
+                                         r"is missing"):
         LoggedImpressions(tmp_path / "pv.parquet", 2)
     with pytest.raises(ValueError, match="column 'policy_version' is missing"):  # nulls raise either way (found by
         LoggedImpressions(tmp_path / "pv.parquet", 2, validate_args=False)   # review: read without the checks)

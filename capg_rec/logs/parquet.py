@@ -388,19 +388,21 @@ def _codec_available(name: str) -> bool:
         return False
 
 
-def _first_group_with_nulls(pf: pq.ParquetFile, name: str) -> int | None:
-    """The first row group whose top-level, non-nested column ``name`` holds a null, or None: from the footer's
-    statistics (of its leaf column: nested columns count one leaf per field), else read."""
+def _first_null(pf: pq.ParquetFile, name: str) -> tuple[int, int, int] | None:
+    """``(row group, row in it, row in the file)`` of the first null of the top-level, non-nested column ``name``, or
+    None: the row groups that hold one from the footer's statistics (of its leaf column: nested columns count one leaf
+    per field), else read; the row read from that row group."""
     leaves = pf.metadata.schema
     leaf = next(i for i in range(len(leaves)) if leaves.column(i).path == name)
+    first = 0
     for group in range(pf.num_row_groups):
         stats = pf.metadata.row_group(group).column(leaf).statistics
-        if stats is not None and stats.has_null_count:
-            nulls = stats.null_count > 0
-        else:
-            nulls = pf.read_row_group(group, columns=[name]).column(0).null_count > 0
-        if nulls:
-            return group
+        if stats is None or not stats.has_null_count or stats.null_count > 0:
+            column = pf.read_row_group(group, columns=[name]).column(0)
+            if column.null_count > 0:
+                row = int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])
+                return group, row, first + row
+        first += pf.metadata.row_group(group).num_rows
     return None
 
 
@@ -579,9 +581,11 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
                         if getattr(here, name) != getattr(meta, name):
                             raise ValueError(f"log file {path}: {name} = {getattr(here, name)} differs from "
                                              f"{self.files[0]}'s {getattr(meta, name)}")
-                bad = _first_group_with_nulls(pf, "policy_version")  # checked always, as every null
+                bad = _first_null(pf, "policy_version")  # checked always, as every null
                 if bad is not None:
-                    raise ValueError(f"log file {path}, row group {bad}: column 'policy_version' is missing (null)")
+                    group, row, file_row = bad
+                    raise ValueError(f"log file {path}, row group {group}, row {row} (file row {file_row}): column "
+                                     "'policy_version' is missing (null)")
                 first = 0
                 for g in range(pf.num_row_groups):
                     rows = pf.metadata.row_group(g).num_rows
