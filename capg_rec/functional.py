@@ -37,10 +37,10 @@ from torch import Tensor
 
 from capg_rec._checks import DeferredChecks, check_choice, check_count, check_flag, check_id_tensor, \
     check_positive, resolve_validate_args
-from capg_rec.catalog import CatalogScores, DenseCatalog, agreement, as_catalog, check_scaled, narrowest, resolution
+from capg_rec.catalog import CatalogScores, DenseCatalog, agreement, as_catalog, check_scaled, narrowest
 from capg_rec.marginals import DEFAULT_METHOD, LOG_PROB_TOLERANCE, InclusionMethod, WithReplacement, \
     _inclusion_log_prob, _known_lookups, inclusion_method
-from capg_rec.plackett_luce import _candidate_log_prob, _drawing_scores, _unresolved_message, unmasked_needs, \
+from capg_rec.plackett_luce import _candidate_log_prob, _expert_index, _unresolved_message, unmasked_needs, \
     unresolved_draws
 
 __all__ = ["vpg_loss", "capg_loss", "offpolicy_capg_loss", "offpolicy_vpg_loss", "topk_reinforce_loss",
@@ -406,8 +406,7 @@ def _check_logits(checks: DeferredChecks, catalog: DenseCatalog) -> tuple[bool, 
         return masked, masked
     low, high = float(host.min()), float(host.max())  # NaN propagates
     checks.require(high < math.inf, "logits must be finite or -inf (masked) (no NaN or +inf)")  # NaN fails too
-    far = not high - low <= resolution(catalog.dtype) and not catalog._within_resolution(low, high)
-    return low == -math.inf, far
+    return low == -math.inf, not catalog._within_resolution(low, high)
 
 
 def _placeholder_ids(ids: object, batch: int, device: torch.device, width: int | None = None) -> Tensor:
@@ -416,6 +415,18 @@ def _placeholder_ids(ids: object, batch: int, device: torch.device, width: int |
     if width is None:
         width = ids.shape[1] if isinstance(ids, Tensor) and ids.dim() == 2 else 1
     return torch.zeros(batch, width, dtype=torch.long, device=device)
+
+
+def _drawing_scores(catalog: CatalogScores, candidates: Tensor) -> Tensor:
+    """``s_{m(k)}(a_k)``: each candidate's score under the expert that drew it → ``[B, K]`` (one
+    ``[B, K]`` gather on a dense catalog rather than ``[B, M, K]``)."""
+    if isinstance(catalog, DenseCatalog) and catalog.num_experts == 1:
+        return catalog.scores[:, 0].gather(1, candidates)
+    experts = _expert_index(candidates.shape[1], catalog.num_experts, candidates.device)
+    if isinstance(catalog, DenseCatalog) and catalog.scores.is_contiguous():
+        return catalog.scores.flatten(1).gather(1, experts * catalog.num_items + candidates)
+    index = experts.view(1, 1, -1).expand(candidates.shape[0], 1, -1)
+    return catalog.gather(candidates).gather(1, index)[:, 0]
 
 
 def _float(name: str, x: object, shapes: tuple[tuple[int, ...], ...]) -> Tensor:

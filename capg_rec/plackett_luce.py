@@ -95,7 +95,8 @@ def unmasked_needs(catalog: CatalogScores, num_candidates: int) -> tuple[list[in
     return experts, needed, catalog.num_available()[:, experts]
 
 
-def unresolved_draws(catalog: CatalogScores, num_candidates: int, *, ordered: bool) -> Tensor:
+def unresolved_draws(catalog: CatalogScores, num_candidates: int, *, ordered: bool,
+                     needs: tuple[list[int], Tensor, Tensor] | None = None) -> Tensor:
     """Where a draw of ``num_candidates`` from a :class:`DenseCatalog` must take items more than
     :func:`~capg_rec.catalog.resolution` below their expert's best → bool ``[B, R]`` per expert block. Relative to the
     best (where every sampler and method works) such scores are rounded by more than 0.03 (``g·eps/2`` at a gap
@@ -106,26 +107,14 @@ def unresolved_draws(catalog: CatalogScores, num_candidates: int, *, ordered: bo
     refused: the methods' own sums (mean-field's root, the enumeration's orders) lose them. As with masked items, each
     block must find enough resolved items whatever the earlier blocks took. The other placements are not checked (all
     False): their scores are dot products, which reach such gaps only through a bias dimension or a tiny
-    temperature."""
+    temperature. ``needs``: :func:`unmasked_needs`' answer, where the caller has it."""
     runs = expert_runs(num_candidates, catalog.num_experts)
     every = not ordered and num_candidates >= catalog.num_items  # each item drawn: π = 1, whatever the blocks take
     if every or not isinstance(catalog, DenseCatalog) or catalog._within_resolution():
         return torch.zeros(catalog.batch_size, len(runs), dtype=torch.bool, device=catalog.device)
-    experts, needed, available = unmasked_needs(catalog, num_candidates)
+    experts, needed, available = needs if needs is not None else unmasked_needs(catalog, num_candidates)
     taken = torch.minimum(needed, available) - catalog._num_resolved()[:, experts]  # items beyond resolution drawn
     return (taken > 0) & ((needed < available) | (taken > 1 if ordered else False))
-
-
-def _drawing_scores(catalog: CatalogScores, candidates: Tensor) -> Tensor:
-    """``s_{m(k)}(a_k)``: each candidate's score under the expert that drew it → ``[B, K]`` (one
-    ``[B, K]`` gather on a dense catalog rather than ``[B, M, K]``)."""
-    if isinstance(catalog, DenseCatalog) and catalog.num_experts == 1:
-        return catalog.scores[:, 0].gather(1, candidates)
-    experts = _expert_index(candidates.shape[1], catalog.num_experts, candidates.device)
-    if isinstance(catalog, DenseCatalog) and catalog.scores.is_contiguous():
-        return catalog.scores.flatten(1).gather(1, experts * catalog.num_items + candidates)
-    index = experts.view(1, 1, -1).expand(candidates.shape[0], 1, -1)
-    return catalog.gather(candidates).gather(1, index)[:, 0]
 
 
 def check_enough_items(catalog: CatalogScores, num_candidates: int, failed: Exception | None = None, *,
@@ -136,10 +125,10 @@ def check_enough_items(catalog: CatalogScores, num_candidates: int, failed: Exce
     draw, ordered by score alone) need not tell apart scores beyond resolution (:func:`unresolved_draws`).
     ``failed``: this process's arguments were bad (:func:`_checked`): the agreement fails everywhere, and this
     process raises it."""
-    experts, needed, available = unmasked_needs(catalog, num_candidates)
+    experts, needed, available = needs = unmasked_needs(catalog, num_candidates)
     short = available < needed
     if ordered is not None:
-        short = torch.stack([short, unresolved_draws(catalog, num_candidates, ordered=ordered)])  # [2, B, R]
+        short = torch.stack([short, unresolved_draws(catalog, num_candidates, ordered=ordered, needs=needs)])
 
     def message(at: tuple[int, ...]) -> str:
         what, row, block = at if len(at) == 3 else (0, *at)

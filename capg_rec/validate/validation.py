@@ -188,7 +188,7 @@ def validate_esr(esr: ESR, contexts: Any = None, *, num_samples: int = 20_000, a
                         family_p, level))
 
     if enumerate_sets:
-        checks.extend(_check_sets(esr, contexts, claimed, seq_counts.view(batch, -1), k, with_replacement,
+        checks.extend(_check_sets(esr, contexts, claimed, seq_counts.view(batch, -1), seqs,
                                   sum_tolerance + tolerance, level, claims_log.device))
 
     order = np.lexsort((-np.abs(z).ravel(), p_item.ravel()))[:num_worst]
@@ -215,13 +215,12 @@ def validate_esr(esr: ESR, contexts: Any = None, *, num_samples: int = 20_000, a
         critical_z=float(_stats.scipy_stats().norm.isf(level / (2 * family))))
 
 
-def _check_sets(esr: ESR, contexts: Any, claimed: np.ndarray, seq_counts: Tensor, k: int,
-                with_replacement: bool, tol: float, level: float, device: torch.device) -> list[Check]:
+def _check_sets(esr: ESR, contexts: Any, claimed: np.ndarray, seq_counts: Tensor, seqs: Tensor, tol: float,
+                level: float, device: torch.device) -> list[Check]:
     """Ordered-draw checks on a tiny catalog: claimed draw probabilities vs enumeration and vs
-    the observed draws. ``seq_counts [B, S + 1]`` counts draws by their index among the S enumerated ones (the
-    last column: any other draw)."""
+    the observed draws. ``seqs [S, K]`` are every ordered draw, and ``seq_counts [B, S + 1]`` counts the draws by
+    their index among them (the last column: any other draw)."""
     batch, num_items = claimed.shape
-    seqs = _all_sequences(num_items, k, with_replacement)  # [S, K]
     with torch.no_grad():
         set_log = esr.candidate_log_prob(contexts, seqs.expand(batch, -1, -1).to(device))
     set_log = _check_claims("esr.candidate_log_prob", set_log, (batch, seqs.shape[0]))
