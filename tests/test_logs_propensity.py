@@ -283,3 +283,19 @@ def test_logged_ids_are_refused_naming_the_argument():
     for cand, shown, message in cases:
         with pytest.raises(ValueError, match=message):
             log_propensities(logits, cand, shown)
+
+
+@pytest.mark.parametrize("epsilon", [0.0, 0.25])
+def test_the_logging_call_refuses_draws_among_scores_beyond_resolution(epsilon):
+    """The serving-time calls take the resolution checks of the draw they describe (a review of them found soft
+    masks answered wrong everywhere): a soft-masked row whose draw must choose among its -1e9 items is a ValueError
+    for explore_candidates and log_propensities alike; the same row with K = 2 is logged as before."""
+    soft = torch.tensor([[0.0, 0.5, -1e9, -1e9, -1e9]])
+    beyond = r"must draw .*among items more than 5.243e\+05 below their expert's best score"
+    with pytest.raises(ValueError, match=beyond):
+        explore_candidates(soft, 3, epsilon=epsilon, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=beyond):
+        log_propensities(soft, torch.tensor([[1, 0, 2]]), torch.tensor([[2]]), epsilon=epsilon)
+    drawn = explore_candidates(soft, 2, epsilon=epsilon, generator=torch.Generator().manual_seed(0))
+    logged = log_propensities(soft, drawn, drawn[:, :1], epsilon=epsilon)
+    assert torch.isfinite(logged.log_inclusion).all()
