@@ -35,7 +35,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from capg_rec._head_tail import WHOLE_UP_TO, summarize
+from capg_rec._head_tail import WHOLE_UP_TO, read_whole, summarize
 from capg_rec._numerics import Runs, bound_once, exp_, expm1_, safe_logsumexp
 from capg_rec.catalog import CatalogScores, DenseCatalog, every_score
 
@@ -75,6 +75,8 @@ def mean_field_log_inclusion(catalog: CatalogScores, items: Tensor, runs: Runs, 
         return catalog.gather(items)[:, 0] * 0.0
     if len(runs) == 1 and runs[0][1] == 1:  # one draw: its inclusion probability is the softmax itself, exactly
         (expert, _), = runs                  # (Rosén's equation would give 1 - exp(-e^{s - κ}), off by up to 10%)
+        if read_whole(catalog):  # a small catalog that estimates its sums: read whole, as for any K
+            catalog = DenseCatalog(every_score(catalog), validate_args=False)
         return catalog.log_softmax(items)[:, expert]
     head = _head_size(catalog.num_items, runs)
     if catalog._best_items(head) < head < catalog.num_items:  # a head read through top_items, not the whole catalog
