@@ -111,6 +111,47 @@ def test_two_ranks_two_workers_partition_the_files(tmp_path):
     assert set(range(1000, 1007)) == {int(r) for b in batches for r in b.request_id}
 
 
+def _same_batches(got, want):
+    for a, b in zip(got, want, strict=True):
+        assert type(a) is LoggedBatch
+        for x, y in zip(a, b, strict=True):
+            assert (x is None) == (y is None)
+            if x is not None:
+                assert x.dtype == y.dtype and torch.equal(x, y)
+
+
+def test_batches_pickle_in_band_as_numpy_arrays():
+    """A host batch pickles as numpy arrays (a DataLoader worker then hands it over through its pipe, not one
+    shared-memory block per batch), values, dtypes, shapes and absent fields kept, as ForkingPickler does too;
+    a batch numpy cannot read (bfloat16, a tensor needing grad) pickles as tensors do."""
+    import pickle
+
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  (registers its tensor reducers with ForkingPickler)
+
+    batch = _batch(4, 0)._replace(features=torch.randn(3, 4).t(), request_id=None)  # a strided view, a None
+    for dump in (pickle.dumps, lambda b: bytes(ForkingPickler.dumps(b))):
+        data = dump(batch)
+        assert b"_from_arrays" in data
+        back = pickle.loads(data)
+        _same_batches([back], [batch])
+        assert back.candidates.numpy().flags.writeable
+    for rewards in (batch.rewards.bfloat16(), batch.rewards.clone().requires_grad_()):
+        odd = batch._replace(rewards=rewards)
+        data = pickle.dumps(odd)
+        assert b"_from_arrays" not in data
+        back = pickle.loads(data)
+        assert back.rewards.dtype == odd.rewards.dtype and torch.equal(back.rewards.detach(), odd.rewards.detach())
+
+
+def test_a_worker_hands_over_the_batches_read_in_process(tmp_path):
+    """Through a DataLoader worker (in-band pickling) the batches are those read in process, field for field."""
+    _write(tmp_path / "a.parquet", [5, 6, 7])
+    data = LoggedImpressions(tmp_path, 4)
+    _same_batches(list(torch.utils.data.DataLoader(data, batch_size=None, num_workers=1)), list(data))
+
+
 def test_workers_started_by_spawn_read_their_rank_s_share(tmp_path, monkeypatch):
     """Rank and world size from torch.distributed reach DataLoader workers that a spawn start made (they have no
     process group to ask): such a worker read every rank's rows before."""

@@ -733,16 +733,10 @@ def _split(pending: list[dict[str, np.ndarray]], size: int
 
 def _batch(cols: dict[str, np.ndarray]) -> LoggedBatch:
     """The columns copied (and cast to the schema's dtypes) into ONE byte buffer, each a contiguous typed view
-    of it: a DataLoader worker then hands the whole batch over through one shared-memory block instead of one
-    per column (~2x the rows/s), and a batch never keeps the larger decoded chunk it was cut from alive. In a
-    worker the buffer is made in shared memory, as the DataLoader's own collate makes its batches (not copied
-    there when it is sent)."""
+    of it: a batch never keeps the larger decoded chunk it was cut from alive. (A DataLoader worker hands it
+    over in-band, see :meth:`~capg_rec.logs.LoggedBatch.__reduce__`.)"""
     sizes = {name: -(-x.size * _ITEMSIZE[name] // 8) * 8 for name, x in cols.items()}  # 8-byte aligned
-    nbytes = sum(sizes.values())
-    if torch.utils.data.get_worker_info() is not None:
-        buffer = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(nbytes))
-    else:
-        buffer = torch.empty(nbytes, dtype=torch.uint8)
+    buffer = torch.empty(sum(sizes.values()), dtype=torch.uint8)
     out, offset = {}, 0
     for name, x in cols.items():
         view = buffer[offset:offset + x.size * _ITEMSIZE[name]].view(_DTYPES[name]).view(x.shape)
