@@ -589,6 +589,11 @@ def test_the_layouts_data_pipelines_write_are_read(tmp_path):
     float32 = {"log_inclusion", "log_expected_count", "log_candidate_prob"}  # stored as float32 in that file
     want = want._replace(**{name: getattr(want, name).float().double() for name in float32})
     _assert_same(got, want)
+    # a dictionary-encoded version, as pandas writes a categorical (refused before; found by review)
+    _rewrite(tmp_path / "ours.parquet", tmp_path / "categorical.parquet",
+             lambda name, t: pa.dictionary(pa.int8(), pa.string()) if name == "policy_version" else t)
+    assert pa.types.is_dictionary(pq.read_schema(tmp_path / "categorical.parquet").field("policy_version").type)
+    _assert_same(_cat(list(LoggedImpressions(tmp_path / "categorical.parquet", 5))), _as_written(_cat(batches)))
     for bad, what in ((pa.uint64(), "uint64"), (pa.string(), "string")):
         _rewrite(tmp_path / "ours.parquet", tmp_path / "bad.parquet",
                  lambda name, t: bad if name == "context" else t)

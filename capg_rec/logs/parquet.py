@@ -53,7 +53,8 @@ def _readable_as(got: pa.DataType, want: pa.DataType) -> bool:
     """Whether a column of Arrow type ``got`` reads as :data:`LOG_SCHEMA`'s ``want``: lists as any list layout
     (``large_list``, ``fixed_size_list``; elements declared non-nullable or named otherwise, as Spark and Polars
     write them) of readable values; integers as any integer type that int64 holds; floats as any float type
-    (rewards and features are read as float32, the schema's type); strings as either string type."""
+    (rewards and features are read as float32, the schema's type); strings as either string type, dictionary-encoded
+    or not (as pandas writes a categorical)."""
     if pa.types.is_list(want):
         layouts = (pa.types.is_list, pa.types.is_large_list, pa.types.is_fixed_size_list)
         return any(layout(got) for layout in layouts) and _readable_as(got.value_type, want.value_type)
@@ -62,6 +63,8 @@ def _readable_as(got: pa.DataType, want: pa.DataType) -> bool:
     if pa.types.is_floating(want):
         return pa.types.is_floating(got)
     if pa.types.is_string(want):
+        if pa.types.is_dictionary(got):
+            got = got.value_type
         return pa.types.is_string(got) or pa.types.is_large_string(got)
     return got == want
 
