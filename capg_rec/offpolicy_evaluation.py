@@ -5,7 +5,7 @@ the ESR to evaluate gives ``log π_θ(a_l ∈ A^K | x)`` of the same items. With
 ``w_l = π_θ(a_l ∈ A^K) / π₀(a_l ∈ A^K)`` and the per-row means ``Y_i = (1/L) Σ_l w_il r_il`` and
 ``W_i = (1/L) Σ_l w_il``:
 
-* ``ips = mean_i Y_i``. Without a cap its expectation is exactly
+* ``ips = mean_i Y_i``. Without a cap (``max_weight``) its expectation is exactly
   ``(1/L) E_x[Σ_a r̄(x, a) ρ₀(x, a) π_θ(a ∈ A^K | x)]`` with ``ρ₀(x, a) = P_{A~π₀}(LSR shows a | a ∈ A)``:
   the value of π_θ (per shown position, as the trainer reports it) *if the later stage showed each
   item at the rate it had under the logging ESR*. When π_θ changes the company an item keeps in
@@ -61,8 +61,12 @@ def off_policy_value(target_log_inclusion: Tensor, logged_log_inclusion: Tensor,
     (``log π_θ(a_l ∈ A^K | x_i)``; ``-inf`` for an item it never retrieves, e.g. a greedy top-K)
     from rows logged with ``logged_log_inclusion [n, L]`` (``log π₀``, finite) and ``rewards [n, L]``.
 
-    ``max_weight`` caps the weights (biased low, lower variance). Needs ``n >= 2`` rows. The intervals are
-    NaN (and a warning says so) where the effective sample size is below ``min_effective_sample_size``.
+    ``max_weight`` caps the weights (biased low, lower variance); without it they are still capped below ``sqrt``
+    of the dtype's largest value (1.3e154 in float64), so that their squares stay finite: a weight that large is
+    beyond any unbiased use anyway, and its effective sample size, near 1, leaves the intervals NaN. Needs ``n >= 2``
+    rows. The intervals are NaN (and a warning says so) where the effective sample size is below
+    ``min_effective_sample_size``; they are normal intervals, of zero width where every row's weighted reward is
+    the same (all rewards 0, say).
     """
     for name, x in (("target_log_inclusion", target_log_inclusion), ("logged_log_inclusion", logged_log_inclusion),
                     ("rewards", rewards)):
