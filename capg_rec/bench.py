@@ -102,8 +102,8 @@ def cost_table(sizes: list[int], configs: list[tuple[int, int]], batch: int, dim
             for name in ESTIMATORS:
                 r = results[name]
                 row = {"N": num_items, "K": k, "M": experts, "estimator": name}
-                if "error" in r:
-                    row["error"] = r["error"]
+                if "error" in r or "error" in bare:  # no ratio without the bare reference
+                    row["error"] = r.get("error", f"bare: {bare.get('error')}")
                 else:
                     row.update(seconds=r["seconds"], time_ratio=r["seconds"] / bare["seconds"],
                                peak_mib=r["peak_mib"], memory_ratio=r["peak_mib"] / max(bare["peak_mib"], 1.0))

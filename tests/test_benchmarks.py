@@ -93,6 +93,25 @@ def test_bench_accuracy_table_covers_every_builtin_method():
     assert all(row["mean_field_vs_exact"] < 0.03 for row in rows)  # the README's documented accuracy
 
 
+def test_bench_cost_table_survives_a_failed_bare_case(monkeypatch):
+    """A bare case that fails (timeout, memory cap) while the others run leaves every row with an error naming it;
+    before, the ratios raised KeyError and the whole bench stopped (found by review)."""
+    import subprocess
+    from types import SimpleNamespace
+
+    from capg_rec import bench
+
+    def run(cmd, **kwargs):
+        if cmd[cmd.index("--case") + 1] == "bare":
+            raise subprocess.TimeoutExpired(cmd, 1.0)
+        return SimpleNamespace(returncode=0, stdout=json.dumps({"seconds": 0.01, "peak_mib": 1.0}), stderr="")
+
+    monkeypatch.setattr(bench.subprocess, "run", run)
+    rows = bench.cost_table([100], [(10, 1)], batch=2, dim=4, reps=1, case_timeout=1.0, memory_limit_gib=1.0)
+    assert [row["estimator"] for row in rows] == list(bench.ESTIMATORS)
+    assert all(row["error"].endswith("not finished within 1 s") for row in rows)
+
+
 def test_old_new_comparison_runs_in_one_process(tmp_path):
     """benchmarks/loss_cost_ab.py against this very checkout (renamed): every cell, both versions, files written."""
     import subprocess

@@ -39,6 +39,20 @@ def test_study_writes_every_learner_and_its_estimates(tmp_path, capsys):
     assert "on-policy CA-PG" in capsys.readouterr().out
 
 
+def test_study_of_two_learners_says_why_it_ranks_none(tmp_path):
+    """With two learners the OPE ranking is not computed, and results.md says so (it printed a table of headers
+    alone; found by review); an unknown learner is an argparse error naming the choices."""
+    out = tmp_path / "two"
+    with pytest.raises(SystemExit) as done:
+        main(["reproduce", "offpolicy", "--ks", "3", "--sizes", "256", "--seeds", "1", "--logging-steps", "2",
+              "--learners", "capg_clip", "supervised", "--out", str(out)])
+    assert done.value.code == 0
+    assert "(not computed: it needs more than two learners run on the same logs)" in (out / "results.md").read_text()
+    with pytest.raises(SystemExit) as done:
+        main(["reproduce", "offpolicy", "--learners", "capg", "--out", str(tmp_path / "bad")])
+    assert done.value.code == 2
+
+
 @pytest.mark.parametrize("learner", [name for name in LEARNERS if name != "capg_onpolicy"])
 def test_each_learner_reads_its_logged_propensity(learner):
     """The study's in-memory logs, read as LoggedBatch rows, give each learner its loss on its own logged column."""

@@ -462,7 +462,11 @@ def test_targets_and_cli(tmp_path, capsys):
     args = parser.parse_args(["train", "--steps", "30", "--out", str(tmp_path / "tr"), "--resume"])
     assert args.func(args) == 0
     assert json.loads((tmp_path / "tr" / "result.json").read_text())["steps_done"] == 30
-    assert "policy value" in capsys.readouterr().out
+    assert "under the optimal LSR after 30 steps (best achievable under the optimal LSR" in capsys.readouterr().out
+    args = parser.parse_args(["train", "--steps", "2", "--eval-every", "2", "-K", "5", "--eval-lsr", "uniform",
+                              "--out", str(tmp_path / "uni")])
+    assert args.func(args) == 0  # the value printed is the eval LSR's, the best the optimal LSR's (found by review)
+    assert "under the uniform LSR after 2 steps (best achievable under the optimal LSR" in capsys.readouterr().out
     # the README's promise: metrics as CSV and a learning curve (only metrics.jsonl and result.json were written)
     rows = (tmp_path / "tr" / "metrics.csv").read_text().splitlines()
     assert rows[0].startswith("step,") and [r.split(",")[0] for r in rows[1:]] == ["0", "10", "20", "30"]

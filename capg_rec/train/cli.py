@@ -14,6 +14,7 @@ from capg_rec.marginals import inclusion_methods
 from capg_rec.sim.lsr import LSR_NAMES
 from capg_rec.train.config import ESTIMATORS, TrainConfig
 from capg_rec.train.logged import LOG_ESTIMATORS, LogTrainConfig
+from capg_rec.train.offpolicy import LEARNERS
 
 if TYPE_CHECKING:
     from capg_rec.train.trainer import Trainer, TrainResult
@@ -110,7 +111,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--env", choices=("synthetic", "movielens"), default=None, help="default synthetic")
     g.add_argument("--sizes", nargs="+", type=int, default=None,
                    help="numbers of logged interactions n (default 10^4 10^5 10^6)")
-    g.add_argument("--learners", nargs="+", default=None, help="default all")
+    g.add_argument("--learners", nargs="+", default=None, choices=tuple(LEARNERS), metavar="LEARNER",
+                   help=f"among {', '.join(LEARNERS)} (default all; the study's names: capg_clip is train --logs' "
+                        "capg)")
     g.add_argument("--logging-steps", type=int, default=None, help="online steps of the logging ESR (default 1000)")
     g.add_argument("--logging-temperature", type=float, default=None, help="τ₀ of the logging ESR (default 2)")
     g.add_argument("--max-weight", type=float, default=None, help="importance-weight cap (default 100)")
@@ -294,8 +297,8 @@ def _train_logs(args: argparse.Namespace, given: dict, out: Path) -> int:
         _fail(_original_message(err))
     written = write_log_reports(trainer, out)
     cfg, last = trainer.config, result.history[-1]
-    value = "no environment" if env is None else f"policy value {last['policy_value']:.4f} (best achievable " \
-        f"{env.optimal_value(cfg.num_outputs):.4f})"
+    value = "no environment" if env is None else f"policy value {last['policy_value']:.4f} under the " \
+        f"{cfg.eval_lsr} LSR (best achievable under the optimal LSR {env.optimal_value(cfg.num_outputs):.4f})"
     ope = "" if last["ope_snips"] is None else f"; held-out OPE SNIPS {last['ope_snips']:.4f}, IPS " \
         f"{last['ope_ips']:.4f} [{last['ope_ips_low']:.4f}, {last['ope_ips_high']:.4f}], ESS {last['ope_ess']:.0f}"
     print(f"{cfg.label} from {trainer.train_data.num_rows} logged rows, {result.steps_done} steps "
@@ -351,8 +354,9 @@ def _train(args: argparse.Namespace) -> int:
     write_csv(out / "metrics.csv", result.history)
     plot_curves({f"{cfg.label} on {env.name}, K={cfg.num_candidates}": {cfg.label: [result.history]}},
                 out / "curves.png", optimum=best)
-    print(f"{cfg.label} on {env.name}: policy value {result.final_value:.4f} after {result.steps_done} steps "
-          f"(best achievable {best:.4f}); {result.overflow_count} gradient overflows")
+    print(f"{cfg.label} on {env.name}: policy value {result.final_value:.4f} under the {cfg.eval_lsr} LSR after "
+          f"{result.steps_done} steps (best achievable under the optimal LSR {best:.4f}); {result.overflow_count} "
+          "gradient overflows")
     print(f"metrics: {out / 'metrics.jsonl'}, {out / 'metrics.csv'}, {out / 'curves.png'}, result: "
           f"{out / 'result.json'}, checkpoint: {out / 'checkpoint.pt'}")
     return 0

@@ -305,7 +305,8 @@ def _summarize(study: OffPolicyStudy, env: MatrixEnv, runs: Sequence[dict], out:
             f"once).\n\n" + markdown_table(header, table)
             + "\nDo the OPE estimates rank the learned ESRs as their true values do? Spearman correlation across "
               "learners, mean over seeds:\n\n"
-            + markdown_table(["K", "n", "IPS vs true", "SNIPS vs true", "seeds"], ranking)
+            + (markdown_table(["K", "n", "IPS vs true", "SNIPS vs true", "seeds"], ranking) if ranking else
+               "(not computed: it needs more than two learners run on the same logs)\n")
             + "\nStarting points:\n\n" + "\n".join(lines) + "\n")
     (out / "results.md").write_text(text, encoding="utf-8")
     _plot(cells, study, out)
