@@ -51,6 +51,7 @@ def test_train_from_logs_end_to_end(logs, tmp_path, capsys):
     assert _train(logs, out, "--epochs", "2", "--eval-every", "3", "--checkpoint-every", "5") == 0
     printed = capsys.readouterr().out
     assert "off-policy CA-PG from 300 logged rows, 10 steps" in printed  # 300 rows / 64 = 5 batches per epoch
+    assert "under the optimal LSR (best achievable under the optimal LSR" in printed  # the logs' LSR, resolved
     for name in ("metrics.jsonl", "metrics.csv", "curves.png", "result.json", "checkpoint.pt"):
         assert (out / name).stat().st_size > 0, name
     result = json.loads((out / "result.json").read_text())

@@ -298,7 +298,7 @@ def _train_logs(args: argparse.Namespace, given: dict, out: Path) -> int:
     written = write_log_reports(trainer, out)
     cfg, last = trainer.config, result.history[-1]
     value = "no environment" if env is None else f"policy value {last['policy_value']:.4f} under the " \
-        f"{cfg.eval_lsr} LSR (best achievable under the optimal LSR {env.optimal_value(cfg.num_outputs):.4f})"
+        f"{trainer.eval_lsr_name} LSR (best achievable under the optimal LSR {env.optimal_value(cfg.num_outputs):.4f})"
     ope = "" if last["ope_snips"] is None else f"; held-out OPE SNIPS {last['ope_snips']:.4f}, IPS " \
         f"{last['ope_ips']:.4f} [{last['ope_ips_low']:.4f}, {last['ope_ips_high']:.4f}], ESS {last['ope_ess']:.0f}"
     print(f"{cfg.label} from {trainer.train_data.num_rows} logged rows, {result.steps_done} steps "

@@ -272,7 +272,8 @@ class LogTrainer(Trainer):
             self.train_data.set_epoch(epoch)
             self.epoch_batches.append(self.train_data.num_batches(config.workers))
         self.eval_candidates = config.num_candidates
-        self.eval_lsr = make_lsr(config.eval_lsr or meta.extra.get("lsr", "optimal"))
+        self.eval_lsr_name = config.eval_lsr or meta.extra.get("lsr", "optimal")
+        self.eval_lsr = make_lsr(self.eval_lsr_name)
         self.loss_fn = logged_loss(config, config.num_candidates, config.num_outputs)
         self._batches: Iterator | None = None
 
