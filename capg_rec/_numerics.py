@@ -8,11 +8,14 @@ import inspect
 import itertools
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import numpy as np
 import torch
 from torch import Tensor
+
+T = TypeVar("T")
 
 _LOG_HALF = -math.log(2.0)
 
@@ -404,7 +407,23 @@ def _sequential_log_softmax(x: Tensor, index: Tensor, runs: Runs) -> Tensor:
     return every.gather(1, experts.view(1, 1, -1).expand(x.shape[0], 1, -1))[:, 0]
 
 
-@functools.lru_cache(maxsize=64)
+def constant_cache(maxsize: int) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """``functools.lru_cache`` for a function that builds constant tensors, bypassed inside ``torch.func``
+    transforms: a tensor made there can come back wrapped at the transform's level, and a cached one then
+    outlived that level (a nested ``torch.func.grad`` failed on its second call)."""
+    def decorate(fn: Callable[..., T]) -> Callable[..., T]:
+        cached = functools.lru_cache(maxsize=maxsize)(fn)
+
+        @functools.wraps(fn)
+        def call(*args: object) -> T:
+            return fn(*args) if torch._C._are_functorch_transforms_active() else cached(*args)
+
+        call.cache_clear = cached.cache_clear
+        return call
+    return decorate
+
+
+@constant_cache(maxsize=64)
 def position_index(runs: Runs, device: torch.device, of_block: bool = False) -> Tensor:
     """The expert (or, with ``of_block``, the block) of each position ``[K]``; made once per runs and device."""
     return torch.tensor([i if of_block else e for i, (e, n) in enumerate(runs) for _ in range(n)], device=device)

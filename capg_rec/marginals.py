@@ -25,7 +25,6 @@ expert's best items and the targets item by item, the rest through a few streame
 from __future__ import annotations
 
 import abc
-import functools
 import inspect
 import math
 from collections.abc import Callable, Sequence
@@ -41,7 +40,7 @@ from capg_rec._exact import DEFAULT_MEMORY_BUDGET, EXACT_NUM_POWERS, exact_log_i
 from capg_rec._mean_field import mean_field_log_inclusion
 from capg_rec._plugin import plugin_log_inclusion
 from capg_rec._head_tail import head_size_for, summarize
-from capg_rec._numerics import safe_logsumexp, select_experts
+from capg_rec._numerics import constant_cache, safe_logsumexp, select_experts
 from capg_rec.catalog import CatalogScores, as_catalog, every_score
 from capg_rec.plackett_luce import check_enough_items, expert_runs
 
@@ -68,7 +67,7 @@ def _swr(catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
     return safe_logsumexp(select_experts(log_softmax, [m for m, _ in runs]) + log_counts, dim=1)
 
 
-@functools.lru_cache(maxsize=64)
+@constant_cache(maxsize=64)
 def _log_counts(runs: tuple[tuple[int, int], ...], dtype: torch.dtype, device: torch.device) -> Tensor:
     """The runs' ``log n_m`` as ``[1, R, 1]`` (made once per runs, dtype and device)."""
     return torch.tensor([math.log(n) for _, n in runs], dtype=dtype, device=device).view(1, -1, 1)

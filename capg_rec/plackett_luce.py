@@ -17,7 +17,7 @@ from torch import Tensor
 
 from capg_rec._checks import check_count, check_flag, check_generator, check_items, raise_where_short, \
     resolve_validate_args
-from capg_rec._numerics import log_softmax_at, reverse_logcumsumexp, sequential_log_softmax
+from capg_rec._numerics import constant_cache, log_softmax_at, reverse_logcumsumexp, sequential_log_softmax
 from capg_rec.catalog import CatalogScores, DenseCatalog, agreement, as_catalog, resolution
 
 __all__ = ["expert_of_position", "sample_candidates", "greedy_candidates", "candidate_log_prob"]
@@ -29,7 +29,7 @@ def expert_of_position(num_candidates: int, num_experts: int) -> Tensor:
     return torch.tensor([e for e, count in expert_runs(num_candidates, num_experts) for _ in range(count)])
 
 
-@functools.lru_cache(maxsize=64)
+@constant_cache(maxsize=64)
 def _expert_index(num_candidates: int, num_experts: int, device: torch.device) -> Tensor:
     """:func:`expert_of_position` on ``device``, made once (internal callers only read it)."""
     return expert_of_position(num_candidates, num_experts).to(device)
@@ -58,7 +58,7 @@ def _expert_blocks(candidates: Tensor, num_candidates: int, num_experts: int) ->
     return candidates[:, positions], keep
 
 
-@functools.lru_cache(maxsize=64)
+@constant_cache(maxsize=64)
 def _block_positions(runs: tuple[tuple[int, int], ...], device: torch.device) -> tuple[Tensor, Tensor]:
     """:func:`_expert_blocks`' positions ``[R, n]`` into the draw and its mask ``[R, n]``."""
     longest, starts = runs[0][1], list(itertools.accumulate((n for _, n in runs), initial=0))
