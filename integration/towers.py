@@ -78,9 +78,9 @@ def batch(users: Tensor, histories: list[list[int]]) -> KeyedJaggedTensor:
                                                lengths).to(h.device())
 
 
-def empty(batch_size: int) -> KeyedJaggedTensor:
-    none = torch.zeros(0, dtype=torch.long)
-    return KeyedJaggedTensor.from_lengths_sync([], none, none, stride=batch_size).to(h.device())
+def empty(batch_size: int, lengths: torch.dtype = torch.long) -> KeyedJaggedTensor:
+    return KeyedJaggedTensor.from_lengths_sync([], torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=lengths),
+                                               stride=batch_size).to(h.device())
 
 
 def _rel(got: Tensor, want: Tensor) -> float:
@@ -106,7 +106,10 @@ def main() -> int:
             h.load(reference, state)
             dense = [p for n, p in model.named_parameters() if "tower" in n]
             ref_opt, opt = torch.optim.SGD(reference.parameters(), lr=LR), torch.optim.SGD(dense, lr=LR)
-            cat = model(model.module.with_catalog(empty(GLOBAL_BATCH // world)),
+            # the last rank's features have int32 lengths, the others' int64: with_catalog makes them agree (the
+            # job aborted inside gloo)
+            last = torch.int32 if rank == world - 1 else torch.long
+            cat = model(model.module.with_catalog(empty(GLOBAL_BATCH // world, last)),
                         bag_features=batch(users[mine], histories[mine]))
             ref = reference(reference.with_catalog(empty(GLOBAL_BATCH)), bag_features=batch(users, histories))
             cand = sample_candidates(cat, CANDIDATES, generator=torch.Generator().manual_seed(3))
@@ -141,6 +144,16 @@ def main() -> int:
         want = reference.serving_export().retrieve(empty(GLOBAL_BATCH), num_candidates=CANDIDATES,
                                                    bag_features=all_bags).candidates[mine]
         errors[f"{sharding}/export/greedy_top_k"] = 0.0 if torch.equal(got, want) else float("inf")
+        if world > 1:  # bag_features of two lengths dtypes: a ValueError on every rank (the job aborted in gloo)
+            odd = mine_bags if rank < world - 1 else KeyedJaggedTensor(
+                keys=mine_bags.keys(), values=mine_bags.values(), lengths=mine_bags.lengths().int(),
+                stride=mine_bags.stride())
+            try:
+                model(model.module.with_catalog(empty(GLOBAL_BATCH // world)), bag_features=odd)
+                errors[f"{sharding}/faults/bag_lengths_dtype"] = float("inf")
+            except ValueError as err:
+                errors[f"{sharding}/faults/bag_lengths_dtype"] = \
+                    0.0 if "bag_features must have lengths of one dtype" in str(err) else float("inf")
         del model
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"towers_rank{rank}.json").write_text(json.dumps({"world_size": world, "errors": errors}, indent=1))

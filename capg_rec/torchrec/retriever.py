@@ -125,6 +125,7 @@ class TwoTowerRetriever(nn.Module):
             raise ValueError(f"embeddings and user_embeddings must not share feature names, "
                              f"got {sorted(features & bags)}")
         self._bag_features = bags
+        self._weighted_bags = user_embeddings is not None and user_embeddings.is_weighted()
         # The collection's user features, in the order of user_features, then the others sorted: the order of the
         # lookups made without a user batch (item_vectors), which may be the first ones (see _check_key_order).
         others = features - {self.catalog_feature}
@@ -207,7 +208,9 @@ class TwoTowerRetriever(nn.Module):
                             f"{getattr(items, 'shape', type(items).__name__)}")
         ids = (self.catalog_ids() if items is None else items[items != -1]).to(features.values().device)
         batch, keys = features.stride(), features.keys()
-        lengths = features.lengths().view(len(keys), batch)
+        # int64 lengths whatever the caller's (an empty batch's are often int32): TorchRec's all-to-all of the
+        # lookup takes each rank's lengths buffer as is, and ranks of two dtypes aborted the job inside gloo
+        lengths = features.lengths().long().view(len(keys), batch)
         lengths = torch.cat([torch.nn.functional.pad(lengths, (0, 1)).flatten(),
                              torch.nn.functional.pad(lengths.new_full((1,), ids.numel()), (batch, 0))])
         weights = features.weights_or_none()
@@ -266,15 +269,17 @@ class TwoTowerRetriever(nn.Module):
             # sampled or not, and the heads' widths: the sampled catalogs' lookups are collective when validating;
             # dense's width: the user tower runs on every rank alike
             return [-2 if sample is None else -1 if head_items is None else head_items.shape[1],
-                    -1 if index_items is None else index_items.shape[-1], -1 if dense is None else dense.shape[1]]
+                    -1 if index_items is None else index_items.shape[-1], -1 if dense is None else dense.shape[1],
+                    *_bag_layout(bag_features)]
 
         if group is not None and validate:
             device = features.values().device if isinstance(features, KeyedJaggedTensor) else torch.device("cpu")
-            shapes = [tuple(entries) for entries in exchange(check, 3, group, device)]
-            if len(set(shapes)) > 1:
+            shapes = [tuple(entries) for entries in exchange(check, 5, group, device)]
+            if len({entries[:3] for entries in shapes}) > 1:
                 raise ValueError(f"sample, head_items, index_items and dense must be given on every rank or none, "
                                  f"each of one width, got (sample: -2 if none, else head_items' width or -1; "
-                                 f"index_items' width or -1; dense's width or -1) {shapes} by rank")
+                                 f"index_items' width or -1; dense's width or -1) {[e[:3] for e in shapes]} by rank")
+            _check_bag_layouts([e[3:] for e in shapes])
         else:
             check()
 
@@ -372,19 +377,21 @@ class TwoTowerRetriever(nn.Module):
             self._check_key_order("features", keys)
             self._check_user_features(features, bag_features, batch, validate)
             self._check_dense(dense, batch)
-            return [-1 if dense is None else dense.shape[1]]
+            return [-1 if dense is None else dense.shape[1], *_bag_layout(bag_features)]
 
         group = self._layout()[2]
         if group is not None and validate:  # one rank's mistake raised on every rank
             device = features.values().device if kjt else torch.device("cpu")
-            widths = [entries[0] for entries in exchange(check, 1, group, device)]
+            shapes = [tuple(entries) for entries in exchange(check, 3, group, device)]
+            _check_bag_layouts([e[1:] for e in shapes])
+            widths = [e[0] for e in shapes]
             if len(set(widths)) > 1:
                 raise ValueError(f"dense must be given on every rank or none, of one width, got widths (-1: none) "
                                  f"{widths} by rank")
         else:
             check()
         # one empty sample after the B users (TorchRec's lookup cannot take a stride of 0) and no catalog ids
-        lengths = torch.nn.functional.pad(features.lengths().view(len(features.keys()), batch), (0, 1)).flatten()
+        lengths = torch.nn.functional.pad(features.lengths().long().view(len(features.keys()), batch), (0, 1)).flatten()
         with_empty_catalog = KeyedJaggedTensor(
             keys=[*features.keys(), self.catalog_feature], values=features.values(),
             weights=features.weights_or_none(), lengths=torch.cat([lengths, lengths.new_zeros(batch + 1)]),
@@ -494,6 +501,8 @@ class TwoTowerRetriever(nn.Module):
                 raise ValueError(f"bag_features must hold every feature of user_embeddings: {missing} missing from "
                                  f"{bag_features.keys()}")
             self._check_key_order("bag_features", bag_features.keys())
+            if self._weighted_bags and bag_features.weights_or_none() is None:
+                raise ValueError("bag_features must carry weights: user_embeddings is weighted (is_weighted=True)")
             stride = bag_features.stride()
             if stride not in (batch, batch + 1) or stride < 1:
                 raise ValueError(f"bag_features must have stride B = {batch} (or B + 1 with an empty last sample; "
@@ -693,6 +702,22 @@ class _Scorer(nn.Module):
                 head_items: Tensor | None = None, index_items: Tensor | None = None
                 ) -> ShardedEmbeddingCatalog | SampledCatalog:
         return self.scores(features, out, bags, dense, masked_items, sample, head_items, index_items)
+
+
+def _bag_layout(bag_features: KeyedJaggedTensor | None) -> tuple[int, int]:
+    """``(bytes per length, whether it has weights)`` of ``bag_features`` (``(-1, -1)`` for None): TorchRec's
+    all-to-all of a sharded lookup exchanges both buffers as they are, so ranks must agree on them."""
+    if bag_features is None:
+        return -1, -1
+    return bag_features.lengths().element_size(), int(bag_features.weights_or_none() is not None)
+
+
+def _check_bag_layouts(layouts: list[tuple[int, ...]]) -> None:
+    """``ValueError`` (on every rank: each passes the same table) where the ranks' :func:`_bag_layout` differ."""
+    if len(set(layouts)) > 1:
+        raise ValueError(f"bag_features must have lengths of one dtype, and weights or none, on every rank "
+                         f"(TorchRec's lookup exchanges them as they are), got (bytes per length, weights) "
+                         f"{[tuple(e) for e in layouts]} by rank")
 
 
 def _mean_pool(values: Tensor, lengths: Tensor, batch_size: int) -> Tensor:
