@@ -27,7 +27,8 @@ def group_normalize(rewards: Tensor, *, offset: float = 0.0, dim: int = 0, eps: 
     CA-PG's variance argument asks for positive rewards (the paper's sufficient condition), hence the ``offset``,
     which shifts the normalised rewards up (the paper's choice, 1, leaves a group's lowest below 0 when it is far
     below the rest: it does not guarantee positivity). ``eps > 0``
-    keeps a constant group finite; with ``validate_args`` the rewards must be finite.
+    keeps a constant group finite (half-precision rewards are normalised in float32 and returned in their dtype);
+    with ``validate_args`` the rewards must be finite.
     """
     rewards = check_float_tensor("rewards", rewards, ndims=tuple(range(1, 9)),
                                  validate=resolve_validate_args(validate_args))
@@ -40,6 +41,8 @@ def group_normalize(rewards: Tensor, *, offset: float = 0.0, dim: int = 0, eps: 
         raise TypeError(f"offset must be a number, got {type(offset).__name__}")
     if not math.isfinite(offset):
         raise ValueError(f"offset must be finite, got {offset!r}")
-    mean = rewards.mean(dim=dim, keepdim=True)
-    std = rewards.std(dim=dim, keepdim=True, unbiased=False)
-    return (rewards - mean) / (std + eps) + offset
+    # half precision in float32 (as autocast does): eps = 1e-8 rounds to 0 in float16, and a constant group was 0/0
+    x = rewards.float() if rewards.dtype in (torch.float16, torch.bfloat16) else rewards
+    mean = x.mean(dim=dim, keepdim=True)
+    std = x.std(dim=dim, keepdim=True, unbiased=False)
+    return ((x - mean) / (std + eps) + offset).to(rewards.dtype)

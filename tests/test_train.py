@@ -547,6 +547,12 @@ def test_group_normalize_and_dcg_weights_values():
                                1.0 / torch.log2(torch.tensor([2.0, 3.0, 4.0], dtype=torch.float64)))
     with pytest.raises(TypeError, match="dtype must be a floating torch.dtype"):
         dcg_weights(3, dtype=torch.long)
+    # half precision: in float32, returned in its dtype (a constant float16 group was NaN: eps rounds to 0 there;
+    # found by review)
+    for dtype in (torch.float16, torch.bfloat16):
+        torch.testing.assert_close(group_normalize(torch.ones(4, 3, dtype=dtype), offset=1.0),
+                                   torch.ones(4, 3, dtype=dtype))
+        torch.testing.assert_close(group_normalize(r.to(dtype), offset=2.0), group_normalize(r, offset=2.0).to(dtype))
 
 
 @pytest.mark.parametrize(("extra", "named"), [
