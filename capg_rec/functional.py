@@ -17,7 +17,7 @@ rewards) and capped, so that they are never ``inf`` or NaN.
 
 Shapes: ``logits [B, N] | [B, M, N] | CatalogScores`` (``-inf`` masks an item), ``candidates
 [B, K]`` (the ESR's draw, in draw order), ``chosen [B, L]`` (what the later stage showed, a subset
-of the candidates), ``rewards [B, L]``, ``position_weights [L]``, ``baseline [B] | [B, L]``.
+of the candidates), ``rewards [B, L]``, ``position_weights [L]``, ``baseline [B] | [B, 1] | [B, L]``.
 Output: a scalar, or ``[B]`` with ``reduction="none"``. An empty batch gives 0 (``"mean"`` and
 ``"sum"``) or ``[0]``. Half-precision logits are computed in float32 and give a float32 loss.
 
@@ -307,7 +307,7 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
         length = chosen.shape[1]
         rewards = _float("rewards", rewards, ((batch, length),))
         if baseline is not None:
-            baseline = _float("baseline", baseline, ((batch,), (batch, length))).detach()
+            baseline = _float("baseline", baseline, ((batch,), (batch, 1), (batch, length))).detach()
         if position_weights is not None:
             position_weights = _float("position_weights", position_weights, ((length,),)).detach()
         if logged is not None:

@@ -60,7 +60,7 @@ class VPGLoss(_PolicyGradientLoss):
     Shape:
         - logits: ``[B, N]``, ``[B, M, N]`` (``-inf`` masks an item) or a :class:`~capg_rec.CatalogScores`
         - candidates: ``[B, K]`` in draw order; chosen: ``[B, L]`` ⊆ candidates; rewards: ``[B, L]``
-        - position_weights: ``[L]``; baseline: ``[B]`` or ``[B, L]``
+        - position_weights: ``[L]``; baseline: ``[B]``, ``[B, 1]`` or ``[B, L]``
         - output: scalar, or ``[B]`` with ``reduction="none"``
 
     Example:

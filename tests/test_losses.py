@@ -94,6 +94,9 @@ def test_baseline_weights_and_reduction(name):
     b = torch.rand(6, dtype=torch.float64)
     torch.testing.assert_close(loss_fn(logits, cand, chosen, rewards, baseline=b),
                                loss_fn(logits, cand, chosen, rewards - b[:, None]))
+    # [B, 1] broadcasts as [B] (it was refused: rewards.mean(1, keepdim=True) is the idiom)
+    torch.testing.assert_close(loss_fn(logits, cand, chosen, rewards, baseline=b[:, None]),
+                               loss_fn(logits, cand, chosen, rewards, baseline=b))
     b2 = torch.rand(6, 3, dtype=torch.float64)
     alpha = torch.tensor([1.0, 0.5, 0.25], dtype=torch.float64)
     torch.testing.assert_close(loss_fn(logits, cand, chosen, rewards, baseline=b2, position_weights=alpha),
