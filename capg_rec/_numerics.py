@@ -410,13 +410,19 @@ def _sequential_log_softmax(x: Tensor, index: Tensor, runs: Runs) -> Tensor:
 def constant_cache(maxsize: int) -> Callable[[Callable[..., T]], Callable[..., T]]:
     """``functools.lru_cache`` for a function that builds constant tensors, bypassed inside ``torch.func``
     transforms: a tensor made there can come back wrapped at the transform's level, and a cached one then
-    outlived that level (a nested ``torch.func.grad`` failed on its second call)."""
+    outlived that level (a nested ``torch.func.grad`` failed on its second call). Under ``inference_mode`` the
+    tensors are made as normal ones (an inference tensor, cached, could not be saved for a later backward)."""
     def decorate(fn: Callable[..., T]) -> Callable[..., T]:
         cached = functools.lru_cache(maxsize=maxsize)(fn)
 
         @functools.wraps(fn)
         def call(*args: object) -> T:
-            return fn(*args) if torch._C._are_functorch_transforms_active() else cached(*args)
+            if torch._C._are_functorch_transforms_active():
+                return fn(*args)
+            if torch.is_inference_mode_enabled():
+                with torch.inference_mode(False):
+                    return cached(*args)
+            return cached(*args)
 
         call.cache_clear = cached.cache_clear
         return call

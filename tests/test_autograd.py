@@ -430,3 +430,28 @@ def test_nested_torch_func_grad_on_a_fresh_cache(loss, device):
         cached.cache_clear()
     for _ in range(2):
         torch.testing.assert_close(torch.func.grad(lambda z: (torch.func.grad(f)(z) * v).sum())(x), want)
+
+
+def test_constant_caches_filled_under_inference_mode_serve_a_later_backward():
+    """A mixture's plug-in loss first called under torch.inference_mode, then trained: the cached constant tensors
+    were inference tensors, which the backward could not save (found by review)."""
+    import capg_rec
+    from capg_rec import _numerics, marginals, plackett_luce
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 2, 12, generator=g, dtype=torch.float64)
+    cand = capg_rec.sample_candidates(x, 5, generator=g)
+    rewards = torch.rand(3, 2, dtype=torch.float64, generator=g)
+    for cached in (plackett_luce._expert_index, plackett_luce._block_positions, _numerics.position_index,
+                   marginals._log_counts):
+        cached.cache_clear()
+    for method in ("plugin", "mean_field", "with_replacement"):
+        with torch.inference_mode():
+            capg_rec.functional.capg_loss(x, cand, cand[:, :2], rewards, method=method)
+        leaf = x.clone().requires_grad_()
+        capg_rec.functional.capg_loss(leaf, cand, cand[:, :2], rewards, method=method).backward()
+        assert torch.isfinite(leaf.grad).all()
+    with torch.inference_mode():
+        capg_rec.functional.vpg_loss(x, cand, cand[:, :2], rewards)
+    leaf = x.clone().requires_grad_()
+    capg_rec.functional.vpg_loss(leaf, cand, cand[:, :2], rewards).backward()

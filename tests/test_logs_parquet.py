@@ -120,36 +120,63 @@ def _same_batches(got, want):
                 assert x.dtype == y.dtype and torch.equal(x, y)
 
 
-def test_batches_pickle_in_band_as_numpy_arrays():
-    """A host batch pickles as numpy arrays (a DataLoader worker then hands it over through its pipe, not one
-    shared-memory block per batch), values, dtypes, shapes and absent fields kept, as ForkingPickler does too;
-    a batch numpy cannot read (bfloat16, a tensor needing grad) pickles as tensors do."""
-    import pickle
+class _MyBatch(LoggedBatch):
+    __slots__ = ()
 
+
+def test_batches_go_between_processes_in_band_when_small_and_plain():
+    """For multiprocessing (ForkingPickler: a DataLoader worker's queue) a small batch of plain host tensors pickles
+    in-band as numpy arrays, values, dtypes, shapes and absent fields kept; a batch the user put in shared memory
+    stays shared, and a large, strided (an expanded one would be written out whole), bfloat16 or grad-requiring one
+    pickles as tensors do. pickle, deepcopy and torch.save are untouched: a subclass keeps its type, torch.load its
+    map_location (found by review of the first version, which overrode LoggedBatch's own pickling)."""
+    import copy
+    import io
+    import pickle
     from multiprocessing.reduction import ForkingPickler
 
     import torch.multiprocessing  # noqa: F401  (registers its tensor reducers with ForkingPickler)
 
-    batch = _batch(4, 0)._replace(features=torch.randn(3, 4).t(), request_id=None)  # a strided view, a None
-    for dump in (pickle.dumps, lambda b: bytes(ForkingPickler.dumps(b))):
-        data = dump(batch)
-        assert b"_from_arrays" in data
-        back = pickle.loads(data)
-        _same_batches([back], [batch])
-        assert back.candidates.numpy().flags.writeable
-    for rewards in (batch.rewards.bfloat16(), batch.rewards.clone().requires_grad_()):
-        odd = batch._replace(rewards=rewards)
-        data = pickle.dumps(odd)
-        assert b"_from_arrays" not in data
-        back = pickle.loads(data)
-        assert back.rewards.dtype == odd.rewards.dtype and torch.equal(back.rewards.detach(), odd.rewards.detach())
+    from capg_rec.logs.schema import IN_BAND_BYTES
+
+    def fork_dump(b):
+        return bytes(ForkingPickler.dumps(b))
+
+    batch = _batch(4, 0)._replace(request_id=None)
+    data = fork_dump(batch)
+    assert b"_from_arrays" in data
+    back = pickle.loads(data)
+    _same_batches([back], [batch])
+    assert back.candidates.numpy().flags.writeable
+    shared = batch._replace(rewards=batch.rewards.clone().share_memory_())
+    big = batch._replace(features=torch.zeros(IN_BAND_BYTES // 4 + 1))
+    for odd in (shared, big, batch._replace(rewards=batch.rewards.bfloat16()),
+                batch._replace(rewards=batch.rewards.clone().requires_grad_()),
+                batch._replace(features=torch.ones(1).expand(4, 3))):
+        assert b"_from_arrays" not in fork_dump(odd)
+    assert pickle.loads(fork_dump(shared)).rewards.is_shared()
+
+    assert b"_from_arrays" not in pickle.dumps(batch)
+    mine = _MyBatch(*batch)
+    assert type(pickle.loads(pickle.dumps(mine))) is _MyBatch and type(copy.deepcopy(mine)) is _MyBatch
+    buffer = io.BytesIO()
+    torch.save(batch, buffer)
+    buffer.seek(0)
+    assert torch.load(buffer, weights_only=False, map_location="meta").rewards.is_meta
 
 
-def test_a_worker_hands_over_the_batches_read_in_process(tmp_path):
-    """Through a DataLoader worker (in-band pickling) the batches are those read in process, field for field."""
-    _write(tmp_path / "a.parquet", [5, 6, 7])
-    data = LoggedImpressions(tmp_path, 4)
-    _same_batches(list(torch.utils.data.DataLoader(data, batch_size=None, num_workers=1)), list(data))
+@pytest.mark.parametrize("sizes, batch_size", [([5, 6, 7], 4), ([5000, 3000], 6000)])
+def test_a_worker_hands_over_the_batches_read_in_process(tmp_path, sizes, batch_size):
+    """Through a DataLoader worker the batches are those read in process, field for field: small ones in-band,
+    large ones (over 512 KiB) made in shared memory."""
+    from capg_rec.logs.schema import IN_BAND_BYTES
+
+    _write(tmp_path / "a.parquet", sizes)
+    data = LoggedImpressions(tmp_path, batch_size)
+    got, want = list(torch.utils.data.DataLoader(data, batch_size=None, num_workers=1)), list(data)
+    _same_batches(got, want)
+    large = sum(x.nbytes for x in want[0] if x is not None) > IN_BAND_BYTES
+    assert large == (batch_size > 1000) and got[0].rewards.is_shared() == large
 
 
 def test_workers_started_by_spawn_read_their_rank_s_share(tmp_path, monkeypatch):

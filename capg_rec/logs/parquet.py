@@ -29,7 +29,8 @@ import torch
 from torch import Tensor
 
 from capg_rec._checks import check_count, check_flag, resolve_validate_args
-from capg_rec.logs.schema import LOG_SCHEMA, REQUIRED_COLUMNS, TENSOR_COLUMNS, LogMetadata, LoggedBatch, file_schema
+from capg_rec.logs.schema import IN_BAND_BYTES, LOG_SCHEMA, REQUIRED_COLUMNS, TENSOR_COLUMNS, LogMetadata, \
+    LoggedBatch, file_schema
 from capg_rec.marginals import DEFAULT_METHOD, InclusionMethod, inclusion_method, inclusion_methods
 
 __all__ = ["LogWriter", "write_logs", "LoggedImpressions"]
@@ -736,10 +737,16 @@ def _split(pending: list[dict[str, np.ndarray]], size: int
 
 def _batch(cols: dict[str, np.ndarray]) -> LoggedBatch:
     """The columns copied (and cast to the schema's dtypes) into ONE byte buffer, each a contiguous typed view
-    of it: a batch never keeps the larger decoded chunk it was cut from alive. (A DataLoader worker hands it
-    over in-band, see :meth:`~capg_rec.logs.LoggedBatch.__reduce__`.)"""
+    of it: a batch never keeps the larger decoded chunk it was cut from alive. A DataLoader worker hands a batch
+    of up to :data:`~capg_rec.logs.schema.IN_BAND_BYTES` over through its pipe; a larger one through one
+    shared-memory block, in which a worker then makes the buffer, as the DataLoader's own collate does (it is not
+    copied there when sent)."""
     sizes = {name: -(-x.size * _ITEMSIZE[name] // 8) * 8 for name, x in cols.items()}  # 8-byte aligned
-    buffer = torch.empty(sum(sizes.values()), dtype=torch.uint8)
+    nbytes = sum(sizes.values())
+    if nbytes > IN_BAND_BYTES and torch.utils.data.get_worker_info() is not None:
+        buffer = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(nbytes))
+    else:
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
     out, offset = {}, 0
     for name, x in cols.items():
         view = buffer[offset:offset + x.size * _ITEMSIZE[name]].view(_DTYPES[name]).view(x.shape)
