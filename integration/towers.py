@@ -144,16 +144,23 @@ def main() -> int:
         want = reference.serving_export().retrieve(empty(GLOBAL_BATCH), num_candidates=CANDIDATES,
                                                    bag_features=all_bags).candidates[mine]
         errors[f"{sharding}/export/greedy_top_k"] = 0.0 if torch.equal(got, want) else float("inf")
-        if world > 1:  # bag_features of two lengths dtypes: a ValueError on every rank (the job aborted in gloo)
-            odd = mine_bags if rank < world - 1 else KeyedJaggedTensor(
-                keys=mine_bags.keys(), values=mine_bags.values(), lengths=mine_bags.lengths().int(),
-                stride=mine_bags.stride())
-            try:
-                model(model.module.with_catalog(empty(GLOBAL_BATCH // world)), bag_features=odd)
-                errors[f"{sharding}/faults/bag_lengths_dtype"] = float("inf")
-            except ValueError as err:
-                errors[f"{sharding}/faults/bag_lengths_dtype"] = \
-                    0.0 if "bag_features must have lengths of one dtype" in str(err) else float("inf")
+        if world > 1:  # KJTs of two layouts across ranks: a ValueError on every rank (the job aborted in gloo)
+            for fault in ("bag_lengths_dtype", "bag_values_dtype", "features_weights"):
+                bags, features = mine_bags, empty(GLOBAL_BATCH // world)
+                if rank == world - 1:
+                    bags = KeyedJaggedTensor(keys=bags.keys(), values=bags.values().int() if fault == "bag_values_dtype"
+                                             else bags.values(), stride=bags.stride(),
+                                             lengths=bags.lengths().int() if fault == "bag_lengths_dtype"
+                                             else bags.lengths())
+                    if fault == "features_weights":
+                        features = KeyedJaggedTensor(keys=[], values=features.values(), lengths=features.lengths(),
+                                                     weights=torch.zeros(0), stride=features.stride())
+                try:
+                    model(model.module.with_catalog(features), bag_features=bags)
+                    errors[f"{sharding}/faults/{fault}"] = float("inf")
+                except ValueError as err:
+                    errors[f"{sharding}/faults/{fault}"] = \
+                        0.0 if "must each have one layout on every rank" in str(err) else float("inf")
         del model
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"towers_rank{rank}.json").write_text(json.dumps({"world_size": world, "errors": errors}, indent=1))

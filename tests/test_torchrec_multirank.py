@@ -117,7 +117,7 @@ def test_towers_and_bag_collections_match_one_process(backend, world, tmp_path):
     and of V-PG-SwR, every parameter (item/user tables, both towers) equals the 1-process step to 1e-5
     relative, with the item table row-wise and table-wise (ranks without item rows), the last rank's features with
     int32 lengths; so does the serving export (item vectors gathered from the shards, user vectors, greedy top-K
-    through the index). bag_features of two lengths dtypes raise a ValueError on every rank."""
+    through the index). KJTs of two layouts (lengths or values dtypes, weights) raise a ValueError on every rank."""
     run = launch("towers.py", world, tmp_path, backend=backend)
     assert run.returncode == 0, run.stderr[-4000:]
     for r in range(world):
@@ -127,8 +127,9 @@ def test_towers_and_bag_collections_match_one_process(backend, world, tmp_path):
             assert any(part in k and "/update/" in k for k in errors), part
         for part in ("item_vectors", "user_vectors", "greedy_top_k"):
             assert {f"{s}/export/{part}" for s in ("row_wise", "table_wise")} <= errors.keys(), part
-        if world > 1:  # and ranks whose KJTs' lengths differ in dtype (found by review)
-            assert {f"{s}/faults/bag_lengths_dtype" for s in ("row_wise", "table_wise")} <= errors.keys()
+        if world > 1:  # and ranks whose KJTs' layouts differ (found by review)
+            assert {f"{s}/faults/{fault}" for s in ("row_wise", "table_wise") for fault in (
+                "bag_lengths_dtype", "bag_values_dtype", "features_weights")} <= errors.keys()
 
 
 def test_faults_on_one_rank_raise_on_every_rank_in_bounded_time(tmp_path):

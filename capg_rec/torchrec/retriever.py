@@ -208,16 +208,16 @@ class TwoTowerRetriever(nn.Module):
                             f"{getattr(items, 'shape', type(items).__name__)}")
         ids = (self.catalog_ids() if items is None else items[items != -1]).to(features.values().device)
         batch, keys = features.stride(), features.keys()
-        # int64 lengths whatever the caller's (an empty batch's are often int32): TorchRec's all-to-all of the
-        # lookup takes each rank's lengths buffer as is, and ranks of two dtypes aborted the job inside gloo
+        # int64 lengths and values whatever the caller's (an empty batch's are often int32): TorchRec's all-to-all
+        # of the lookup takes each rank's buffers as they are, and ranks of two dtypes aborted the job inside gloo
         lengths = features.lengths().long().view(len(keys), batch)
         lengths = torch.cat([torch.nn.functional.pad(lengths, (0, 1)).flatten(),
                              torch.nn.functional.pad(lengths.new_full((1,), ids.numel()), (batch, 0))])
         weights = features.weights_or_none()
         if weights is not None:
             weights = torch.cat([weights, weights.new_ones(ids.numel())])
-        return KeyedJaggedTensor(keys=[*keys, self.catalog_feature], values=torch.cat([features.values(), ids.to(
-            features.values().dtype)]), weights=weights, lengths=lengths, stride=batch + 1)
+        return KeyedJaggedTensor(keys=[*keys, self.catalog_feature], values=torch.cat([features.values().long(),
+                                 ids.long()]), weights=weights, lengths=lengths, stride=batch + 1)
 
     def forward(self, features: KeyedJaggedTensor, dense: Tensor | None = None, *,
                 masked_items: Tensor | None = None, bag_features: KeyedJaggedTensor | None = None,
@@ -270,16 +270,16 @@ class TwoTowerRetriever(nn.Module):
             # dense's width: the user tower runs on every rank alike
             return [-2 if sample is None else -1 if head_items is None else head_items.shape[1],
                     -1 if index_items is None else index_items.shape[-1], -1 if dense is None else dense.shape[1],
-                    *_bag_layout(bag_features)]
+                    *_layout(features), *_layout(bag_features)]
 
         if group is not None and validate:
             device = features.values().device if isinstance(features, KeyedJaggedTensor) else torch.device("cpu")
-            shapes = [tuple(entries) for entries in exchange(check, 5, group, device)]
+            shapes = [tuple(entries) for entries in exchange(check, 3 + 2 * _LAYOUT_SIZE, group, device)]
             if len({entries[:3] for entries in shapes}) > 1:
                 raise ValueError(f"sample, head_items, index_items and dense must be given on every rank or none, "
                                  f"each of one width, got (sample: -2 if none, else head_items' width or -1; "
                                  f"index_items' width or -1; dense's width or -1) {[e[:3] for e in shapes]} by rank")
-            _check_bag_layouts([e[3:] for e in shapes])
+            _check_layouts([e[3:] for e in shapes])
         else:
             check()
 
@@ -377,13 +377,13 @@ class TwoTowerRetriever(nn.Module):
             self._check_key_order("features", keys)
             self._check_user_features(features, bag_features, batch, validate)
             self._check_dense(dense, batch)
-            return [-1 if dense is None else dense.shape[1], *_bag_layout(bag_features)]
+            return [-1 if dense is None else dense.shape[1], *_layout(features, ids_cast=True), *_layout(bag_features)]
 
         group = self._layout()[2]
         if group is not None and validate:  # one rank's mistake raised on every rank
             device = features.values().device if kjt else torch.device("cpu")
-            shapes = [tuple(entries) for entries in exchange(check, 3, group, device)]
-            _check_bag_layouts([e[1:] for e in shapes])
+            shapes = [tuple(entries) for entries in exchange(check, 1 + 2 * _LAYOUT_SIZE, group, device)]
+            _check_layouts([e[1:] for e in shapes])
             widths = [e[0] for e in shapes]
             if len(set(widths)) > 1:
                 raise ValueError(f"dense must be given on every rank or none, of one width, got widths (-1: none) "
@@ -393,7 +393,7 @@ class TwoTowerRetriever(nn.Module):
         # one empty sample after the B users (TorchRec's lookup cannot take a stride of 0) and no catalog ids
         lengths = torch.nn.functional.pad(features.lengths().long().view(len(features.keys()), batch), (0, 1)).flatten()
         with_empty_catalog = KeyedJaggedTensor(
-            keys=[*features.keys(), self.catalog_feature], values=features.values(),
+            keys=[*features.keys(), self.catalog_feature], values=features.values().long(),
             weights=features.weights_or_none(), lengths=torch.cat([lengths, lengths.new_zeros(batch + 1)]),
             stride=batch + 1)
         with _eval_mode(self):  # no dropout; batch norm's running statistics read, not updated
@@ -704,20 +704,29 @@ class _Scorer(nn.Module):
         return self.scores(features, out, bags, dense, masked_items, sample, head_items, index_items)
 
 
-def _bag_layout(bag_features: KeyedJaggedTensor | None) -> tuple[int, int]:
-    """``(bytes per length, whether it has weights)`` of ``bag_features`` (``(-1, -1)`` for None): TorchRec's
-    all-to-all of a sharded lookup exchanges both buffers as they are, so ranks must agree on them."""
-    if bag_features is None:
-        return -1, -1
-    return bag_features.lengths().element_size(), int(bag_features.weights_or_none() is not None)
+_LAYOUT_SIZE = 3
 
 
-def _check_bag_layouts(layouts: list[tuple[int, ...]]) -> None:
-    """``ValueError`` (on every rank: each passes the same table) where the ranks' :func:`_bag_layout` differ."""
+def _layout(kjt: KeyedJaggedTensor | None, *, ids_cast: bool = False) -> tuple[int, int, int]:
+    """``(bytes per length, per value, per weight or 0 without weights)`` of a KJT (``-1`` each for None): TorchRec's
+    all-to-all of a sharded lookup exchanges its buffers as they are, so ranks must agree on them (a mismatch aborted
+    the job inside gloo). ``with_catalog`` gives ``features`` int64 lengths and values, as ``user_vectors`` does
+    before its lookup (``ids_cast``)."""
+    if kjt is None:
+        return -1, -1, -1
+    weights = kjt.weights_or_none()
+    ids = (8, 8) if ids_cast else (kjt.lengths().element_size(), kjt.values().element_size())
+    return *ids, 0 if weights is None else weights.element_size()
+
+
+def _check_layouts(layouts: list[tuple[int, ...]]) -> None:
+    """``ValueError`` (on every rank: each passes the same table) where the ranks' ``features`` and ``bag_features``
+    layouts (:func:`_layout`, one after the other) differ."""
     if len(set(layouts)) > 1:
-        raise ValueError(f"bag_features must have lengths of one dtype, and weights or none, on every rank "
-                         f"(TorchRec's lookup exchanges them as they are), got (bytes per length, weights) "
-                         f"{[tuple(e) for e in layouts]} by rank")
+        raise ValueError(f"features and bag_features must each have one layout on every rank (TorchRec's lookup "
+                         f"exchanges their buffers as they are): lengths, values and weights of one dtype, weights "
+                         f"everywhere or nowhere; got (bytes per length, per value, per weight or 0 without weights) "
+                         f"of features then bag_features {[tuple(e) for e in layouts]} by rank")
 
 
 def _mean_pool(values: Tensor, lengths: Tensor, batch_size: int) -> Tensor:
