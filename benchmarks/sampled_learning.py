@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.5)
     p.add_argument("--negatives", type=int, default=4096)
-    p.add_argument("--head", type=int, default=50)
+    p.add_argument("--head", type=int, default=80,
+                   help="items per user from the index (mean-field needs 8n + K - n = 80 at K = 10)")
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--methods", nargs="+", default=["with_replacement", "mean_field"],
