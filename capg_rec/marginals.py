@@ -145,7 +145,8 @@ class MeanField(InclusionMethod):
 
 class Exact(InclusionMethod):
     """The exponential-race integral with an exact Poisson-binomial count ("block-exact" for a
-    mixture). For validation and tests: its cost is quadrature nodes × head slots × c(K) per row
+    mixture: an approximation, off by up to 0.42 in probability on adversarial catalogs of a few items, where
+    ``"enumerate"`` is exact). For validation and tests: its cost is quadrature nodes × head slots × c(K) per row
     (:mod:`capg_rec._exact`), hundreds to thousands of times a softmax.
 
     Args:

@@ -52,6 +52,10 @@ OWN = {
     "moe_enumerate": (lambda: CatalogESR(randn(2, 3, 6, seed=2), 4, method="enumerate"), True),
     "swr_moe_tiny": (lambda: CatalogESR(randn(2, 2, 5, seed=3), 3, method="with_replacement"), True),
     "swr_moe": (lambda: CatalogESR(randn(2, 3, 30, seed=4), 7, method="with_replacement"), False),
+    # the default method: enumerate for a tiny mixture (its exact default, block-exact, failed a correct sampler:
+    # found by review), exact otherwise
+    "default_moe_tiny": (lambda: CatalogESR(randn(2, 2, 8, seed=6), 4), True),
+    "default": (lambda: CatalogESR(randn(2, 30, seed=7), 5), False),
 }
 
 
