@@ -714,6 +714,7 @@ def test_a_method_that_cannot_score_the_catalog_exits_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         _train_cli("--out", str(tmp_path / "run"), "--estimator", "capg", "--capg-method", "enumerate", "--steps", "2")
     assert exit_info.value.code == 2 and "Enumeration needs num_items <= 8" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before the first row (found by review)
 
 
 def test_study_options_that_cannot_be_honoured_are_refused(tmp_path):

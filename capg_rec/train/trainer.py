@@ -140,6 +140,9 @@ class Trainer:
         self.eval_lsr = make_lsr(eval_lsr if eval_lsr is not None else config.eval_lsr)
         self.eval_candidates = eval_k
         self.loss_fn = make_loss(config, validate_args=False)  # the step checks what it does not build itself
+        method = getattr(self.loss_fn, "method", None)
+        if env.num_items > getattr(method, "max_items", env.num_items):  # before any file is written: not at step 1
+            raise ValueError(f"{type(method).__name__} needs num_items <= {method.max_items}, got {env.num_items}")
         self.position_weights = self._position_weights()
 
     def _position_weights(self) -> Tensor:
