@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from multiprocessing.reduction import ForkingPickler
 from dataclasses import dataclass, field
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -155,9 +155,9 @@ _NUMPY_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
 def _reduce_for_processes(batch: LoggedBatch) -> tuple:
     """How multiprocessing (a DataLoader worker's queue, ``torch.multiprocessing``) pickles a :class:`LoggedBatch`:
     a small one of plain, contiguous host tensors not in shared memory goes in-band, as numpy arrays, through the
-    pipe (2-3x faster than a shared-memory block, whose setup outweighs the copy below ~512 KiB: 0.4 against
-    0.8-1.0 ms per 128-512 KiB batch, a throwaway timing on a 2-core machine); any other as tensors do (shared
-    memory, which a batch the user shared stays). ``pickle``, ``copy`` and ``torch.save`` are not affected."""
+    pipe (faster than a shared-memory block, whose setup outweighs the copy below about 512 KiB:
+    ``benchmarks/log_reader_speed.py``); any other as tensors do (shared memory, which a batch the user shared
+    stays). ``pickle``, ``copy`` and ``torch.save`` are not affected."""
     fields = tuple(batch)
     if all(x is None or (type(x) is Tensor and x.device.type == "cpu" and not x.requires_grad and x.is_contiguous()
                          and not x.is_shared() and not x.is_neg() and x.dtype in _NUMPY_DTYPES) for x in fields) \
