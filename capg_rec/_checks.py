@@ -35,8 +35,13 @@ def set_default_validate_args(value: bool) -> None:
 
 def resolve_validate_args(value: bool | None) -> bool:
     """An entry point's ``validate_args``: the module default when ``None``. The value checks read tensors'
-    values, which ``torch.func.vmap`` cannot: there they must be off (a clear error instead of vmap's own)."""
+    values, which ``torch.func.vmap`` and a graph of ``torch.compile`` cannot: there they must be off (a clear error
+    instead of theirs; outside ``fullgraph``, torch.compile runs the checks eagerly, between graphs)."""
     validate = _validate_default if value is None else check_flag("validate_args", value)
+    if validate and torch.compiler.is_compiling():
+        raise RuntimeError("capg_rec's value checks read tensor values, which torch.compile cannot trace into its "
+                           "graph: pass validate_args=False (a catalog keeps its own setting: build it with "
+                           "validate_args=False too), or call capg_rec.set_default_validate_args(False)")
     if validate and under_vmap():
         raise RuntimeError("capg_rec's value checks read tensor values, which torch.func.vmap does not allow: pass "
                            "validate_args=False inside vmap (or call capg_rec.set_default_validate_args(False))")

@@ -329,6 +329,26 @@ def test_losses_compile_without_graph_breaks(name):
     torch.testing.assert_close(compiled(logits, cand, cand[:, :2], rewards), fn(logits, cand, cand[:, :2], rewards))
 
 
+def test_checks_under_compile_name_the_setting_or_run_between_graphs():
+    """A loss whose own checks are off, on an EmbeddingCatalog built with the default (checked): under fullgraph the
+    error names validate_args (it was Dynamo's "function marked as skipped", found by review); without fullgraph the
+    checks run eagerly between graphs and the value is eager's."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    user, item = torch.randn(2, 3, generator=g), torch.randn(6, 3, generator=g)
+    cand = torch.tensor([[0, 1, 2], [0, 1, 3]])
+    rewards = torch.ones(2, 2)
+    loss = CAPGLoss(3, method="with_replacement", validate_args=False)
+
+    def fn(u):
+        return loss(EmbeddingCatalog(u, item), cand, cand[:, :2], rewards)
+
+    with pytest.raises(Exception, match="validate_args=False"):
+        torch.compile(fn, fullgraph=True, backend="eager")(user)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(fn, backend="eager")(user), fn(user))
+
+
 # ---------------------------------------------------------------- validation default
 
 def test_module_wide_validate_args_default(restore_validation):
