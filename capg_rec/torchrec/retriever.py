@@ -704,9 +704,6 @@ class _Scorer(nn.Module):
         return self.scores(features, out, bags, dense, masked_items, sample, head_items, index_items)
 
 
-_LAYOUT_SIZE = 3
-
-
 def _layout(kjt: KeyedJaggedTensor | None, *, ids_cast: bool = False) -> tuple[int, int, int]:
     """``(bytes per length, per value, per weight or 0 without weights)`` of a KJT (``-1`` each for None): TorchRec's
     all-to-all of a sharded lookup exchanges its buffers as they are, so ranks must agree on them (a mismatch aborted
@@ -717,6 +714,9 @@ def _layout(kjt: KeyedJaggedTensor | None, *, ids_cast: bool = False) -> tuple[i
     weights = kjt.weights_or_none()
     ids = (8, 8) if ids_cast else (kjt.lengths().element_size(), kjt.values().element_size())
     return *ids, 0 if weights is None else weights.element_size()
+
+
+_LAYOUT_SIZE = len(_layout(None))
 
 
 def _check_layouts(layouts: list[tuple[int, ...]]) -> None:

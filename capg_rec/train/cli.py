@@ -13,7 +13,7 @@ from capg_rec._checks import positive_int
 from capg_rec.marginals import inclusion_methods
 from capg_rec.sim.lsr import LSR_NAMES
 from capg_rec.train.config import ESTIMATORS, TrainConfig
-from capg_rec.train.logged import LOG_ESTIMATORS, LogTrainConfig
+from capg_rec.train.logged import LOG_ESTIMATORS, LogTrainConfig, eval_lsr_name
 from capg_rec.train.offpolicy import LEARNERS
 
 if TYPE_CHECKING:
@@ -285,9 +285,8 @@ def _train_logs(args: argparse.Namespace, given: dict, out: Path) -> int:
                 _fail(f"--resume: no checkpoint {path} to continue (is --out right?)")
             if state.get("kind") != "logs":
                 _fail(f"--resume: the run saved in {path} trained online; drop --logs to continue it")
-            saved = dict(state["config"])
-            if saved.get("eval_lsr") is None:  # the logs' LSR, as the run took it
-                saved["eval_lsr"] = LoggedImpressions(args.logs, 1).meta.extra.get("lsr", "optimal")
+            saved = dict(state["config"])  # a run given no eval LSR took the logs' own
+            saved["eval_lsr"] = eval_lsr_name(saved.get("eval_lsr"), LoggedImpressions(args.logs, 1).meta)
             _check_unchanged(path, saved, given, "epochs", LogTrainConfig(**state["config"]).base_lr)
             trainer = LogTrainer.from_state(state, env, epochs=given.get("epochs"))
         else:

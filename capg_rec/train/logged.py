@@ -38,9 +38,9 @@ from capg_rec.train.report import plot_curves, write_csv
 from capg_rec.train.trainer import Trainer, TrainResult
 
 if TYPE_CHECKING:
-    from capg_rec.logs.schema import LoggedBatch
+    from capg_rec.logs.schema import LogMetadata, LoggedBatch
 
-__all__ = ["LOG_ESTIMATORS", "LogTrainConfig", "LogTrainer", "logged_loss", "write_log_reports"]
+__all__ = ["LOG_ESTIMATORS", "LogTrainConfig", "LogTrainer", "eval_lsr_name", "logged_loss", "write_log_reports"]
 
 LOG_ESTIMATORS = {
     "capg": "off-policy CA-PG",
@@ -199,6 +199,11 @@ def _estimator_loss(estimator: str, num_candidates: int, num_outputs: int, *, nu
     return loss
 
 
+def eval_lsr_name(eval_lsr: str | None, meta: LogMetadata) -> str:
+    """The LSR that scores a log-trained ESR: ``eval_lsr``, else the one the logs record, else optimal."""
+    return eval_lsr or meta.extra.get("lsr", "optimal")
+
+
 def ope_columns(est: OffPolicyEstimate) -> dict[str, float]:
     """The metrics columns of an off-policy estimate (as the trainer and the study report it)."""
     return {"ope_ips": est.ips, "ope_ips_low": est.ips_ci_low, "ope_ips_high": est.ips_ci_high,
@@ -272,7 +277,7 @@ class LogTrainer(Trainer):
             self.train_data.set_epoch(epoch)
             self.epoch_batches.append(self.train_data.num_batches(config.workers))
         self.eval_candidates = config.num_candidates
-        self.eval_lsr_name = config.eval_lsr or meta.extra.get("lsr", "optimal")
+        self.eval_lsr_name = eval_lsr_name(config.eval_lsr, meta)
         self.eval_lsr = make_lsr(self.eval_lsr_name)
         self.loss_fn = logged_loss(config, config.num_candidates, config.num_outputs)
         self._batches: Iterator | None = None
