@@ -621,6 +621,13 @@ def test_the_layouts_data_pipelines_write_are_read(tmp_path):
              lambda name, t: pa.dictionary(pa.int8(), pa.string()) if name == "policy_version" else t)
     assert pa.types.is_dictionary(pq.read_schema(tmp_path / "categorical.parquet").field("policy_version").type)
     _assert_same(_cat(list(LoggedImpressions(tmp_path / "categorical.parquet", 5))), _as_written(_cat(batches)))
+    table = pq.read_table(tmp_path / "ours.parquet")  # a dictionary of numbers (Parquet reads back int64): refused
+    at = table.schema.get_field_index("policy_version")
+    numbers = pa.array([1] * table.num_rows, pa.int64()).dictionary_encode()
+    pq.write_table(table.set_column(at, "policy_version", numbers).replace_schema_metadata(table.schema.metadata),
+                   tmp_path / "numbers.parquet")
+    with pytest.raises(ValueError, match="column 'policy_version' must have type string .*got int64"):
+        LoggedImpressions(tmp_path / "numbers.parquet", 5)
     for bad, what in ((pa.uint64(), "uint64"), (pa.string(), "string")):
         _rewrite(tmp_path / "ours.parquet", tmp_path / "bad.parquet",
                  lambda name, t: bad if name == "context" else t)
