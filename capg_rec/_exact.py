@@ -50,10 +50,10 @@ too large) of at most ``min(memory_budget, 64 MiB)`` of what they keep for backw
 pieces of a block would keep more than ``memory_budget`` bytes and a gradient is needed, every
 piece runs without a graph and is recomputed in backward (:class:`_Recomputed`): what a block keeps
 is then its inputs, its nodes and its output, O(B · (T + Q)), whatever k (at the price of one more
-forward; inside ``torch.func`` transforms, which refuse that Function, the pieces are kept instead). A budget
-far below 64 MiB costs more than that: the pieces get small (a few rows or nodes), and each one's fixed
-cost of Python and small kernels adds up (a review measured 9x the unbounded time at 2^23 bytes and 30x at
-2^20 for B = 8, N = 300, K = 10, against 1.3–2.5x at 2^26–2^27).
+forward; inside ``torch.func`` transforms, which refuse that Function, and in forward-mode AD, the pieces
+are kept instead). A budget far below 64 MiB costs more than that: the pieces get small (a few rows or
+nodes), and each one's fixed cost of Python and small kernels adds up (a review measured 9x the unbounded
+time at 2^23 bytes and 30x at 2^20 for B = 8, N = 300, K = 10, against 1.3–2.5x at 2^26–2^27).
 Everything is differentiable to any order.
 """
 
@@ -66,6 +66,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.autograd import forward_ad
 from torch import Tensor
 
 from capg_rec._head_tail import HeadTail
@@ -528,6 +529,11 @@ def _under_functorch(t: Tensor) -> bool:
     return bool(torch._C._functorch.is_functorch_wrapped_tensor(t))
 
 
+def _has_tangent(*tensors: Tensor) -> bool:
+    """Whether any of ``tensors`` carries a ``torch.autograd.forward_ad`` tangent (:class:`_Recomputed` has no jvp)."""
+    return any(forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+
+
 class _Recomputed(torch.autograd.Function):
     """``fn(*args)`` computed without a graph, and again in backward with one: what it keeps for
     backward is its inputs. Differentiable to any order (the backward is made of differentiable ops on
@@ -605,7 +611,8 @@ def _block_log_hazard(s: Tensor, log_rho: Tensor | None, valid: Tensor, log_z: T
         n_rows = g.shape[0]
         row_step = max(1, min(n_rows, piece // (per_node * g.shape[1])))
         # What all pieces would keep, estimated from this chunk's nodes (the others are alike).
-        split = grad and int(used.sum()) * batch * per_node > budget * n_rows and not _under_functorch(s)
+        split = (grad and int(used.sum()) * batch * per_node > budget * n_rows and not _under_functorch(s)
+                 and not _has_tangent(s, rho, log_z))
         for i in range(0, n_rows, row_step):
             sub = slice(i, i + row_step)
             t_sub = None if t_r is None else t_r[sub]

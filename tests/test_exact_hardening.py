@@ -468,6 +468,25 @@ def test_memory_kept_after_a_mixture_forward_is_bounded_by_the_budget():
     assert bool(torch.isfinite(x.grad).all())
 
 
+def test_forward_mode_with_a_budget_that_recomputes_pieces():
+    """One expert under ``torch.autograd.forward_ad`` on a leaf that also requires grad, with a budget small
+    enough that the pieces would be recomputed in backward: that Function has no jvp (NotImplementedError,
+    found by review), so the pieces are kept there; the tangent is the directional derivative."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 1, 50, generator=gen, dtype=torch.float64).requires_grad_()
+    v = torch.randn(x.shape, generator=gen, dtype=torch.float64)
+    targets = torch.randint(0, 50, (4, 2), generator=gen)
+
+    def value(s):
+        return exact_log_inclusion(_summary(s, targets), [(0, 5)], memory_budget=2**10).sum()
+
+    (grad,) = torch.autograd.grad(value(x), x)
+    with torch.autograd.forward_ad.dual_level():
+        out = value(torch.autograd.forward_ad.make_dual(x, v))
+        tangent = torch.autograd.forward_ad.unpack_dual(out).tangent
+    torch.testing.assert_close(tangent, (grad * v).sum(), rtol=1e-8, atol=1e-12)
+
+
 def test_empty_batch_and_no_targets():
     x = torch.randn(0, 1, 5, requires_grad=True)
     out = exact_log_inclusion(_summary(x, torch.zeros(0, 2, dtype=torch.long)), [(0, 2)])
