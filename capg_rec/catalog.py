@@ -25,6 +25,7 @@ import contextlib
 import copy
 import math
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -312,13 +313,17 @@ class DenseCatalog(CatalogScores):
         return out
 
     def gather(self, items: Tensor) -> Tensor:
-        return self.scores.gather(2, self._per_expert(items))
+        return ids_in_range(self.num_items, self.scores.gather, 2, self._per_expert(self._named(items)))
 
-    def log_softmax(self, items: Tensor) -> Tensor:
-        return log_softmax_at(self.scores, self._per_expert(items), 2)  # one node, no [B, M, N] zeros in backward
+    def log_softmax(self, items: Tensor) -> Tensor:  # one node, no [B, M, N] zeros in backward
+        return ids_in_range(self.num_items, log_softmax_at, self.scores, self._per_expert(self._named(items)), 2)
 
     def gather_with_rest(self, items: Tensor, also: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        named = items if also is None else torch.cat([items, also], 1)
+        items = self._named(items)
+        named = items if also is None else torch.cat([items, self._named(also, "also")], 1)
+        return ids_in_range(self.num_items, self._gather_with_rest, items, named)
+
+    def _gather_with_rest(self, items: Tensor, named: Tensor) -> tuple[Tensor, Tensor]:
         if self.num_experts == 1:  # the items scattered into a copy of the scores: no mask to make
             return gather_with_rest(self.scores, named.unsqueeze(1), 2, items.unsqueeze(1))
         # One [B, 1, N] mask (-inf at the items) for every expert: B·L writes, not B·M·L into a copy of the scores.
@@ -331,6 +336,10 @@ class DenseCatalog(CatalogScores):
 
     def _per_expert(self, items: Tensor) -> Tensor:
         return items.unsqueeze(1).expand(-1, self.num_experts, -1)
+
+    def _named(self, items: Tensor, name: str = "items") -> Tensor:
+        """``items [B, L]`` checked for its type and shape (a ``[1, L]`` would gather the first row alone)."""
+        return check_id_tensor(name, items, batch_size=self.batch_size, allow_empty=True)
 
     def _drop(self, scores: Tensor, exclude: Tensor | None, value: float) -> Tensor:
         """``scores [B, E, N]`` with each row's excluded items set to ``value`` (differentiable).
@@ -366,6 +375,22 @@ def available_given_masks(masked_items: Tensor, num_items: int, num_experts: int
     distinct = s >= 0
     distinct[:, 1:] &= s[:, 1:] != s[:, :-1]
     return (num_items - distinct.sum(1)).unsqueeze(1).expand(-1, num_experts)
+
+
+T = TypeVar("T")
+
+
+def ids_in_range(num_items: int, fn: Callable[..., T], *args: object) -> T:
+    """``fn(*args)``, where torch's error for an id out of range (an ``IndexError`` or ``RuntimeError``: "out of
+    bounds") becomes a ``ValueError`` naming ``items``: the check costs nothing when the ids are fine."""
+    if torch.compiler.is_compiling():
+        return fn(*args)
+    try:
+        return fn(*args)
+    except (IndexError, RuntimeError) as error:
+        if "out of bounds" not in str(error) and "out of range" not in str(error):
+            raise
+        raise ValueError(f"items must hold ids in [0, {num_items})") from None
 
 
 def masked_named_scores(scores: Tensor, items: Tensor, masked_items: Tensor | None, *, check: bool) -> Tensor:
@@ -566,14 +591,10 @@ class EmbeddingCatalog(CatalogScores):
         return torch.cat([self.masked_items, exclude], dim=1)
 
     def gather(self, items: Tensor) -> Tensor:
-        if items.dim() != 2 or items.shape[0] != self.batch_size:  # a [1, L] broadcast silently to every row
-            raise ValueError(f"items must have shape [B={self.batch_size}, L], got {list(items.shape)}")
-        with no_autocast(self.device):
-            try:  # index_select: a negative id is an error, not the last item (and costs no host read to check)
-                named = self.item.index_select(0, items.reshape(-1)).view(*items.shape, *self.item.shape[1:])
-            except IndexError:
-                raise ValueError(f"items must hold ids in [0, {self.num_items})") from None
-            scores = torch.einsum("bmd,blmd->bml", self.user, named)
+        items = check_id_tensor("items", items, batch_size=self.batch_size, allow_empty=True)  # not [1, L]: broadcast
+        with no_autocast(self.device):  # index_select: a negative id is an error, not the last item
+            named = ids_in_range(self.num_items, self.item.index_select, 0, items.reshape(-1))
+            scores = torch.einsum("bmd,blmd->bml", self.user, named.view(*items.shape, *self.item.shape[1:]))
         return masked_named_scores(scores, items, self.masked_items, check=self.validate)
 
     def log_power_sums(self, exclude: Tensor | None = None, num_powers: int = 1) -> Tensor:

@@ -47,6 +47,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import copy
+import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 
@@ -59,7 +60,7 @@ from capg_rec._numerics import (exp_floor, gumbel_group_size, gumbel_top_k, no_a
                                 select_experts, top_k)
 from capg_rec.ann import ItemIndex
 from capg_rec.catalog import CatalogScores, _overflow_error, agreement, available_given_masks, check_exclude, \
-    compute_dtype, masked_named_scores, unpadded
+    compute_dtype, ids_in_range, masked_named_scores, unpadded
 
 __all__ = ["SampledCatalog", "NegativeSampler", "UniformSampler", "InBatchSampler", "MixedSampler", "DrawnSample",
            "MAX_SAMPLED_POWERS"]
@@ -90,6 +91,17 @@ class NegativeSampler(abc.ABC):
     def draws_batch(self) -> bool:
         """Whether the sample holds the batch's own named items (``batch_items``)."""
         return False
+
+    def state_dict(self) -> dict[str, object]:
+        """What the sampler has learnt from the steps so far (for a checkpoint); stateless samplers: ``{}``."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        """Restore :meth:`state_dict`'s output."""
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be a dict, got {type(state).__name__}")
+        if state:
+            raise ValueError(f"{type(self).__name__} keeps no state, got keys {sorted(state)}")
 
     def log_expected_count_from_others(self, ids: Tensor, num_items: int, batch_items: Tensor) -> Tensor:
         """``log E[count of id]`` from the slots of the other rows of ``batch_items [B, H]`` only, per row → ``[B, S]``:
@@ -128,8 +140,12 @@ class InBatchSampler(NegativeSampler):
     steps between sightings and one ``c`` of its copies in a batch where it is seen;
     ``E[count] = E[copies | seen] · P(seen) ≈ c / δ``, with ``δ`` the largest and ``c`` the smallest over
     ``num_hashes`` hash functions (collisions only shorten the one and raise the other, as in a count-min
-    sketch). An item's first sighting sets ``δ`` to the steps so far and ``c`` to its copies. Each
-    :meth:`draw` is one step: it records the batch first.
+    sketch). An item's first sighting sets ``δ`` to the steps so far and ``c`` to its copies; until an item
+    has been seen ``1/alpha`` times its averages are plain means of its sightings (rate ``1/n`` at the n-th),
+    so that a rare item's ``1/δ`` does not rest on its first gap (which a fixed rate keeps at weight
+    ``(1 - alpha)^n``: an item seen 30 times at ``alpha = 0.01`` had its count overestimated by 40–90%, as
+    ``1/δ`` of a few gaps is biased upwards). Each :meth:`draw` is one step: it records the batch first. The
+    estimate follows the batches to their device, and :meth:`state_dict` carries it into a checkpoint.
 
     In-batch negatives never reach items that are never named: the estimate is biased towards
     popular items unless the batch covers the catalog. :class:`MixedSampler` adds uniform negatives.
@@ -173,6 +189,7 @@ class InBatchSampler(NegativeSampler):
         self._last: Tensor | None = None  # [h, buckets + 1] float64: step of the last sighting (0: never)
         self._interval: Tensor | None = None  # [h, buckets + 1] float64: moving average of the gaps
         self._copies: Tensor | None = None  # [h, buckets + 1] float64: moving average of the copies when seen
+        self._sightings: Tensor | None = None  # [h, buckets + 1] float64: how often seen
 
     def _buckets(self, ids: Tensor) -> Tensor:
         mult, add = self._mult.to(ids.device), self._add.to(ids.device)
@@ -181,19 +198,59 @@ class InBatchSampler(NegativeSampler):
     def observe(self, batch_items: Tensor) -> None:
         """Record one step's named items ``[B, H]`` (``-1`` padded) in the frequency estimate."""
         ids = batch_items.reshape(-1)
-        if self._last is None or self._last.device != ids.device:  # the last column: padding's spare bucket
-            self._last = torch.zeros(self.num_hashes, self.num_buckets + 1, dtype=torch.float64, device=ids.device)
-            self._interval, self._copies = torch.zeros_like(self._last), torch.zeros_like(self._last)
+        if self._last is None:  # the last column: padding's spare bucket
+            zeros = torch.zeros(self.num_hashes, self.num_buckets + 1, dtype=torch.float64, device=ids.device)
+            self._last, self._interval, self._copies, self._sightings = (zeros.clone() for _ in range(4))
+        elif self._last.device != ids.device:  # the batches moved: the estimate follows them
+            self._last, self._interval, self._copies, self._sightings = (
+                t.to(ids.device) for t in (self._last, self._interval, self._copies, self._sightings))
         self.step += 1
         buckets = torch.where(ids >= 0, self._buckets(ids), self.num_buckets)  # [h, S]
-        for row, last, interval, copies in zip(buckets, self._last, self._interval, self._copies):
+        for row, last, interval, copies, sightings in zip(buckets, self._last, self._interval, self._copies,
+                                                          self._sightings):
             seen, count = torch.unique(row, return_counts=True)  # each bucket once, with its copies
-            before = last[seen]
-            first = before == 0
-            gap = self.step - before
-            interval[seen] = torch.where(first, gap, (1 - self.alpha) * interval[seen] + self.alpha * gap)
-            copies[seen] = torch.where(first, count.double(), (1 - self.alpha) * copies[seen] + self.alpha * count)
+            gap = self.step - last[seen]  # the steps so far at a first sighting
+            n = sightings[seen] + 1.0
+            rate = torch.clamp(1.0 / n, min=self.alpha)  # plain means of the first 1/alpha sightings
+            interval[seen] = interval[seen] + rate * (gap - interval[seen])
+            copies[seen] = copies[seen] + rate * (count.double() - copies[seen])
+            sightings[seen] = n
             last[seen] = float(self.step)
+
+    _STATE = ("last", "interval", "copies", "sightings")
+
+    def state_dict(self) -> dict[str, object]:
+        """``{"step": int}`` and, once a batch was seen, the estimate's ``[num_hashes, num_buckets + 1]`` float64
+        tables (``last``, ``interval``, ``copies``, ``sightings``); with a given ``frequency``: ``{}``."""
+        if self.frequency is not None:
+            return {}
+        state: dict[str, object] = {"step": self.step}
+        if self._last is not None:
+            state.update(zip(self._STATE, (self._last, self._interval, self._copies, self._sightings)))
+        return state
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be a dict, got {type(state).__name__}")
+        if self.frequency is not None:
+            return NegativeSampler.load_state_dict(self, state)
+        tables = [k for k in self._STATE if k in state]
+        if "step" not in state or tables not in ([], list(self._STATE)) or set(state) - {"step", *self._STATE}:
+            raise ValueError(f"state must hold 'step' and either none or all of {self._STATE}, got keys "
+                             f"{sorted(state)}")
+        step = state["step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"state['step'] must be an int >= 0, got {step!r}")
+        shape = (self.num_hashes, self.num_buckets + 1)
+        for key in tables:
+            t = state[key]
+            if not isinstance(t, Tensor) or t.dtype != torch.float64 or tuple(t.shape) != shape:
+                raise ValueError(f"state[{key!r}] must be a float64 tensor of shape {shape} (num_hashes, num_buckets "
+                                 f"+ 1), got {t.dtype if isinstance(t, Tensor) else type(t).__name__} "
+                                 f"{tuple(t.shape) if isinstance(t, Tensor) else ''}")
+        self.step = step
+        loaded = [state[k].clone() for k in tables] or [None] * 4  # type: ignore[union-attr]
+        self._last, self._interval, self._copies, self._sightings = loaded
 
     def draw(self, num_items: int, batch_items: Tensor | None, *, generator: torch.Generator | None,
              device: torch.device) -> Tensor:
@@ -264,6 +321,19 @@ class MixedSampler(NegativeSampler):
     @property
     def draws_batch(self) -> bool:
         return any(s.draws_batch for s in self.samplers)
+
+    def state_dict(self) -> dict[str, object]:
+        """Each sampler's state, under its position (``"0"``, ``"1"``, ...)."""
+        return {str(i): s.state_dict() for i, s in enumerate(self.samplers)}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be a dict, got {type(state).__name__}")
+        keys = [str(i) for i in range(len(self.samplers))]
+        if sorted(state) != sorted(keys):
+            raise ValueError(f"state must hold one entry per sampler, {keys}, got keys {sorted(state)}")
+        for key, sampler in zip(keys, self.samplers):
+            sampler.load_state_dict(state[key])  # type: ignore[arg-type]
 
     def log_expected_count_from_others(self, ids: Tensor, num_items: int, batch_items: Tensor) -> Tensor:
         parts = torch.stack([s.log_expected_count_from_others(ids, num_items, batch_items) for s in self.samplers])
@@ -424,6 +494,12 @@ def check_index_items(index_items: object, *, batch_size: int, num_experts: int,
     return rows.view(found.shape)
 
 
+def _lookup(table: Tensor, ids: Tensor) -> Tensor:
+    """``table [N, M, D]`` rows of ``ids [...]`` → ``[..., M, D]``; an id out of ``[0, N)`` is an error (a negative
+    one is not the last row, as it is for ``table[ids]``)."""
+    return table.index_select(0, ids.reshape(-1)).view(*ids.shape, *table.shape[1:])
+
+
 class SampledCatalog(CatalogScores):
     """Scores ``<user[b, m], item[n, m]> / τ`` with catalog-wide sums estimated (see the module doc).
 
@@ -485,12 +561,14 @@ class SampledCatalog(CatalogScores):
             if num_items is not None and num_items != self.num_items:
                 raise ValueError(f"num_items={num_items} differs from the item table's {self.num_items} rows (it is "
                                  "for a callable item tower)")
-            self._tower: Callable[[Tensor], Tensor] = table.__getitem__
+            self._tower: Callable[[Tensor], Tensor] = functools.partial(_lookup, table)
+            self._checks_ids = True  # the lookup refuses ids out of range
         elif callable(item):
             if num_items is None:
                 raise ValueError("num_items is required when item is a callable item tower")
             self.num_items = check_count("num_items", num_items)
             self._tower = item
+            self._checks_ids = False
         else:
             raise TypeError(f"item must be a torch.Tensor or a callable item tower, got {type(item).__name__}")
         self.sampler = sampler
@@ -654,7 +732,11 @@ class SampledCatalog(CatalogScores):
         return available_given_masks(self.masked_items, self.num_items, self.num_experts)
 
     def gather(self, items: Tensor) -> Tensor:
-        return masked_named_scores(self._score(items), items, self.masked_items, check=self.validate)
+        # A table's lookup refuses ids out of range at no cost; a callable tower's ids are checked (a host read).
+        items = check_items("items", items, batch_size=self.batch_size, num_items=self.num_items, unique=False,
+                            validate=self.validate and not self._checks_ids, low=0)
+        scores = ids_in_range(self.num_items, self._score, items)
+        return masked_named_scores(scores, items, self.masked_items, check=self.validate)
 
     def _terms(self, exclude: Tensor | None) -> tuple[Tensor, Tensor]:
         """The head's scores ``[B, M, T]`` and the sample's bias ``[B | 1, 1, S]`` (``log w_j``) with ``-inf``
