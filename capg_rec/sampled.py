@@ -628,7 +628,12 @@ class SampledCatalog(CatalogScores):
                                          "one row?): mix in a UniformSampler (MixedSampler), or batch more rows")
             else:
                 log_count = sampler.log_expected_count(self.sample_ids, self.num_items, batch_items)  # [S]
-            usable = (self.sample_ids >= 0) & (log_count > -math.inf)
+            never = (self.sample_ids >= 0) & (log_count == -math.inf)  # drawn, yet of expected count 0
+            if self.validate and bool(never.any()):
+                item = int(self.sample_ids[never.nonzero()[0, -1]])
+                raise ValueError(f"sampler drew item {item}, whose expected count it gives as 0 (a given frequency "
+                                 "of 0 for an item in the batch?): its terms would silently be left out of the sums")
+            usable = ~never & (self.sample_ids >= 0)
             log_weight = torch.where(usable, copies.to(torch.float64).log() - log_count, -math.inf)
             self.sample_log_weight = log_weight.to(self.dtype)  # [S], or [B, 1, S] per row
             # The sample's terms are its scores plus this bias: log w_j, or -inf where left out of the sums:

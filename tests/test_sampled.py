@@ -925,3 +925,18 @@ def test_named_items_are_checked_by_every_catalog(kind):
             fn(torch.tensor([[1]]))
         with pytest.raises(TypeError, match="items must have an integer dtype"):
             fn(good.float())
+
+
+def test_a_drawn_item_of_zero_expected_count_is_refused():
+    """A given frequency of 0 for an item that the batch holds: its sample terms were silently left out of the sums
+    (found by review); with the checks on it is a ValueError naming the item."""
+    gen = torch.Generator().manual_seed(0)
+    user, item = torch.randn(3, 4, generator=gen), torch.randn(20, 4, generator=gen)
+    frequency = torch.full((20,), 1 / 19, dtype=torch.float64)
+    frequency[5] = 0.0
+    sampler = InBatchSampler(frequency=frequency)
+    batch = torch.tensor([[1, 2], [5, 3], [4, 6]])
+    with pytest.raises(ValueError, match="sampler drew item 5, whose expected count it gives as 0"):
+        SampledCatalog(user, item, sampler=sampler, batch_items=batch)
+    SampledCatalog(user, item, sampler=sampler, batch_items=batch, validate_args=False)  # checks off: as before
+    SampledCatalog(user, item, sampler=sampler, batch_items=batch.clamp(max=4).where(batch != 5, 4))
