@@ -126,7 +126,7 @@ def offpolicy_capg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chos
     with scoring:
         score = _inclusion_log_prob(catalog, chosen, candidates.shape[1], method,
                                     resolve_validate_args(validate_args))  # [B, L]
-    weight = _weights(catalog, score - logged_log_inclusion.to(score.dtype), max_weight, self_normalize)
+    weight = _weights(catalog, score - logged_log_inclusion.to(score.dtype), max_weight, self_normalize, reduction)
     return _reduce(-(weight * advantage * _weighed(weight, score)).sum(1), reduction)
 
 
@@ -149,7 +149,7 @@ def offpolicy_vpg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chose
         width=num_candidates, distinct=True, ordered=True, logged=("logged_log_prob", logged_log_prob, False, 0.0))
     with scoring:
         score = _candidate_log_prob(catalog, candidates, False)  # [B]
-    weight = _weights(catalog, score - logged_log_prob.to(score.dtype), max_weight, self_normalize)
+    weight = _weights(catalog, score - logged_log_prob.to(score.dtype), max_weight, self_normalize, reduction)
     return _reduce(-(weight * advantage.sum(1) * _weighed(weight, score)), reduction)
 
 
@@ -178,7 +178,7 @@ def topk_reinforce_loss(logits: Tensor | CatalogScores, candidates: Tensor, chos
     num_candidates = candidates.shape[1]
     with scoring:
         score = _inclusion_log_prob(catalog, chosen, num_candidates, WithReplacement()) - math.log(num_candidates)
-    ratio = _weights(catalog, score - logged_log_item_prob.to(score.dtype), max_weight, self_normalize)
+    ratio = _weights(catalog, score - logged_log_item_prob.to(score.dtype), max_weight, self_normalize, reduction)
     multiplier = ratio
     if num_candidates > 1:  # λ_1 = 1 (0 · log 0 would be NaN at π_θ(a) = 1)
         single = score.detach().exp().clamp(max=1.0)  # λ_K → 0 as π → 1, so 1 - π's rounding there is harmless
@@ -206,12 +206,16 @@ def importance_weights(log_ratio: Tensor, *, max_weight: float | None = None,
     return _weights(None, log_ratio, *_weight_options(max_weight, self_normalize))
 
 
-def _weights(catalog: CatalogScores | None, log_ratio: Tensor, max_weight: float | None, self_normalize: bool
-             ) -> Tensor:
+def _weights(catalog: CatalogScores | None, log_ratio: Tensor, max_weight: float | None, self_normalize: bool,
+             reduction: str = "mean") -> Tensor:
     """:func:`importance_weights` of checked options, capped also for the ``catalog``'s gradient dtype if narrower
     (float16 logits: below √65504). Self-normalised ones are capped at ``max_weight`` only before the normalisation,
     which cancels their scale (a dtype's cap there would change their ratios: a float32 or float16 loss unlike a
-    float64 one), and at the dtypes' cap after it (they reach the batch's size)."""
+    float64 one), and after it at the cap of their own dtype under the ``"mean"`` ``reduction`` (a weight is at most
+    the number of weights, their mean being 1, and its gradient at most that over the number of rows: float16's cap
+    of 256 there made a SNIPS loss of 2560 weights 10x smaller than float32's, found by review), or of the gradient
+    dtype if narrower under ``"sum"`` and ``"none"`` (whose gradients, weights of up to the batch's size, would
+    overflow float16)."""
     gradient_dtype = None if catalog is None else catalog._gradient_dtype
     if not self_normalize:
         return torch.exp(_capped_log_weights(log_ratio, max_weight, gradient_dtype))
@@ -221,7 +225,7 @@ def _weights(catalog: CatalogScores | None, log_ratio: Tensor, max_weight: float
     weight = _relative_weights(log_weight)  # at most 1: no overflow in any dtype
     mean = weight.mean() if weight.numel() else weight.new_ones(())
     weight = weight / torch.where(mean > 0, mean, 1.0)
-    return weight.clamp(max=math.exp(_log_weight_cap(weight.dtype, gradient_dtype)))
+    return weight.clamp(max=math.exp(_log_weight_cap(weight.dtype, None if reduction == "mean" else gradient_dtype)))
 
 
 def _relative_weights(log_weight: Tensor) -> Tensor:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from capg_rec import (CAPGLoss, EmbeddingCatalog, OffPolicyCAPGLoss, OffPolicyVPGLoss, TopKReinforceLoss,
-                      candidate_log_prob, expert_of_position, inclusion_log_prob)
+                      candidate_log_prob, expert_of_position, inclusion_log_prob, sample_candidates)
 from capg_rec import functional as F
 from capg_rec._enumerate import all_draws, draw_log_probs, inclusion_probs
 
@@ -483,3 +483,24 @@ def test_logged_propensities_beyond_the_scores_dtype_are_refused_and_infinite_ra
     assert torch.isfinite(fine)  # float64 scores: the weight is capped, then normalised
     weights = F.importance_weights(torch.tensor([math.inf, 0.0, -math.inf, math.inf]), self_normalize=True)
     torch.testing.assert_close(weights, torch.tensor([2.0, 0.0, 0.0, 2.0]))
+
+
+def test_self_normalised_weights_of_a_large_batch_are_not_capped_for_half_logits():
+    """Found by review: after the normalisation, SNIPS weights were capped at float16's overflow cap (256) for float16
+    logits, while one weight of a batch of B·L = 2560 reaches ~2560 (their mean is 1): the loss came out 10x smaller
+    than float32's. Under the "mean" reduction they are at most the number of weights and their gradients at most that
+    over the rows, which float16 holds: the losses now agree ("sum" keeps the cap, test above)."""
+    g = torch.Generator().manual_seed(0)
+    batch, n, k, length = 512, 50, 10, 5
+    logits = torch.randn(batch, n, generator=g).half().float()  # float16 values
+    candidates = sample_candidates(logits, k, generator=g)
+    shown, rewards = candidates[:, :length], torch.ones(batch, length)
+    logged = inclusion_log_prob(logits, shown, k)
+    logged[0, 0] = -30.0  # one shown item that the logging ESR almost never proposed
+    losses, grads = {}, {}
+    for dtype in (torch.float16, torch.float32):
+        leaf = logits.to(dtype).requires_grad_()
+        losses[dtype] = F.offpolicy_capg_loss(leaf, candidates, shown, rewards, logged, self_normalize=True)
+        (grads[dtype],) = torch.autograd.grad(losses[dtype], leaf)
+    torch.testing.assert_close(losses[torch.float16], losses[torch.float32], rtol=1e-3, atol=0)
+    assert torch.isfinite(grads[torch.float16]).all()
