@@ -559,6 +559,8 @@ class _Recomputed(torch.autograd.Function):
         create_graph = torch.is_grad_enabled()  # a backward with create_graph: keep this one differentiable
         with torch.enable_grad():
             out = ctx.fn(*args)
+            if not out.requires_grad:  # what needs a gradient is not used here (a tail's sums, in rows without tail)
+                return (None,) * (len(args) + 1)
             grads = torch.autograd.grad(out, [args[i] for i in wanted], grad, create_graph=create_graph,
                                         allow_unused=True)
         result: list[Tensor | None] = [None] * (len(args) + 1)

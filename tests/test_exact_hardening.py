@@ -487,6 +487,27 @@ def test_forward_mode_with_a_budget_that_recomputes_pieces():
     torch.testing.assert_close(tangent, (grad * v).sum(), rtol=1e-8, atol=1e-12)
 
 
+def test_a_tail_alone_needing_gradients_under_a_small_budget():
+    """Only the tail's power sums need a gradient, and a row has no tail: under a budget small enough that pieces are
+    recomputed in backward, a piece of that row used nothing that needs one, and its backward raised "element 0 of
+    tensors does not require grad" (found by review). Now its gradient is zero, as with no budget."""
+    gen = torch.Generator().manual_seed(0)
+    batch, items = 3, 12
+    scores = torch.randn(batch, 1, items, generator=gen)
+    tail = torch.randn(batch, 1, 4, generator=gen) - 1.0
+    tail[0] = -INF
+    targets = torch.randint(0, items, (batch, 2), generator=gen)
+    grads = []
+    for budget in (2**12, 2**30):
+        leaf = tail.clone().requires_grad_()
+        summary = HeadTail(torch.arange(items).expand(batch, -1), scores, targets, leaf,
+                           torch.full((batch, 1), -INF))
+        (grad,) = torch.autograd.grad(exact_log_inclusion(summary, [(0, 4)], memory_budget=budget).sum(), leaf)
+        grads.append(grad)
+    assert torch.equal(grads[0][0], torch.zeros_like(grads[0][0])) and bool(grads[0][1:].abs().sum() > 0)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-7)
+
+
 def test_empty_batch_and_no_targets():
     x = torch.randn(0, 1, 5, requires_grad=True)
     out = exact_log_inclusion(_summary(x, torch.zeros(0, 2, dtype=torch.long)), [(0, 2)])
