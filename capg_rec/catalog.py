@@ -24,7 +24,7 @@ import abc
 import contextlib
 import copy
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 import torch
@@ -98,12 +98,31 @@ class CatalogScores(abc.ABC):
         that the answer joins the checks' one :meth:`agree`."""
         return None
 
-    def _trusting(self, trust: bool = True) -> contextlib.AbstractContextManager:
+    _trusted = False  # inside :meth:`_trusting`
+    _lookup_refuses_bad_ids = True  # on the CPU, torch's lookup (gather, index_select) raises for an id out of range
+
+    @contextlib.contextmanager
+    def _trusting(self, trust: bool = True) -> Iterator[None]:
         """A context in which :meth:`gather` skips checks of its own (collective ones included): for a call site
         that every process runs alike, with ids checked otherwise (:meth:`_vouch`'d into an agreement, or the
         catalog's own :meth:`top_items`). ``trust=False`` takes the checks again inside such a context (for ids
-        nobody vouched for: :func:`every_score`). Default: nothing to skip."""
-        return contextlib.nullcontext()
+        nobody vouched for: :func:`every_score`). Default: :attr:`_trusted` for the time of the context."""
+        self._trusted, before = trust, self._trusted
+        try:
+            yield
+        finally:
+            self._trusted = before
+
+    def _named(self, items: Tensor, name: str = "items") -> Tensor:
+        """``items [B, L]`` checked for its type and shape (a ``[1, L]`` would score the first row alone) and, with
+        the checks on outside :meth:`_trusting`, for ids in range where a lookup does not refuse them at no cost:
+        off the CPU (an index out of range is a device-side assert there); on the CPU :func:`ids_in_range` turns the
+        lookup's own error into a ``ValueError``."""
+        items = check_id_tensor(name, items, batch_size=self.batch_size, allow_empty=True)
+        free = self._lookup_refuses_bad_ids and items.device.type == "cpu"
+        if getattr(self, "validate", False) and not self._trusted and not free and items.numel():
+            check_items(name, items, batch_size=self.batch_size, num_items=self.num_items, unique=False)
+        return items
 
     def _drawing(self, num_candidates: int,
                  failed: Exception | None = None) -> contextlib.AbstractContextManager | None:
@@ -273,6 +292,7 @@ class DenseCatalog(CatalogScores):
             check_scaled(scores, self.scores, tau)
         self.batch_size, self.num_experts, self.num_items = self.scores.shape
         self.dtype, self.device = self.scores.dtype, self.scores.device
+        self.validate = validate
 
     def num_available(self) -> Tensor:
         scores = self.scores.detach()
@@ -321,7 +341,7 @@ class DenseCatalog(CatalogScores):
     def gather_with_rest(self, items: Tensor, also: Tensor | None = None) -> tuple[Tensor, Tensor]:
         items = self._named(items)
         named = items if also is None else torch.cat([items, self._named(also, "also")], 1)
-        return ids_in_range(self.num_items, self._gather_with_rest, items, named)
+        return ids_in_range(self.num_items, self._gather_with_rest, items, named, name="items and also")
 
     def _gather_with_rest(self, items: Tensor, named: Tensor) -> tuple[Tensor, Tensor]:
         if self.num_experts == 1:  # the items scattered into a copy of the scores: no mask to make
@@ -337,9 +357,6 @@ class DenseCatalog(CatalogScores):
     def _per_expert(self, items: Tensor) -> Tensor:
         return items.unsqueeze(1).expand(-1, self.num_experts, -1)
 
-    def _named(self, items: Tensor, name: str = "items") -> Tensor:
-        """``items [B, L]`` checked for its type and shape (a ``[1, L]`` would gather the first row alone)."""
-        return check_id_tensor(name, items, batch_size=self.batch_size, allow_empty=True)
 
     def _drop(self, scores: Tensor, exclude: Tensor | None, value: float) -> Tensor:
         """``scores [B, E, N]`` with each row's excluded items set to ``value`` (differentiable).
@@ -380,9 +397,10 @@ def available_given_masks(masked_items: Tensor, num_items: int, num_experts: int
 T = TypeVar("T")
 
 
-def ids_in_range(num_items: int, fn: Callable[..., T], *args: object) -> T:
-    """``fn(*args)``, where torch's error for an id out of range (an ``IndexError`` or ``RuntimeError``: "out of
-    bounds") becomes a ``ValueError`` naming ``items``: the check costs nothing when the ids are fine."""
+def ids_in_range(num_items: int, fn: Callable[..., T], *args: object, name: str = "items") -> T:
+    """``fn(*args)``, a lookup of ids, where torch's error for an id out of range (an ``IndexError`` or
+    ``RuntimeError``: "out of bounds") becomes a ``ValueError`` naming them (``name``): the check costs nothing
+    when the ids are fine (on the CPU; elsewhere :meth:`CatalogScores._named` checks them first)."""
     if torch.compiler.is_compiling():
         return fn(*args)
     try:
@@ -390,7 +408,7 @@ def ids_in_range(num_items: int, fn: Callable[..., T], *args: object) -> T:
     except (IndexError, RuntimeError) as error:
         if "out of bounds" not in str(error) and "out of range" not in str(error):
             raise
-        raise ValueError(f"items must hold ids in [0, {num_items})") from None
+        raise ValueError(f"{name} must hold ids in [0, {num_items})") from error
 
 
 def masked_named_scores(scores: Tensor, items: Tensor, masked_items: Tensor | None, *, check: bool) -> Tensor:
@@ -591,7 +609,7 @@ class EmbeddingCatalog(CatalogScores):
         return torch.cat([self.masked_items, exclude], dim=1)
 
     def gather(self, items: Tensor) -> Tensor:
-        items = check_id_tensor("items", items, batch_size=self.batch_size, allow_empty=True)  # not [1, L]: broadcast
+        items = self._named(items)
         with no_autocast(self.device):  # index_select: a negative id is an error, not the last item
             named = ids_in_range(self.num_items, self.item.index_select, 0, items.reshape(-1))
             scores = torch.einsum("bmd,blmd->bml", self.user, named.view(*items.shape, *self.item.shape[1:]))

@@ -49,6 +49,7 @@ import contextlib
 import copy
 import functools
 import math
+import numbers
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -182,6 +183,7 @@ class InBatchSampler(NegativeSampler):
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        self.seed = seed
         g = torch.Generator().manual_seed(seed)
         self._mult = torch.randint(1, _PRIME, (num_hashes, 1), generator=g)
         self._add = torch.randint(0, _PRIME, (num_hashes, 1), generator=g)
@@ -220,13 +222,15 @@ class InBatchSampler(NegativeSampler):
     _STATE = ("last", "interval", "copies", "sightings")
 
     def state_dict(self) -> dict[str, object]:
-        """``{"step": int}`` and, once a batch was seen, the estimate's ``[num_hashes, num_buckets + 1]`` float64
-        tables (``last``, ``interval``, ``copies``, ``sightings``); with a given ``frequency``: ``{}``."""
+        """A snapshot (copies, which later steps leave alone): ``{"step": int, "seed": int}`` (the seed picks the hash
+        functions) and, once a batch was seen, the estimate's ``[num_hashes, num_buckets + 1]`` float64 tables
+        (``last``, ``interval``, ``copies``, ``sightings``); with a given ``frequency``: ``{}``."""
         if self.frequency is not None:
             return {}
-        state: dict[str, object] = {"step": self.step}
+        state: dict[str, object] = {"step": self.step, "seed": self.seed}
         if self._last is not None:
-            state.update(zip(self._STATE, (self._last, self._interval, self._copies, self._sightings)))
+            state.update(zip(self._STATE, (t.clone() for t in (self._last, self._interval, self._copies,
+                                                                self._sightings))))
         return state
 
     def load_state_dict(self, state: dict[str, object]) -> None:
@@ -235,12 +239,16 @@ class InBatchSampler(NegativeSampler):
         if self.frequency is not None:
             return NegativeSampler.load_state_dict(self, state)
         tables = [k for k in self._STATE if k in state]
-        if "step" not in state or tables not in ([], list(self._STATE)) or set(state) - {"step", *self._STATE}:
-            raise ValueError(f"state must hold 'step' and either none or all of {self._STATE}, got keys "
+        if {"step", "seed"} - set(state) or tables not in ([], list(self._STATE)) or \
+                set(state) - {"step", "seed", *self._STATE}:
+            raise ValueError(f"state must hold 'step', 'seed' and either none or all of {self._STATE}, got keys "
                              f"{sorted(state)}")
         step = state["step"]
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
             raise ValueError(f"state['step'] must be an int >= 0, got {step!r}")
+        if state["seed"] != self.seed:
+            raise ValueError(f"state['seed'] is {state['seed']!r}, but this sampler hashes with seed={self.seed}: "
+                             "build it with the seed of the sampler whose state this is")
         shape = (self.num_hashes, self.num_buckets + 1)
         for key in tables:
             t = state[key]
@@ -248,7 +256,7 @@ class InBatchSampler(NegativeSampler):
                 raise ValueError(f"state[{key!r}] must be a float64 tensor of shape {shape} (num_hashes, num_buckets "
                                  f"+ 1), got {t.dtype if isinstance(t, Tensor) else type(t).__name__} "
                                  f"{tuple(t.shape) if isinstance(t, Tensor) else ''}")
-        self.step = step
+        self.step = int(step)
         loaded = [state[k].clone() for k in tables] or [None] * 4  # type: ignore[union-attr]
         self._last, self._interval, self._copies, self._sightings = loaded
 
@@ -562,13 +570,12 @@ class SampledCatalog(CatalogScores):
                 raise ValueError(f"num_items={num_items} differs from the item table's {self.num_items} rows (it is "
                                  "for a callable item tower)")
             self._tower: Callable[[Tensor], Tensor] = functools.partial(_lookup, table)
-            self._checks_ids = True  # the lookup refuses ids out of range
         elif callable(item):
             if num_items is None:
                 raise ValueError("num_items is required when item is a callable item tower")
             self.num_items = check_count("num_items", num_items)
             self._tower = item
-            self._checks_ids = False
+            self._lookup_refuses_bad_ids = False  # the ids are checked for it (CatalogScores._named)
         else:
             raise TypeError(f"item must be a torch.Tensor or a callable item tower, got {type(item).__name__}")
         self.sampler = sampler
@@ -737,10 +744,10 @@ class SampledCatalog(CatalogScores):
         return available_given_masks(self.masked_items, self.num_items, self.num_experts)
 
     def gather(self, items: Tensor) -> Tensor:
-        # A table's lookup refuses ids out of range at no cost; a callable tower's ids are checked (a host read).
-        items = check_items("items", items, batch_size=self.batch_size, num_items=self.num_items, unique=False,
-                            validate=self.validate and not self._checks_ids, low=0)
-        scores = ids_in_range(self.num_items, self._score, items)
+        items = self._named(items)
+        # A table's lookup refuses ids out of range itself; a callable tower's errors are its own.
+        table = self._lookup_refuses_bad_ids
+        scores = ids_in_range(self.num_items, self._score, items) if table else self._score(items)
         return masked_named_scores(scores, items, self.masked_items, check=self.validate)
 
     def _terms(self, exclude: Tensor | None) -> tuple[Tensor, Tensor]:

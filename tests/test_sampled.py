@@ -866,10 +866,11 @@ def test_streaming_estimate_state_dict_round_trip_and_device_moves(device):
     for b in batches[:30]:
         whole.observe(b)
     state = whole.state_dict()
-    assert state["step"] == 30 and state["sightings"].shape == (2, (1 << 18) + 1)
-    restored.load_state_dict({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()})
+    assert state["step"] == 30 and state["seed"] == 0 and state["sightings"].shape == (2, (1 << 18) + 1)
     for b in batches[30:]:
         whole.observe(b)
+    restored.load_state_dict(state)  # kept in memory while `whole` went on: a snapshot (found by review)
+    for b in batches[30:]:
         restored.observe(b.to(device))  # the rest of the steps on the device
     ids = torch.arange(50)
     torch.testing.assert_close(restored.log_expected_count(ids.to(device), 50, None).cpu(),
@@ -879,7 +880,7 @@ def test_streaming_estimate_state_dict_round_trip_and_device_moves(device):
     again = MixedSampler(UniformSampler(3), InBatchSampler())
     again.load_state_dict(mixed.state_dict())
     assert again.samplers[1].step == 1
-    assert InBatchSampler().state_dict() == {"step": 0} and UniformSampler(3).state_dict() == {}
+    assert InBatchSampler().state_dict() == {"step": 0, "seed": 0} and UniformSampler(3).state_dict() == {}
 
 
 def test_sampler_state_dict_refuses_what_does_not_fit():
@@ -888,10 +889,12 @@ def test_sampler_state_dict_refuses_what_does_not_fit():
     state = sampler.state_dict()
     with pytest.raises(TypeError, match="state must be a dict"):
         sampler.load_state_dict([("step", 1)])
-    with pytest.raises(ValueError, match="'step' and either none or all"):
-        sampler.load_state_dict({"step": 1, "last": state["last"]})
+    with pytest.raises(ValueError, match="'step', 'seed' and either none or all"):
+        sampler.load_state_dict({"step": 1, "seed": 0, "last": state["last"]})
     with pytest.raises(ValueError, match=r"state\['step'\]"):
         sampler.load_state_dict({**state, "step": -1})
+    with pytest.raises(ValueError, match=r"state\['seed'\] is 3, but this sampler hashes with seed=0"):
+        sampler.load_state_dict({**state, "seed": 3})  # other hash functions: the tables would mean nothing
     with pytest.raises(ValueError, match=r"state\['copies'\].*num_buckets"):
         sampler.load_state_dict({**InBatchSampler(num_buckets=16).state_dict(), "last": state["last"],
                                  "interval": state["interval"], "copies": torch.zeros(2, 17, dtype=torch.float64),
@@ -925,6 +928,28 @@ def test_named_items_are_checked_by_every_catalog(kind):
             fn(torch.tensor([[1]]))
         with pytest.raises(TypeError, match="items must have an integer dtype"):
             fn(good.float())
+        assert fn(good[:, :0]).shape == (3, 1, 0)  # no columns: nothing to score
+    if kind == "dense":
+        with pytest.raises(ValueError, match=r"items and also must hold ids in \[0, 100\)"):
+            catalog.gather_with_rest(good, also=torch.tensor([[100], [2], [3]]))
+
+
+def test_a_callable_item_towers_own_errors_pass_through():
+    """The ids of a callable item tower are checked before it runs (with the checks on); an error of the tower's
+    own, on valid ids, is its own: it was reported as "items must hold ids" with its cause hidden (found by
+    review)."""
+    embed = torch.nn.Embedding(100, 8)
+    category = torch.arange(100)
+
+    def tower(ids: torch.Tensor) -> torch.Tensor:
+        return embed(category[ids])
+
+    catalog = SampledCatalog(torch.randn(2, 8), tower, num_items=100, sampler=UniformSampler(4))
+    category[60] = 150  # a bug inside the tower: a category id beyond its table
+    with pytest.raises(IndexError, match="index out of range in self"):
+        catalog.gather(torch.tensor([[10, 60], [1, 2]]))
+    with pytest.raises(ValueError, match=r"items must hold ids in \[0, 100\), got values in \[1, 100\]"):
+        catalog.gather(torch.tensor([[10, 100], [1, 2]]))  # an id of its own out of range: checked first
 
 
 def test_a_drawn_item_of_zero_expected_count_is_refused():

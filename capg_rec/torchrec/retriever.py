@@ -16,7 +16,8 @@ from torchrec.distributed.types import ShardingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
-from capg_rec._checks import check_count, check_flag, check_items, check_positive, resolve_validate_args
+from capg_rec._checks import check_count, check_flag, check_id_tensor, check_items, check_positive, \
+    resolve_validate_args
 from capg_rec.ann import ItemIndex
 from capg_rec.marginals import DEFAULT_METHOD, InclusionMethod
 from capg_rec.catalog import unpadded
@@ -578,6 +579,10 @@ class _RankSampledCatalog(SampledCatalog):
 
     def _trusting(self, trust: bool = True) -> contextlib.AbstractContextManager:
         return self._tower.trusting(trust)
+
+    def _named(self, items: Tensor, name: str = "items") -> Tensor:
+        # Type and shape only: the ids are the tower's to check, alike on every rank (a rank alone must not raise).
+        return check_id_tensor(name, items, batch_size=self.batch_size, allow_empty=True)
 
     def resampled(self, sampler: DrawnSample, *, head_items: Tensor | None = None, **kwargs: object) -> SampledCatalog:
         """:meth:`SampledCatalog.resampled` with a :class:`DrawnSample` whose ids the batch listed, as ``head_items``
