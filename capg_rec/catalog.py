@@ -98,6 +98,7 @@ class CatalogScores(abc.ABC):
         that the answer joins the checks' one :meth:`agree`."""
         return None
 
+    validate = False  # whether the value checks are on (each placement sets its own)
     _trusted = False  # inside :meth:`_trusting`
     _lookup_refuses_bad_ids = True  # on the CPU, torch's lookup (gather, index_select) raises for an id out of range
 
@@ -120,7 +121,7 @@ class CatalogScores(abc.ABC):
         lookup's own error into a ``ValueError``."""
         items = check_id_tensor(name, items, batch_size=self.batch_size, allow_empty=True)
         free = self._lookup_refuses_bad_ids and items.device.type == "cpu"
-        if getattr(self, "validate", False) and not self._trusted and not free and items.numel():
+        if self.validate and not self._trusted and not free and items.numel():
             check_items(name, items, batch_size=self.batch_size, num_items=self.num_items, unique=False)
         return items
 
@@ -356,7 +357,6 @@ class DenseCatalog(CatalogScores):
 
     def _per_expert(self, items: Tensor) -> Tensor:
         return items.unsqueeze(1).expand(-1, self.num_experts, -1)
-
 
     def _drop(self, scores: Tensor, exclude: Tensor | None, value: float) -> Tensor:
         """``scores [B, E, N]`` with each row's excluded items set to ``value`` (differentiable).
