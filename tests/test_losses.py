@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+import capg_rec
 import capg_rec.functional
 from capg_rec import (CAPGLoss, DenseCatalog, EmbeddingCatalog, VPGLoss, candidate_log_prob, dcg_weights,
                       expert_of_position, inclusion_log_prob, sample_candidates)
@@ -101,6 +102,47 @@ def test_baseline_weights_and_reduction(name):
     alpha = torch.tensor([1.0, 0.5, 0.25], dtype=torch.float64)
     torch.testing.assert_close(loss_fn(logits, cand, chosen, rewards, baseline=b2, position_weights=alpha),
                                loss_fn(logits, cand, chosen, (rewards - b2) * alpha))
+
+
+@pytest.mark.parametrize("name", [*sorted(ESTIMATORS), "offpolicy_capg", "offpolicy_vpg", "topk_reinforce"])
+def test_rewards_baselines_and_position_weights_are_constants(name):
+    """A learned baseline (a value head's output), rewards or position weights that carry a graph get no gradient
+    from a policy loss: they are constants of the estimator. Dropping the baseline's detach went unnoticed by every
+    test (a review's mutation); its value head then learnt from the policy gradient."""
+    logits, cand, chosen, rewards = _batch(seed=2)
+    logits.requires_grad_()
+    head = torch.rand(6, dtype=torch.float64, requires_grad=True)
+    weights = torch.tensor([1.0, 0.5, 0.25], dtype=torch.float64, requires_grad=True)
+    graph_rewards = rewards * (1.0 + 0.0 * head[:, None])
+    if name in ESTIMATORS:
+        loss = ESTIMATORS[name](6)(logits, cand, chosen, graph_rewards, baseline=head * 1.0 + 0.3,
+                                   position_weights=weights)
+    else:
+        cls = {"offpolicy_capg": capg_rec.OffPolicyCAPGLoss, "offpolicy_vpg": capg_rec.OffPolicyVPGLoss,
+               "topk_reinforce": capg_rec.TopKReinforceLoss}[name]
+        logged = torch.full((6,) if name == "offpolicy_vpg" else (6, 3), -1.0, dtype=torch.float64)
+        loss = cls(6)(logits, cand, chosen, graph_rewards, logged, baseline=head * 1.0 + 0.3,
+                      position_weights=weights)
+    grads = torch.autograd.grad(loss, (logits, head, weights), allow_unused=True)
+    assert grads[0] is not None and grads[1] is None and grads[2] is None, name
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+@pytest.mark.parametrize("logits_dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_the_loss_is_float32_whatever_the_rewards_dtype(name, logits_dtype):
+    """Half-precision logits give a float32 loss (as autocast does for softmax losses), and so do float32 ones,
+    whatever the rewards' dtype: float64 rewards gave a float64 loss, and float16 rewards of up to 1e3 summed
+    their advantages in float16 (off by 0.5 in 4515) when the advantage was not cast (a review's mutation)."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(8, 30, generator=gen).to(logits_dtype).float()  # values of the logits' dtype
+    cand = sample_candidates(logits, 6, generator=gen)
+    chosen = cand[:, :3]
+    rewards = torch.rand(8, 3, generator=gen, dtype=torch.float64) * 1e3
+    want = ESTIMATORS[name](6)(logits.double(), cand, chosen, rewards.half().double())
+    for rewards_dtype in (torch.float16, torch.float32, torch.float64):
+        got = ESTIMATORS[name](6)(logits.to(logits_dtype), cand, chosen, rewards.half().to(rewards_dtype))
+        assert got.dtype == torch.float32, (rewards_dtype, got.dtype)
+        torch.testing.assert_close(got.double(), want, rtol=2e-5, atol=0.0)
 
 
 @pytest.mark.parametrize("name", sorted(ESTIMATORS))

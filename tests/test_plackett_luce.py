@@ -376,6 +376,19 @@ def test_the_sampler_adds_its_noise_to_scores_relative_to_the_best(base):
     assert_counts_match(picks, (1 - taken) / 4, num_samples, method_tolerance=0.01)
 
 
+def test_an_ordered_draw_taking_one_item_beyond_resolution_is_allowed():
+    """A draw that takes one item beyond resolution (a soft mask of -1e9) leaves nothing to order among such items:
+    it is resolved, and sampling and the ordered-draw probability are right. Refusing it (a rule of "some taken"
+    for "more than one taken") went unnoticed by every test (a review's mutation)."""
+    x = torch.tensor([[0.0, 0.5, -1e9]])
+    draws = torch.tensor([[1, 0, 2], [0, 1, 2]])
+    want = draw_log_probs(x.double().unsqueeze(1), draws, expert_of_position(3, 1))[0]  # enumeration, float64
+    got = candidate_log_prob(x.expand(2, -1), draws)
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+    drawn = sample_candidates(x, 3, generator=torch.Generator().manual_seed(0))
+    assert drawn[0, 2] == 2 and sorted(drawn[0].tolist()) == [0, 1, 2]
+
+
 def test_draws_beyond_resolution_are_refused_even_far_apart_and_k_n_and_huge_bests_are_right():
     """Reviews of the resolution checks: a rule that took far items lying 40 nats apart (beyond their rounding)
     answered wrong (mean-field 0.934 and 0 for two certain items at -1e7 in float32; "enumerate" π = 2 for two equal
