@@ -30,6 +30,7 @@ there is none, and invalid inputs give undefined results.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 
 import torch
@@ -40,8 +41,8 @@ from capg_rec._checks import DeferredChecks, check_choice, check_count, check_fl
 from capg_rec.catalog import CatalogScores, DenseCatalog, agreement, as_catalog, check_scaled, narrowest
 from capg_rec.marginals import DEFAULT_METHOD, LOG_PROB_TOLERANCE, InclusionMethod, WithReplacement, \
     _inclusion_log_prob, _known_lookups, inclusion_method
-from capg_rec.plackett_luce import _candidate_log_prob, _expert_index, _unresolved_message, unmasked_needs, \
-    unresolved_draws
+from capg_rec.plackett_luce import _candidate_log_prob, _expert_index, _unresolved_message, expert_runs, \
+    unmasked_needs, unresolved_draws
 
 __all__ = ["vpg_loss", "capg_loss", "offpolicy_capg_loss", "offpolicy_vpg_loss", "topk_reinforce_loss",
            "importance_weights"]
@@ -374,9 +375,10 @@ def _check_values(catalog: CatalogScores, candidates: Tensor, chosen: Tensor, re
     if masked and inclusion and (catalog.num_experts > 1 or logged is not None):
         # one expert: K distinct candidates it can draw imply K unmasked items, but logged ones were drawn by another
         experts, needed, available = unmasked_needs(catalog, candidates.shape[1])
-        checks.all_above(available - needed, -1,
+        counts = list(itertools.accumulate(n for _, n in expert_runs(candidates.shape[1], catalog.num_experts)))
+        checks.all_above(available - needed, -1,  # the message from host values: no read-back of `needed`
                          f"num_candidates={candidates.shape[1]} needs, under the experts {experts} "
-                         f"of its blocks, {needed.tolist()} unmasked items (as many as the positions up to the end of "
+                         f"of its blocks, {counts} unmasked items (as many as the positions up to the end of "
                          "each block), but a row has fewer (items scored -inf are masked): the inclusion "
                          "methods assume it (CA-PG-SwR does not)")
     if far and (inclusion or ordered) and isinstance(catalog, DenseCatalog):

@@ -4,6 +4,7 @@ on CPU), and no read-back at all on the host path."""
 
 from __future__ import annotations
 
+import collections
 import math
 
 import pytest
@@ -139,6 +140,25 @@ def test_host_path_reads_nothing_back_and_torch_path_once(path):
         assert set(calls) <= {"numpy"}  # views of host memory, not read-backs
     else:
         assert calls == ["tolist"]
+
+
+@pytest.mark.parametrize("method", ["mean_field", "plugin"])
+def test_a_mixtures_checks_read_back_once_on_the_torch_path(path, method):
+    """What the checks add to a mixture's CA-PG loss (its calls with checks on less those with checks off): one
+    read-back of their verdicts on the torch path (CUDA's). The unmasked-items check built its message from a device
+    tensor on every call, a second read-back per step (found by review). (Forced on CPU, the branches that CPU
+    tensors take by their device, e.g. the logits' range, read scalars too: not counted here.)"""
+    logits, cand, chosen, rewards = _inputs()
+    counts = {}
+    for validate in (True, False):
+        with count_host_syncs() as calls:
+            CAPGLoss(5, method=method, validate_args=validate)(logits, cand, chosen, rewards)
+        counts[validate] = collections.Counter(calls)
+    added = counts[True] - counts[False]
+    if path.startswith("host"):
+        assert set(added) <= {"numpy"}, added
+    else:
+        assert added["tolist"] == 1, added
 
 
 def test_valid_masked_items_pass_on_both_paths(path):
