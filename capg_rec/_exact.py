@@ -70,7 +70,7 @@ from torch.autograd import forward_ad
 from torch import Tensor
 
 from capg_rec._head_tail import HeadTail
-from capg_rec._numerics import log1mexp, log1mexp_exp, safe_logsumexp
+from capg_rec._numerics import cumsum, log1mexp, log1mexp_exp, safe_logsumexp
 
 __all__ = ["DEFAULT_MEMORY_BUDGET", "EXACT_NUM_POWERS", "exact_log_inclusion"]
 
@@ -291,7 +291,7 @@ def _nodes(s: Tensor, rho: Tensor, valid: Tensor, log_z1: Tensor, k: int,
     starts, ends = torch.cat([g_lo.unsqueeze(1), v], 1), torch.cat([u, g_hi.unsqueeze(1)], 1)  # [B, S]
     length = (ends - starts).clamp(min=0.0)
     count = torch.ceil(length / min(1.0, 2.5 / math.sqrt(k)))  # panels per segment
-    cum = count.cumsum(1)
+    cum = cumsum(count, 1)
     panels = max(1, int(cum[:, -1].max()))
     index = torch.arange(panels, dtype=s.dtype, device=s.device).expand(s.shape[0], -1).contiguous()
     seg = torch.searchsorted(cum, index, right=True).clamp(max=count.shape[1] - 1)  # [B, panels]
@@ -443,7 +443,7 @@ def _tail_cdf(log_z: Tensor, g: Tensor, k: int) -> Tensor:
             neg = torch.logsumexp(torch.stack(even), 0)
             pos = pos + log1mexp((neg - pos).clamp(max=gap))
         log_t.append(pos - math.log(c))
-    cdf = torch.cumsum(torch.exp(torch.stack(log_t, dim=2)), dim=2)
+    cdf = cumsum(torch.exp(torch.stack(log_t, dim=2)), 2)
     return torch.where(empty, torch.ones_like(cdf), cdf)
 
 
@@ -465,7 +465,7 @@ def _log_cdf(s: Tensor, rho: Tensor, log_z: Tensor, k: int, targets: Tensor | No
                 p, cdf = p.clone(), cdf.clone()
             p_in = p if p.requires_grad else p.detach().requires_grad_()
             poly = _pb_poly(p_in, k, fft)
-            weight = torch.cumsum(cdf, dim=-1).flip(-1)[..., :poly.shape[-1]]
+            weight = cumsum(cdf, -1).flip(-1)[..., :poly.shape[-1]]
             (grad,) = torch.autograd.grad((poly * weight).sum(), p_in, create_graph=outer)
         return _safe_log(-grad)  # [B, Q, T]
     is_target = torch.zeros(s.shape, dtype=torch.bool, device=s.device).scatter(1, targets, True)

@@ -28,6 +28,22 @@ def eager_cpu(x: Tensor) -> bool:
             and not torch._C._functorch.is_functorch_wrapped_tensor(x))
 
 
+def cumsum(x: Tensor, dim: int) -> Tensor:
+    """``torch.cumsum(x, dim)``, except where :func:`refuses_float_cumsum`: there a product with a triangular matrix
+    of ones (the same sums, in another order; ``O(n²)`` along ``dim``, for the short axes it is used on)."""
+    if not refuses_float_cumsum(x):
+        return torch.cumsum(x, dim)
+    n = x.shape[dim]
+    ones = torch.ones(n, n, dtype=x.dtype, device=x.device).triu()  # [j, k] = 1 for j <= k
+    return (x.movedim(dim, -1) @ ones).movedim(-1, dim)
+
+
+def refuses_float_cumsum(x: Tensor) -> bool:
+    """Whether ``torch.cumsum`` of ``x`` raises: a floating CUDA tensor under ``torch.use_deterministic_algorithms``
+    (torch has no deterministic float cumsum there)."""
+    return x.is_floating_point() and x.device.type == "cuda" and torch.are_deterministic_algorithms_enabled()
+
+
 def select_experts(x: Tensor, experts: Sequence[int]) -> Tensor:
     """``x[:, experts]`` — a view (no copy) when the experts are consecutive. ``experts`` must be ints in
     ``[0, x.shape[1])`` (a ``TypeError`` / ``ValueError`` naming them otherwise: a slice would silently

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from capg_rec._head_tail import read_whole
-from capg_rec._numerics import Runs, bound_once, eager_cpu, exp_, filled_logsumexp, log1mexp, no_autocast, \
+from capg_rec._numerics import Runs, bound_once, cumsum, eager_cpu, exp_, filled_logsumexp, log1mexp, no_autocast, \
     position_index, reverse_logcumsumexp, safe_logaddexp, safe_logsumexp, select_experts
 from capg_rec.catalog import CatalogScores, DenseCatalog, every_score
 
@@ -83,7 +83,7 @@ def _log_first_hit(log_hazard: Tensor) -> Tensor:
     # π = Σ_k h_k Π_{j<k} (1 - h_j): first drawn at position k. Summed in log-space, this stays
     # exact where 1 - Π (1 - h) would round to 0 (tiny probabilities).
     log_miss = log1mexp(log_hazard)
-    log_miss_before = torch.nn.functional.pad(torch.cumsum(log_miss, dim=2)[..., :-1], (1, 0))
+    log_miss_before = torch.nn.functional.pad(cumsum(log_miss, dim=2)[..., :-1], (1, 0))
     return safe_logsumexp(log_hazard + log_miss_before, dim=2)
 
 

@@ -526,3 +526,33 @@ def test_embedding_catalog_losses_raise_on_overflowing_scores_when_read_whole(me
     assert torch.isfinite(CAPGLoss(3, method=method)(EmbeddingCatalog(user, item, masked_items=masked), cand,
                                                      cand[:, :1], ones))
     assert EmbeddingCatalog(user, item, validate_args=False).gather(cand).shape == (2, 1, 3)
+
+
+@pytest.mark.parametrize("method", ["plugin", "exact"])
+def test_the_triangular_cumsum_that_deterministic_cuda_takes(method, monkeypatch):
+    """Under torch.use_deterministic_algorithms, CUDA refuses float cumsums: the plug-in's log-space path (the one
+    off the CPU) and the exact method raised there (found by review). Their cumsums then take a product with a
+    triangular matrix of ones; forced here on the CPU, values, gradients and second derivatives are unchanged."""
+    import capg_rec
+    import capg_rec._numerics as numerics
+    import capg_rec._plugin as plugin
+
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 2, 12, generator=gen, dtype=torch.float64)
+    items = torch.tensor([[0, 5], [3, 11], [7, 7]])
+    monkeypatch.setattr(plugin, "eager_cpu", lambda x: False)  # the log-space plug-in, as off the CPU
+    results = []
+    for triangular in (False, True):
+        monkeypatch.setattr(numerics, "refuses_float_cumsum", lambda x, t=triangular: t and x.is_floating_point())
+        calls = []
+        monkeypatch.setattr(numerics.torch, "cumsum", lambda *a, _f=torch.cumsum, **k: calls.append(1) or _f(*a, **k))
+        leaf = logits.clone().requires_grad_()
+        out = capg_rec.inclusion_log_prob(leaf, items, 4, method=method)
+        (grad,) = torch.autograd.grad(out.sum(), leaf, create_graph=True)
+        (hvp,) = torch.autograd.grad((grad * logits).sum(), leaf)
+        results.append((out.detach(), grad.detach(), hvp))
+        monkeypatch.undo()
+        monkeypatch.setattr(plugin, "eager_cpu", lambda x: False)
+        assert bool(calls) != triangular, (triangular, len(calls))  # the triangular path takes no torch.cumsum
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
