@@ -120,7 +120,7 @@ class CatalogScores(abc.ABC):
         off the CPU (an index out of range is a device-side assert there); on the CPU :func:`ids_in_range` turns the
         lookup's own error into a ``ValueError``."""
         items = check_id_tensor(name, items, batch_size=self.batch_size, allow_empty=True)
-        free = self._lookup_refuses_bad_ids and items.device.type == "cpu"
+        free = self._lookup_refuses_bad_ids and self.device.type == "cpu"  # where the lookup runs
         if self.validate and not self._trusted and not free and items.numel():
             check_items(name, items, batch_size=self.batch_size, num_items=self.num_items, unique=False)
         return items

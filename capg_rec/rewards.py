@@ -12,12 +12,14 @@ from capg_rec._checks import check_count, check_float_tensor, check_positive, re
 __all__ = ["dcg_weights", "group_normalize"]
 
 
-def dcg_weights(length: int, *, dtype: torch.dtype = torch.float32) -> Tensor:
-    """DCG position weights ``α_l = 1 / log2(l + 1)`` for ``l = 1..L`` → ``[L]`` (a floating ``dtype``)."""
+def dcg_weights(length: int, *, dtype: torch.dtype = torch.float32,
+                device: torch.device | str | None = None) -> Tensor:
+    """DCG position weights ``α_l = 1 / log2(l + 1)`` for ``l = 1..L`` → ``[L]`` (a floating ``dtype``, on ``device``:
+    the rewards' for a loss's ``position_weights``; None: the default device)."""
     check_count("length", length)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
-    return 1.0 / torch.log2(torch.arange(2, length + 2, dtype=dtype))
+    return 1.0 / torch.log2(torch.arange(2, length + 2, dtype=dtype, device=device))
 
 
 def group_normalize(rewards: Tensor, *, offset: float = 0.0, dim: int = 0, eps: float = 1e-8,

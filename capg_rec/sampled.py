@@ -185,8 +185,8 @@ class InBatchSampler(NegativeSampler):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
         self.seed = seed
         g = torch.Generator().manual_seed(seed)
-        self._mult = torch.randint(1, _PRIME, (num_hashes, 1), generator=g)
-        self._add = torch.randint(0, _PRIME, (num_hashes, 1), generator=g)
+        self._mult = torch.randint(1, _PRIME, (num_hashes, 1), generator=g, device="cpu")  # whatever the default
+        self._add = torch.randint(0, _PRIME, (num_hashes, 1), generator=g, device="cpu")
         self.step = 0
         self._last: Tensor | None = None  # [h, buckets + 1] float64: step of the last sighting (0: never)
         self._interval: Tensor | None = None  # [h, buckets + 1] float64: moving average of the gaps

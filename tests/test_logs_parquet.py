@@ -774,3 +774,14 @@ def test_two_unclosed_writers_keep_both_their_rows(tmp_path):
             gc.collect()
     assert pq.ParquetFile(tmp_path / "d.parquet.unclosed").metadata.num_rows == 2
     assert pq.ParquetFile(tmp_path / "d.parquet.unclosed.1").metadata.num_rows == 4
+
+
+def test_reading_works_under_any_default_device(tmp_path):
+    """The reader's shared epoch, its shuffle and its batches' host buffers were made on the default device: under
+    torch.set_default_device("cuda") reading raised (found by review; "meta" stands in for it here)."""
+    path = tmp_path / "a.parquet"
+    _write(path, [7, 5, 3])
+    want = torch.cat([b.request_id for b in LoggedImpressions(path, 5, shuffle_row_groups=True, seed=1)])
+    with torch.device("meta"):
+        got = torch.cat([b.request_id for b in LoggedImpressions(path, 5, shuffle_row_groups=True, seed=1)])
+    assert got.device.type == "cpu" and torch.equal(got, want)

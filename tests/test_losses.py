@@ -240,10 +240,12 @@ def test_validate_args_false_gives_the_same_loss_and_skips_the_checks(name):
         DenseCatalog(logits.detach(), validate_args=0)
 
 
-def test_dcg_weights():
+def test_dcg_weights(device):
     torch.testing.assert_close(dcg_weights(3), torch.tensor([1.0, 1 / 1.5849625, 0.5]))
     with pytest.raises(ValueError, match="length"):
         dcg_weights(0)
+    weights = dcg_weights(3, dtype=torch.float64, device=device)  # the rewards' device, for position_weights
+    assert weights.device.type == torch.device(device).type and weights.dtype == torch.float64
 
 
 @pytest.mark.parametrize("method", ["mean_field", "exact", "plugin"])

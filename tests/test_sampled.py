@@ -965,3 +965,14 @@ def test_a_drawn_item_of_zero_expected_count_is_refused():
         SampledCatalog(user, item, sampler=sampler, batch_items=batch)
     SampledCatalog(user, item, sampler=sampler, batch_items=batch, validate_args=False)  # checks off: as before
     SampledCatalog(user, item, sampler=sampler, batch_items=batch.clamp(max=4).where(batch != 5, 4))
+
+
+def test_in_batch_hashes_are_made_on_the_host_under_any_default_device():
+    """InBatchSampler drew its hash functions from a CPU generator onto the default device: under
+    torch.set_default_device("cuda") that raises (found by review; "meta" stands in for it here, and its hash
+    functions there could not even be read)."""
+    with torch.device("meta"):
+        sampler = InBatchSampler(num_buckets=64)
+    assert sampler._mult.device.type == "cpu" and sampler._add.device.type == "cpu"
+    sampler.observe(torch.tensor([[1, 2], [2, 3]]))
+    assert torch.isfinite(sampler.log_expected_count(torch.tensor([1, 2, 3]), 10, None)).all()

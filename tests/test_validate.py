@@ -614,3 +614,13 @@ def test_ordered_draws_are_counted_in_memory_that_follows_the_draws_not_n_to_the
                           cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 0, done.stderr
     assert int(done.stdout.split()[-1]) < 400, done.stdout
+
+
+def test_draws_too_many_to_enumerate_are_counted_on_the_host_under_any_default_device():
+    """With more ordered draws than it enumerates (N = 10, K = 5), the validator made an empty tensor on the default
+    device beside its host counts: "Expected all tensors to be on the same device" under
+    torch.set_default_device("cuda") (found by review; the "meta" default device stands in for it here)."""
+    logits = randn(2, 10, seed=5)
+    with torch.device("meta"):
+        report = validate_esr(CatalogESR(logits, 5), num_samples=500, seed=2)
+    assert report.passed, report

@@ -498,7 +498,7 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
         if num_items is not None:
             check_count("num_items", num_items)
         # In shared memory: DataLoader workers, persistent ones included, read the epoch set here.
-        self._epoch = torch.zeros((), dtype=torch.long).share_memory_()
+        self._epoch = torch.zeros((), dtype=torch.long, device="cpu").share_memory_()
         self.meta, self.row_groups = self._inspect(num_items)
         self.num_items = num_items if num_items is not None else self.meta.num_items
         present = set(TENSOR_COLUMNS) - ({"features"} if self.meta.num_features is None else set())
@@ -648,7 +648,7 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
             # every (seed, epoch) its own order, for seeds of any size (a product would overflow or collide)
             key = hashlib.blake2b(f"{self.seed}:{self.epoch}".encode(), digest_size=8).digest()
             g = torch.Generator().manual_seed(int.from_bytes(key, "little"))
-            order = torch.randperm(len(order), generator=g).tolist()
+            order = torch.randperm(len(order), generator=g, device="cpu").tolist()
         return [self.row_groups[i] for i in order[shard::num_shards]]
 
     def _my_row_groups(self) -> list[tuple[int, int, int, int]]:
@@ -744,9 +744,9 @@ def _batch(cols: dict[str, np.ndarray]) -> LoggedBatch:
     sizes = {name: -(-x.size * _ITEMSIZE[name] // 8) * 8 for name, x in cols.items()}  # 8-byte aligned
     nbytes = sum(sizes.values())
     if nbytes > IN_BAND_BYTES and torch.utils.data.get_worker_info() is not None:
-        buffer = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(nbytes))
-    else:
-        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        buffer = torch.empty(0, dtype=torch.uint8, device="cpu").set_(torch.UntypedStorage._new_shared(nbytes))
+    else:  # host memory whatever the default device (numpy writes into it)
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device="cpu")
     out, offset = {}, 0
     for name, x in cols.items():
         view = buffer[offset:offset + x.size * _ITEMSIZE[name]].view(_DTYPES[name]).view(x.shape)

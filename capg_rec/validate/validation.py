@@ -130,7 +130,8 @@ def validate_esr(esr: ESR, contexts: Any = None, *, num_samples: int = 20_000, a
     # Ordered draws counted by their index among the enumerated ones (S of them; the last column: any other draw),
     # through a table of every base-N code: a [B, N^K] count reached 6.6 GB at B = 1000, N = K = 7.
     place = num_items ** torch.arange(k - 1, -1, -1, device="cpu")
-    seqs = _all_sequences(num_items, k, with_replacement) if enumerate_sets else torch.zeros(0, k, dtype=torch.long)
+    seqs = (_all_sequences(num_items, k, with_replacement) if enumerate_sets
+            else torch.zeros(0, k, dtype=torch.long, device="cpu"))
     width = seqs.shape[0] + 1
     index_of = torch.full((num_items ** k if enumerate_sets else 0,), width - 1, dtype=torch.long, device="cpu")
     index_of[(seqs * place).sum(1)] = torch.arange(seqs.shape[0], device="cpu")
