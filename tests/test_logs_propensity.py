@@ -181,6 +181,18 @@ def test_epsilon_one_is_uniform_and_shift_invariant():
         torch.testing.assert_close(x, y)
 
 
+def test_uniform_share_counts_the_items_unmasked_under_every_expert():
+    """The uniform draw of an ε-mixture takes the items unmasked under every expert: an item masked under one
+    expert only is out of it (N_avail = 5 of 6 here, so π = 2/5 and the ordered draw 1/20). Counting it in (under
+    any expert) went unnoticed by every test (a review's mutation: 2/6 and 1/30)."""
+    logits = torch.randn(1, 2, 6, generator=torch.Generator().manual_seed(0))
+    logits[0, 0, 5] = -math.inf
+    cands = torch.tensor([[0, 1]])
+    got = log_propensities(logits, cands, cands[:, :1], epsilon=1.0)
+    torch.testing.assert_close(got.log_inclusion, torch.full((1, 1), math.log(2 / 5)))
+    torch.testing.assert_close(got.log_candidate_prob, torch.full((1,), -math.log(5 * 4)))
+
+
 def test_compiles_without_host_syncs():
     logits = torch.randn(4, 2, 12, generator=torch.Generator().manual_seed(0))
     cands = explore_candidates(logits, 4, generator=torch.Generator().manual_seed(1))

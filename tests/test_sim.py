@@ -12,7 +12,9 @@ from scipy import stats
 
 from capg_rec.sim import (AntiOptimalLSR, MatrixEnv, NoisyLSR, OptimalLSR, UniformLSR, load_kuairec, make_lsr,
                           movielens_env, synthetic_env)
+from capg_rec.sim import synthetic
 from capg_rec.sim.kuairec import KUAIREC_COLUMNS
+from capg_rec.sim.synthetic import PAPER_SEED
 from capg_rec.sim.movielens import fit_matrix_factorization, load_movielens_ratings
 
 ALPHA = 1e-6  # family-wise false-alarm rate of every Monte-Carlo test
@@ -31,6 +33,13 @@ def test_synthetic_shapes_and_formulas(paper_env):
     assert bool((env.q > 1).all())
     torch.testing.assert_close(env.q, F.softplus(env.lsr_scores) + 1)  # q = softplus(q_raw) + 1
     assert bool(((env.reward_std > 0) & (env.reward_std < 1)).all())  # a sigmoid
+    # The noise level σ = sigmoid(u W_noise v + 1), from the environment's own draws, and pinned at a few entries
+    # (only q entered the policy-value tests: a σ of sigmoid(... - 1) went unnoticed, a review's mutation).
+    parts = synthetic._draw(PAPER_SEED, 1000, 1000, 10, True)
+    sigma = torch.sigmoid(parts["users"] @ parts["w_noise"] @ parts["items"].T + 1)
+    torch.testing.assert_close(env.reward_std, sigma.float())
+    torch.testing.assert_close(env.reward_std[0, :4], torch.tensor([0.873155, 0.747037, 0.732609, 0.594521]),
+                               rtol=1e-5, atol=0.0)
     # The paper's environment (its seed, its coupling): best achievable value ≈ 9.1.
     assert env.optimal_value(1) == pytest.approx(9.109, abs=1e-3)
 
