@@ -29,13 +29,17 @@ def eager_cpu(x: Tensor) -> bool:
 
 
 def cumsum(x: Tensor, dim: int) -> Tensor:
-    """``torch.cumsum(x, dim)``, except where :func:`refuses_float_cumsum`: there a product with a triangular matrix
-    of ones (the same sums, in another order; ``O(n²)`` along ``dim``, for the short axes it is used on)."""
+    """``torch.cumsum(x, dim)``, except where :func:`refuses_float_cumsum`: there a scan of ``⌈log2 n⌉`` shifted
+    additions (Hillis–Steele: the same sums, added in another order; elementwise ops, so neither autocast nor TF32
+    matmuls touch them)."""
     if not refuses_float_cumsum(x):
         return torch.cumsum(x, dim)
-    n = x.shape[dim]
-    ones = torch.ones(n, n, dtype=x.dtype, device=x.device).triu()  # [j, k] = 1 for j <= k
-    return (x.movedim(dim, -1) @ ones).movedim(-1, dim)
+    x = x.movedim(dim, -1)
+    shift = 1
+    while shift < x.shape[-1]:
+        x = x + torch.nn.functional.pad(x[..., :-shift], (shift, 0))
+        shift *= 2
+    return x.movedim(-1, dim)
 
 
 def refuses_float_cumsum(x: Tensor) -> bool:

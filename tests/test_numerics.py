@@ -529,10 +529,11 @@ def test_embedding_catalog_losses_raise_on_overflowing_scores_when_read_whole(me
 
 
 @pytest.mark.parametrize("method", ["plugin", "exact"])
-def test_the_triangular_cumsum_that_deterministic_cuda_takes(method, monkeypatch):
+def test_the_scan_cumsum_that_deterministic_cuda_takes(method, monkeypatch):
     """Under torch.use_deterministic_algorithms, CUDA refuses float cumsums: the plug-in's log-space path (the one
-    off the CPU) and the exact method raised there (found by review). Their cumsums then take a product with a
-    triangular matrix of ones; forced here on the CPU, values, gradients and second derivatives are unchanged."""
+    off the CPU) and the exact method raised there (found by review). Their cumsums then take a scan of shifted
+    additions; forced here on the CPU, values, gradients and second derivatives are unchanged, and a long float32
+    axis sums within float32 rounding of float64."""
     import capg_rec
     import capg_rec._numerics as numerics
     import capg_rec._plugin as plugin
@@ -556,3 +557,8 @@ def test_the_triangular_cumsum_that_deterministic_cuda_takes(method, monkeypatch
         assert bool(calls) != triangular, (triangular, len(calls))  # the triangular path takes no torch.cumsum
     for got, want in zip(results[1], results[0]):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    monkeypatch.setattr(numerics, "refuses_float_cumsum", lambda x: True)
+    x = torch.rand(3, 300, generator=gen, dtype=torch.float64)
+    scanned = numerics.cumsum(x.float(), 1).double()
+    # a scan adds each sum in ⌈log2 n⌉ = 9 steps: within 9 roundings of the running sum
+    assert bool(((scanned - x.cumsum(1)).abs() <= 9 * torch.finfo(torch.float32).eps * x.cumsum(1)).all())
