@@ -698,6 +698,7 @@ class SampledCatalog(CatalogScores):
         """
         user, item, temperature, num_items = self._source
         new = copy.copy(self)  # a subclass's own attributes come along
+        new._trusted = False  # a copy made inside a caller's _trusting() checks its own lookups
         SampledCatalog.__init__(new, user, item, sampler=sampler, temperature=temperature,
                                 index_items=self.index_items, head_items=head_items, batch_items=batch_items,
                                 masked_items=self.masked_items, num_items=num_items, generator=generator,
