@@ -50,6 +50,8 @@ def test_log_fresh_esr(tmp_path, capsys):
     assert data.meta.extra["epsilon"] == 0.2 and data.meta.extra["env"].startswith("synthetic")
     batch = _read_all(out)
     assert batch.candidates.shape == (300, 8) and batch.shown.shape == (300, 2) and batch.features is None
+    # the summary's mean over rows and shown items (over rows alone went unnoticed: a review's mutation)
+    assert summary["mean_inclusion"] == pytest.approx(float(batch.log_inclusion.double().exp().mean()), rel=1e-5)
     assert torch.equal(batch.request_id, torch.arange(300))
     env = synthetic_env()
     torch.testing.assert_close(batch.rewards.mean().item(), summary["mean_reward"], rtol=1e-5, atol=0)

@@ -518,6 +518,10 @@ def test_context_baseline_is_a_per_context_moving_average(one_rank):
         torch.testing.assert_close(baseline.average, torch.tensor([3.5, 1.0, 2.5, 0.0]))
         assert baseline.seen.tolist() == [True, True, True, False]
         assert set(baseline.state_dict()) == {"average", "seen"}
+        asymmetric = ContextBaseline(2, decay=0.9, process_group=group)  # decay and 1 - decay told apart
+        for reward in (1.0, 0.0):
+            asymmetric(torch.tensor([0]), torch.full((1, 2), reward))
+        torch.testing.assert_close(asymmetric.average, torch.tensor([0.9, 0.0]))
         with pytest.raises(ValueError, match=r"contexts must hold ids in \[0, 4\)"):
             baseline(torch.tensor([4]), torch.ones(1, 2))
         with pytest.raises(ValueError, match="contexts must be a 1-dim tensor"):

@@ -68,6 +68,40 @@ def test_policy_value_is_exact(env):
     assert value == pytest.approx(float(expected), rel=1e-6)
 
 
+def test_policy_value_over_more_users_than_one_chunk():
+    """policy_value scores users in chunks of 256: with 300 users it is still their mean (dividing by the last
+    chunk's size gave 5.08 for a mean of values in [0, 1]: a review's mutation)."""
+    big = synthetic_env(0, num_users=300, num_items=40)
+    trainer = Trainer(big, _config())
+    with torch.no_grad():
+        candidates = greedy_candidates(trainer.model(torch.arange(300)), 5)
+    expected = big.q.gather(1, candidates).max(dim=1).values.double().mean()  # optimal LSR, L = 1
+    assert trainer.evaluate() == pytest.approx(float(expected), rel=1e-6)
+
+
+def test_context_baseline_is_a_moving_average_with_its_decay(env):
+    """A user's baseline after rewards 1 then 0 at decay 0.9 is 0.9 (swapping decay and 1 - decay, 0.1, went
+    unnoticed: a review's mutation); a group's rows are one user each (users repeated row by row, not tiled)."""
+    trainer = Trainer(env, _config(baseline="context", baseline_decay=0.9))
+    users = torch.tensor([3])
+    trainer._baseline(users, torch.ones(1, 1))
+    trainer._baseline(users, torch.zeros(1, 1))
+    assert float(trainer._baseline(users, torch.zeros(1, 1))) == pytest.approx(0.9)
+    grouped = Trainer(env, _config(group_size=3, batch_size=4))
+    seen = []
+    model = grouped.model
+
+    class Spy(torch.nn.Module):
+        def forward(self, users):
+            seen.append(users)
+            return model(users)
+
+    grouped.model = Spy()
+    grouped.step()
+    rows = seen[0].view(4, 3)
+    assert torch.equal(rows, rows[:, :1].expand(-1, 3)), rows
+
+
 class _FakeLoss(torch.nn.Module):
     """A loss that is non-finite (value or gradient) at chosen calls."""
 

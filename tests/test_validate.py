@@ -624,3 +624,33 @@ def test_draws_too_many_to_enumerate_are_counted_on_the_host_under_any_default_d
     with torch.device("meta"):
         report = validate_esr(CatalogESR(logits, 5), num_samples=500, seed=2)
     assert report.passed, report
+
+
+def test_cli_forwards_its_options_to_the_validator(tmp_path, monkeypatch, capsys):
+    """Every option reaches validate_esr: a seed or tolerance not passed on went unnoticed (a review's mutations)."""
+    import capg_rec.validate.cli as validate_cli
+
+    (tmp_path / "my_esrs.py").write_text(
+        "import torch\nfrom capg_rec.validate import CatalogESR\n"
+        "def good():\n    return CatalogESR(torch.tensor([[0.0, 1.0, 2.0, 3.0]]), 2, method='enumerate'), None\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    seen = {}
+
+    def spy(esr, contexts, **kwargs):
+        seen.update(kwargs)
+        return validate_esr(esr, contexts, **kwargs)
+
+    monkeypatch.setattr(validate_cli, "validate_esr", spy)
+    _cli(["validate", "my_esrs:good", "--samples", "1500", "--seed", "7", "--tolerance", "0.2", "--alpha", "0.01"])
+    capsys.readouterr()
+    assert {k: seen[k] for k in ("num_samples", "seed", "tolerance", "alpha")} == \
+        {"num_samples": 1500, "seed": 7, "tolerance": 0.2, "alpha": 0.01}
+
+
+def test_multinomial_p_value_is_pearsons_chi_square():
+    """Against scipy's chisquare (k - 1 degrees of freedom: k went unnoticed, a review's mutation)."""
+    for observed, probs in (([40, 15, 45], [0.3, 0.2, 0.5]), ([10, 20, 30, 40], [0.25, 0.25, 0.25, 0.25])):
+        observed = np.asarray(observed, dtype=float)
+        want = stats.chisquare(observed, np.asarray(probs) * observed.sum()).pvalue
+        assert _stats.multinomial_p_value(observed, np.asarray(probs)) == pytest.approx(want, rel=1e-9)
