@@ -654,3 +654,26 @@ def test_multinomial_p_value_is_pearsons_chi_square():
         observed = np.asarray(observed, dtype=float)
         want = stats.chisquare(observed, np.asarray(probs) * observed.sum()).pvalue
         assert _stats.multinomial_p_value(observed, np.asarray(probs)) == pytest.approx(want, rel=1e-9)
+
+
+def test_report_statistics_follow_their_definitions():
+    """The report's numbers against their definitions (each change went unnoticed: a review's mutations):
+    - α is split between the statistical checks (inclusion and ordered draws, when draws are enumerated);
+    - the critical |z| is the two-sided Bonferroni quantile over B·N pairs;
+    - with replacement an item's count over n draws of K positions has standard error sqrt(K p (1 - p) / n),
+      p = claim / K, and the detectable relative error is the test's over n·K trials."""
+    alpha, n = 0.01, 2000
+    enumerated = validate_esr(CatalogESR(randn(2, 5), 2, method="exact"), num_samples=n, seed=0, alpha=alpha)
+    levels = {c.name: c.level for c in enumerated.checks if c.level is not None}
+    assert levels == {"inclusion": alpha / 2, "ordered_draws": alpha / 2}
+    assert enumerated.critical_z == pytest.approx(stats.norm.isf(alpha / 2 / (2 * 2 * 5)), rel=1e-12)
+    k, items = 7, 30
+    counted = validate_esr(CatalogESR(randn(2, 3, items), k, method="with_replacement"), num_samples=n, seed=0,
+                           alpha=alpha)
+    assert {c.name: c.level for c in counted.checks if c.level is not None} == {"expected_count": alpha}
+    p = np.clip(counted.claimed / k, 0.0, 1.0)
+    np.testing.assert_allclose(counted.stderr, np.sqrt(k * p * (1 - p) / n), rtol=1e-12)
+    claim = counted.reference_claim / k
+    low, high = (np.clip((counted.reference_claim + d) / k, 0.0, 1.0) for d in (-counted.tolerance, counted.tolerance))
+    want = _stats.detectable_rel_error(claim, low, high, n * k, counted.power, alpha / (2 * items))
+    assert counted.detectable_rel_error == pytest.approx(want, rel=1e-12)
