@@ -111,6 +111,18 @@ def test_bench_cost_table_survives_a_failed_bare_case(monkeypatch):
     assert [row["estimator"] for row in rows] == list(bench.ESTIMATORS)
     assert all(row["error"].endswith("not finished within 1 s") for row in rows)
 
+    def timed(cmd, **kwargs):  # every case 3x bare in time, 2x in memory
+        bare = cmd[cmd.index("--case") + 1] == "bare"
+        return SimpleNamespace(returncode=0, stdout=json.dumps({"seconds": 0.01 if bare else 0.03,
+                                                                "peak_mib": 10.0 if bare else 20.0}), stderr="")
+
+    monkeypatch.setattr(bench.subprocess, "run", timed)
+    rows = bench.cost_table([100], [(10, 1)], batch=2, dim=4, reps=1, case_timeout=1.0, memory_limit_gib=1.0)
+    # a case's cost over bare's (its inverse went unnoticed: a review's mutation)
+    want = {True: (1.0, 1.0), False: (3.0, 2.0)}
+    assert all((row["time_ratio"], row["memory_ratio"]) == pytest.approx(want[row["estimator"] == "bare"])
+               for row in rows)
+
 
 def test_old_new_comparison_runs_in_one_process(tmp_path):
     """benchmarks/loss_cost_ab.py against this very checkout (renamed): every cell, both versions, files written."""
