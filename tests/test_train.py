@@ -189,6 +189,10 @@ def test_a_run_checkpoints_its_last_step_off_the_grid(env, tmp_path):
     assert resumed.step_count == 7
     for a, b in zip(trainer.model.parameters(), resumed.model.parameters()):
         assert torch.equal(a, b)
+    # a finished run loaded again keeps its end-of-run evaluation (only an extended run drops it; dropping it always
+    # went unnoticed: a review's mutation)
+    assert [row["step"] for row in resumed.result.history] == [row["step"] for row in trainer.result.history] \
+        == [0, 5, 7]
 
 
 def test_interrupted_checkpoint_write_keeps_the_last_good_one(env, tmp_path, monkeypatch):
