@@ -562,3 +562,6 @@ def test_the_scan_cumsum_that_deterministic_cuda_takes(method, monkeypatch):
     scanned = numerics.cumsum(x.float(), 1).double()
     # a scan adds each sum in ⌈log2 n⌉ = 9 steps: within 9 roundings of the running sum
     assert bool(((scanned - x.cumsum(1)).abs() <= 9 * torch.finfo(torch.float32).eps * x.cumsum(1)).all())
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # elementwise adds: autocast leaves them in float32 (a product
+        under_autocast = numerics.cumsum(x.float(), 1)  # with a triangular matrix ran in bfloat16, found by review)
+    assert under_autocast.dtype == torch.float32 and torch.equal(under_autocast, scanned.float())
