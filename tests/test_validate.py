@@ -677,3 +677,24 @@ def test_report_statistics_follow_their_definitions():
     low, high = (np.clip((counted.reference_claim + d) / k, 0.0, 1.0) for d in (-counted.tolerance, counted.tolerance))
     want = _stats.detectable_rel_error(claim, low, high, n * k, counted.power, alpha / (2 * items))
     assert counted.detectable_rel_error == pytest.approx(want, rel=1e-12)
+
+
+def test_ordered_draws_check_is_bonferroni_over_contexts():
+    """The ordered-draws check's family p-value is B times the least per-context chi-square p-value (capped at 1):
+    the per-context p-value alone went unnoticed (a review's mutation)."""
+    from capg_rec.validate.validation import _all_sequences, _check_sets
+
+    esr = CatalogESR(randn(2, 4, seed=3), 2, method="enumerate")
+    with torch.no_grad():
+        claimed = esr.inclusion_log_prob(None).double().exp().numpy()
+        seqs = _all_sequences(4, 2, False)
+        probs = esr.candidate_log_prob(None, seqs.expand(2, -1, -1)).double().exp()
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.stack([torch.bincount(torch.multinomial(p, 400, replacement=True, generator=gen),
+                                         minlength=seqs.shape[0]) for p in probs]).double()
+    seq_counts = torch.cat([counts, torch.zeros(2, 1, dtype=torch.float64)], 1)  # no draw outside the support
+    _, check = _check_sets(esr, None, claimed, seq_counts, seqs, 1e-6, 0.005, torch.device("cpu"))
+    per_context = [_stats.multinomial_p_value(np.append(c.numpy(), 0.0), np.append(p.numpy(), 0.0))
+                   for c, p in zip(counts, probs)]
+    assert check.name == "ordered_draws" and check.p_value == pytest.approx(min(1.0, 2 * min(per_context)))
+    assert check.p_value < 1.0  # the factor shows
