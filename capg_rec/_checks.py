@@ -77,6 +77,17 @@ def check_flag(name: str, value: bool) -> bool:
     return value
 
 
+def check_device(name: str, value: object) -> torch.device:
+    """``value`` (a ``torch.device`` or a device string) as a ``torch.device``: a ``TypeError`` naming ``name`` for
+    another type, a ``ValueError`` for a string that names no device torch knows."""
+    if not isinstance(value, (torch.device, str)):
+        raise TypeError(f"{name} must be a torch.device, a str or None, got {type(value).__name__} {value!r}")
+    try:
+        return torch.device(value)
+    except RuntimeError as error:
+        raise ValueError(f"{name} must name a torch device, got {value!r} ({error})") from None
+
+
 def check_generator(generator: object) -> torch.Generator | None:
     """``generator`` itself: a ``torch.Generator`` or None (a ``TypeError`` naming it otherwise)."""
     if generator is not None and not isinstance(generator, torch.Generator):

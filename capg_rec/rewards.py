@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor
 
-from capg_rec._checks import check_count, check_float_tensor, check_positive, resolve_validate_args
+from capg_rec._checks import check_count, check_device, check_float_tensor, check_positive, resolve_validate_args
 
 __all__ = ["dcg_weights", "group_normalize"]
 
@@ -19,12 +19,7 @@ def dcg_weights(length: int, *, dtype: torch.dtype = torch.float32,
     check_count("length", length)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
-    if device is not None and not isinstance(device, (torch.device, str)):
-        raise TypeError(f"device must be a torch.device, a str or None, got {type(device).__name__} {device!r}")
-    try:
-        device = None if device is None else torch.device(device)
-    except RuntimeError as error:
-        raise ValueError(f"device must name a device, got {device!r} ({error})") from None
+    device = None if device is None else check_device("device", device)
     return 1.0 / torch.log2(torch.arange(2, length + 2, dtype=dtype, device=device))
 
 

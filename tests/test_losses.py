@@ -246,7 +246,7 @@ def test_dcg_weights(device):
         dcg_weights(0)
     weights = dcg_weights(3, dtype=torch.float64, device=device)  # the rewards' device, for position_weights
     assert weights.device.type == torch.device(device).type and weights.dtype == torch.float64
-    with pytest.raises(ValueError, match="device must name a device, got 'nonsense'"):
+    with pytest.raises(ValueError, match="device must name a torch device, got 'nonsense'"):
         dcg_weights(3, device="nonsense")
     with pytest.raises(TypeError, match="device must be a torch.device, a str or None, got int"):
         dcg_weights(3, device=3)

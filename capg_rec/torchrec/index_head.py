@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from torchrec import KeyedJaggedTensor
 
-from capg_rec._checks import check_count
+from capg_rec._checks import check_count, check_device
 from capg_rec.ann import ExactIndex, ItemIndex
 from capg_rec.torchrec.retriever import TwoTowerRetriever
 
@@ -71,10 +71,7 @@ class IndexHead:
         self.retriever = retriever
         self.size = check_count("size", size, high=retriever.num_items)
         self.refresh_every = check_count("refresh_every", refresh_every)
-        try:
-            self.device = torch.device(device)
-        except (RuntimeError, TypeError) as err:
-            raise ValueError(f"device must name a torch device, got {device!r}") from err
+        self.device = check_device("device", device)
         self._make_index = index
         self.index: ItemIndex | None = None
         self.calls = 0
