@@ -30,7 +30,6 @@ there is none, and invalid inputs give undefined results.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 
 import torch
@@ -41,7 +40,7 @@ from capg_rec._checks import DeferredChecks, check_choice, check_count, check_fl
 from capg_rec.catalog import CatalogScores, DenseCatalog, agreement, as_catalog, check_scaled, narrowest
 from capg_rec.marginals import DEFAULT_METHOD, LOG_PROB_TOLERANCE, InclusionMethod, WithReplacement, \
     _inclusion_log_prob, _known_lookups, inclusion_method
-from capg_rec.plackett_luce import _candidate_log_prob, _expert_index, _unresolved_message, expert_runs, \
+from capg_rec.plackett_luce import _candidate_log_prob, _expert_index, _unresolved_message, needed_per_block, \
     unmasked_needs, unresolved_draws
 
 __all__ = ["vpg_loss", "capg_loss", "offpolicy_capg_loss", "offpolicy_vpg_loss", "topk_reinforce_loss",
@@ -375,8 +374,8 @@ def _check_values(catalog: CatalogScores, candidates: Tensor, chosen: Tensor, re
     if masked and inclusion and (catalog.num_experts > 1 or logged is not None):
         # one expert: K distinct candidates it can draw imply K unmasked items, but logged ones were drawn by another
         experts, needed, available = unmasked_needs(catalog, candidates.shape[1])
-        counts = list(itertools.accumulate(n for _, n in expert_runs(candidates.shape[1], catalog.num_experts)))
-        checks.all_above(available - needed, -1,  # the message from host values: no read-back of `needed`
+        counts = needed_per_block(candidates.shape[1], catalog.num_experts)  # on the host: no read-back of `needed`
+        checks.all_above(available - needed, -1,
                          f"num_candidates={candidates.shape[1]} needs, under the experts {experts} "
                          f"of its blocks, {counts} unmasked items (as many as the positions up to the end of "
                          "each block), but a row has fewer (items scored -inf are masked): the inclusion "

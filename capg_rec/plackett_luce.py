@@ -89,10 +89,14 @@ def unmasked_needs(catalog: CatalogScores, num_candidates: int) -> tuple[list[in
     """For a draw of ``num_candidates``: each expert block's expert, the unmasked items it needs ``[R]`` (as many as
     the positions up to the end of its block, whatever the earlier blocks took) and each row's unmasked items under
     it ``[B, R]``."""
-    runs = expert_runs(num_candidates, catalog.num_experts)
-    experts = [m for m, _ in runs]
-    needed = torch.tensor(list(itertools.accumulate(n for _, n in runs)), device=catalog.device)
+    experts = [m for m, _ in expert_runs(num_candidates, catalog.num_experts)]
+    needed = torch.tensor(needed_per_block(num_candidates, catalog.num_experts), device=catalog.device)
     return experts, needed, catalog.num_available()[:, experts]
+
+
+def needed_per_block(num_candidates: int, num_experts: int) -> list[int]:
+    """The unmasked items each expert block needs: as many as the positions up to its end."""
+    return list(itertools.accumulate(n for _, n in expert_runs(num_candidates, num_experts)))
 
 
 def unresolved_draws(catalog: CatalogScores, num_candidates: int, *, ordered: bool,

@@ -99,9 +99,7 @@ class NegativeSampler(abc.ABC):
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         """Restore :meth:`state_dict`'s output."""
-        if not isinstance(state, dict):
-            raise TypeError(f"state must be a dict, got {type(state).__name__}")
-        if state:
+        if _checked_state(state):
             raise ValueError(f"{type(self).__name__} keeps no state, got keys {sorted(state)}")
 
     def log_expected_count_from_others(self, ids: Tensor, num_items: int, batch_items: Tensor) -> Tensor:
@@ -110,6 +108,13 @@ class NegativeSampler(abc.ABC):
         dropped, so its sums take the other rows' draws alone. The default: a sample that does not come from the
         batch's rows, whose counts are the same for every row."""
         return self.log_expected_count(ids, num_items, batch_items).expand(batch_items.shape[0], -1)
+
+
+def _checked_state(state: object) -> dict[str, object]:
+    """A sampler's ``load_state_dict`` argument: a dict (a ``TypeError`` naming ``state`` otherwise)."""
+    if not isinstance(state, dict):
+        raise TypeError(f"state must be a dict, got {type(state).__name__}")
+    return state
 
 
 class UniformSampler(NegativeSampler):
@@ -234,10 +239,9 @@ class InBatchSampler(NegativeSampler):
         return state
 
     def load_state_dict(self, state: dict[str, object]) -> None:
-        if not isinstance(state, dict):
-            raise TypeError(f"state must be a dict, got {type(state).__name__}")
         if self.frequency is not None:
             return NegativeSampler.load_state_dict(self, state)
+        _checked_state(state)
         tables = [k for k in self._STATE if k in state]
         if {"step", "seed"} - set(state) or tables not in ([], list(self._STATE)) or \
                 set(state) - {"step", "seed", *self._STATE}:
@@ -335,10 +339,8 @@ class MixedSampler(NegativeSampler):
         return {str(i): s.state_dict() for i, s in enumerate(self.samplers)}
 
     def load_state_dict(self, state: dict[str, object]) -> None:
-        if not isinstance(state, dict):
-            raise TypeError(f"state must be a dict, got {type(state).__name__}")
         keys = [str(i) for i in range(len(self.samplers))]
-        if sorted(state) != sorted(keys):
+        if sorted(_checked_state(state)) != sorted(keys):
             raise ValueError(f"state must hold one entry per sampler, {keys}, got keys {sorted(state)}")
         for key, sampler in zip(keys, self.samplers):
             sampler.load_state_dict(state[key])  # type: ignore[arg-type]
