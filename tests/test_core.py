@@ -451,6 +451,7 @@ def test_a_users_method_output_is_checked(make, error, match):
 def test_a_users_method_with_checks_off_takes_no_collective(monkeypatch):
     """Found by review: the output check of a user's method agreed across processes even with checks off (a sync,
     a collective that a process skipping the loss would leave waiting, and no torch.compile)."""
+    pytest.importorskip("torchrec")
     from capg_rec.torchrec.catalog import ShardedEmbeddingCatalog
 
     calls = []
@@ -738,6 +739,9 @@ def test_catalogs_score_in_their_own_dtype_under_autocast(device, num_items, pla
     cand = capg_rec.sample_candidates(capg_rec.EmbeddingCatalog(user.detach(), item.detach()), 6,
                                       generator=torch.Generator(device=device).manual_seed(2))
     chosen, rewards = cand[:, :2], torch.rand(4, 2, generator=g).to(device)
+    # CUDA adds the gradients of gathered rows with atomics, in any order: there, two runs of one computation
+    # differ in float32's last bits (half precision would differ from the third significant digit on)
+    atomics = 64 * torch.finfo(torch.float32).eps if device.type == "cuda" else 0.0
     for loss_fn in (capg_rec.CAPGLoss(6), capg_rec.CAPGLoss(6, method="plugin"), capg_rec.VPGLoss(6),
                     capg_rec.CAPGLoss(6, method="with_replacement")):
         want = loss_fn(catalog(), cand, chosen, rewards)
@@ -746,7 +750,7 @@ def test_catalogs_score_in_their_own_dtype_under_autocast(device, num_items, pla
         assert got.dtype == torch.float32
         torch.testing.assert_close(got, want, rtol=0, atol=0)
         for a, b in zip(torch.autograd.grad(got, (user, item)), torch.autograd.grad(want, (user, item))):
-            torch.testing.assert_close(a, b, rtol=0, atol=0)
+            torch.testing.assert_close(a, b, rtol=atomics, atol=atomics * b.abs().max().item())
 
 
 @pytest.mark.parametrize("loss_name", LOSSES)

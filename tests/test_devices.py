@@ -190,3 +190,63 @@ def test_draws_on_the_device_follow_the_exact_inclusion_probabilities(device, nu
     assert_counts_match(counts.numpy(), probs.numpy(), n)
     first = (1 - epsilon) * scaled[0, 0].softmax(-1) + epsilon * uniform / k
     assert_counts_match(np.bincount(draws[:, 0].numpy(), minlength=6).astype(float), first.numpy(), n)
+
+
+@pytest.fixture
+def deterministic(monkeypatch):
+    """``torch.use_deterministic_algorithms(True)``, as a user who wants reproducible runs sets it (with the cuBLAS
+    workspace setting that CUDA's deterministic matrix products ask for)."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.filterwarnings("ignore:mean-field reads", "ignore:the plug-in takes")
+@pytest.mark.parametrize("placement", ["logits", "chunked", "sampled"])
+@pytest.mark.parametrize("name", ESTIMATORS)
+def test_deterministic_algorithms_run_and_repeat_bit_for_bit(device, name, placement, deterministic):
+    """Under deterministic algorithms every loss runs (none of its ops is one that CUDA refuses there) and two
+    runs give the same bits, values and gradients."""
+    if placement == "sampled" and name not in SAMPLED_ESTIMATORS:
+        pytest.skip("the sampled catalog refuses this method")
+    g = torch.Generator().manual_seed(10)
+    user = torch.randn(4, 2, 8, generator=g, dtype=torch.float32).to(device).requires_grad_()
+    item = torch.randn(300, 2, 8, generator=g, dtype=torch.float32).to(device).requires_grad_()
+    cand = sample_candidates(EmbeddingCatalog(user.detach(), item.detach()), 6,
+                             generator=torch.Generator(device).manual_seed(11))
+    chosen, rewards = cand[:, :2], torch.rand(4, 2, generator=g).to(device)
+    ids = MixedSampler(UniformSampler(32), InBatchSampler(num_buckets=256)).draw(
+        300, cand, generator=torch.Generator(device).manual_seed(12), device=device)
+
+    def run():
+        if placement == "logits":
+            catalog = torch.einsum("bmd,nmd->bmn", user, item)
+        elif placement == "chunked":
+            catalog = EmbeddingCatalog(user, item, chunk_size=64)
+        else:
+            catalog = SampledCatalog(user, item, sampler=DrawnSample(ids, UniformSampler(32)), head_items=cand,
+                                     index=ExactIndex(item.detach()), head_size=8)
+        loss = _loss(name, 6)(catalog, cand, chosen, rewards)
+        return (loss, *torch.autograd.grad(loss, (user, item)))
+
+    for first, second in zip(run(), run()):
+        assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize("method", ["exact", "mean_field", "plugin"])
+def test_logging_and_off_policy_losses_run_under_deterministic_algorithms(device, method, deterministic):
+    logits, _, _, rewards = _inputs(2, torch.float32, seed=13)
+    logits = logits.to(device).requires_grad_()
+    cand = explore_candidates(logits.detach(), 6, temperature=2.0, epsilon=0.2,
+                              generator=torch.Generator(device).manual_seed(14))
+    chosen, rewards = cand[:, [4, 0, 2]], rewards.to(device)
+
+    def run():
+        logged = log_propensities(logits.detach() * 0.5, cand, chosen, method=method, epsilon=0.2)
+        loss = OffPolicyCAPGLoss(6, method=method, max_weight=20.0)(logits, cand, chosen, rewards,
+                                                                     logged.log_inclusion)
+        return (*logged, loss, *torch.autograd.grad(loss, logits))
+
+    for first, second in zip(run(), run()):
+        assert torch.equal(first, second)

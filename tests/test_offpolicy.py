@@ -224,7 +224,6 @@ def test_half_precision_embeddings_of_other_catalogs_get_finite_gradients(placem
     """Found by review: the cap followed float16 on the dense and embedding catalogs only; a SampledCatalog or a
     ShardedEmbeddingCatalog of float16 embeddings still returned inf gradients."""
     from capg_rec.sampled import SampledCatalog, UniformSampler
-    from capg_rec.torchrec.catalog import ShardedEmbeddingCatalog
 
     gen = torch.Generator().manual_seed(0)
     b, n, k, length = 2, 64, 4, 2
@@ -238,6 +237,9 @@ def test_half_precision_embeddings_of_other_catalogs_get_finite_gradients(placem
         catalog = SampledCatalog(u, it, sampler=UniformSampler(32), head_items=candidates,
                                  generator=torch.Generator().manual_seed(1))
     else:
+        pytest.importorskip("torchrec")
+        from capg_rec.torchrec.catalog import ShardedEmbeddingCatalog
+
         catalog = ShardedEmbeddingCatalog(u, it, num_items=n)
     method = "with_replacement" if placement == "sampled" else "mean_field"
     OffPolicyCAPGLoss(k, method=method)(catalog, candidates, candidates[:, :length], rewards, logged).backward()
