@@ -91,6 +91,12 @@ class CatalogScores(abc.ABC):
         shares this catalog, so that all of them raise or none does (default: one process)."""
         return passed
 
+    def _stack_batches(self, x: Tensor) -> Tensor:
+        """``x`` of every process whose batch makes one global batch with this one (the processes that share a
+        sharded catalog, in rank order) → ``[W, *x.shape]``, without gradient: for statistics of the global batch,
+        such as the self-normalised weights' mean (default: one process, ``[1, *x.shape]``)."""
+        return x.unsqueeze(0)
+
     def _vouch(self, name: str, items: Tensor) -> tuple[Tensor | bool, str] | None:
         """For the losses' checks: whether this process's catalog can score every id of ``items [B, L]``
         (valid ids; a local check, no collective) and the message if not; None when it can score any

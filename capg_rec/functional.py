@@ -109,7 +109,8 @@ def offpolicy_capg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chos
 
     ``self_normalize=True`` (SNIPS) divides every (capped) weight by the mean weight over the
     batch's ``B × L`` shown items, so that the weights of a batch average 1: the ``"mean"`` loss
-    is then ``-L · Σ_{b,l} w α (r - b) score / Σ_{b,l} w``. Consistent, not unbiased.
+    is then ``-L · Σ_{b,l} w α (r - b) score / Σ_{b,l} w``. Consistent, not unbiased. On a catalog
+    sharded over ranks the mean is the global batch's (every rank's rows), as one process would take it.
 
     ``method="with_replacement"`` (off-policy CA-PG-SwR): the score is then the expected count
     ``Σ_k π_{m(k)}(a)``, and ``logged_log_inclusion`` must be the logging ESR's log expected count
@@ -140,7 +141,7 @@ def offpolicy_vpg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chose
 
     ``logged_log_prob [B]`` is ``log π₀(A^K | x)`` of the logged ordered draw. Without a cap its
     expectation under π₀ is the true policy gradient; its variance grows with K (the naive
-    baseline). ``max_weight`` and ``self_normalize`` (over the batch's B rows) as in
+    baseline). ``max_weight`` and ``self_normalize`` (over the global batch's B rows) as in
     :func:`offpolicy_capg_loss`.
     """
     max_weight, self_normalize = _weight_options(max_weight, self_normalize)
@@ -222,10 +223,28 @@ def _weights(catalog: CatalogScores | None, log_ratio: Tensor, max_weight: float
     log_weight = log_ratio.detach()
     if max_weight is not None:
         log_weight = log_weight.clamp(max=math.log(max_weight))
-    weight = _relative_weights(log_weight)  # at most 1: no overflow in any dtype
-    mean = weight.mean() if weight.numel() else weight.new_ones(())
-    weight = weight / torch.where(mean > 0, mean, 1.0)
+    weight = _relative_weights(log_weight) * _normalizer(log_weight, catalog).to(log_weight.dtype)
     return weight.clamp(max=math.exp(_log_weight_cap(weight.dtype, None if reduction == "mean" else gradient_dtype)))
+
+
+def _normalizer(log_weight: Tensor, catalog: CatalogScores | None) -> Tensor:
+    """What turns :func:`_relative_weights` of ``log_weight`` into weights of mean 1 over the global batch: every
+    process's where ``catalog`` is shared by several (:meth:`CatalogScores._stack_batches`; a sharded catalog's
+    ranks then normalise as one process over the whole batch would), else this one's. A float64 scalar: this
+    batch's largest weight over the global batch's (each batch's weights are relative to its own largest), over
+    the global mean relative weight; 1 for a global batch of zeros or none. No host read."""
+    top = log_weight.amax() if log_weight.numel() else log_weight.new_full((), -math.inf)
+    stats = torch.stack([top.double(), _relative_weights(log_weight).sum(dtype=torch.float64),
+                         torch.tensor(float(log_weight.numel()), dtype=torch.float64, device=log_weight.device)])
+    tops, sums, counts = (stats.unsqueeze(0) if catalog is None else catalog._stack_batches(stats)).unbind(1)
+    best = tops.amax()
+
+    def scale(t: Tensor) -> Tensor:  # a batch's largest weight over the global batch's (+inf: an infinite weight)
+        return torch.where(best == math.inf, (t == math.inf).double(), torch.where(best.isfinite(), (t - best).exp(),
+                                                                                     0.0))
+
+    mean = (scale(tops) * sums).sum() / counts.sum().clamp(min=1.0)
+    return scale(top) / torch.where(mean > 0, mean, 1.0)
 
 
 def _relative_weights(log_weight: Tensor) -> Tensor:

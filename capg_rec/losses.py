@@ -151,7 +151,8 @@ class OffPolicyCAPGLoss(_OffPolicyLoss):
         method: the inclusion method of π_θ's score and weight, as in :class:`CAPGLoss`. With
             ``"with_replacement"`` the logged value must be π₀'s log expected count.
         max_weight: cap of the weights (``None``: only the overflow cap).
-        self_normalize: divide the weights by their mean over the batch's shown items (SNIPS).
+        self_normalize: divide the weights by their mean over the batch's shown items (SNIPS; every rank's
+            rows on a sharded catalog).
         temperature, reduction, validate_args: as in :class:`VPGLoss`.
 
     Shape:

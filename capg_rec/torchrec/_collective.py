@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-_ERRORS = {"TypeError": TypeError, "ValueError": ValueError}
+_ERRORS = {"TypeError": TypeError, "ValueError": ValueError, "RuntimeError": RuntimeError}
 
 
 def all_gather_rows(x: Tensor, sizes: Sequence[int], group: dist.ProcessGroup) -> Tensor:
@@ -80,13 +80,14 @@ def exchange(local: Callable[[], Sequence[int | Tensor]], size: int, group: dist
              device: torch.device) -> list[list[int]]:
     """Every rank's ``local()`` (``size`` ints or 0-dim integer/bool tensors) → ``[W][size]`` Python ints.
 
-    One all-gather and one host sync. A ``TypeError``/``ValueError`` raised by ``local`` on any rank
-    is raised on every rank (the lowest such rank's, naming it); without a group it is simply raised.
+    One all-gather and one host sync. An exception raised by ``local`` on any rank is raised on every rank (the
+    lowest such rank's, naming it): a ``TypeError`` or ``ValueError`` as itself, any other as a ``RuntimeError``
+    naming its type, so that no rank is left waiting in the all-gather. Without a group it is simply raised.
     """
     error: Exception | None = None
     try:
         values = list(local())
-    except (TypeError, ValueError) as err:
+    except Exception as err:  # every rank must hear of it, whatever it is
         if group is None:
             raise
         error, values = err, [0] * size
@@ -102,8 +103,17 @@ def exchange(local: Callable[[], Sequence[int | Tensor]], size: int, group: dist
         reports: list[tuple[str, str] | None] = [None] * len(table)
         dist.all_gather_object(reports, None if error is None else (type(error).__name__, str(error)), group=group)
         kind, message = reports[failed[0]]
+        if kind not in _ERRORS:
+            kind, message = "RuntimeError", f"{kind}: {message}"
         raise _ERRORS[kind](f"{message} (on rank {failed[0]} of the process group)") from error
     return [entries[1:] for entries in table]
+
+
+def stack_ranks(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """Every rank's ``x`` (one shape on all) stacked in rank order → ``[W, *x.shape]`` (one all-gather; no grad)."""
+    if group is None:
+        return x.unsqueeze(0)
+    return all_gather_rows(x.unsqueeze(0), [1] * dist.get_world_size(group), group)
 
 
 def agree(passed: Tensor, group: dist.ProcessGroup | None) -> Tensor:

@@ -23,7 +23,7 @@ from capg_rec._numerics import no_autocast, safe_logsumexp, top_k
 from capg_rec.catalog import CatalogScores, _chunked_top_k, _ChunkedLogPowerSums, _expert_views, \
     available_given_masks, compute_dtype
 from capg_rec.torchrec._collective import agree, all_gather_rows, exchange, gather_rows, on_ranks, ranks_where, \
-    reduce_rows
+    reduce_rows, stack_ranks
 from capg_rec.torchrec._noise import BLOCK, BlockNoise, draw_seed
 
 __all__ = ["ShardedEmbeddingCatalog"]
@@ -201,6 +201,9 @@ class ShardedEmbeddingCatalog(CatalogScores):
     # -- the CatalogScores protocol ------------------------------------------------------------
     def agree(self, passed: Tensor) -> Tensor:
         return agree(passed, self.group)
+
+    def _stack_batches(self, x: Tensor) -> Tensor:
+        return stack_ranks(x, self.group)
 
     def num_available(self) -> Tensor:
         if self._masked_sorted is None:

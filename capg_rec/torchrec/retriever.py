@@ -23,7 +23,8 @@ from capg_rec.marginals import DEFAULT_METHOD, InclusionMethod
 from capg_rec.catalog import unpadded
 from capg_rec.sampled import DrawnSample, SampledCatalog, check_index_items
 from capg_rec.serving import ServingRetriever
-from capg_rec.torchrec._collective import agree, all_gather_rows, exchange, least, on_ranks, ranks_where
+from capg_rec.torchrec._collective import agree, all_gather_rows, exchange, least, on_ranks, ranks_where, \
+    stack_ranks
 from capg_rec.torchrec.catalog import ShardedEmbeddingCatalog
 
 __all__ = ["TwoTowerRetriever"]
@@ -420,6 +421,7 @@ class TwoTowerRetriever(nn.Module):
         the heads' ids (the values only when ``validate``: a host sync); ``dense`` goes with a tower."""
         if not isinstance(features, KeyedJaggedTensor):
             raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
+        _check_jagged("features", features, validate)
         if self.catalog_feature not in features.keys() or features.stride() < 1:
             raise ValueError(f"features has no catalog feature {self.catalog_feature!r} (keys {features.keys()}): "
                              f"add this rank's item rows with retriever.with_catalog(features)")
@@ -497,6 +499,7 @@ class TwoTowerRetriever(nn.Module):
         if bag_features is not None:
             if not isinstance(bag_features, KeyedJaggedTensor):
                 raise TypeError(f"bag_features must be a KeyedJaggedTensor, got {type(bag_features).__name__}")
+            _check_jagged("bag_features", bag_features, validate)
             missing = sorted(self._bag_features - set(bag_features.keys()))
             if missing:
                 raise ValueError(f"bag_features must hold every feature of user_embeddings: {missing} missing from "
@@ -557,6 +560,24 @@ class TwoTowerRetriever(nn.Module):
                                  f"retriever.with_catalog(features, items) with items holding them")
 
 
+def _check_jagged(name: str, kjt: KeyedJaggedTensor, validate: bool) -> None:
+    """A KJT whose parts agree: one length per key and sample (its lengths' size; no host read) and, when
+    ``validate``, as many values (and weights) as the lengths add up to (one host read). TorchRec builds a KJT of
+    any lengths and fails later, in a reshape or a lookup, or reads other samples' ids."""
+    if kjt.variable_stride_per_key():
+        raise ValueError(f"{name} must have one stride for every key (variable batch sizes are not supported)")
+    keys, stride, lengths = kjt.keys(), kjt.stride(), kjt.lengths()
+    if lengths.numel() != len(keys) * stride:
+        raise ValueError(f"{name} must hold one length per key and sample, {len(keys)} keys × stride {stride} = "
+                         f"{len(keys) * stride}, got {lengths.numel()} lengths")
+    weights = kjt.weights_or_none()
+    if validate and (int(lengths.sum()) != kjt.values().numel()
+                     or (weights is not None and weights.numel() != kjt.values().numel())):
+        raise ValueError(f"{name} must hold as many values (and weights) as its lengths add up to, "
+                         f"{int(lengths.sum())}, got {kjt.values().numel()} values"
+                         + ("" if weights is None else f" and {weights.numel()} weights"))
+
+
 class _RankSampledCatalog(SampledCatalog):
     """A rank's :class:`SampledCatalog` of its own batch, whose checks every rank of ``group`` takes alike."""
 
@@ -566,6 +587,9 @@ class _RankSampledCatalog(SampledCatalog):
 
     def agree(self, passed: Tensor) -> Tensor:
         return agree(passed, self.group)
+
+    def _stack_batches(self, x: Tensor) -> Tensor:
+        return stack_ranks(x, self.group)
 
     def _least(self, *values: int) -> tuple[int, ...]:
         """The least of each over the ranks (one all-reduce): ``exact_top`` picks the methods' paths, which must be
