@@ -52,7 +52,7 @@ REDUCTIONS = ("mean", "sum", "none")
 
 def vpg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor, *,
              with_replacement: bool = False, position_weights: Tensor | None = None,
-             baseline: Tensor | None = None, temperature: float = 1.0, reduction: str = "mean",
+             baseline: Tensor | float | None = None, temperature: float = 1.0, reduction: str = "mean",
              num_candidates: int | None = None, validate_args: bool | None = None) -> Tensor:
     """Vanilla policy gradient: the score is ``log π(A^K | x)`` of the whole ordered draw; with
     ``with_replacement=True`` every position is normalised over the whole catalog (V-PG-SwR).
@@ -71,7 +71,7 @@ def vpg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
 
 def capg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor, *,
               method: str | InclusionMethod = DEFAULT_METHOD, position_weights: Tensor | None = None,
-              baseline: Tensor | None = None, temperature: float = 1.0, reduction: str = "mean",
+              baseline: Tensor | float | None = None, temperature: float = 1.0, reduction: str = "mean",
               num_candidates: int | None = None, validate_args: bool | None = None) -> Tensor:
     """Credit-assigned policy gradient: the score of shown item ``a_l`` is ``log π(a_l ∈ A^K | x)``
     by ``method`` (an :class:`~capg_rec.marginals.InclusionMethod` or a registered name); K is
@@ -91,7 +91,7 @@ def capg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor
 def offpolicy_capg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor,
                         logged_log_inclusion: Tensor, *, method: str | InclusionMethod = DEFAULT_METHOD,
                         max_weight: float | None = None, self_normalize: bool = False,
-                        position_weights: Tensor | None = None, baseline: Tensor | None = None,
+                        position_weights: Tensor | None = None, baseline: Tensor | float | None = None,
                         temperature: float = 1.0, reduction: str = "mean", num_candidates: int | None = None,
                         validate_args: bool | None = None) -> Tensor:
     """Off-policy CA-PG from logs of a logging ESR π₀: ``-Σ_l w_l α_l (r_l - b) log π_θ(a_l ∈ A^K | x)``.
@@ -133,7 +133,7 @@ def offpolicy_capg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chos
 
 def offpolicy_vpg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor,
                        logged_log_prob: Tensor, *, max_weight: float | None = None, self_normalize: bool = False,
-                       position_weights: Tensor | None = None, baseline: Tensor | None = None,
+                       position_weights: Tensor | None = None, baseline: Tensor | float | None = None,
                        temperature: float = 1.0, reduction: str = "mean", num_candidates: int | None = None,
                        validate_args: bool | None = None) -> Tensor:
     """Off-policy V-PG with the whole-set weight ``w = π_θ(A^K) / π₀(A^K)`` of the ordered draw:
@@ -157,7 +157,7 @@ def offpolicy_vpg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chose
 def topk_reinforce_loss(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor,
                         logged_log_item_prob: Tensor, *, max_weight: float | None = None,
                         self_normalize: bool = False, position_weights: Tensor | None = None,
-                        baseline: Tensor | None = None, temperature: float = 1.0, reduction: str = "mean",
+                        baseline: Tensor | float | None = None, temperature: float = 1.0, reduction: str = "mean",
                         num_candidates: int | None = None, validate_args: bool | None = None) -> Tensor:
     """Top-K off-policy corrected REINFORCE (Chen et al., WSDM 2019):
     ``-Σ_l (π_θ(a_l) / β(a_l)) λ_K(a_l) α_l (r_l - b) log π_θ(a_l | x)``.
@@ -330,6 +330,10 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
         length = chosen.shape[1]
         rewards = _float("rewards", rewards, ((batch, length),))
         if baseline is not None:
+            if isinstance(baseline, (int, float)) and not isinstance(baseline, bool):  # one for every row
+                baseline = torch.tensor(float(baseline), dtype=rewards.dtype, device=rewards.device)
+            if isinstance(baseline, Tensor) and baseline.dim() == 0:
+                baseline = baseline.expand(batch)
             baseline = _float("baseline", baseline, ((batch,), (batch, 1), (batch, length))).detach()
         if position_weights is not None:
             position_weights = _float("position_weights", position_weights, ((length,),)).detach()

@@ -60,7 +60,8 @@ class VPGLoss(_PolicyGradientLoss):
     Shape:
         - logits: ``[B, N]``, ``[B, M, N]`` (``-inf`` masks an item) or a :class:`~capg_rec.CatalogScores`
         - candidates: ``[B, K]`` in draw order; chosen: ``[B, L]`` ⊆ candidates; rewards: ``[B, L]``
-        - position_weights: ``[L]``; baseline: ``[B]``, ``[B, 1]`` or ``[B, L]``
+        - position_weights: ``[L]``; baseline: ``[B]``, ``[B, 1]``, ``[B, L]`` or one for every row (a
+          0-dim tensor or a Python number)
         - output: scalar, or ``[B]`` with ``reduction="none"``
 
     Example:
@@ -77,7 +78,7 @@ class VPGLoss(_PolicyGradientLoss):
         self.with_replacement = check_flag("with_replacement", with_replacement)
 
     def forward(self, logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor, *,
-                position_weights: Tensor | None = None, baseline: Tensor | None = None) -> Tensor:
+                position_weights: Tensor | None = None, baseline: Tensor | float | None = None) -> Tensor:
         return F.vpg_loss(logits, candidates, chosen, rewards, with_replacement=self.with_replacement,
                           position_weights=position_weights, baseline=baseline, temperature=self.temperature,
                           reduction=self.reduction, num_candidates=self.num_candidates,
@@ -115,7 +116,7 @@ class CAPGLoss(_PolicyGradientLoss):
         self.method = inclusion_method(method)
 
     def forward(self, logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor, *,
-                position_weights: Tensor | None = None, baseline: Tensor | None = None) -> Tensor:
+                position_weights: Tensor | None = None, baseline: Tensor | float | None = None) -> Tensor:
         return F.capg_loss(logits, candidates, chosen, rewards, method=self.method,
                            position_weights=position_weights, baseline=baseline, temperature=self.temperature,
                            reduction=self.reduction, num_candidates=self.num_candidates,
@@ -178,7 +179,7 @@ class OffPolicyCAPGLoss(_OffPolicyLoss):
 
     def forward(self, logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor,
                 logged_log_inclusion: Tensor | None = None, *, position_weights: Tensor | None = None,
-                baseline: Tensor | None = None, logged_log_propensity: Tensor | None = None) -> Tensor:
+                baseline: Tensor | float | None = None, logged_log_propensity: Tensor | None = None) -> Tensor:
         if logged_log_propensity is not None:  # the earlier name of this argument
             if logged_log_inclusion is not None:
                 raise TypeError("pass logged_log_inclusion only (logged_log_propensity is its deprecated name)")
@@ -205,7 +206,7 @@ class OffPolicyVPGLoss(_OffPolicyLoss):
 
     def forward(self, logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor,
                 logged_log_prob: Tensor, *, position_weights: Tensor | None = None,
-                baseline: Tensor | None = None) -> Tensor:
+                baseline: Tensor | float | None = None) -> Tensor:
         return F.offpolicy_vpg_loss(logits, candidates, chosen, rewards, logged_log_prob,
                                     position_weights=position_weights, baseline=baseline, **self._options())
 
@@ -222,6 +223,6 @@ class TopKReinforceLoss(_OffPolicyLoss):
 
     def forward(self, logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor,
                 logged_log_item_prob: Tensor, *, position_weights: Tensor | None = None,
-                baseline: Tensor | None = None) -> Tensor:
+                baseline: Tensor | float | None = None) -> Tensor:
         return F.topk_reinforce_loss(logits, candidates, chosen, rewards, logged_log_item_prob,
                                      position_weights=position_weights, baseline=baseline, **self._options())

@@ -98,6 +98,17 @@ def test_baseline_weights_and_reduction(name):
     # [B, 1] broadcasts as [B] (it was refused: rewards.mean(1, keepdim=True) is the idiom)
     torch.testing.assert_close(loss_fn(logits, cand, chosen, rewards, baseline=b[:, None]),
                                loss_fn(logits, cand, chosen, rewards, baseline=b))
+    # one baseline for every row: a 0-dim tensor (rewards.mean()) or a number (both were refused, found by review)
+    mean = rewards.mean()
+    for scalar in (mean, float(mean)):
+        torch.testing.assert_close(loss_fn(logits, cand, chosen, rewards, baseline=scalar),
+                                   loss_fn(logits, cand, chosen, rewards, baseline=mean.expand(6)))
+    with pytest.raises(TypeError, match="baseline"):
+        loss_fn(logits, cand, chosen, rewards, baseline=True)
+    with pytest.raises(ValueError, match="baseline"):
+        loss_fn(logits, cand, chosen, rewards, baseline=float("nan"))
+    with pytest.raises(TypeError, match="baseline must have a floating dtype"):
+        loss_fn(logits, cand, chosen, rewards, baseline=torch.tensor(1))
     b2 = torch.rand(6, 3, dtype=torch.float64)
     alpha = torch.tensor([1.0, 0.5, 0.25], dtype=torch.float64)
     torch.testing.assert_close(loss_fn(logits, cand, chosen, rewards, baseline=b2, position_weights=alpha),
