@@ -7,6 +7,9 @@ import json
 import sys
 
 import pytest
+import torch
+
+import capg_rec
 
 from tests.scripts import ROOT, load_script
 
@@ -91,6 +94,32 @@ def test_bench_accuracy_table_covers_every_builtin_method():
     for name in ("mean_field", "plugin", "with_replacement"):
         assert all(0 <= row[f"{name}_vs_exact"] < 1 for row in rows)
     assert all(row["mean_field_vs_exact"] < 0.03 for row in rows)  # the README's documented accuracy
+
+
+def test_bench_accuracy_columns_follow_their_definitions(monkeypatch):
+    """The accuracy table's columns on draws whose frequencies are known: rows alternate between the items
+    [0, K) and [K, 2K), so each of those 2K items is seen in half the draws. Against Monte-Carlo, each method's
+    mean |p - p_mc| / p_mc over the items seen (the denominator is the Monte-Carlo frequency), and the standard
+    error's mean sqrt((1 - p_mc) / (p_mc n))."""
+    import numpy as np
+
+    from capg_rec.bench import accuracy_table
+
+    def alternating(logits, k, generator=None):
+        rows = torch.arange(logits.shape[0]).unsqueeze(1)
+        return (rows % 2) * k + torch.arange(k)
+
+    monkeypatch.setattr(capg_rec, "sample_candidates", alternating)
+    n = 1000
+    rows = accuracy_table(n)
+    logits = torch.randn(1, 1000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    for row in rows:
+        k, tau = row["K"], row["tau"]
+        assert row["mc_items"] == 2 * k
+        assert row["mc_se"] == pytest.approx(np.sqrt(0.5 / (0.5 * n)))
+        p = capg_rec.inclusion_log_prob(logits, torch.arange(2 * k).unsqueeze(0), k, temperature=tau,
+                                        method="exact").exp()[0]
+        assert row["exact_vs_mc"] == pytest.approx(float(((p - 0.5).abs() / 0.5).mean()), rel=1e-9)
 
 
 def test_bench_cost_table_survives_a_failed_bare_case(monkeypatch):
