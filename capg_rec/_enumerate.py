@@ -23,8 +23,10 @@ def all_draws(num_items: int, num_candidates: int, device: torch.device | None =
 def draw_log_probs(scores: Tensor, draws: Tensor, experts: Tensor) -> Tensor:
     """Log-probability of each ordered draw under sequential PL-MoE.
 
-    ``scores [B, M, N]`` (already divided by τ), ``draws [S, K]``, ``experts [K]`` (m(k)) → ``[B, S]``.
+    ``scores [B, M, N]`` (already divided by τ), ``draws [S, K]``, ``experts [K]`` (m(k)) → ``[B, S]``. Each
+    expert's scores are taken relative to its best (a constant): shift-invariant in any dtype, as every method.
     """
+    scores = scores - scores.detach().amax(dim=2, keepdim=True).clamp(min=torch.finfo(scores.dtype).min)
     batch, _, num_items = scores.shape
     num_draws, k_total = draws.shape
     log_prob = torch.zeros(batch, num_draws, dtype=scores.dtype, device=scores.device)

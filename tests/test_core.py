@@ -225,7 +225,7 @@ def test_shift_invariance_dtype_agreement_and_finite_gradients(case, data):
     changes nothing, float32 agrees with float64, and gradients are finite."""
     logits, k, tau, _ = case
     k = min(k, logits.shape[-1] - 1) or 1
-    method = data.draw(st.sampled_from(METHODS))
+    method = data.draw(st.sampled_from([*METHODS, "enumerate"]))
     shift = data.draw(st.sampled_from([-1e4, -3.0, 1e3, 1e4]))
     finite = torch.where(torch.isfinite(logits), logits, 0.0)
     span = float(finite.abs().max()) / tau
