@@ -102,6 +102,11 @@ class NegativeSampler(abc.ABC):
         if _checked_state(state):
             raise ValueError(f"{type(self).__name__} keeps no state, got keys {sorted(state)}")
 
+    def _frozen(self, ids: Tensor) -> NegativeSampler:
+        """A sampler that gives ``ids [S]`` the expected counts this one gives them now, whatever later draws teach
+        this one: what a :class:`DrawnSample` keeps of its sampler (default: a sampler that learns nothing, itself)."""
+        return self
+
     def log_expected_count_from_others(self, ids: Tensor, num_items: int, batch_items: Tensor) -> Tensor:
         """``log E[count of id]`` from the slots of the other rows of ``batch_items [B, H]`` only, per row → ``[B, S]``:
         where the batch is the catalog's own head, a row's own items are scored exactly and their sample terms
@@ -197,6 +202,15 @@ class InBatchSampler(NegativeSampler):
         self._interval: Tensor | None = None  # [h, buckets + 1] float64: moving average of the gaps
         self._copies: Tensor | None = None  # [h, buckets + 1] float64: moving average of the copies when seen
         self._sightings: Tensor | None = None  # [h, buckets + 1] float64: how often seen
+        self._snapshot: tuple[Tensor, Tensor] | None = None  # a frozen copy's ids (sorted) and their log counts
+
+    def _frozen(self, ids: Tensor) -> NegativeSampler:
+        if self.frequency is not None:
+            return self
+        frozen = copy.copy(self)  # shares the tables, which it reads only for ids outside its snapshot
+        ids, _ = ids.reshape(-1).long().sort()
+        frozen._snapshot = (ids, self.log_expected_count(ids, 0, None))
+        return frozen
 
     def _buckets(self, ids: Tensor) -> Tensor:
         mult, add = self._mult.to(ids.device), self._add.to(ids.device)
@@ -284,6 +298,15 @@ class InBatchSampler(NegativeSampler):
             slots = (batch_items >= 0).sum().to(torch.float64)
             q = self.frequency.to(device=ids.device, dtype=torch.float64)[ids.clamp(min=0)]
             return torch.log(q * slots)
+        if self._snapshot is None:
+            return self._estimate(ids)
+        # a frozen copy: its ids' counts as they were when it was made, another id's from the tables as they are
+        known, counts = (t.to(ids.device) for t in self._snapshot)
+        slot = _found(known, ids.reshape(-1)).reshape(ids.shape)  # known.shape[0] where absent
+        return torch.where(slot < known.shape[0], torch.cat([counts, counts.new_zeros(1)])[slot], self._estimate(ids))
+
+    def _estimate(self, ids: Tensor) -> Tensor:
+        """``log E[count]`` of ``ids`` from the streaming estimate's tables as they are."""
         if self._last is None:
             return torch.full(ids.shape, -math.inf, dtype=torch.float64, device=ids.device)
         buckets = self._buckets(ids)
@@ -334,6 +357,10 @@ class MixedSampler(NegativeSampler):
     def draws_batch(self) -> bool:
         return any(s.draws_batch for s in self.samplers)
 
+    def _frozen(self, ids: Tensor) -> NegativeSampler:
+        parts = [s._frozen(ids) for s in self.samplers]
+        return self if all(p is s for p, s in zip(parts, self.samplers)) else MixedSampler(*parts)
+
     def state_dict(self) -> dict[str, object]:
         """Each sampler's state, under its position (``"0"``, ``"1"``, ...)."""
         return {str(i): s.state_dict() for i, s in enumerate(self.samplers)}
@@ -355,7 +382,9 @@ class MixedSampler(NegativeSampler):
 
 class DrawnSample(NegativeSampler):
     """A negative sample drawn in advance by ``sampler``: :meth:`draw` returns it, expected counts are the
-    sampler's. For samples drawn with the batch, so that their rows are looked up with it (as
+    sampler's as they were when the sample was made (a streaming :class:`InBatchSampler` learns from every later
+    draw: a training pipeline that reads batches ahead has drawn the next ones by the time this one's catalog is
+    built). For samples drawn with the batch, so that their rows are looked up with it (as
     :meth:`capg_rec.torchrec.TwoTowerRetriever.with_catalog` does).
 
     Args:
@@ -379,7 +408,7 @@ class DrawnSample(NegativeSampler):
                                         or batch_items.dtype == torch.bool):
             raise TypeError(f"batch_items must be an integer tensor [B, H], got "
                             f"{getattr(batch_items, 'dtype', type(batch_items).__name__)}")
-        self.ids, self.sampler = ids.long(), sampler
+        self.ids, self.sampler = ids.long(), sampler._frozen(ids)
         self.batch_items = None if batch_items is None else batch_items.long()
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> DrawnSample:

@@ -403,6 +403,45 @@ def test_drawn_in_batch_sample_counts_with_the_batch_it_was_drawn_with():
     assert MixedSampler(UniformSampler(3), InBatchSampler()).draws_batch
 
 
+@pytest.mark.parametrize("mixed", [False, True])
+def test_drawn_sample_keeps_the_counts_of_its_draw_when_the_sampler_reads_ahead(mixed):
+    """A streaming InBatchSampler learns from every draw; a pipeline that reads batches ahead (TorchRec's
+    TrainPipelineSparseDist, a DataLoader) draws the next batches' samples before this one's catalog is built.
+    The catalog of a DrawnSample takes the counts of its own draw: the same whether the next samples were drawn
+    before or after it (found by review: it read the sampler's estimate at catalog time, steps ahead)."""
+    user, item = _towers(m=2)
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(60, (3, 4), generator=g) for _ in range(6)]
+
+    def sampler():
+        streaming = InBatchSampler(num_buckets=64, alpha=0.5)
+        return MixedSampler(streaming, UniformSampler(8)) if mixed else streaming
+
+    def normalizers(ahead: int) -> list[torch.Tensor]:
+        s, gen, samples, out = sampler(), torch.Generator().manual_seed(4), [], []
+        for step, batch in enumerate(batches):
+            samples.append(DrawnSample(s.draw(60, batch, generator=gen, device=torch.device("cpu")), s))
+            if step >= ahead:  # the catalog of the batch drawn `ahead` steps ago
+                done = step - ahead
+                out.append(SampledCatalog(user, item, sampler=samples[done], head_items=batches[done]).log_normalizer())
+        return out
+
+    eager, pipelined = normalizers(0), normalizers(2)
+    for a, b in zip(eager, pipelined):  # the batches whose catalogs both built
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    assert len(pipelined) == len(batches) - 2
+    assert not torch.equal(eager[0], eager[1])  # the estimate moves from step to step: the check can fail
+    one = InBatchSampler(num_buckets=64)
+    one.draw(60, batches[0], generator=None, device=torch.device("cpu"))
+    kept = DrawnSample(batches[0].flatten(), one)
+    before = kept.log_expected_count(batches[0].flatten(), 60, batches[0])
+    one.draw(60, torch.cat([batches[0], batches[0]]), generator=None, device=torch.device("cpu"))  # twice the copies
+    torch.testing.assert_close(kept.log_expected_count(batches[0].flatten(), 60, batches[0]), before, rtol=0, atol=0)
+    torch.testing.assert_close(kept.to("cpu").log_expected_count(batches[0].flatten(), 60, batches[0]), before,
+                               rtol=0, atol=0)
+    assert not torch.equal(one.log_expected_count(batches[0].flatten(), 60, batches[0]), before)
+
+
 def test_streaming_in_batch_count_estimates_the_expected_copies():
     """Regression: the streaming estimate recorded whether an item was seen in a step (at most 1 per step)
     while each of its copies in the sample is weighted by it, so popular items, named many times per batch,
