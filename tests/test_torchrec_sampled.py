@@ -187,6 +187,36 @@ def test_index_head_names_each_experts_best_items_and_rebuilds_on_schedule():
     assert torch.equal(head(_users(users)), best(7)) and not torch.equal(best(7), before)  # rebuilt
 
 
+def test_index_head_state_dict_continues_as_the_saved_head():
+    """A head loaded from a checkpoint keeps the saved index until the saved schedule rebuilds it, as the saved head
+    does (found by review: it had no state, so a restarted run rebuilt at once and its head shifted)."""
+    from capg_rec.torchrec import IndexHead
+    retriever = _retriever()
+    users = _users([3, 1, 7])
+    _, item_w = _tables(retriever)
+    head = IndexHead(retriever, 5, refresh_every=3)
+    old = head(users)
+    head(users)
+    state = head.state_dict()
+    assert state["calls"] == 2 and state["vectors"].shape == (NUM_ITEMS, M, D)
+    with torch.no_grad():
+        item_w.mul_(-1.0)  # every expert's ranking reversed
+    restored = IndexHead(retriever, 5, refresh_every=3)
+    restored.load_state_dict(state)
+    third = restored(users)
+    assert torch.equal(third, head(users)) and torch.equal(third, old)  # call 3: the saved index
+    fourth = restored(users)
+    assert torch.equal(fourth, head(users)) and not torch.equal(fourth, old)  # call 4: both rebuilt
+    assert not torch.equal(IndexHead(retriever, 5, refresh_every=3)(users), old)  # unrestored: rebuilt at once
+    with pytest.raises(TypeError, match="state must be a dict"):
+        restored.load_state_dict([2])
+    for bad, match in (({"calls": -1}, "calls"), ({"calls": 2}, "no 'vectors' at call 2"),
+                       ({"calls": 0, "other": 1}, "must hold 'calls'"),
+                       ({"calls": 2, "vectors": torch.zeros(3, M, D)}, "vectors")):
+        with pytest.raises(ValueError, match=match):
+            restored.load_state_dict(bad)
+
+
 def test_sampled_mode_with_an_index_head_equals_a_sampled_catalog_with_the_index():
     """An index head listed in the batch (index_items) gives the catalog a SampledCatalog with the same index
     gives: the sums, the head's size (mean-field reads it without a bias warning), CA-PG losses and the

@@ -38,7 +38,9 @@ class IndexHead:
     previous one trains): the head is the best items of a slightly older model, scored exactly with the
     current one.
 
-    Each rank holds an index of every item (``N × M × D`` floats on ``device``).
+    Each rank holds an index of every item (``N × M × D`` floats on ``device``), and the item vectors it was
+    built from, which :meth:`state_dict` carries into a checkpoint with the number of calls so far: a head loaded
+    from it continues as the saved one would (the same index until the same next rebuild).
 
     Args:
         retriever: the retriever (its embeddings sharded or not).
@@ -74,15 +76,50 @@ class IndexHead:
         self.device = check_device("device", device)
         self._make_index = index
         self.index: ItemIndex | None = None
+        self._vectors: Tensor | None = None  # what the index was built from
         self.calls = 0
 
     def refresh(self) -> None:
         """Rebuild the index from the item side now (collective when sharded)."""
-        items = self.retriever.item_vectors(self.device)  # in eval mode
-        index = self._make_index(items)
+        self._build(self.retriever.item_vectors(self.device))  # in eval mode
+
+    def _build(self, vectors: Tensor) -> None:
+        index = self._make_index(vectors)
         if not isinstance(index, ItemIndex):
             raise TypeError(f"index must build an ItemIndex, got {type(index).__name__}")
-        self.index = index
+        self.index, self._vectors = index, vectors
+
+    def state_dict(self) -> dict[str, object]:
+        """``{"calls": int}`` and, once built, ``"vectors"``: the item vectors ``[N, M, D]`` of the last rebuild
+        (a checkpoint of N × M × D floats per rank)."""
+        state: dict[str, object] = {"calls": self.calls}
+        if self._vectors is not None:
+            state["vectors"] = self._vectors
+        return state
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        """Restore :meth:`state_dict`'s output: the index is rebuilt from the saved vectors (a local build, no
+        collective), and rebuilt from the item side again on the saved schedule."""
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be a dict, got {type(state).__name__}")
+        if "calls" not in state or set(state) - {"calls", "vectors"}:
+            raise ValueError(f"state must hold 'calls' and, once built, 'vectors', got keys {sorted(state)}")
+        calls, vectors = state["calls"], state.get("vectors")
+        if isinstance(calls, bool) or not isinstance(calls, int) or calls < 0:
+            raise ValueError(f"state['calls'] must be an int >= 0, got {calls!r}")
+        if calls % self.refresh_every and vectors is None:
+            raise ValueError(f"state holds no 'vectors' at call {calls}, between rebuilds (every "
+                             f"{self.refresh_every} calls): it is not an IndexHead state of this schedule")
+        if vectors is not None:
+            shape = (self.retriever.num_items, self.retriever.num_experts)
+            if not isinstance(vectors, Tensor) or not vectors.is_floating_point() or vectors.dim() != 3 \
+                    or tuple(vectors.shape[:2]) != shape:
+                raise ValueError(f"state['vectors'] must be floating item vectors [N, M, D] with (N, M) = {shape}, "
+                                 f"got {getattr(vectors, 'shape', type(vectors).__name__)}")
+            self._build(vectors.to(self.device))
+        else:
+            self.index, self._vectors = None, None
+        self.calls = calls
 
     def __call__(self, features: KeyedJaggedTensor, dense: Tensor | None = None, *,
                  bag_features: KeyedJaggedTensor | None = None) -> Tensor:
