@@ -184,8 +184,9 @@ class FaissIndex(ItemIndex):
 def recall_at_k(found: Tensor, exact: Tensor) -> float:
     """Mean fraction of the exact top-k ids ``exact [..., k]`` that ``found [..., k]`` also holds."""
     for name, ids in (("found", found), ("exact", exact)):
-        if not isinstance(ids, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor of ids, got {type(ids).__name__}")
+        if not isinstance(ids, Tensor) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer tensor of ids, got "
+                            f"{ids.dtype if isinstance(ids, Tensor) else type(ids).__name__}")
     if found.shape != exact.shape:
         raise ValueError(f"found and exact must have one shape, got {tuple(found.shape)} and {tuple(exact.shape)}")
     hits = (found.unsqueeze(-1) == exact.unsqueeze(-2)).any(-2)

@@ -87,10 +87,7 @@ class ServingRetriever:
         self.index = FaissIndex(self.item_vectors) if index is None else index
         if not isinstance(self.index, ItemIndex):
             raise TypeError(f"index must be a capg_rec.ann.ItemIndex, got {type(self.index).__name__}")
-        experts = item_vectors.shape[1] if item_vectors.dim() == 3 else None
-        if (self.index.num_items, self.index.num_experts) != (item_vectors.shape[0], experts):
-            raise ValueError(f"index must be built on item_vectors: it holds {self.index.num_items} items for "
-                             f"{self.index.num_experts} experts, item_vectors {item_vectors.shape[0]} for {experts}")
+        self._check_index()
         self.temperature = check_positive("temperature", temperature)
         if not isinstance(epsilon, (int, float)) or isinstance(epsilon, bool):
             raise TypeError(f"epsilon must be a float, got {type(epsilon).__name__}")
@@ -104,6 +101,16 @@ class ServingRetriever:
     @property
     def num_items(self) -> int:
         return self.item_vectors.shape[0]
+
+    def _check_index(self) -> None:
+        """The index holds as many items, experts and dimensions as ``item_vectors`` (its shape only; that it
+        holds these very vectors is trusted): also at each greedy retrieval, for an index refreshed since."""
+        item = self.item_vectors
+        experts = item.shape[1] if item.dim() == 3 else None
+        held = (self.index.num_items, self.index.num_experts, self.index.dim)
+        if held != (item.shape[0], experts, item.shape[-1]):
+            raise ValueError(f"index must be built on item_vectors: it holds {held[0]} items for {held[1]} experts "
+                             f"of dim {held[2]}, item_vectors {item.shape[0]} for {experts} of dim {item.shape[-1]}")
 
     @torch.no_grad()
     def user_vectors(self, *inputs: object, **kwargs: object) -> Tensor:
@@ -127,6 +134,7 @@ class ServingRetriever:
         num_candidates = check_count("num_candidates", num_candidates, high=self.num_items)
         user = self.user_vectors(*inputs, **kwargs)
         if not check_flag("sample", sample):
+            self._check_index()  # refreshed to another catalog since: its ids would be another catalog's
             return Retrieved(self._greedy(user, num_candidates))
         dtype = torch.promote_types(user.dtype, self.item_vectors.dtype)  # never the item vectors rounded to half
         catalog = EmbeddingCatalog(user.to(dtype), self.item_vectors.to(dtype), self.temperature)

@@ -54,6 +54,9 @@ def test_recall_at_k():
     a = torch.tensor([[1, 2, 3], [4, 5, 6]])
     assert recall_at_k(a, a) == 1.0
     assert recall_at_k(torch.tensor([[1, 2, 9], [7, 8, 9]]), a) == pytest.approx(1 / 3)
+    for bad in (a.float(), a > 2, a.tolist()):  # found by review: float ids were compared as they came
+        with pytest.raises(TypeError, match="found must be an integer tensor of ids"):
+            recall_at_k(bad, a)
 
 
 def test_index_errors():
@@ -111,7 +114,7 @@ def test_index_regressions_from_review():
     with pytest.raises(ValueError, match="N"):
         exact.refresh(torch.randn(0, 8))
     assert exact.num_items == 200 and exact.search(queries, 3)[1].shape == (5, 3)
-    with pytest.raises(TypeError, match="found must be a torch.Tensor"):
+    with pytest.raises(TypeError, match="found must be an integer tensor of ids, got list"):
         recall_at_k([[1, 2]], ref[:1, :2])
 
 

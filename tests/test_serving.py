@@ -133,6 +133,15 @@ def test_bad_input_is_a_clear_error():
         got.at(torch.tensor([[0, 1], [1, 1], [0, 1]]))
     with pytest.raises(ValueError, match="method must give a probability"):
         ServingRetriever(tower, items, method="with_replacement")
+    # found by review: an index of another dimension was taken (the first retrieval named the queries), and one
+    # refreshed to another catalog since served that catalog's ids
+    with pytest.raises(ValueError, match="index must be built on item_vectors.*of dim 4"):
+        ServingRetriever(tower, items, index=ExactIndex(torch.randn(20, 2, 4, dtype=torch.float64)))
+    index = ExactIndex(items)
+    moved = ServingRetriever(tower, items, index=index)
+    index.refresh(items[:10])
+    with pytest.raises(ValueError, match="index must be built on item_vectors: it holds 10 items"):
+        moved.retrieve(users, num_candidates=2)
     with pytest.raises(ValueError, match="fewer than K"):
         ServingRetriever(tower, items, index=_ShortIndex(items)).retrieve(users, num_candidates=3)
     assert isinstance(got, Retrieved) and issubclass(_ShortIndex, ItemIndex)
