@@ -223,7 +223,7 @@ def _weights(catalog: CatalogScores | None, log_ratio: Tensor, max_weight: float
     log_weight = log_ratio.detach()
     if max_weight is not None:
         log_weight = log_weight.clamp(max=math.log(max_weight))
-    weight = _relative_weights(log_weight) * _normalizer(log_weight, catalog).to(log_weight.dtype)
+    weight = (_relative_weights(log_weight) * _normalizer(log_weight, catalog)).to(log_weight.dtype)  # in float64
     return weight.clamp(max=math.exp(_log_weight_cap(weight.dtype, None if reduction == "mean" else gradient_dtype)))
 
 
@@ -332,8 +332,8 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
         if baseline is not None:
             if isinstance(baseline, (int, float)) and not isinstance(baseline, bool):  # one for every row
                 baseline = torch.tensor(float(baseline), dtype=rewards.dtype, device=rewards.device)
-            if isinstance(baseline, Tensor) and baseline.dim() == 0:
-                baseline = baseline.expand(batch)
+            if isinstance(baseline, Tensor) and baseline.dim() == 0:  # any device's, as torch broadcasts a scalar
+                baseline = baseline.to(rewards.device).expand(batch)
             baseline = _float("baseline", baseline, ((batch,), (batch, 1), (batch, length))).detach()
         if position_weights is not None:
             position_weights = _float("position_weights", position_weights, ((length,),)).detach()

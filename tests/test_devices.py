@@ -141,6 +141,16 @@ def test_off_policy_losses_agree_with_the_cpu(device, loss_cls, num_experts):
         _assert_same(got, want, scale=50.0)
 
 
+def test_a_cpu_scalar_baseline_broadcasts_onto_the_device(device):
+    """As torch broadcasts a 0-dim CPU tensor onto any device, so does the losses' scalar baseline (found by
+    review: it was expanded on the CPU and then met the device's rewards)."""
+    logits, cand, chosen, rewards = (t.to(device) for t in _inputs(1, torch.float32, seed=15))
+    loss_fn = CAPGLoss(6)
+    want = loss_fn(logits, cand, chosen, rewards, baseline=torch.full((5,), 0.3, device=device))
+    for scalar in (torch.tensor(0.3), torch.tensor(0.3, dtype=torch.float64), 0.3):
+        torch.testing.assert_close(loss_fn(logits, cand, chosen, rewards, baseline=scalar), want)
+
+
 @pytest.mark.parametrize("method", ["exact", "mean_field", "plugin"])
 def test_logged_propensities_agree_with_the_cpu(device, method):
     logits, cand, chosen, _ = _inputs(2, torch.float64, seed=6)

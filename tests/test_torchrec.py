@@ -574,6 +574,37 @@ def test_bag_collection_user_side():
         torch.testing.assert_close(got, want)
 
 
+def test_kjts_whose_lengths_miss_a_sample_are_refused_where_they_come_in():
+    """A KJT whose lengths do not make one per key and sample is a ValueError naming it at every entry point
+    (TorchRec's reshape raised a RuntimeError, which on many ranks left the others waiting); a variable-stride KJT
+    whose strides are all equal is taken as before (found by review of the first fix, which refused it)."""
+    retriever = _bag_retriever()
+    empty = KeyedJaggedTensor.from_lengths_sync([], torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long),
+                                                stride=3)
+    good = retriever(retriever.with_catalog(empty), bag_features=_bags()).log_normalizer()
+    bags = _bags()
+    same = KeyedJaggedTensor(keys=bags.keys(), values=bags.values(), lengths=bags.lengths(),
+                             stride_per_key_per_rank=[[3], [3]])
+    assert same.variable_stride_per_key()
+    torch.testing.assert_close(retriever(retriever.with_catalog(empty), bag_features=same).log_normalizer(), good)
+    short = KeyedJaggedTensor(keys=bags.keys(), values=bags.values()[:7], lengths=bags.lengths()[:5], stride=3)
+    with pytest.raises(ValueError, match="bag_features must hold one length per key and sample, 2 keys × stride 3"):
+        retriever(retriever.with_catalog(empty), bag_features=short)
+    with pytest.raises(ValueError, match="bag_features must hold one length per key and sample"):
+        retriever.user_vectors(empty, bag_features=short)
+    users = KeyedJaggedTensor(keys=["user_id"], values=torch.tensor([1, 2]), lengths=torch.tensor([1, 1]), stride=3)
+    with pytest.raises(ValueError, match="features must hold one length per key and sample, 1 keys × stride 3"):
+        retriever.with_catalog(users)
+    uneven = KeyedJaggedTensor(keys=bags.keys(), values=bags.values()[:6], lengths=torch.tensor([1, 1, 1, 2, 0, 1]),
+                               stride_per_key_per_rank=[[3], [2]])
+    with pytest.raises(ValueError, match=r"one stride for every key .*strides \[3, 2\]"):
+        retriever(retriever.with_catalog(empty), bag_features=uneven)
+    extra = KeyedJaggedTensor(keys=bags.keys(), values=torch.cat([bags.values(), bags.values()[:1]]),
+                              lengths=bags.lengths(), stride=3)
+    with pytest.raises(ValueError, match="as many values .* as its lengths add up to, 8, got 9 values"):
+        retriever(retriever.with_catalog(empty), bag_features=extra)
+
+
 def test_weighted_bag_collection_needs_weighted_bag_features():
     """A weighted EmbeddingBagCollection given bag_features without weights is a ValueError naming them, in
     forward and user_vectors (TorchRec's AssertionError named no argument; on 2 ranks the job aborted inside

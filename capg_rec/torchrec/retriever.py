@@ -204,6 +204,7 @@ class TwoTowerRetriever(nn.Module):
                              f"with_catalog once per batch, on features without it")
         if features.variable_stride_per_key():
             raise ValueError("features must have one stride for every key (variable batch sizes are not supported)")
+        _check_jagged("features", features, resolve_validate_args(self.validate_args))
         if items is not None and (not isinstance(items, Tensor) or items.dim() != 1 or items.is_floating_point()
                                   or items.dtype == torch.bool):
             raise TypeError(f"items must be a 1-d tensor of item ids [S'], got "
@@ -375,6 +376,7 @@ class TwoTowerRetriever(nn.Module):
             if self.catalog_feature in features.keys():
                 raise ValueError(f"features must not have the catalog feature {self.catalog_feature!r}: "
                                  "user_vectors looks up users only")
+            _check_jagged("features", features, validate)
             keys = [*features.keys(), self.catalog_feature]  # as the lookup below takes them
             self._check_key_order("features", keys)
             self._check_user_features(features, bag_features, batch, validate)
@@ -564,12 +566,14 @@ def _check_jagged(name: str, kjt: KeyedJaggedTensor, validate: bool) -> None:
     """A KJT whose parts agree: one length per key and sample (its lengths' size; no host read) and, when
     ``validate``, as many values (and weights) as the lengths add up to (one host read). TorchRec builds a KJT of
     any lengths and fails later, in a reshape or a lookup, or reads other samples' ids."""
-    if kjt.variable_stride_per_key():
-        raise ValueError(f"{name} must have one stride for every key (variable batch sizes are not supported)")
-    keys, stride, lengths = kjt.keys(), kjt.stride(), kjt.lengths()
-    if lengths.numel() != len(keys) * stride:
-        raise ValueError(f"{name} must hold one length per key and sample, {len(keys)} keys × stride {stride} = "
-                         f"{len(keys) * stride}, got {lengths.numel()} lengths")
+    strides = kjt.stride_per_key()  # a variable-stride KJT's too (whose strides may all be equal)
+    if len(set(strides)) > 1:
+        raise ValueError(f"{name} must have one stride for every key (variable batch sizes are not supported), got "
+                         f"strides {strides}")
+    keys, lengths = kjt.keys(), kjt.lengths()
+    if lengths.numel() != sum(strides):
+        raise ValueError(f"{name} must hold one length per key and sample, {len(keys)} keys × stride "
+                         f"{kjt.stride()} = {sum(strides)}, got {lengths.numel()} lengths")
     weights = kjt.weights_or_none()
     if validate and (int(lengths.sum()) != kjt.values().numel()
                      or (weights is not None and weights.numel() != kjt.values().numel())):
