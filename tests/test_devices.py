@@ -119,9 +119,10 @@ def test_sampled_catalog_agrees_with_the_cpu_on_the_same_draw(device, name, samp
         _assert_same(got, want, scale=10.0)
 
 
+@pytest.mark.parametrize("self_normalize", [False, True])
 @pytest.mark.parametrize("loss_cls", [OffPolicyCAPGLoss, OffPolicyVPGLoss, TopKReinforceLoss])
 @pytest.mark.parametrize("num_experts", [1, 2])
-def test_off_policy_losses_agree_with_the_cpu(device, loss_cls, num_experts):
+def test_off_policy_losses_agree_with_the_cpu(device, loss_cls, num_experts, self_normalize):
     logits, cand, chosen, rewards = _inputs(num_experts, torch.float64, seed=4)
     logged_logits = logits + torch.randn(logits.shape, generator=torch.Generator().manual_seed(5),
                                          dtype=torch.float64)
@@ -135,7 +136,8 @@ def test_off_policy_losses_agree_with_the_cpu(device, loss_cls, num_experts):
     results = []
     for where in (CPU, device):
         x = logits.to(where).requires_grad_()
-        loss = loss_cls(6, max_weight=50.0)(x, cand.to(where), chosen.to(where), rewards.to(where), logged.to(where))
+        loss = loss_cls(6, max_weight=50.0, self_normalize=self_normalize)(x, cand.to(where), chosen.to(where),
+                                                                             rewards.to(where), logged.to(where))
         results.append((loss, *torch.autograd.grad(loss, x)))
     for got, want in zip(results[1], results[0]):
         _assert_same(got, want, scale=50.0)
