@@ -205,7 +205,7 @@ class InBatchSampler(NegativeSampler):
         self._snapshot: tuple[Tensor, Tensor] | None = None  # a frozen copy's ids (sorted) and their log counts
 
     def _frozen(self, ids: Tensor) -> NegativeSampler:
-        if self.frequency is not None:
+        if self.frequency is not None or self._snapshot is not None:  # learns nothing, or frozen already
             return self
         frozen = copy.copy(self)  # shares the tables, which it reads only for ids outside its snapshot
         ids, _ = ids.reshape(-1).long().sort()

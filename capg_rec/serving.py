@@ -107,8 +107,8 @@ class ServingRetriever:
         holds these very vectors is trusted): also at each greedy retrieval, for an index refreshed since."""
         item = self.item_vectors
         experts = item.shape[1] if item.dim() == 3 else None
-        held = (self.index.num_items, self.index.num_experts, self.index.dim)
-        if held != (item.shape[0], experts, item.shape[-1]):
+        held = (self.index.num_items, self.index.num_experts, getattr(self.index, "dim", item.shape[-1]))
+        if held != (item.shape[0], experts, item.shape[-1]):  # (an index of its own making may not know D)
             raise ValueError(f"index must be built on item_vectors: it holds {held[0]} items for {held[1]} experts "
                              f"of dim {held[2]}, item_vectors {item.shape[0]} for {experts} of dim {item.shape[-1]}")
 

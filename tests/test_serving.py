@@ -142,6 +142,16 @@ def test_bad_input_is_a_clear_error():
     index.refresh(items[:10])
     with pytest.raises(ValueError, match="index must be built on item_vectors: it holds 10 items"):
         moved.retrieve(users, num_candidates=2)
+
+    class Remote(ExactIndex):  # an index of its own making that does not record D is taken (as before)
+        def __init__(self, item_vectors):
+            self.inner, self.num_items, self.num_experts = ExactIndex(item_vectors), 20, 2
+
+        def search(self, queries, k):
+            return self.inner.search(queries, k)
+
+    remote = ServingRetriever(tower, items, index=Remote(items))
+    assert remote.retrieve(users, num_candidates=2).candidates.shape == (3, 2)
     with pytest.raises(ValueError, match="fewer than K"):
         ServingRetriever(tower, items, index=_ShortIndex(items)).retrieve(users, num_candidates=3)
     assert isinstance(got, Retrieved) and issubclass(_ShortIndex, ItemIndex)

@@ -599,6 +599,9 @@ def test_kjts_whose_lengths_miss_a_sample_are_refused_where_they_come_in():
                                stride_per_key_per_rank=[[3], [2]])
     with pytest.raises(ValueError, match=r"one stride for every key .*strides \[3, 2\]"):
         retriever(retriever.with_catalog(empty), bag_features=uneven)
+    assert retriever.with_catalog(same).stride() == 4  # with_catalog too: equal strides taken, others refused
+    with pytest.raises(ValueError, match=r"features must have one stride for every key .*strides \[3, 2\]"):
+        retriever.with_catalog(uneven)
     extra = KeyedJaggedTensor(keys=bags.keys(), values=torch.cat([bags.values(), bags.values()[:1]]),
                               lengths=bags.lengths(), stride=3)
     with pytest.raises(ValueError, match="as many values .* as its lengths add up to, 8, got 9 values"):

@@ -202,9 +202,7 @@ class TwoTowerRetriever(nn.Module):
         if self.catalog_feature in features.keys():
             raise ValueError(f"features already has the catalog feature {self.catalog_feature!r}: call "
                              f"with_catalog once per batch, on features without it")
-        if features.variable_stride_per_key():
-            raise ValueError("features must have one stride for every key (variable batch sizes are not supported)")
-        _check_jagged("features", features, resolve_validate_args(self.validate_args))
+        _check_jagged("features", features, resolve_validate_args(self.validate_args))  # one stride for every key
         if items is not None and (not isinstance(items, Tensor) or items.dim() != 1 or items.is_floating_point()
                                   or items.dtype == torch.bool):
             raise TypeError(f"items must be a 1-d tensor of item ids [S'], got "
