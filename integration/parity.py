@@ -36,7 +36,7 @@ from capg_rec import CAPGLoss, EmbeddingCatalog, OffPolicyCAPGLoss, OffPolicyVPG
     candidate_log_prob, inclusion_log_prob, sample_candidates
 from capg_rec.functional import vpg_loss
 from capg_rec.testing import count_host_syncs
-from capg_rec.torchrec import ShardedEmbeddingCatalog, global_mean_baseline
+from capg_rec.torchrec import ContextBaseline, ShardedEmbeddingCatalog, global_mean_baseline
 from capg_rec.torchrec._collective import exchange
 
 SETUPS = {
@@ -337,6 +337,31 @@ def check_self_normalized(record) -> None:
         record(f"snips/{name}/user_grad", rel(u.grad, ref_user.grad[mine]))
 
 
+def check_shared_seed_and_context_baseline(record) -> None:
+    """Draws take rank 0's generator's seed whatever the other ranks' generators hold, and a ContextBaseline keeps
+    the moving averages of every rank's rows (each found by a mutation round: a rank's own seed, and averages of a
+    rank's own rows, passed every other check)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    num_items, k = 30, 4
+    g = torch.Generator().manual_seed(9)
+    user, item = torch.randn(GLOBAL_BATCH, 2, 3, generator=g), torch.randn(num_items, 2, 3, generator=g)
+    mine, block = h.my_slice(GLOBAL_BATCH, rank, world), -(-num_items // world)
+    offset = min(rank * block, num_items)
+    catalog = ShardedEmbeddingCatalog(user[mine], item[offset: offset + block], num_items=num_items,
+                                      row_offset=offset, process_group=dist.group.WORLD)
+    drawn = sample_candidates(catalog, k, generator=torch.Generator().manual_seed(11 + 100 * rank))
+    one = sample_candidates(ShardedEmbeddingCatalog(user, item, num_items=num_items), k,
+                            generator=torch.Generator().manual_seed(11))
+    record("shared_seed/candidates", same(drawn, one[mine]))
+    contexts = torch.arange(GLOBAL_BATCH) % 3
+    rewards = torch.arange(2.0 * GLOBAL_BATCH).view(GLOBAL_BATCH, 2)
+    ranks, single = ContextBaseline(3, decay=0.5, process_group=dist.group.WORLD), ContextBaseline(3, decay=0.5)
+    for step in range(2):
+        got, want = ranks(contexts[mine], rewards[mine] * (step + 1)), single(contexts, rewards * (step + 1))
+        record(f"context_baseline/step{step}", rel(got, want[mine]))
+    record("context_baseline/average", rel(ranks.average, single.average))
+
+
 def check_empty_ranks(name, setup, model, reference, state, users, rank, world, record) -> None:
     """Ranks without users (B_r = 0) next to ranks with some, and an empty global batch: empty
     results there, the right ones elsewhere, no collective left hanging."""
@@ -405,6 +430,7 @@ def main() -> int:
     check_bad_setups(mine, record, messages)
     check_one_rank_errors(record, messages)
     check_self_normalized(record)
+    check_shared_seed_and_context_baseline(record)
     failures = sorted(k for k, v in results.items() if v > TOLERANCE)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"parity_rank{rank}.json").write_text(json.dumps(

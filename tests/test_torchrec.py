@@ -837,3 +837,39 @@ def test_serving_export_retrieves_what_the_training_catalog_ranks_first():
         plain.user_vectors(plain.with_catalog(user_batch([1])))
     with pytest.raises(TypeError, match="features"):
         plain.user_vectors(torch.tensor([1]))
+
+
+# ---------------------------------------------------------------- gaps a mutation round found
+
+
+def test_rows_that_stop_short_of_the_catalog_are_refused(one_rank):
+    """Rows that end before num_items leave a gap at the end of the catalog: refused, as overlaps are (without
+    the check, every sum silently left the items past the last row out)."""
+    g = torch.Generator().manual_seed(0)
+    user, item = torch.randn(2, 3, generator=g), torch.randn(9, 3, generator=g)
+    ShardedEmbeddingCatalog(user, item, num_items=9, process_group=one_rank)
+    with pytest.raises(ValueError, match=r"must tile the catalog \[0, 9\)"):
+        ShardedEmbeddingCatalog(user, item[:5], num_items=9, process_group=one_rank)
+
+
+def test_global_mean_baseline_of_rows_without_rewards_is_zero():
+    """Rewards ``[B, 0]`` (no shown items) have mean 0, as an empty batch has, not 0/0."""
+    assert torch.equal(global_mean_baseline(torch.zeros(3, 0)), torch.zeros(3))
+
+
+def test_index_head_may_hold_the_whole_catalog():
+    from capg_rec.torchrec import IndexHead
+    retriever = make_retriever(num_items=12)
+    found = IndexHead(retriever, 12)(user_batch([3, 1]))
+    assert found.shape == (2, 2, 12) and torch.equal(found.sort(2).values, torch.arange(12).expand(2, 2, 12))
+
+
+def test_user_features_of_several_ids_are_mean_pooled():
+    """A user feature of the EmbeddingCollection with several ids per user is the mean of their rows (every other
+    test gives one id per user, where a sum is the mean)."""
+    retriever = make_retriever(num_experts=1)
+    ids, lengths = torch.tensor([1, 4, 7, 2, 2, 9]), torch.tensor([3, 0, 2, 1])
+    got = retriever.user_vectors(KeyedJaggedTensor.from_lengths_sync(["user_id"], ids, lengths))
+    rows = retriever.embeddings.embeddings["user_table"].weight.detach()
+    want = torch.stack([rows[[1, 4, 7]].mean(0), torch.zeros(3), rows[[2, 2]].mean(0), rows[9]])
+    torch.testing.assert_close(got[:, 0], want)

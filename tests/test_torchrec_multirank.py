@@ -55,7 +55,7 @@ def test_parity_with_one_process(world, tmp_path):
         assert max(report["errors"].values()) <= report["tolerance"]
         assert report["messages"] == reports[0]["messages"]  # the same error, word for word, on every rank
     for part in ("/masked/", "/empty_ranks/", "/empty_batch/", "one_rank/", "no_host_sync/", "table_wise_small/",
-                 "snips/"):
+                 "snips/", "shared_seed/", "context_baseline/"):
         assert any(part in check for check in reports[0]["errors"]), part
     assert len(reports[0]["messages"]) == (9 if world == 1 else 13)
 
