@@ -223,20 +223,25 @@ def _weights(catalog: CatalogScores | None, log_ratio: Tensor, max_weight: float
     log_weight = log_ratio.detach()
     if max_weight is not None:
         log_weight = log_weight.clamp(max=math.log(max_weight))
-    weight = (_relative_weights(log_weight) * _normalizer(log_weight, catalog)).to(log_weight.dtype)  # in float64
+    weight = _relative_weights(log_weight)  # at most 1: no overflow in any dtype
+    if catalog is None or type(catalog)._stack_batches is CatalogScores._stack_batches:  # one process: its mean
+        mean = weight.mean() if weight.numel() else weight.new_ones(())
+        weight = weight / torch.where(mean > 0, mean, 1.0)
+    else:
+        weight = (weight * _normalizer(log_weight, weight, catalog)).to(weight.dtype)  # in float64
     return weight.clamp(max=math.exp(_log_weight_cap(weight.dtype, None if reduction == "mean" else gradient_dtype)))
 
 
-def _normalizer(log_weight: Tensor, catalog: CatalogScores | None) -> Tensor:
-    """What turns :func:`_relative_weights` of ``log_weight`` into weights of mean 1 over the global batch: every
-    process's where ``catalog`` is shared by several (:meth:`CatalogScores._stack_batches`; a sharded catalog's
-    ranks then normalise as one process over the whole batch would), else this one's. A float64 scalar: this
-    batch's largest weight over the global batch's (each batch's weights are relative to its own largest), over
-    the global mean relative weight; 1 for a global batch of zeros or none. No host read."""
+def _normalizer(log_weight: Tensor, relative: Tensor, catalog: CatalogScores) -> Tensor:
+    """What turns ``relative`` (:func:`_relative_weights` of ``log_weight``) into weights of mean 1 over the global
+    batch of the processes that share ``catalog`` (:meth:`CatalogScores._stack_batches`: a sharded catalog's ranks
+    then normalise as one process over the whole batch would). A float64 scalar: this batch's largest weight over
+    the global batch's (each batch's weights are relative to its own largest), over the global mean relative
+    weight; 1 for a global batch of zeros or none. No host read."""
     top = log_weight.amax() if log_weight.numel() else log_weight.new_full((), -math.inf)
-    stats = torch.stack([top.double(), _relative_weights(log_weight).sum(dtype=torch.float64),
+    stats = torch.stack([top.double(), relative.sum(dtype=torch.float64),
                          torch.tensor(float(log_weight.numel()), dtype=torch.float64, device=log_weight.device)])
-    tops, sums, counts = (stats.unsqueeze(0) if catalog is None else catalog._stack_batches(stats)).unbind(1)
+    tops, sums, counts = catalog._stack_batches(stats).unbind(1)
     best = tops.amax()
 
     def scale(t: Tensor) -> Tensor:  # a batch's largest weight over the global batch's (+inf: an infinite weight)
