@@ -103,6 +103,9 @@ def test_baseline_weights_and_reduction(name):
     for scalar in (mean, float(mean)):
         torch.testing.assert_close(loss_fn(logits, cand, chosen, rewards, baseline=scalar),
                                    loss_fn(logits, cand, chosen, rewards, baseline=mean.expand(6)))
+    single, checked = (logits.float(), cand, chosen, rewards.float()), ESTIMATORS[name](6, validate_args=True)
+    torch.testing.assert_close(checked(*single, baseline=mean),  # a float64 scalar beside float32 rewards
+                               checked(*single, baseline=mean.float().expand(6)))
     with pytest.raises(TypeError, match="baseline"):
         loss_fn(logits, cand, chosen, rewards, baseline=True)
     with pytest.raises(ValueError, match="baseline"):

@@ -512,3 +512,27 @@ def test_self_normalised_weights_of_a_large_batch_are_not_capped_for_half_logits
         (grads[dtype],) = torch.autograd.grad(losses[dtype], leaf)
     torch.testing.assert_close(losses[torch.float16], losses[torch.float32], rtol=1e-3, atol=0)
     assert torch.isfinite(grads[torch.float16]).all()
+
+
+@pytest.mark.parametrize("other", [[], [-800.0, -801.0], [math.inf, 0.0], [-math.inf], [3.0, -2.0]])
+def test_self_normalised_weights_over_ranks_equal_one_process_over_their_rows(other):
+    """What a sharded catalog's rank computes of its SNIPS weights (from every rank's statistics, stacked by
+    ``_stack_batches``) equals one process's weights over the global batch, where another rank holds no rows, only
+    weights ~800 nats below (exp would overflow relative to the wrong top), an infinite weight (which takes the
+    whole mass), or none but zeros."""
+    from capg_rec.catalog import DenseCatalog
+
+    mine = torch.tensor([0.0, 1.0, -math.inf], dtype=torch.float64)
+    theirs = torch.tensor(other, dtype=torch.float64)
+
+    class Sharded(DenseCatalog):  # a rank whose batch shares the global batch with another rank's `theirs`
+        def _stack_batches(self, x):
+            top = theirs.amax() if theirs.numel() else torch.tensor(-math.inf, dtype=torch.float64)
+            relative = F._relative_weights(theirs).sum()
+            return torch.stack([torch.stack([top, relative, torch.tensor(float(theirs.numel()),
+                                                                           dtype=torch.float64)]), x])
+
+    catalog = Sharded(torch.zeros(1, 2, dtype=torch.float64))
+    got = F._weights(catalog, mine, None, True)
+    want = F.importance_weights(torch.cat([theirs, mine]), self_normalize=True)[theirs.numel():]
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)

@@ -440,6 +440,9 @@ def test_drawn_sample_keeps_the_counts_of_its_draw_when_the_sampler_reads_ahead(
     torch.testing.assert_close(kept.to("cpu").log_expected_count(batches[0].flatten(), 60, batches[0]), before,
                                rtol=0, atol=0)
     assert not torch.equal(one.log_expected_count(batches[0].flatten(), 60, batches[0]), before)
+    outside = torch.tensor([x for x in range(60) if x not in set(batches[0].flatten().tolist())][:5])
+    torch.testing.assert_close(kept.log_expected_count(outside, 60, None), one.log_expected_count(outside, 60, None),
+                               rtol=0, atol=0)  # ids outside the draw: the sampler's estimate as it is
 
 
 def test_streaming_in_batch_count_estimates_the_expected_copies():

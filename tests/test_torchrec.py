@@ -606,6 +606,19 @@ def test_kjts_whose_lengths_miss_a_sample_are_refused_where_they_come_in():
                               lengths=bags.lengths(), stride=3)
     with pytest.raises(ValueError, match="as many values .* as its lengths add up to, 8, got 9 values"):
         retriever(retriever.with_catalog(empty), bag_features=extra)
+    one_id = make_retriever()
+    short_users = KeyedJaggedTensor(keys=["user_id"], values=torch.tensor([1, 2]), lengths=torch.tensor([1, 1]),
+                                    stride=3)
+    with pytest.raises(ValueError, match="features must hold one length per key and sample"):
+        one_id.user_vectors(short_users)
+    stray = KeyedJaggedTensor(keys=["user_id"], values=torch.tensor([1, 2, 3, 4]), lengths=torch.tensor([1, 1, 1]),
+                              stride=3)  # a stray value would shift every catalog row of with_catalog's KJT
+    with pytest.raises(ValueError, match="features must hold as many values .* 3, got 4 values"):
+        one_id.with_catalog(stray)
+    weighted = KeyedJaggedTensor(keys=bags.keys(), values=bags.values(), lengths=bags.lengths(), stride=3,
+                                 weights=torch.ones(7))
+    with pytest.raises(ValueError, match="bag_features must hold as many values \\(and weights\\).* 7 weights"):
+        retriever(retriever.with_catalog(empty), bag_features=weighted)
 
 
 def test_weighted_bag_collection_needs_weighted_bag_features():

@@ -210,11 +210,14 @@ def test_index_head_state_dict_continues_as_the_saved_head():
     assert not torch.equal(IndexHead(retriever, 5, refresh_every=3)(users), old)  # unrestored: rebuilt at once
     with pytest.raises(TypeError, match="state must be a dict"):
         restored.load_state_dict([2])
-    for bad, match in (({"calls": -1}, "calls"), ({"calls": 2}, "no 'vectors' at call 2"),
-                       ({"calls": 0, "other": 1}, "must hold 'calls'"),
-                       ({"calls": 2, "vectors": torch.zeros(3, M, D)}, "vectors")):
+    for bad, match in (({"calls": -1}, r"state\['calls'\] must be an int >= 0"),
+                       ({"calls": 2}, "no 'vectors' at call 2"), ({"calls": 0, "other": 1}, "must hold 'calls'"),
+                       ({"calls": 2, "vectors": torch.zeros(3, M, D)}, "vectors"),
+                       ({"calls": 2, "vectors": torch.zeros(NUM_ITEMS, M + 1, D)}, "vectors")):
         with pytest.raises(ValueError, match=match):
             restored.load_state_dict(bad)
+    restored.load_state_dict({"calls": 0})  # a state from before the first build: nothing built
+    assert restored.index is None and sorted(restored.state_dict()) == ["calls"]
 
 
 def test_sampled_mode_with_an_index_head_equals_a_sampled_catalog_with_the_index():
