@@ -19,9 +19,9 @@ def binomial_acceptance(probs: np.ndarray, num_samples: int, alpha: float) -> tu
 
 
 def assert_counts_match(counts: np.ndarray, probs: np.ndarray, num_samples: int, alpha: float = 1e-6,
-                        method_tolerance: float = 0.0) -> None:
+                        method_tolerance: float | np.ndarray = 0.0) -> None:
     """Every count lies in its acceptance region, widened by ``method_tolerance`` (absolute, in
-    probability) for documented approximations."""
+    probability; one per entry, or one for all) for documented approximations."""
     low, high = binomial_acceptance(probs, num_samples, alpha)
     slack = method_tolerance * num_samples
     bad = (counts < low - slack) | (counts > high + slack)

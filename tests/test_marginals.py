@@ -72,7 +72,7 @@ def test_symmetries(method):
     permuted = inclusion_log_prob(logits[:, :, perm], items, 4, method=method)
     torch.testing.assert_close(permuted, base[:, perm])
     equal = inclusion_log_prob(torch.zeros(1, 1, 12, dtype=torch.float64), items[:1], 4, method=method)
-    expected = torch.full_like(equal, np.log(4 * (1.0 if method == "with_replacement" else 1.0) / 12))
+    expected = torch.full_like(equal, np.log(4.0 / 12))
     torch.testing.assert_close(equal, expected)
 
 
@@ -156,18 +156,33 @@ def test_exact_against_monte_carlo(data):
     assert_counts_match(counts, claim, num_samples, alpha=1e-6, method_tolerance=1e-4 if m == 1 else 0.0)
 
 
-@pytest.mark.parametrize(("n", "k", "m", "tau"), [
-    (300, 10, 1, 1.0), (300, 50, 1, 0.5), (300, 10, 3, 1.0), (300, 30, 3, 0.5), (300, 20, 2, 0.2)])
-def test_mean_field_against_monte_carlo(n, k, m, tau):
-    """Mean-field is a large-catalog approximation with no worst-case bound (adversarial tiny
-    catalogs reach 0.1+ absolute error), so it is checked on realistic catalogs (standard-normal
-    logits) within its documented accuracy: 0.01 absolute. Measured with 1e5 draws on these
-    cases: the worst error beyond 5 standard errors is 0.0063 (τ = 0.2, M = 2), else within noise."""
+@pytest.mark.parametrize(("n", "k", "tau", "rtol"), [(300, 10, 1.0, 0.01), (300, 50, 0.5, 0.01), (300, 20, 0.2, 0.03)])
+def test_mean_field_of_one_expert_against_exact(n, k, tau, rtol):
+    """Mean-field is a large-catalog approximation with no worst-case bound (adversarial tiny catalogs
+    reach 0.1+ absolute error); on realistic catalogs (standard-normal logits) of one expert it is held to
+    the README's accuracy against the exact method, relative to each inclusion probability: 1% at τ ≥ 0.5,
+    3% at τ = 0.2 (measured here: at most 0.97% and 2.7%). A 5% error anywhere fails; the exact method
+    itself is held to Monte-Carlo bounds above."""
+    logits = torch.randn(1, 1, n, generator=torch.Generator().manual_seed(n + k), dtype=torch.float64)
+    claim = inclusion_log_prob(logits, _all_items(1, n), k, temperature=tau, method="mean_field").exp()
+    exact = inclusion_log_prob(logits, _all_items(1, n), k, temperature=tau, method="exact").exp()
+    torch.testing.assert_close(claim, exact, rtol=rtol, atol=0.0)
+
+
+@pytest.mark.parametrize(("n", "k", "m", "tau", "absolute"), [
+    (300, 10, 3, 1.0, 0.0), (300, 30, 3, 0.5, 0.0), (300, 20, 2, 0.2, 0.01)])
+def test_mean_field_of_a_mixture_against_monte_carlo(n, k, m, tau, absolute):
+    """Mixtures have no exact reference at this size: Monte-Carlo inclusion frequencies of 4e5 draws lie
+    in their binomial acceptance regions (α = 1e-6, Bonferroni over items) around mean-field's claim,
+    widened by its documented accuracy: 1% of the probability, and for confident mixtures (τ = 0.2) 0.01
+    absolute (measured with 4e5 draws: beyond 5 standard errors, at most 0.23% of the probability at
+    τ ≥ 0.5 and 0.0072 absolute at τ = 0.2)."""
     logits = torch.randn(1, m, n, generator=torch.Generator().manual_seed(n + k + m), dtype=torch.float64)
-    num_samples = 50_000
-    counts = _monte_carlo_counts(logits / tau, k, num_samples, seed=k)
+    num_samples, chunk = 400_000, 50_000
+    counts = sum(_monte_carlo_counts((logits / tau).float(), k, chunk, seed=k + 1000 * i)
+                 for i in range(num_samples // chunk))
     claim = inclusion_log_prob(logits, _all_items(1, n), k, temperature=tau, method="mean_field").exp()[0].numpy()
-    assert_counts_match(counts, claim, num_samples, alpha=1e-6, method_tolerance=0.01)
+    assert_counts_match(counts, claim, num_samples, alpha=1e-6, method_tolerance=0.01 * claim + absolute)
 
 
 def test_plugin_is_rejected_by_monte_carlo():
