@@ -14,7 +14,7 @@ settings.register_profile("dev", max_examples=25, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("nightly", max_examples=500, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))  # deterministic unless asked
 
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 
