@@ -1,5 +1,6 @@
 """SampledCatalog and negative samplers: unbiased sums, exact limits, masks, dtypes, losses, errors."""
 
+import itertools
 import math
 import warnings
 
@@ -68,6 +69,50 @@ def test_mixed_in_batch_estimate_is_unbiased():
                              batch_items=batch, generator=g)
         ratios.append((cat.log_power_sums(EXCLUDE, 2) - exact).exp())
     _clt_check(torch.stack(ratios))
+
+
+def _draws(num_items: int, size: int, q: torch.Tensor | None = None):
+    """Every ordered draw of ``size`` ids with replacement from ``num_items`` (uniform, or ``q``), with its
+    probability: ``(ids [size], probability)``."""
+    for ids in itertools.product(range(num_items), repeat=size):
+        ids = torch.tensor(ids)
+        yield ids, (float(q[ids].prod()) if q is not None else num_items ** -size)
+
+
+@pytest.mark.parametrize("m", [None, 2])
+def test_uniform_estimate_is_exactly_unbiased(m):
+    """The expectation of the estimated sums over every draw of S = 3 uniform negatives from 6 items (each a
+    DrawnSample of UniformSampler), weighed by its probability, is the exact sum to rounding (p = 1..3, an
+    exact index head, excluded ids): unlike a bound over seeds, any bias in the expected counts fails it."""
+    user, item = _towers(n=6, m=m)
+    exact = EmbeddingCatalog(user, item).log_power_sums(EXCLUDE, 3).exp()
+    sampler, index = UniformSampler(3), ExactIndex(item)
+    expected = sum(p * SampledCatalog(user, item, sampler=DrawnSample(ids, sampler), index=index,
+                                      head_size=2).log_power_sums(EXCLUDE, 3).exp() for ids, p in _draws(6, 3))
+    torch.testing.assert_close(expected, exact, rtol=1e-12, atol=0.0)
+
+
+@pytest.mark.parametrize("own_heads", [False, True])
+def test_mixed_in_batch_estimate_is_exactly_unbiased(own_heads):
+    """In-batch items iid from a known popularity q plus uniform negatives: the expectation over every batch
+    and every uniform draw is the exact sum, so the balance-heuristic weights (expected counts add up) make
+    the sums unbiased. ``own_heads``: the batch is the rows' own heads, whose sample terms each row drops
+    and counts out of the others' slots."""
+    user, item = _towers(b=2, n=5, scale=0.5)
+    q = torch.softmax(torch.linspace(0, 2, 5, dtype=torch.float64), 0)
+    exclude = torch.tensor([[4, -1], [0, 2]])
+    exact = EmbeddingCatalog(user, item).log_power_sums(exclude, 2).exp()
+    sampler = MixedSampler(InBatchSampler(frequency=q), UniformSampler(2))
+    expected = 0.0
+    for batch, p_batch in _draws(5, 2, q):
+        batch = batch.view(2, 1)
+        heads = batch if own_heads else torch.tensor([[1, 2], [3, -1]])  # never the batch (compared by value)
+        for ids, p in _draws(5, 2):
+            drawn = DrawnSample(torch.cat([batch.view(-1), ids]), sampler, batch_items=batch)
+            cat = SampledCatalog(user, item, sampler=drawn, head_items=heads,
+                                 batch_items=None if own_heads else batch)
+            expected = expected + p_batch * p * cat.log_power_sums(exclude, 2).exp()
+    torch.testing.assert_close(expected, exact, rtol=1e-12, atol=0.0)
 
 
 def test_exact_when_head_holds_everything(device):
