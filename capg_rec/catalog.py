@@ -549,17 +549,16 @@ def _chunked_top_k(user: Tensor, item: Tensor, k: int, exclude: Tensor | None,
     return best_val, best_idx
 
 
-def _expert_views(user: Tensor, item: Tensor) -> tuple[Tensor, Tensor]:
-    """``user [B, D] | [B, M, D]`` and ``item [N, D] | [N, M, D]`` as ``[B, M, D]``, ``[N, M, D]``,
-    checked to agree on (M, D) and dtype."""
+def _expert_views(user: Tensor, item: Tensor) -> tuple[Tensor, Tensor, torch.dtype]:
+    """``user [B, D] | [B, M, D]`` and ``item [N, D] | [N, M, D]`` as ``[B, M, D]``, ``[N, M, D]``, checked to
+    agree on (M, D), and the dtype they are scored in: the wider of theirs, at least float32 (a bfloat16 user
+    tower under autocast beside a float32 item table scores in float32)."""
     user = user.unsqueeze(1) if user.dim() == 2 else user
     item = item.unsqueeze(1) if item.dim() == 2 else item
     if user.shape[1:] != item.shape[1:]:
         raise ValueError(f"user [B, M, D] and item [N, M, D] must agree on (M, D), got "
                          f"{tuple(user.shape[1:])} and {tuple(item.shape[1:])}")
-    if user.dtype != item.dtype:
-        raise ValueError(f"user and item must share a dtype, got {user.dtype} and {item.dtype}")
-    return user, item
+    return user, item, compute_dtype(torch.promote_types(user.dtype, item.dtype))
 
 
 class EmbeddingCatalog(CatalogScores):
@@ -570,7 +569,8 @@ class EmbeddingCatalog(CatalogScores):
 
     Args:
         user: ``[B, D]`` or ``[B, M, D]``.
-        item: ``[N, D]`` or ``[N, M, D]``, same dtype (float16/bfloat16 are computed in float32).
+        item: ``[N, D]`` or ``[N, M, D]``; scores are computed in the wider of the two dtypes, at least float32
+            (float16/bfloat16 in float32), and gradients reach each in its own dtype.
         temperature: τ > 0.
         masked_items: ``[B, E]`` ids of items outside each row's catalog (already seen,
             unavailable), padded with ``-1``; they score ``-inf``.
@@ -590,8 +590,7 @@ class EmbeddingCatalog(CatalogScores):
         item = check_float_tensor("item", item, ndims=(2, 3), validate=self.validate)
         tau = check_positive("temperature", temperature)
         self.chunk_size = check_count("chunk_size", chunk_size)
-        user, item = _expert_views(user, item)
-        dtype = compute_dtype(user.dtype)
+        user, item, dtype = _expert_views(user, item)
         self._source_dtypes = (user.dtype, item.dtype)
         user, item = user.to(dtype), item.to(dtype)
         self.user = user / tau if tau != 1.0 else user  # [B, M, D], temperature folded in

@@ -753,6 +753,41 @@ def test_catalogs_score_in_their_own_dtype_under_autocast(device, num_items, pla
             torch.testing.assert_close(a, b, rtol=atomics, atol=atomics * b.abs().max().item())
 
 
+@pytest.mark.parametrize("placement", ["embedding", "sharded"])
+@pytest.mark.parametrize(("user_dtype", "item_dtype"), [(torch.bfloat16, torch.float32), (torch.float32, torch.float64),
+                                                        (torch.float16, torch.bfloat16)])
+def test_catalogs_score_user_and_item_of_different_dtypes_in_the_wider(device, placement, user_dtype, item_dtype):
+    """Found by review: a user tower that autocast ran in bfloat16 beside a float32 item table (nn.Embedding, which
+    autocast leaves alone) was refused ('user and item must share a dtype'). Both are scored in the wider dtype, at
+    least float32: the loss equals the one from the user vectors cast there, and each gradient comes back in its
+    input's dtype."""
+    if placement == "sharded":
+        pytest.importorskip("torchrec")
+        from capg_rec.torchrec import ShardedEmbeddingCatalog
+
+        def build(u, v):
+            return ShardedEmbeddingCatalog(u, v, num_items=v.shape[0], chunk_size=7)
+    else:
+        def build(u, v):
+            return capg_rec.EmbeddingCatalog(u, v, chunk_size=7)
+    g = torch.Generator().manual_seed(0)
+    wide = torch.promote_types(torch.promote_types(user_dtype, item_dtype), torch.float32)
+    user = torch.randn(4, 8, generator=g).to(device=device, dtype=user_dtype).requires_grad_()
+    item = torch.randn(30, 8, generator=g).to(device=device, dtype=item_dtype).requires_grad_()
+    cand = capg_rec.sample_candidates(build(user.detach(), item.detach()), 5,
+                                      generator=torch.Generator(device=device).manual_seed(1))
+    chosen, rewards = cand[:, :2], torch.rand(4, 2, generator=g).to(device)
+    for loss_fn in (capg_rec.CAPGLoss(5), capg_rec.VPGLoss(5)):
+        got = loss_fn(build(user, item), cand, chosen, rewards)
+        ref_user, ref_item = user.detach().to(wide).requires_grad_(), item.detach().to(wide).requires_grad_()
+        want = loss_fn(build(ref_user, ref_item), cand, chosen, rewards)
+        torch.testing.assert_close(got, want.to(got.dtype), rtol=0, atol=0)
+        grads = torch.autograd.grad(got, (user, item))
+        assert [x.dtype for x in grads] == [user_dtype, item_dtype]
+        for a, b in zip(grads, torch.autograd.grad(want, (ref_user, ref_item))):
+            torch.testing.assert_close(a, b.to(a.dtype), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("loss_name", LOSSES)
 @pytest.mark.parametrize("experts", [1, 2])
 def test_losses_evaluate_under_no_grad_and_inference_mode(loss_name, experts):

@@ -21,7 +21,7 @@ from torch import Tensor
 from capg_rec._checks import check_count, check_float_tensor, check_id_tensor, check_positive, resolve_validate_args
 from capg_rec._numerics import no_autocast, safe_logsumexp, top_k
 from capg_rec.catalog import CatalogScores, _chunked_top_k, _ChunkedLogPowerSums, _expert_views, \
-    available_given_masks, compute_dtype
+    available_given_masks
 from capg_rec.torchrec._collective import agree, all_gather_rows, exchange, gather_rows, on_ranks, ranks_where, \
     reduce_rows, stack_ranks
 from capg_rec.torchrec._noise import BLOCK, BlockNoise, draw_seed
@@ -38,7 +38,8 @@ class ShardedEmbeddingCatalog(CatalogScores):
         user: this rank's users ``[B_r, D]`` or ``[B_r, M, D]`` (``B_r`` may be 0).
         item: this rank's item rows ``[R, D]`` or ``[R, M, D]``: global ids ``[row_offset, row_offset + R)``
             (``R`` may be 0 on ranks that hold none); the ranks' rows must tile ``[0, num_items)``.
-            float16/bfloat16 embeddings are computed in float32, as by :class:`capg_rec.EmbeddingCatalog`.
+            Scored in the wider of the user's and item's dtypes, at least float32, as by
+            :class:`capg_rec.EmbeddingCatalog`.
         num_items: N, the size of the whole catalog.
         row_offset: global id of the first local row.
         temperature: τ > 0.
@@ -103,14 +104,14 @@ class ShardedEmbeddingCatalog(CatalogScores):
         self.num_items = check_count("num_items", num_items)
         self.chunk_size = check_count("chunk_size", chunk_size)
         self.row_offset = check_count("row_offset", row_offset, low=0)
-        user, item = _expert_views(user, item)
+        user, item, dtype = _expert_views(user, item)
         if self.group is None and (row_offset, item.shape[0]) != (0, num_items):
             raise ValueError(f"without a process_group item must hold the whole catalog: row_offset=0 and "
                              f"{num_items} rows, got row_offset={row_offset} and {item.shape[0]} rows")
         if row_offset + item.shape[0] > num_items:
             raise ValueError(f"local rows [row_offset={row_offset}, {row_offset + item.shape[0]}) must lie "
                              f"inside the catalog [0, num_items={num_items})")
-        self.dtype, self.device = compute_dtype(user.dtype), user.device
+        self.dtype, self.device = dtype, user.device
         self._source_dtypes = (user.dtype, item.dtype)
         user, item = user.to(self.dtype), item.to(self.dtype)
         self.item = item  # [R, M, D]
