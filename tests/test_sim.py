@@ -100,8 +100,24 @@ def test_matrix_env_validation():
         MatrixEnv(q, q, q * float("nan"))
     with pytest.raises(ValueError, match="relative_noise"):
         MatrixEnv.from_table(q, relative_noise=-0.1)
-    sub = MatrixEnv.from_table(torch.arange(12.0).view(3, 4)).subset(torch.tensor([2]), torch.tensor([0, 3]))
-    assert torch.equal(sub.q, torch.tensor([[8.0, 11.0]]))
+    env = MatrixEnv.from_table(torch.arange(12.0).view(3, 4))
+    sub = env.subset(torch.tensor([2]), torch.tensor([0, 3]))
+    assert torch.equal(sub.q, torch.tensor([[8.0, 11.0]])) and sub.name == "matrix[subset]"
+
+
+def test_subset_refuses_ids_it_cannot_take():
+    """Found by review: subset indexed the tables with the ids as given: -1 became the last user or item, silently,
+    an empty list made an environment of no items, and an id past the end raised torch's IndexError."""
+    env = MatrixEnv.from_table(torch.arange(12.0).view(3, 4))
+    for kwargs, match in (({"items": torch.tensor([-1, 0])}, r"items must hold ids in \[0, 4\)"),
+                          ({"users": torch.tensor([-1])}, r"users must hold ids in \[0, 3\)"),
+                          ({"items": torch.tensor([9])}, r"items must hold ids in \[0, 4\)"),
+                          ({"items": torch.tensor([], dtype=torch.long)}, "items must be a non-empty 1-d"),
+                          ({"users": torch.tensor([[0, 1]])}, "users must be a non-empty 1-d")):
+        with pytest.raises(ValueError, match=match):
+            env.subset(**kwargs)
+    with pytest.raises(TypeError, match="items must be an integer tensor"):
+        env.subset(items=torch.tensor([0.0]))
 
 
 # ----------------------------------------------------------------------------- KuaiRec

@@ -121,10 +121,14 @@ class MatrixEnv:
         return cls(q, relative_noise * q.abs(), q, name=name)
 
     def subset(self, users: Tensor | None = None, items: Tensor | None = None) -> MatrixEnv:
-        """The environment restricted to some users and/or items (ids re-numbered from 0)."""
+        """The environment restricted to some users and/or items, ``[U']`` and ``[N']`` ids (re-numbered from 0 in
+        that order), named ``"<name>[subset]"``: it is another environment, which checkpoints and logs tell apart."""
         tables = [self.q, self.reward_std, self.lsr_scores]
-        if users is not None:
-            tables = [t[users] for t in tables]
-        if items is not None:
-            tables = [t[:, items] for t in tables]
-        return MatrixEnv(*tables, name=self.name)
+        for name, ids, count, dim in (("users", users, self.num_users, 0), ("items", items, self.num_items, 1)):
+            if ids is None:
+                continue
+            ids = check_ids(name, ids, count)
+            if ids.dim() != 1 or not ids.numel():
+                raise ValueError(f"{name} must be a non-empty 1-d tensor of ids, got shape {list(ids.shape)}")
+            tables = [t.index_select(dim, ids.to(t.device)) for t in tables]
+        return MatrixEnv(*tables, name=f"{self.name}[subset]")
