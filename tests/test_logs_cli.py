@@ -91,6 +91,14 @@ def test_log_checkpoint_env_mismatch(tmp_path, capsys):
     assert "trained on 'synthetic'" in capsys.readouterr().err
 
 
+def test_log_names_a_missing_or_corrupt_checkpoint(tmp_path, capsys):
+    """Found by review: a missing checkpoint's message was the OS's alone, not naming --checkpoint."""
+    (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
+    for name in ("nothere.pt", "bad.pt"):
+        assert _run(["log", "--checkpoint", str(tmp_path / name), "-n", "5", "--out", str(tmp_path / "x.parquet")]) == 2
+        assert f"--checkpoint {tmp_path / name}: " in capsys.readouterr().err
+
+
 def test_reader_benchmark_runs(tmp_path):
     module = load_script("benchmarks/log_reader_speed.py")
     result = module.main(["--rows", "3000", "-K", "6", "-L", "2", "--batch-size", "256", "--row-group-size", "1000",

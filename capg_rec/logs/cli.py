@@ -82,7 +82,10 @@ def _logging_esr(args: argparse.Namespace, env_name: str | None):
         from capg_rec.train.checkpoint import read_checkpoint
         from capg_rec.train.config import TrainConfig
 
-        state = read_checkpoint(args.checkpoint)
+        try:
+            state = read_checkpoint(args.checkpoint)
+        except (OSError, ValueError) as err:  # missing, unreadable or corrupt (and no intact .prev)
+            raise ValueError(f"--checkpoint {args.checkpoint}: {err}") from err
         if state.get("kind") == "logs":
             raise ValueError(f"--checkpoint {args.checkpoint}: a run trained from logs (capg-rec train --logs), "
                              "which records no environment to serve in; pass an online run's checkpoint")
