@@ -545,7 +545,8 @@ class SampledCatalog(CatalogScores):
     Args:
         user: ``[B, D]`` or ``[B, M, D]``.
         item: the item table ``[N, D] | [N, M, D]``, or an item tower: a callable mapping ids ``[...]``
-            to ``[..., D] | [..., M, D]`` (then ``num_items`` is required).
+            to ``[..., D] | [..., M, D]`` (then ``num_items`` is required). Scores are computed in the widest
+            of the user's and the table's (or the tower's parameters') dtypes, at least float32.
         sampler: the :class:`NegativeSampler`; it draws once, at construction, through ``generator``.
         temperature: τ > 0.
         index: an :class:`~capg_rec.ann.ItemIndex` over the items (queried with the user vectors):
@@ -586,7 +587,7 @@ class SampledCatalog(CatalogScores):
         tower = item.parameters() if isinstance(item, torch.nn.Module) else ()
         self._source_dtypes = (user.dtype, *([item.dtype] if isinstance(item, Tensor) else
                                              [p.dtype for p in tower if p.is_floating_point()]))
-        self.dtype = compute_dtype(user.dtype)
+        self.dtype = compute_dtype(functools.reduce(torch.promote_types, self._source_dtypes))  # the widest, >= float32
         self.user = user.to(self.dtype) / tau if tau != 1.0 else user.to(self.dtype)  # [B, M, D]
         self.batch_size, self.num_experts = self.user.shape[:2]
         self.device = user.device

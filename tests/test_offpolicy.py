@@ -225,10 +225,13 @@ def test_half_precision_inputs_get_finite_gradients_from_huge_weights(loss_cls, 
     assert max(g.abs().max() for g in grads[torch.float32]) > 65504  # float32's own cap: beyond float16's range
 
 
-@pytest.mark.parametrize("placement", ["sampled", "sharded"])
-def test_half_precision_embeddings_of_other_catalogs_get_finite_gradients(placement):
+@pytest.mark.parametrize("placement", ["embedding", "sampled", "sharded"])
+@pytest.mark.parametrize("dtypes", [(torch.float16, torch.float16), (torch.float32, torch.float16),
+                                    (torch.float16, torch.float32)])
+def test_half_precision_embeddings_of_other_catalogs_get_finite_gradients(placement, dtypes):
     """Found by review: the cap followed float16 on the dense and embedding catalogs only; a SampledCatalog or a
-    ShardedEmbeddingCatalog of float16 embeddings still returned inf gradients."""
+    ShardedEmbeddingCatalog of float16 embeddings still returned inf gradients. Users and items of different dtypes
+    (scored in the wider) cap for the narrower, whichever side it is."""
     from capg_rec.sampled import SampledCatalog, UniformSampler
 
     gen = torch.Generator().manual_seed(0)
@@ -238,8 +241,10 @@ def test_half_precision_embeddings_of_other_catalogs_get_finite_gradients(placem
     item[:k] += 3.0 * user.mean(0)
     candidates = torch.arange(k).expand(b, k).clone()
     rewards, logged = torch.full((b, length), 10.0), torch.full((b, length), -14.0)
-    u, it = user.half().requires_grad_(), item.half().requires_grad_()
-    if placement == "sampled":
+    u, it = user.to(dtypes[0]).requires_grad_(), item.to(dtypes[1]).requires_grad_()
+    if placement == "embedding":
+        catalog = EmbeddingCatalog(u, it)
+    elif placement == "sampled":
         catalog = SampledCatalog(u, it, sampler=UniformSampler(32), head_items=candidates,
                                  generator=torch.Generator().manual_seed(1))
     else:

@@ -137,7 +137,8 @@ class ShardedEmbeddingCatalog(CatalogScores):
         if differ(2):
             raise ValueError(f"validate_args must be the same on every rank, got {[bool(e[2]) for e in table]}")
         if differ(3) or differ(4) or differ(5):
-            raise ValueError("user and item must have the same (M, D) and dtype on every rank, got "
+            raise ValueError("user and item must have the same (M, D) on every rank, and score in the same dtype (the "
+                             "wider of the two, at least float32), got (M, D, scoring dtype) "
                              f"{[(e[3], e[4], str(_DTYPES[e[5]])) for e in table]}")
         if differ(6):
             raise ValueError(f"num_items must be the same on every rank, got {[e[6] for e in table]}")
