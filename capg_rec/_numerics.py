@@ -601,17 +601,20 @@ def gumbel_top_k(scores: Tensor, k: int, *, generator: torch.Generator | None,
     perturbed = members.gather(-1, group.unsqueeze(-2).expand(*lead, size, picked)).sub_(best)  # [..., g, k']
     perturbed += noise[..., groups:].view(*lead, size, picked)
     peak = perturbed.amax(dim=-2, keepdim=True).clamp_(min=finfo.min)
-    # Shift each group's perturbed scores so that their maximum is `top`:
-    # -log(e^-top - e^-peak + e^-x) = top - softplus(top - x + log(1 - e^(x - peak))), in log-space
-    # (absolute accuracy is what a comparison of sampled keys needs). The clamps keep expm1, log
-    # and softplus off their slow paths (very negative arguments, zero): 1 - e^-40 rounds to 1 even
-    # in fp64, and the others move keys by < e^-86. A -inf item stays -inf.
-    top = top.unsqueeze(-2)
-    gap = (perturbed - peak).clamp_(min=-40.0).expm1_().neg_().clamp_(min=finfo.tiny).log_()
-    shift = gap.add_(top).sub_(perturbed).clamp_(min=exp_floor(scores.dtype))
-    keys = top - torch.nn.functional.softplus(shift)
+    keys = _truncated_keys(perturbed, peak, top.unsqueeze(-2))
     ids = group.unsqueeze(-2) + groups * torch.arange(size, device=scores.device).unsqueeze(-1)  # [..., g, k']
     return ids.flatten(-2).gather(-1, keys.flatten(-2).topk(k, dim=-1).indices)
+
+
+def _truncated_keys(perturbed: Tensor, peak: Tensor, top: Tensor) -> Tensor:
+    """A group's perturbed scores ``x`` (maximum ``peak``) shifted so that their maximum is ``top``, as Gumbels
+    truncated there: ``-log(e^-top - e^-peak + e^-x) = top - softplus(top - x + log(1 - e^(x - peak)))``, in
+    log-space (absolute accuracy is what a comparison of sampled keys needs). The clamps keep expm1, log and
+    softplus off their slow paths (very negative arguments, zero): 1 - e^-40 rounds to 1 even in float64, and the
+    others move keys by < e^-86. A -inf item stays -inf."""
+    gap = (perturbed - peak).clamp_(min=-40.0).expm1_().neg_().clamp_(min=torch.finfo(perturbed.dtype).tiny).log_()
+    shift = gap.add_(top).sub_(perturbed).clamp_(min=exp_floor(perturbed.dtype))
+    return top - torch.nn.functional.softplus(shift)
 
 
 def top_k(x: Tensor, k: int) -> Tensor:

@@ -847,3 +847,13 @@ def test_every_exported_name_is_in_the_readme_api_section(module):
     section = text.split("## Public API", 1)[1].split("\n## ", 1)[0]
     missing = [name for name in importlib.import_module(module).__all__ if f"`{name}`" not in section]
     assert not missing, f"{module} exports {missing}, which the README's Public API section does not name"
+
+
+def test_a_masked_item_of_id_zero_counts_as_masked():
+    """Found by mutation testing: counting masked ids from 1 rather than 0 left every test passing; then a row that
+    masks item 0 had one item too many available, and a draw of the whole catalog took the masked item."""
+    user, item = torch.randn(2, 4), torch.randn(3, 4)
+    catalog = capg_rec.EmbeddingCatalog(user, item, masked_items=torch.tensor([[0, -1], [2, 2]]))
+    assert torch.equal(catalog.num_available(), torch.tensor([[2], [2]]))
+    with pytest.raises(ValueError, match="unmasked"):
+        capg_rec.sample_candidates(catalog, 3)

@@ -550,3 +550,22 @@ def test_an_unconverged_solve_warns():
         got = _log_inclusion(stalled.unsqueeze(1), torch.arange(11).unsqueeze(0), 10).exp().sum()
     torch.testing.assert_close(converged.exp().sum(), torch.tensor(50.0, dtype=torch.float64))
     assert abs(float(got) - 10.0) < 1e-4
+
+
+
+@pytest.mark.parametrize("num_experts", [1, 3])
+def test_one_draw_is_the_softmax_exactly(num_experts):
+    """Found by mutation testing: turning off the K = 1 shortcut (Rosén's equation instead, up to 10% off) left every
+    test passing. One draw's inclusion probability is the drawing expert's softmax, to rounding, on dense logits and
+    on an embedding catalog of more items than mean-field reads whole."""
+    g = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(4, num_experts, 50, generator=g, dtype=torch.float64)
+    items = torch.arange(50).expand(4, -1)
+    want = logits[:, 0].log_softmax(-1)
+    torch.testing.assert_close(inclusion_log_prob(logits, items, 1, method="mean_field"), want, rtol=1e-14, atol=1e-14)
+    user = torch.randn(4, num_experts, 8, generator=g, dtype=torch.float64)
+    item = torch.randn(3000, num_experts, 8, generator=g, dtype=torch.float64)
+    want = torch.einsum("bd,nd->bn", user[:, 0], item[:, 0]).log_softmax(-1)
+    items = torch.tensor([[0, 5, 2999]] * 4)
+    torch.testing.assert_close(inclusion_log_prob(EmbeddingCatalog(user, item), items, 1, method="mean_field"),
+                               want.gather(1, items), rtol=1e-13, atol=1e-13)
