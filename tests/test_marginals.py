@@ -156,13 +156,13 @@ def test_exact_against_monte_carlo(data):
     assert_counts_match(counts, claim, num_samples, alpha=1e-6, method_tolerance=1e-4 if m == 1 else 0.0)
 
 
-@pytest.mark.parametrize(("n", "k", "tau", "rtol"), [(300, 10, 1.0, 0.01), (300, 50, 0.5, 0.01), (300, 20, 0.2, 0.03)])
+@pytest.mark.parametrize(("n", "k", "tau", "rtol"), [(300, 10, 1.0, 0.01), (300, 50, 0.5, 0.01), (300, 20, 0.2, 0.04)])
 def test_mean_field_of_one_expert_against_exact(n, k, tau, rtol):
     """Mean-field is a large-catalog approximation with no worst-case bound (adversarial tiny catalogs
     reach 0.1+ absolute error); on realistic catalogs (standard-normal logits) of one expert it is held to
-    the README's accuracy against the exact method, relative to each inclusion probability: 1% at τ ≥ 0.5,
-    3% at τ = 0.2 (measured here: at most 0.97% and 2.7%). A 5% error anywhere fails; the exact method
-    itself is held to Monte-Carlo bounds above."""
+    the README's accuracy against the exact method, relative to each inclusion probability: about 1% at τ ≥ 0.5,
+    4% at τ = 0.2 (measured here: at most 0.97% and 2.7%). An error of 3% anywhere fails at τ ≥ 0.5, and an
+    alternating ±5% fails at τ = 0.2; the exact method itself is held to Monte-Carlo bounds above."""
     logits = torch.randn(1, 1, n, generator=torch.Generator().manual_seed(n + k), dtype=torch.float64)
     claim = inclusion_log_prob(logits, _all_items(1, n), k, temperature=tau, method="mean_field").exp()
     exact = inclusion_log_prob(logits, _all_items(1, n), k, temperature=tau, method="exact").exp()
