@@ -437,8 +437,8 @@ def constant_cache(maxsize: int) -> Callable[[Callable[..., T]], Callable[..., T
 
         @functools.wraps(fn)
         def call(*args: object) -> T:
-            if torch.compiler.is_compiling():  # traced: constants of the graph (Dynamo cannot trace the mode checks)
-                return cached(*args)
+            if torch.compiler.is_compiling():  # traced: constants of the graph (Dynamo cannot trace the mode checks,
+                return fn(*args)                # and traces through a cache, with a warning that it does)
             if torch._C._are_functorch_transforms_active():
                 return fn(*args)
             if torch.is_inference_mode_enabled():

@@ -38,7 +38,9 @@ def _expert_index(num_candidates: int, num_experts: int, device: torch.device) -
 def expert_runs(num_candidates: int, num_experts: int) -> tuple[tuple[int, int], ...]:
     """The blocks of :func:`expert_of_position` as ``((expert, count), ...)``."""
     # checked before the cache: True and 2.0 hash like 1 and 2, and would be served an int's entry
-    return _expert_runs(check_count("num_candidates", num_candidates), check_count("num_experts", num_experts))
+    args = check_count("num_candidates", num_candidates), check_count("num_experts", num_experts)
+    # Dynamo traces through a cache (and warns that it does): a traced call goes to the function itself
+    return _expert_runs.__wrapped__(*args) if torch.compiler.is_compiling() else _expert_runs(*args)
 
 
 @functools.lru_cache(maxsize=256)
