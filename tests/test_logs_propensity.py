@@ -311,3 +311,16 @@ def test_the_logging_call_refuses_draws_among_scores_beyond_resolution(epsilon):
     drawn = explore_candidates(soft, 2, epsilon=epsilon, generator=torch.Generator().manual_seed(0))
     logged = log_propensities(soft, drawn, drawn[:, :1], epsilon=epsilon)
     assert torch.isfinite(logged.log_inclusion).all()
+
+
+def test_an_item_masked_under_one_expert_only_is_not_in_the_uniform_draw():
+    """The ε-mixture's uniform draw takes items unmasked under every expert: an item masked under expert 0 alone is
+    drawn only by the PL part, so its propensities are (1 - ε) times the PL's (found by mutation testing: taking
+    items unmasked under *any* expert made log_inclusion 1.5 nats too high, and no test had such an item)."""
+    logits = torch.randn(1, 2, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    logits[0, 0, 4] = -math.inf  # item 4: masked under expert 0, which draws position 0; expert 1 draws position 1
+    candidates, shown, eps = torch.tensor([[0, 4]]), torch.tensor([[4]]), 0.5
+    mixed = log_propensities(logits, candidates, shown, method="exact", epsilon=eps)
+    plain = log_propensities(logits, candidates, shown, method="exact", epsilon=0.0)
+    for got, want in zip(mixed, plain):
+        torch.testing.assert_close(got, want + math.log1p(-eps))

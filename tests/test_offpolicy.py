@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from capg_rec import (CAPGLoss, EmbeddingCatalog, OffPolicyCAPGLoss, OffPolicyVPGLoss, TopKReinforceLoss,
-                      candidate_log_prob, expert_of_position, inclusion_log_prob, sample_candidates)
+from capg_rec import (CAPGLoss, DenseCatalog, EmbeddingCatalog, OffPolicyCAPGLoss, OffPolicyVPGLoss,
+                      TopKReinforceLoss, candidate_log_prob, expert_of_position, inclusion_log_prob, sample_candidates)
 from capg_rec import functional as F
 from capg_rec._enumerate import all_draws, draw_log_probs, inclusion_probs
 
@@ -541,3 +541,55 @@ def test_self_normalised_weights_over_ranks_equal_one_process_over_their_rows(ot
     got = F._weights(catalog, mine, None, True)
     want = F.importance_weights(torch.cat([theirs, mine]), self_normalize=True)[theirs.numel():]
     torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("num_candidates", [2, 3])
+def test_top_k_reinforce_at_small_k_follows_chen_et_al(num_candidates):
+    """Found by mutation testing: skipping the multiplier at K = 2 left every test passing. The loss per row is
+    -(π/β) λ_K r log π with λ_K = K (1 - π)^(K-1) and π the single-draw softmax probability (value and gradient)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    cand = torch.tensor([[0, 1, 2], [2, 3, 4], [4, 5, 0]])[:, :num_candidates]
+    chosen, rewards = cand[:, :1], torch.rand(3, 1, generator=g, dtype=torch.float64)
+    logged = torch.full((3, 1), -2.0, dtype=torch.float64)
+    got = F.topk_reinforce_loss(logits, cand, chosen, rewards, logged, reduction="none")
+    p = logits.softmax(-1).gather(1, chosen)
+    weight = (p / logged.exp() * num_candidates * (1 - p) ** (num_candidates - 1)).detach()
+    want = -(weight * rewards * p.log()).sum(1)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.autograd.grad(got.sum(), logits)[0], torch.autograd.grad(want.sum(), logits)[0])
+
+
+def test_default_weight_cap_keeps_a_rounding_step_of_margin():
+    """The default cap of the log-weights is one rounding step below the largest log-weight whose weight has a
+    finite square, in every dtype: the next value up (another device's exp may round it up) still squares finite
+    (found by mutation testing: dropping the margin left every test passing; float16 then lost it)."""
+    for dtype, cap in F._LARGEST_LOG_WEIGHT.items():
+        up = torch.nextafter(torch.tensor(cap, dtype=dtype), torch.tensor(math.inf, dtype=dtype))
+        assert bool(torch.isfinite(torch.exp(up) * torch.exp(up))), dtype
+
+
+def _beside(rows: int, theirs: torch.Tensor) -> DenseCatalog:
+    """A dense catalog of ``rows`` rows whose global batch also holds another process's log-weights ``theirs``: its
+    ``_stack_batches`` adds that process's statistics, as a sharded catalog's all-gather would."""
+    class Beside(DenseCatalog):
+        def _stack_batches(self, x: torch.Tensor) -> torch.Tensor:
+            top = theirs.amax().double() if theirs.numel() else torch.tensor(-math.inf, dtype=torch.float64)
+            stats = torch.stack([top, F._relative_weights(theirs).sum(dtype=torch.float64),
+                                 torch.tensor(float(theirs.numel()), dtype=torch.float64)])
+            return torch.stack([x, stats])
+    return Beside(torch.zeros(rows, 5, dtype=torch.float64), validate_args=False)
+
+
+@pytest.mark.parametrize("case", ["empty", "zero weights", "far below", "far above", "alike"])
+def test_self_normalised_weights_beside_another_process_equal_one_process_over_both(case):
+    """SNIPS weights over a global batch of two processes equal one process's over the concatenated batch, where the
+    other process holds no rows, only zero weights, or weights 750 nats away (beyond float64's exp; found by mutation
+    testing: the global reference taken at the lowest top rather than the highest left the 2-rank parity test
+    passing, and gave all zeros beside an empty process, NaN beside a far one)."""
+    mine = torch.tensor([[0.0, -1.0], [0.5, -2.0], [-0.3, 0.2]], dtype=torch.float64)
+    theirs = {"empty": mine[:0], "zero weights": torch.full((2, 2), -math.inf, dtype=torch.float64),
+              "far below": mine - 750.0, "far above": mine[:2] + 750.0, "alike": mine[:2] * 2}[case]
+    got = F._weights(_beside(3, theirs), mine, None, True)
+    want = F.importance_weights(torch.cat([mine, theirs]), self_normalize=True)[:3]
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0.0)

@@ -3,6 +3,7 @@ by seeded Monte-Carlo, input checks."""
 
 import math
 import statistics
+import warnings
 
 import numpy as np
 import pytest
@@ -192,3 +193,38 @@ def test_snips_and_effective_sample_size_of_weights_far_below_one():
     assert est.snips == pytest.approx(float((w * rewards[:, 0]).sum() / w.sum()), rel=1e-12)
     assert est.effective_sample_size == pytest.approx(float(w.sum() ** 2 / (w * w).sum()), rel=1e-12)
     assert est.ips == 0.0  # its scale is e^-799: below float64
+
+
+def test_interval_half_widths_follow_their_formulas():
+    """Found by mutation testing: the only check of the SNIPS interval was coverage, whose band allows too wide an
+    interval (a residual of y - w rather than y - SNIPS·w passed). The half-widths are z·std(y)/√n for IPS and the
+    delta method's z·std(y - SNIPS·w)/√n / mean(w) for SNIPS (per-row means y of weighted rewards, w of weights)."""
+    g = torch.Generator().manual_seed(0)
+    n = 50
+    target = torch.log(torch.rand(n, 2, generator=g, dtype=torch.float64) * 0.9 + 0.05)
+    logged = torch.log(torch.rand(n, 2, generator=g, dtype=torch.float64) * 0.9 + 0.05)
+    rewards = 3.0 + torch.rand(n, 2, generator=g, dtype=torch.float64)
+    est = off_policy_value(target, logged, rewards, confidence=0.9)
+    weights = (target - logged).exp()
+    y, w = (weights * rewards).mean(1), weights.mean(1)
+    z = statistics.NormalDist().inv_cdf(0.95)
+    snips = float(y.sum() / w.sum())
+    assert math.isclose(est.snips, snips, rel_tol=1e-12)
+    assert math.isclose(est.ips_ci_high - est.ips, z * float(y.std()) / math.sqrt(n), rel_tol=1e-9)
+    assert math.isclose(est.snips_ci_high - est.snips,
+                        z * float((y - snips * w).std()) / math.sqrt(n) / float(w.mean()), rel_tol=1e-9)
+
+
+def test_intervals_are_given_at_the_effective_sample_size_threshold():
+    """NaN intervals are for an effective sample size *below* ``min_effective_sample_size``: 10 equally weighted
+    rows of 1000 make exactly 10, which gets finite intervals and no warning (found by mutation testing)."""
+    target = torch.full((1000, 1), -math.inf, dtype=torch.float64)
+    target[:10] = 0.0
+    logged = torch.full((1000, 1), math.log(0.5), dtype=torch.float64)
+    rewards = 1.0 + (torch.arange(1000) % 2).view(-1, 1).double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        est = off_policy_value(target, logged, rewards, min_effective_sample_size=10)
+    assert est.effective_sample_size == 10 and math.isfinite(est.ips_ci_low) and math.isfinite(est.snips_ci_low)
+    with pytest.warns(UserWarning, match="below min_effective_sample_size=11"):
+        assert math.isnan(off_policy_value(target, logged, rewards, min_effective_sample_size=11).snips_ci_low)
