@@ -92,11 +92,16 @@ def test_log_checkpoint_env_mismatch(tmp_path, capsys):
 
 
 def test_log_names_a_missing_or_corrupt_checkpoint(tmp_path, capsys):
-    """Found by review: a missing checkpoint's message was the OS's alone, not naming --checkpoint."""
+    """Found by review: a missing checkpoint's message was the OS's alone, not naming --checkpoint; an intact one
+    without the keys of a training run escaped as a KeyError."""
+    from capg_rec.train.checkpoint import write_checkpoint
+
     (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
-    for name in ("nothere.pt", "bad.pt"):
+    write_checkpoint({"kind": "online"}, tmp_path / "partial.pt")
+    for name in ("nothere.pt", "bad.pt", "partial.pt"):
         assert _run(["log", "--checkpoint", str(tmp_path / name), "-n", "5", "--out", str(tmp_path / "x.parquet")]) == 2
-        assert f"--checkpoint {tmp_path / name}: " in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert "--checkpoint" in err and str(tmp_path / name) in err and "Traceback" not in err
 
 
 def test_reader_benchmark_runs(tmp_path):

@@ -84,11 +84,14 @@ def _logging_esr(args: argparse.Namespace, env_name: str | None):
 
         try:
             state = read_checkpoint(args.checkpoint)
-        except (OSError, ValueError) as err:  # missing, unreadable or corrupt (and no intact .prev)
-            raise ValueError(f"--checkpoint {args.checkpoint}: {err}") from err
+        except (OSError, ValueError) as err:  # missing, unreadable or corrupt (and no intact .prev): err names it
+            raise ValueError(f"--checkpoint: {err}") from err
         if state.get("kind") == "logs":
             raise ValueError(f"--checkpoint {args.checkpoint}: a run trained from logs (capg-rec train --logs), "
                              "which records no environment to serve in; pass an online run's checkpoint")
+        missing = sorted({"config", "env", "model", "step"} - state.keys())
+        if missing:
+            raise ValueError(f"--checkpoint {args.checkpoint}: not a capg-rec train checkpoint (no {missing})")
         config = TrainConfig(**state["config"])
         saved_env = state["env"].partition("(")[0]
         if env_name is not None and env_name != saved_env:
