@@ -102,7 +102,11 @@ def test_matrix_env_validation():
         MatrixEnv.from_table(q, relative_noise=-0.1)
     env = MatrixEnv.from_table(torch.arange(12.0).view(3, 4))
     sub = env.subset(torch.tensor([2]), torch.tensor([0, 3]))
-    assert torch.equal(sub.q, torch.tensor([[8.0, 11.0]])) and sub.name == "matrix[subset]"
+    assert torch.equal(sub.q, torch.tensor([[8.0, 11.0]])) and sub.name.startswith("matrix[subset ")
+    # bool masks too; the name tells subsets apart by their tables (checkpoints and logs match environments by name)
+    same = env.subset(torch.tensor([False, False, True]), torch.tensor([True, False, False, True]))
+    assert torch.equal(same.q, sub.q) and same.name == sub.name
+    assert env.subset(items=torch.tensor([0, 1])).name != env.subset(items=torch.tensor([2, 3])).name
 
 
 def test_subset_refuses_ids_it_cannot_take():
@@ -113,7 +117,9 @@ def test_subset_refuses_ids_it_cannot_take():
                           ({"users": torch.tensor([-1])}, r"users must hold ids in \[0, 3\)"),
                           ({"items": torch.tensor([9])}, r"items must hold ids in \[0, 4\)"),
                           ({"items": torch.tensor([], dtype=torch.long)}, "items must be a non-empty 1-d"),
-                          ({"users": torch.tensor([[0, 1]])}, "users must be a non-empty 1-d")):
+                          ({"users": torch.tensor([[0, 1]])}, "users must be a non-empty 1-d"),
+                          ({"items": torch.tensor([True, False])}, r"items as a mask must have shape \[4\]"),
+                          ({"items": torch.zeros(4, dtype=torch.bool)}, "items must be a non-empty 1-d")):
         with pytest.raises(ValueError, match=match):
             env.subset(**kwargs)
     with pytest.raises(TypeError, match="items must be an integer tensor"):

@@ -12,6 +12,7 @@ A training step only gathers from these tables; nothing is recomputed.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -121,14 +122,20 @@ class MatrixEnv:
         return cls(q, relative_noise * q.abs(), q, name=name)
 
     def subset(self, users: Tensor | None = None, items: Tensor | None = None) -> MatrixEnv:
-        """The environment restricted to some users and/or items, ``[U']`` and ``[N']`` ids (re-numbered from 0 in
-        that order), named ``"<name>[subset]"``: it is another environment, which checkpoints and logs tell apart."""
+        """The environment restricted to some users and/or items: ``[U']`` and ``[N']`` ids (re-numbered from 0 in
+        that order) or bool masks ``[U]``, ``[N]``. It is another environment, which checkpoints and logs tell apart:
+        named ``"<name>[subset <digest of its tables>]"``."""
         tables = [self.q, self.reward_std, self.lsr_scores]
         for name, ids, count, dim in (("users", users, self.num_users, 0), ("items", items, self.num_items, 1)):
             if ids is None:
                 continue
+            if isinstance(ids, Tensor) and ids.dtype == torch.bool:
+                if ids.shape != (count,):
+                    raise ValueError(f"{name} as a mask must have shape [{count}], got {list(ids.shape)}")
+                ids = ids.nonzero().squeeze(1)
             ids = check_ids(name, ids, count)
             if ids.dim() != 1 or not ids.numel():
                 raise ValueError(f"{name} must be a non-empty 1-d tensor of ids, got shape {list(ids.shape)}")
             tables = [t.index_select(dim, ids.to(t.device)) for t in tables]
-        return MatrixEnv(*tables, name=f"{self.name}[subset]")
+        digest = hashlib.sha256(b"".join(t.detach().cpu().double().numpy().tobytes() for t in tables)).hexdigest()
+        return MatrixEnv(*tables, name=f"{self.name}[subset {digest[:12]}]")
