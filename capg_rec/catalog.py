@@ -23,6 +23,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import copy
+import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
@@ -235,10 +236,10 @@ def as_catalog(scores: Tensor | CatalogScores, temperature: float = 1.0, *,
     return DenseCatalog(scores, temperature, validate_args=validate_args)
 
 
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype probabilities are computed in: float32 for half precision (whose 10- or 7-bit
-    mantissas and, for float16, range cannot hold log-probabilities), else ``dtype`` itself."""
-    return torch.promote_types(dtype, torch.float32)
+def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """The dtype probabilities are computed in: the widest of ``dtypes`` (a user's and an item's), at least float32
+    (half precision's 10- or 7-bit mantissas and, for float16, range cannot hold log-probabilities)."""
+    return functools.reduce(torch.promote_types, dtypes, torch.float32)
 
 
 def check_scaled(logits: Tensor, scores: Tensor, tau: float) -> None:
@@ -558,7 +559,7 @@ def _expert_views(user: Tensor, item: Tensor) -> tuple[Tensor, Tensor, torch.dty
     if user.shape[1:] != item.shape[1:]:
         raise ValueError(f"user [B, M, D] and item [N, M, D] must agree on (M, D), got "
                          f"{tuple(user.shape[1:])} and {tuple(item.shape[1:])}")
-    return user, item, compute_dtype(torch.promote_types(user.dtype, item.dtype))
+    return user, item, compute_dtype(user.dtype, item.dtype)
 
 
 class EmbeddingCatalog(CatalogScores):

@@ -8,7 +8,6 @@ item a with probability ``exp(s_{m(k)}(a)) / Σ_{b not drawn yet} exp(s_{m(k)}(b
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import math
 
@@ -38,12 +37,10 @@ def _expert_index(num_candidates: int, num_experts: int, device: torch.device) -
 def expert_runs(num_candidates: int, num_experts: int) -> tuple[tuple[int, int], ...]:
     """The blocks of :func:`expert_of_position` as ``((expert, count), ...)``."""
     # checked before the cache: True and 2.0 hash like 1 and 2, and would be served an int's entry
-    args = check_count("num_candidates", num_candidates), check_count("num_experts", num_experts)
-    # Dynamo traces through a cache (and warns that it does): a traced call goes to the function itself
-    return _expert_runs.__wrapped__(*args) if torch.compiler.is_compiling() else _expert_runs(*args)
+    return _expert_runs(check_count("num_candidates", num_candidates), check_count("num_experts", num_experts))
 
 
-@functools.lru_cache(maxsize=256)
+@constant_cache(maxsize=256)
 def _expert_runs(num_candidates: int, num_experts: int) -> tuple[tuple[int, int], ...]:
     base, extra = divmod(num_candidates, num_experts)
     return tuple((e, base + (e < extra)) for e in range(num_experts) if base + (e < extra) > 0)

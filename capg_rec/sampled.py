@@ -587,7 +587,7 @@ class SampledCatalog(CatalogScores):
         tower = item.parameters() if isinstance(item, torch.nn.Module) else ()
         self._source_dtypes = (user.dtype, *([item.dtype] if isinstance(item, Tensor) else
                                              [p.dtype for p in tower if p.is_floating_point()]))
-        self.dtype = compute_dtype(functools.reduce(torch.promote_types, self._source_dtypes))  # the widest, >= float32
+        self.dtype = compute_dtype(*self._source_dtypes)
         self.user = user.to(self.dtype) / tau if tau != 1.0 else user.to(self.dtype)  # [B, M, D]
         self.batch_size, self.num_experts = self.user.shape[:2]
         self.device = user.device

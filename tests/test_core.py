@@ -795,8 +795,10 @@ def test_catalogs_score_user_and_item_of_different_dtypes_in_the_wider(device, p
         assert [x.dtype for x in grads] == [user_dtype, item_dtype]
         for a, b in zip(grads, torch.autograd.grad(want, (ref_user, ref_item))):
             # a sampled catalog looks its rows up in the table's dtype: an item both in the head and the sample adds
-            # its two gradients there (one more rounding of that dtype)
+            # its two gradients there (one more rounding of that dtype); CUDA adds gathered rows' gradients with
+            # atomics, in any order (as in the autocast test above)
             eps = torch.finfo(a.dtype).eps if placement == "sampled" and a.dtype.itemsize < 4 else 0.0
+            eps = max(eps, 32 * torch.finfo(a.dtype).eps if device.type == "cuda" else 0.0)
             torch.testing.assert_close(a, b.to(a.dtype), rtol=2 * eps, atol=2 * eps * b.abs().max().item())
 
 

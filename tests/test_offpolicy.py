@@ -567,6 +567,8 @@ def test_default_weight_cap_keeps_a_rounding_step_of_margin():
     for dtype, cap in F._LARGEST_LOG_WEIGHT.items():
         up = torch.nextafter(torch.tensor(cap, dtype=dtype), torch.tensor(math.inf, dtype=dtype))
         assert bool(torch.isfinite(torch.exp(up) * torch.exp(up))), dtype
+        up = torch.nextafter(up, torch.tensor(math.inf, dtype=dtype))  # and no more than that step: the next one over
+        assert not bool(torch.isfinite(torch.exp(up) * torch.exp(up))), dtype
 
 
 def _beside(rows: int, theirs: torch.Tensor) -> DenseCatalog:
