@@ -247,3 +247,57 @@ def test_shape_errors_name_the_width_of_each_argument():
         CAPGLoss(5)(logits, cand[:2], chosen, rewards)
     with pytest.raises(ValueError, match=r"chosen must have shape \[B=4, L\]"):
         CAPGLoss(5)(logits, cand, chosen[:2], rewards)
+
+
+def _refusals():
+    """``(call, message)``: inputs each check refuses, found by mutation testing of the checks (each mutant let its
+    case through: a NaN loss, a silently masked item, a capped weight, a draw of probability 1 ...)."""
+    import capg_rec.functional as F
+    from capg_rec import candidate_log_prob
+
+    g = torch.Generator().manual_seed(0)
+    big, n, k = 2000, 6, 3  # more than 4096 rewards: the large host path of the finiteness check
+    cand = torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(big)])
+    nan_rewards = torch.rand(big, k, generator=g)
+    nan_rewards[5, 1] = math.nan
+    logits, two = torch.randn(2, 5, generator=g), torch.tensor([[4, 1], [2, 3]])
+    three = torch.tensor([[0, 1, 2], [3, 4, 0]])
+    huge = torch.tensor([[0.0, 1.0, -3.3e38, 2.0]])
+    return [
+        (lambda: F.capg_loss(torch.randn(big, n), cand, cand.clone(), nan_rewards), "rewards must be finite"),
+        (lambda: F.capg_loss(logits, two, torch.tensor([[7], [2]]), torch.ones(2, 1)), "chosen must be a subset"),
+        (lambda: F.capg_loss(logits, two, torch.tensor([[1], [-1]]), torch.ones(2, 1)), "chosen must be a subset"),
+        (lambda: F.capg_loss(logits, two, torch.tensor([[4], [9]]), torch.ones(2, 1)), "chosen must be a subset"),
+        (lambda: F.vpg_loss(torch.randn(2, 3), torch.tensor([[0, 1, 2, 0], [2, 2, 1, 0]]), torch.tensor([[0], [2]]),
+                            torch.ones(2, 1), with_replacement=True), r"num_candidates .* must be in \[1, 3\], got 4"),
+        (lambda: F.offpolicy_capg_loss(logits, three, three[:, :2].clone(), torch.ones(2, 2),
+                                       torch.full((2, 2), -1e300, dtype=torch.float64)),
+         "logged_log_inclusion must be finite in the scores' dtype torch.float32"),
+        (lambda: F.capg_loss(huge, torch.tensor([[3, 1]]), torch.tensor([[3]]), torch.ones(1, 1), temperature=0.9),
+         "logits / temperature must stay finite"),
+        (lambda: F.vpg_loss(huge, torch.tensor([[3, 1, 0]]), torch.tensor([[3]]), torch.ones(1, 1), temperature=0.9),
+         "logits / temperature must stay finite"),
+        (lambda: candidate_log_prob(torch.tensor([[0.0, -1e9, -2e9]]), torch.tensor([[0, 1, 2]])),
+         "num_candidates=3 must draw in row 0 among items more than"),
+        (lambda: sample_candidates(torch.randn(2, 3), 4), r"num_candidates must be in \[1, 3\], got 4"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(10))
+def test_each_value_check_refuses_what_it_is_for(case):
+    call, message = _refusals()[case]
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_a_logged_log_propensity_on_its_bound_is_accepted():
+    """The bound is inclusive: a log-propensity of exactly its tolerance above 0 passes (found by mutation testing:
+    a strict bound refused it, and no test had one there)."""
+    import capg_rec.functional as F
+    from capg_rec.marginals import LOG_PROB_TOLERANCE
+
+    logits = torch.randn(2, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    cand = torch.tensor([[0, 1, 2], [3, 4, 0]])
+    out = F.offpolicy_capg_loss(logits, cand, cand[:, :2].clone(), torch.ones(2, 2, dtype=torch.float64),
+                                torch.full((2, 2), LOG_PROB_TOLERANCE, dtype=torch.float64))
+    assert torch.isfinite(out)
