@@ -125,3 +125,17 @@ def test_faiss_threads_are_its_own():
     index = FaissIndex(torch.randn(100, 4), num_threads=before + 1)
     index.search(torch.randn(3, 4), 5)
     assert torch.get_num_threads() == before
+
+
+def test_faiss_indexes_of_fewer_items_than_their_defaults():
+    """A flat index returns every item, item 0 included, with ExactIndex's scores; an IVF index of fewer items than
+    its default number of lists (4·√N) still builds and searches (found by mutation testing: no test found item 0
+    among all, nor built an IVF index on so few items)."""
+    g = torch.Generator().manual_seed(0)
+    items, queries = torch.randn(10, 4, generator=g), torch.randn(3, 4, generator=g)
+    scores, ids = FaissIndex(items).search(queries, 10)
+    want_scores, want_ids = ExactIndex(items).search(queries, 10)
+    torch.testing.assert_close(scores, want_scores)
+    assert torch.equal(ids.sort(1).values, torch.arange(10).expand(3, -1))
+    _, ivf = FaissIndex(items, kind="ivf").search(queries, 3)
+    assert ivf.shape == (3, 3) and bool(((ivf >= 0) & (ivf < 10)).all())

@@ -1103,3 +1103,59 @@ def test_ids_are_checked_before_a_lookup_off_the_cpu_and_not_inside_trusting():
         copied = sampled.resampled(UniformSampler(3))
     with pytest.raises(ValueError, match="got values in"):
         copied.gather(torch.tensor([[1], [-1]]))
+
+
+def test_streaming_frequency_is_one_over_the_mean_gap_before_its_rate_floor():
+    """Until 1/alpha sightings the streaming estimate is the plain mean of an item's gaps: seen at steps 1, 2 and 12
+    (gaps 1, 1, 10), its expected count is exactly 1/4 (found by mutation testing: a moving average from zero, 0.248,
+    passed the statistical bound)."""
+    sampler = InBatchSampler(alpha=0.01)
+    for step in range(1, 13):
+        sampler.observe(torch.tensor([[7 if step in (1, 2, 12) else -1]]))
+    assert float(sampler.log_expected_count(torch.tensor([7]), 100, None).exp()) == pytest.approx(0.25, rel=1e-12)
+
+
+def test_count_min_takes_the_longest_interval_over_hashes():
+    """An item that shares one hash's bucket with a more frequent item keeps its own rate from the other hash: the
+    longest interval over hashes (found by mutation testing: the shortest gave it its neighbour's rate, 1 for 1/4,
+    and no test had a collision of different frequencies)."""
+    sampler = InBatchSampler(num_buckets=4, num_hashes=2)
+    buckets = sampler._buckets(torch.arange(64))
+    a, c = next((i, j) for i in range(64) for j in range(i + 1, 64)
+                if buckets[0, i] == buckets[0, j] and buckets[1, i] != buckets[1, j])
+    for step in range(1, 41):  # c at every step, a at every 4th
+        sampler.observe(torch.tensor([[c, a if step % 4 == 0 else -1]]))
+    torch.testing.assert_close(sampler.log_expected_count(torch.tensor([a, c]), 64, None).exp(),
+                               torch.tensor([0.25, 1.0], dtype=torch.float64))
+
+
+def test_rows_of_exactly_k_unmasked_items_draw_them():
+    """A row whose unmasked items are exactly K draws all of them (found by mutation testing: refusing it passed)."""
+    g = torch.Generator().manual_seed(0)
+    user, item = torch.randn(2, 4, generator=g), torch.randn(10, 4, generator=g)
+    cat = SampledCatalog(user, item, sampler=UniformSampler(50), masked_items=torch.arange(3, 10).expand(2, -1),
+                         generator=g, validate_args=True)
+    assert torch.equal(capg_rec.sample_candidates(cat, 3, generator=g).sort(1).values, torch.arange(3).expand(2, -1))
+
+
+def test_an_agreed_read_of_the_best_items_does_not_skip_a_later_check_with_exclusions():
+    """Once a read of the best k agreed there is room for k, a call that excludes items is still checked: here only
+    4 of 6 items are left, and 5 are asked (found by mutation testing: the mutant returned excluded items)."""
+    g = torch.Generator().manual_seed(0)
+    user, item = torch.randn(2, 4, generator=g), torch.randn(6, 4, generator=g)
+    cat = SampledCatalog(user, item, sampler=UniformSampler(4), head_items=torch.arange(6).expand(2, -1), generator=g,
+                         validate_args=True)
+    cat._best_items(5)  # as mean-field reads its head
+    with pytest.raises(ValueError, match="k=5 exceeds the usable items"):
+        cat.top_items(5, exclude=torch.tensor([[0, 1], [0, 1]]))
+
+
+def test_a_padded_slot_is_not_another_rows_draw():
+    """A -1 slot of a row's own head holds no item: with a given frequency of 0 for item 0, the row still has the
+    other row's slots to draw from (found by mutation testing: a check over any slot rather than all refused it)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.tensor([0.0, 0.2, 0.2, 0.2, 0.2, 0.2], dtype=torch.float64)
+    cat = SampledCatalog(torch.randn(2, 4, generator=g), torch.randn(6, 4, generator=g),
+                         sampler=InBatchSampler(frequency=q), head_items=torch.tensor([[1, 2, -1], [3, 4, 5]]),
+                         validate_args=True)
+    assert torch.isfinite(cat.log_power_sums()).all()
