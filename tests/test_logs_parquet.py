@@ -803,3 +803,29 @@ def test_drop_last_keeps_a_last_batch_that_is_full(tmp_path):
         assert len(got) == data.num_batches() == 16 // batch_size, batch_size
         assert all(len(b.shown) == batch_size for b in got)
         assert sum(len(b.shown) for b in got) == 16 - 16 % batch_size
+
+
+def test_metadata_that_files_or_this_capg_rec_cannot_agree_on_is_refused(tmp_path):
+    """Found by mutation testing (each was accepted by its mutant): files of different L read together even when
+    `shown` is not read, an older schema version, and a null num_shown."""
+    from tests.logs import set_metadata, write_logs
+
+    two, three = write_logs(tmp_path / "a.parquet", [5]), write_logs(tmp_path / "b.parquet", [5], num_shown=3)
+    with pytest.raises(ValueError, match="num_shown = 3 differs"):
+        LoggedImpressions([two, three], 4, columns=["context", "candidates"])
+    set_metadata(two, schema_version=0)
+    with pytest.raises(ValueError, match="schema version 0, this capg_rec reads version 1"):
+        LoggedImpressions(two, 4)
+    set_metadata(three, num_shown=None)
+    with pytest.raises(ValueError, match="metadata num_shown must be an int >= 1, got None"):
+        LoggedImpressions(three, 4, columns=["context"])
+
+
+def test_a_batch_of_negative_views_goes_between_processes():
+    """A tensor with its negative bit set (torch's lazy negation) goes between processes with its sign (found by
+    mutation testing: numpy refuses such a tensor, and torch's own pickling between processes drops the bit)."""
+    from multiprocessing.reduction import ForkingPickler
+
+    x = torch._neg_view(torch.arange(3.0))
+    batch = ForkingPickler.loads(ForkingPickler.dumps(LoggedBatch(x, None, None, None, None, None, None)))
+    assert torch.equal(batch.context, -torch.arange(3.0))

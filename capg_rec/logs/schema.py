@@ -158,9 +158,10 @@ def _reduce_for_processes(batch: LoggedBatch) -> tuple:
     pipe (faster than a shared-memory block, whose setup outweighs the copy below about 512 KiB:
     ``benchmarks/log_reader_speed.py``); any other as tensors do (shared memory, which a batch the user shared
     stays). ``pickle``, ``copy`` and ``torch.save`` are not affected."""
-    fields = tuple(batch)
+    # a lazily negated view (its negative bit set) would lose its sign as a tensor pickled between processes
+    fields = tuple(x.resolve_neg() if isinstance(x, Tensor) and x.is_neg() else x for x in batch)
     if all(x is None or (type(x) is Tensor and x.device.type == "cpu" and not x.requires_grad and x.is_contiguous()
-                         and not x.is_shared() and not x.is_neg() and x.dtype in _NUMPY_DTYPES) for x in fields) \
+                         and not x.is_shared() and x.dtype in _NUMPY_DTYPES) for x in fields) \
             and sum(x.nbytes for x in fields if x is not None) <= IN_BAND_BYTES:
         return _from_arrays, (tuple(None if x is None else x.numpy() for x in fields),)
     return LoggedBatch, fields
