@@ -437,3 +437,83 @@ def test_log_config_values_of_the_wrong_type_are_type_errors(logs):
             LogTrainConfig(**bad)
     with pytest.raises(ValueError, match="logs must name at least one file"):
         LogTrainConfig(logs=())
+
+
+# Found by mutation testing of capg_rec/train/logged.py: each case below passed under a mutant that got it wrong.
+
+def test_a_holdout_of_every_row_group_is_refused(tmp_path):
+    from tests.logs import write_logs
+
+    path = write_logs(tmp_path / "a.parquet", [5, 5], extra={"num_users": 10})
+    with pytest.raises(ValueError, match="leaves no row group to train on"):
+        LogTrainer(LogTrainConfig(logs=[str(path)], holdout=0.9))
+
+
+def test_steps_per_epoch_follow_each_epochs_shuffle_over_workers(tmp_path):
+    """With row groups of different sizes over 2 workers, each epoch's batch count depends on its shuffle: the
+    trainer counts each epoch's own (24 steps for 4 times the first epoch's 6, against 27)."""
+    from tests.logs import write_logs
+
+    path = write_logs(tmp_path / "a.parquet", [1, 3, 4, 4, 5, 7], extra={"num_users": 10})
+    trainer = LogTrainer(LogTrainConfig(logs=[str(path)], holdout=0.0, workers=2, batch_size=4, epochs=4, seed=0))
+    yielded = []
+    for epoch in range(4):
+        trainer.train_data.set_epoch(epoch)
+        yielded.append(len(list(torch.utils.data.DataLoader(trainer.train_data, batch_size=None, num_workers=2))))
+    assert trainer.epoch_batches == yielded and len(set(yielded)) > 1
+
+
+def test_a_context_key_at_the_user_count_is_refused(tmp_path):
+    from tests.logs import write_logs
+
+    path = write_logs(tmp_path / "a.parquet", [4, 4], extra={"num_users": 3}, num_users=4)  # keys up to 3
+    trainer = LogTrainer(LogTrainConfig(logs=[str(path)], holdout=0.5, batch_size=8))
+    batch = next(b for b in trainer.train_data if bool((b.context == 3).any()))
+    with pytest.raises(ValueError, match=r"column 'context' holds a key outside \[0, 3\)"):
+        trainer._scores(batch)
+
+
+def test_the_off_policy_estimate_is_the_greedy_esrs_value_on_held_out_rows(tmp_path):
+    """The OPE columns estimate the value of the ESR's greedy top K, whose inclusion is 1 or 0, on the held-out row
+    groups: equal to off_policy_value of that target computed here."""
+    from capg_rec.offpolicy_evaluation import off_policy_value
+    from capg_rec.plackett_luce import greedy_candidates
+    from tests.logs import write_logs
+
+    path = write_logs(tmp_path / "a.parquet", [50, 50], extra={"num_users": 10})
+    trainer = LogTrainer(LogTrainConfig(logs=[str(path)], holdout=0.5))
+    batch = next(iter(trainer.eval_data.subset(range(len(trainer.eval_data.row_groups)))))
+    top = greedy_candidates(trainer.model(batch.context), trainer.config.num_candidates, validate_args=False)
+    inside = (batch.shown.unsqueeze(2) == top.unsqueeze(1)).any(2)
+    want = off_policy_value(torch.where(inside, 0.0, -math.inf).double(), batch.log_inclusion, batch.rewards.double())
+    assert trainer.off_policy_estimate()["ope_ips"] == pytest.approx(want.ips, rel=1e-9)
+
+
+def test_one_held_out_row_gives_no_estimate(tmp_path):
+    from tests.logs import write_logs
+
+    path = write_logs(tmp_path / "a.parquet", [9, 9, 9, 1], extra={"num_users": 10})
+    estimate = LogTrainer(LogTrainConfig(logs=[str(path)], holdout=0.25)).off_policy_estimate()
+    assert all(value is None for name, value in estimate.items() if name.startswith("ope_"))
+
+
+def test_a_checkpoint_without_a_fingerprint_still_refuses_changed_logs(tmp_path):
+    from tests.logs import write_logs
+
+    path = write_logs(tmp_path / "a.parquet", [8, 8, 8], extra={"num_users": 10})
+    state = LogTrainer(LogTrainConfig(logs=[str(path)], holdout=0.34, batch_size=4)).state_dict()
+    del state["logs_fingerprint"]  # as an earlier capg_rec wrote them
+    write_logs(path, [9, 8, 8], extra={"num_users": 10})
+    with pytest.raises(ValueError, match="the logs changed since the checkpoint"):
+        LogTrainer.from_state(state)
+
+
+def test_logs_of_expected_counts_do_not_switch_the_method_silently(tmp_path):
+    """Logs whose method is not a probability (with_replacement's expected counts) keep CA-PG's own method and warn
+    that the weights are a ratio of two approximations."""
+    from tests.logs import write_logs
+
+    path = write_logs(tmp_path / "a.parquet", [5, 5], extra={"num_users": 10}, method="with_replacement")
+    with pytest.warns(UserWarning, match="ratio of two approximations"):
+        trainer = LogTrainer(LogTrainConfig(logs=[str(path)], holdout=0.5))
+    assert trainer.config.capg_method is None
