@@ -717,3 +717,48 @@ def test_calibration_noise_floor_is_the_expected_error_of_correct_claims():
     errors = np.asarray(errors)
     assert max(floors) == min(floors)  # the floor depends on the claims alone
     assert abs(errors.mean() - floors[0]) <= 4 * errors.std(ddof=1) / np.sqrt(errors.size), (errors.mean(), floors[0])
+
+
+# Found by mutation testing of the validator's statistics and checks: each case passed under a mutant that got it
+# wrong.
+
+def test_multinomial_cells_of_exactly_five_are_kept_and_few_draws_pass():
+    """Only cells expected below 5 are pooled (two cells of 5 give the chi-square's own p-value, 0.206, not the 1 of
+    one pooled cell); fewer than 5 draws in all give 1, not a crash."""
+    assert _stats.multinomial_p_value(np.array([3.0, 7.0]), np.array([0.5, 0.5])) == pytest.approx(
+        stats.chisquare([3, 7], [5, 5]).pvalue, rel=1e-12)
+    assert _stats.multinomial_p_value(np.array([1.0, 1.0]), np.array([0.5, 0.5])) == 1.0
+
+
+def test_binomial_power_counts_a_tie_at_the_level_as_rejected():
+    """At 2 trials of p = 0.5 and level 0.5, the counts 0 and 2 have p-values of exactly 0.5 and are rejected: power
+    0.5, the sum of their probabilities (a strict comparison gave 0.25)."""
+    assert _brute_power(2, 0.5, 0.5, 0.5, 0.5) == 0.5
+    assert _stats.binomial_power(2, 0.5, 0.5, 0.5, 0.5) == 0.5
+
+
+class _Fixed:
+    """An ESR of one context that always draws ``draw`` and claims ``claim`` (inclusion probabilities)."""
+
+    def __init__(self, draw: list[int] | None, claim: list[float]) -> None:
+        self.num_candidates, self.draw, self.claim = len(claim and draw or [0, 0]), draw, claim
+
+    def sample(self, contexts, n, generator):
+        if self.draw is not None:
+            return torch.tensor(self.draw).expand(1, n, len(self.draw)).clone()
+        return torch.stack([torch.randperm(len(self.claim), generator=generator)[:2] for _ in range(n)]).unsqueeze(0)
+
+    def inclusion_log_prob(self, contexts):
+        return torch.tensor([self.claim], dtype=torch.float64).log()
+
+
+def test_a_draw_that_repeats_an_item_fails_distinct_at_any_k():
+    """K = 3 draws of [0, 0, 1]: one repeat among three positions (the check took any row, where K = 2 alone had
+    been tested)."""
+    report = validate_esr(_Fixed([0, 0, 1], [1.0, 1.0, 1.0, 0.0]), num_samples=100)
+    assert not {c.name: c.passed for c in report.checks}["distinct"]
+
+
+def test_a_claim_above_one_fails_even_when_the_claims_sum_to_k():
+    report = validate_esr(_Fixed(None, [1.5, 0.5, 0.0]), num_samples=100)
+    assert not {c.name: c.passed for c in report.checks}["claims"]
