@@ -136,8 +136,7 @@ class ServingRetriever:
         if not check_flag("sample", sample):
             self._check_index()  # refreshed to another catalog since: its ids would be another catalog's
             return Retrieved(self._greedy(user, num_candidates))
-        dtype = torch.promote_types(user.dtype, self.item_vectors.dtype)  # never the item vectors rounded to half
-        catalog = EmbeddingCatalog(user.to(dtype), self.item_vectors.to(dtype), self.temperature)
+        catalog = EmbeddingCatalog(user, self.item_vectors, self.temperature)  # the wider dtype: never rounded to half
         candidates = explore_candidates(catalog, num_candidates, epsilon=self.epsilon, generator=generator)
         logged = log_propensities(catalog, candidates, candidates, method=self.method, epsilon=self.epsilon,
                                   validate_args=False)  # our own draw from this very catalog: nothing to check
