@@ -268,6 +268,8 @@ def check_one_rank_errors(record, messages: dict[str, str]) -> None:
     if world > 1:
         expect_error("one_rank/validate_args_differ", "validate_args must be the same on every rank",
                      lambda: catalog(validate_args=not last), record, messages)
+        expect_error("one_rank/dtypes_differ", "score in the same dtype",  # float64 users on one rank only
+                     lambda: catalog(users[mine].double() if last else None), record, messages)
         expect_error("one_rank/overlapping_rows", "must tile the catalog",
                      lambda: catalog(item=items[:rows.shape[0]] if last else None, row_offset=0 if last else offset),
                      record, messages)
