@@ -565,6 +565,27 @@ def test_sample_size_advice_for_a_relative_error_above_one():
     assert report.samples_needed >= 1 and report.detectable_rel_error > 0
 
 
+def test_sample_size_advice_for_a_confident_with_replacement_esr():
+    """Regression: an ESR drawing with replacement whose K-th likeliest item has a tiny expected count (one item
+    takes nearly every draw) crashed with scipy's TypeError: the advised n, about 1/claim, exceeded the integers its
+    binomial counts. Past 2^53 trials the advice is the normal approximation's n."""
+    esr = CatalogESR(torch.tensor([[0.0, -690.0, -690.0, -690.0]], dtype=torch.float64), 2, method="with_replacement")
+    report = validate_esr(esr, num_samples=200)
+    assert report.passed and report.reference_claim == pytest.approx(2 * math.exp(-690.0), rel=1e-9)
+    assert report.samples_needed > 1e300 and report.detectable_rel_error == math.inf
+    assert "needs n ≈ 5.13e+302" in str(report) and "resolves no relative error" in str(report)
+    json.dumps(report.to_dict())
+
+
+@pytest.mark.parametrize("claim", [1e-16, 1e-40])
+def test_advised_sample_size_past_exact_binomials_is_the_normal_approximation(claim):
+    z_level, z_power = stats.norm.isf(1e-5 / 2), stats.norm.ppf(0.8)
+    guess = max(((z_level * math.sqrt(claim * (1 - claim)) + z_power * math.sqrt(q * (1 - q))) / (claim - q)) ** 2
+                for q in (claim * 0.9, claim * 1.1))
+    assert _stats.samples_needed(claim, claim, claim, 5, 0.1, 0.8, 1e-5) == math.ceil(guess / 5)
+    assert 2 ** 53 < 5 * math.ceil(guess / 5)
+
+
 def test_a_with_replacement_esr_may_draw_more_than_the_catalog():
     """Regression (found by review): validate_esr takes K > N for an ESR drawing with replacement, but CatalogESR's
     claims failed in inclusion_log_prob ('num_candidates must be in [1, N]'); the expected count K·softmax has no such

@@ -77,6 +77,10 @@ def z_scores(empirical: np.ndarray, claimed: np.ndarray, unit_variance: np.ndarr
     return np.where(se > 0, z, np.where(diff == 0, 0.0, np.copysign(np.inf, diff)))
 
 
+_EXACT_TRIALS = 2 ** 53
+"""Trials beyond which scipy's binomial functions fail (integers past float64's exact ones)."""
+
+
 def binomial_power(trials: int, low: float, high: float, truth: float, level: float) -> float:
     """Exact probability that :func:`binomial_p_values` (``p ∈ [low, high]``) is at most ``level`` for a count
     ``~ Binomial(trials, truth)``: the power of the two-sided test against ``truth``."""
@@ -101,8 +105,9 @@ def samples_needed(claim: float, low: float, high: float, trials: int, rel_error
     """Draws ``n`` at which the exact test of :func:`binomial_p_values` (``n·trials`` trials of success
     probability ``claim``, accepted in ``[low, high]``) at ``level`` rejects a truth off by a relative
     ``rel_error`` either way with probability at least ``power`` (exact binomial power, found by
-    doubling then bisection from the normal approximation). None where a truth lies within
-    ``[low, high]``: the test accepts it at any ``n``."""
+    doubling then bisection from the normal approximation; that approximation's n itself where the search
+    would pass 2^53 trials, beyond which scipy's binomial does not count: claims of about 1e-15 and less). None
+    where a truth lies within ``[low, high]``: the test accepts it at any ``n``."""
     stats = scipy_stats()
     truths = _alternatives(claim, rel_error)
     if any(low <= q <= high for q in truths):
@@ -115,8 +120,10 @@ def samples_needed(claim: float, low: float, high: float, trials: int, rel_error
     guess = max(((z_level * math.sqrt(claim * (1 - claim)) + z_power * math.sqrt(q * (1 - q))) / (claim - q)) ** 2
                 for q in truths)
     bad, good = 0, max(1, math.ceil(guess / trials))
-    while not enough(good):
+    while good * trials <= _EXACT_TRIALS and not enough(good):
         bad, good = good, 2 * good
+    if good * trials > _EXACT_TRIALS:  # beyond scipy's exact binomial: the normal approximation's n
+        return max(1, math.ceil(guess / trials))
     while good - bad > 1:
         mid = (bad + good) // 2
         bad, good = (bad, mid) if enough(mid) else (mid, good)

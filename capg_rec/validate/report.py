@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -103,9 +104,11 @@ class ValidationReport:
         lines.append(f"  calibration error {self.calibration_error:.3g} (noise floor {self.calibration_noise:.3g}), "
                      f"max |z| {self.max_abs_z:.3g}")
         if self.samples_needed is not None:
+            needed = f"{self.samples_needed:.3g}" if self.samples_needed >= 10 ** 6 else str(self.samples_needed)
+            resolved = (f"{self.detectable_rel_error:.1%}" if math.isfinite(self.detectable_rel_error)
+                        else "no relative error (even a truth of 0 passes)")
             lines.append(f"  resolving a {self.rel_error:.0%} relative error at {quantity}={self.reference_claim:.3g} "
-                         f"needs n ≈ {self.samples_needed} (power {self.power:.0%}); this run resolves "
-                         f"{self.detectable_rel_error:.1%}")
+                         f"needs n ≈ {needed} (power {self.power:.0%}); this run resolves {resolved}")
         if self.worst:
             lines.append(f"  worst items ({quantity}):")
             lines.append("    context     item      claimed    empirical        z   adj. p")
