@@ -134,6 +134,17 @@ def positive_float(text: str) -> float:
     return value
 
 
+def fraction(text: str) -> float:
+    """An argparse ``type``: a number in [0, 1] (argparse then exits 2 naming the option)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}") from None
+    if not 0 <= value <= 1:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {value}")
+    return value
+
+
 def check_distinct(name: str, values: Sequence[object]) -> None:
     """``ValueError`` naming ``name`` where a value repeats (a grid that would run or count a cell twice)."""
     repeated = sorted((v for v, n in collections.Counter(values).items() if n > 1), key=str)

@@ -83,6 +83,24 @@ def test_log_usage_errors(tmp_path, argv, capsys):
     assert "capg-rec log: error:" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("argv", "named"), [
+    (["--embedding-dim", "0"], "argument --embedding-dim: must be an integer >= 1, got 0"),
+    (["-L", "0"], "argument -L/--num-outputs: must be an integer >= 1"),
+    (["-M", "0"], "argument -M/--num-experts: must be an integer >= 1"),
+    (["-n", "0"], "argument -n/--num-interactions: must be an integer >= 1"),
+    (["--batch-size", "0"], "argument --batch-size: must be an integer >= 1"),
+    (["--temperature", "nan"], "argument --temperature: must be a finite number > 0, got nan"),
+    (["--epsilon", "nan"], "argument --epsilon: must be a number in [0, 1], got nan"),
+    (["--epsilon", "-0.1"], "argument --epsilon: must be a number in [0, 1]"),
+    (["-K", "4", "-L", "5"], "-L 5: more items shown than the K = 4 candidates"),
+    (["-K", "1001"], "-K 1001: more candidates than the environment's 1000 items")])
+def test_log_errors_name_the_option(tmp_path, capsys, argv, named):
+    """Regression: these messages named a parameter ("dim must be >= 1", "num_outputs must be in [1, 4]")."""
+    assert _run(["log", "-n", "10", "--out", str(tmp_path / "x.parquet"), "--no-progress", *argv]) == 2
+    assert named in capsys.readouterr().err
+    assert not (tmp_path / "x.parquet").exists()
+
+
 def test_log_checkpoint_env_mismatch(tmp_path, capsys):
     trainer = Trainer(synthetic_env(), TrainConfig(steps=1, batch_size=4, eval_every=1))
     trainer.save(tmp_path / "c.pt")

@@ -424,7 +424,7 @@ def test_log_cli_regressions_from_review(tmp_path, capsys):
     out = str(tmp_path / "x.parquet")
     for argv, message in ((["--checkpoint", str(tmp_path / "online.pt"), "-M", "2"], "-M: options of a fresh ESR"),
                           (["--data", "foo.csv"], "--data: the KuaiRec file of --env kuairec"),
-                          (["-K", "0"], "-K must be >= 1, got 0")):
+                          (["-K", "0"], "argument -K/--num-candidates: must be an integer >= 1, got 0")):
         assert _run(["log", "-n", "10", "--no-progress", "--out", out, *argv]) == 2, argv
         assert message in capsys.readouterr().err, argv
 

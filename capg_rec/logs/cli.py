@@ -20,6 +20,7 @@ from typing import NoReturn
 
 import torch
 
+from capg_rec._checks import fraction, positive_float, positive_int
 from capg_rec.marginals import DEFAULT_METHOD, inclusion_method, inclusion_methods
 from capg_rec.sim.lsr import LSR_NAMES
 from capg_rec.train.cli import _ENVS
@@ -37,20 +38,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--env", choices=_ENVS, default=None, help="default synthetic, or the checkpoint's")
     p.add_argument("--data", help="KuaiRec small_matrix.csv (for --env kuairec)")
     p.add_argument("--checkpoint", help="a `capg-rec train` checkpoint.pt: its ESR logs (default: a fresh one)")
-    p.add_argument("-K", "--num-candidates", type=int, default=None, help="default 10, or the checkpoint's")
-    p.add_argument("-L", "--num-outputs", type=int, default=None, help="default 1, or the checkpoint's")
-    p.add_argument("-M", "--num-experts", type=int, default=None, help="experts of a fresh ESR (default 1)")
-    p.add_argument("--embedding-dim", type=int, default=None, help="of a fresh ESR (default 10)")
-    p.add_argument("--temperature", type=float, default=None,
+    p.add_argument("-K", "--num-candidates", type=positive_int, default=None, help="default 10, or the checkpoint's")
+    p.add_argument("-L", "--num-outputs", type=positive_int, default=None, help="default 1, or the checkpoint's")
+    p.add_argument("-M", "--num-experts", type=positive_int, default=None, help="experts of a fresh ESR (default 1)")
+    p.add_argument("--embedding-dim", type=positive_int, default=None, help="of a fresh ESR (default 10)")
+    p.add_argument("--temperature", type=positive_float, default=None,
                    help="τ of the logging PL over the model's logits (default 1, or the checkpoint's)")
-    p.add_argument("--epsilon", type=float, default=0.0, help="uniform exploration share in [0, 1] (default 0)")
+    p.add_argument("--epsilon", type=fraction, default=0.0, help="uniform exploration share in [0, 1] (default 0)")
     probabilities = [name for name in inclusion_methods() if inclusion_method(name).is_probability]
     p.add_argument("--method", default=DEFAULT_METHOD,
                    help=f"inclusion method of log_inclusion, one of {', '.join(probabilities)} (default "
                         f"{DEFAULT_METHOD}; the expected count is logged as well, whatever the method)")
     p.add_argument("--lsr", choices=LSR_NAMES, default="optimal", help="the later stage (default optimal)")
-    p.add_argument("-n", "--num-interactions", type=int, default=10_000, help="rows to write (default 10000)")
-    p.add_argument("--batch-size", type=int, default=2048, help="requests per batch and row group (default 2048)")
+    p.add_argument("-n", "--num-interactions", type=positive_int, default=10_000, help="rows to write (default 10000)")
+    p.add_argument("--batch-size", type=positive_int, default=2048,
+                   help="requests per batch and row group (default 2048)")
     p.add_argument("--policy-version", default=None, help="stored in every row (default: fresh-seed<S> or "
                                                           "the checkpoint's file and step)")
     p.add_argument("--seed", type=int, default=0)
@@ -115,7 +117,11 @@ def _logging_esr(args: argparse.Namespace, env_name: str | None):
     if model.num_experts > k:  # positions 1..K go to experts in blocks: some expert would never serve
         raise ValueError(f"-K {k}: fewer positions than the ESR's {model.num_experts} experts (each serves a block "
                          "of positions: one would never serve)")
+    if k > env.num_items:
+        raise ValueError(f"-K {k}: more candidates than the environment's {env.num_items} items")
     length = args.num_outputs if args.num_outputs is not None else length
+    if length > k:
+        raise ValueError(f"-L {length}: more items shown than the K = {k} candidates")
     tau = args.temperature if args.temperature is not None else tau
     facts["policy_version"] = args.policy_version if args.policy_version is not None else version
     return env, model, k, length, tau, facts
@@ -197,8 +203,6 @@ def _log(args: argparse.Namespace) -> int:
     path = _summary_path(args)
     if not 0 <= args.seed <= SEED_MAX:
         _fail(f"--seed must be in [0, {SEED_MAX}], got {args.seed}")
-    if args.num_candidates is not None and args.num_candidates < 1:
-        _fail(f"-K must be >= 1, got {args.num_candidates}")
     fresh = [flag for flag, value in (("-M", args.num_experts), ("--embedding-dim", args.embedding_dim))
              if value is not None]
     if args.checkpoint is not None and fresh:
