@@ -594,7 +594,12 @@ def test_group_normalize_and_dcg_weights_values():
 
 
 @pytest.mark.parametrize(("extra", "named"), [
-    (("--checkpoint-every", "0"), "--checkpoint-every must be >= 1, got 0"),
+    (("--checkpoint-every", "0"), "argument --checkpoint-every: must be an integer >= 1, got 0"),
+    (("-K", "0"), "argument -K/--num-candidates: must be an integer >= 1, got 0"),  # said 'num_candidates must...'
+    (("--batch-size", "0"), "argument --batch-size: must be an integer >= 1, got 0"),
+    (("--eval-every", "0"), "argument --eval-every: must be an integer >= 1, got 0"),
+    (("--lr", "nan"), "argument --lr: must be a finite number > 0, got nan"),
+    (("--temperature", "-1"), "argument --temperature: must be a finite number > 0, got -1.0"),
     (("--estimator", "capg_swr", "--capg-method", "exact"), "--capg-method: the inclusion method of --estimator capg"),
     (("--estimator", "vpg", "--capg-method", "plugin"), "--capg-method: the inclusion method of --estimator capg"),
     (("--capg-method", "exact"), "not of capg_swr (the default)"),  # it trained CA-PG-SwR, silently

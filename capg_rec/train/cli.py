@@ -9,7 +9,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from capg_rec._checks import positive_int
+from capg_rec._checks import positive_float, positive_int
 from capg_rec.marginals import inclusion_methods
 from capg_rec.sim.lsr import LSR_NAMES
 from capg_rec.train.config import ESTIMATORS, TrainConfig
@@ -59,28 +59,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                  f"{', '.join(LOG_ESTIMATORS)} (default {LogTrainConfig.estimator})", defaults=False)
     _option(p, "--capg-method", help=f"CA-PG's inclusion method, one of {', '.join(inclusion_methods())} (enumerate: "
                                      "catalogs of at most 8 items); default the library's, with --logs the logs' own")
-    _option(p, "-K", "--num-candidates", type=int)
-    _option(p, "-L", "--num-outputs", type=int)
-    _option(p, "-M", "--num-experts", type=int)
-    _option(p, "--temperature", type=float)
-    _option(p, "--steps", type=int)
-    _option(p, "--batch-size", type=int)
+    _option(p, "-K", "--num-candidates", type=positive_int)
+    _option(p, "-L", "--num-outputs", type=positive_int)
+    _option(p, "-M", "--num-experts", type=positive_int)
+    _option(p, "--temperature", type=positive_float)
+    _option(p, "--steps", type=positive_int)
+    _option(p, "--batch-size", type=positive_int)
     _option(p, "--optimizer", choices=("adagrad", "adam", "sgd"))
-    _option(p, "--lr", type=float, help="default the paper's (1e-1 V-PG, 1e-2 CA-PG)")
+    _option(p, "--lr", type=positive_float, help="default the paper's (1e-1 V-PG, 1e-2 CA-PG)")
     _option(p, "--adaptive-lr", action="store_true", help="scale lr by the inverse mean LSR propensity")
     _option(p, "--train-lsr", choices=LSR_NAMES)
     _option(p, "--eval-lsr", choices=LSR_NAMES)
-    _option(p, "--eval-every", type=int)
+    _option(p, "--eval-every", type=positive_int)
     _option(p, "--position-weights", choices=("mean", "sum", "dcg"),
             help="weights of the L positions in the trained objective (the reported policy value is the mean of "
                  "q over the L picks whatever they are)")
-    _option(p, "--group-size", type=int, help="GRPO group size (1 = off)")
+    _option(p, "--group-size", type=positive_int, help="GRPO group size (1 = off)")
     _option(p, "--group-offset", type=float, help="constant added after group normalisation")
     _option(p, "--baseline", choices=("none", "context"))
     _option(p, "--on-overflow", choices=("stop", "skip"))
     _option(p, "--seed", type=int)
     p.add_argument("--out", default="runs/train")
-    p.add_argument("--checkpoint-every", type=int, default=5000)
+    p.add_argument("--checkpoint-every", type=positive_int, default=5000)
     p.add_argument("--resume", action="store_true", help="continue the run saved in OUT/checkpoint.pt")
     g = p.add_argument_group(
         "from logs", "train from Parquet logs (capg-rec log, or a serving job's in capg_rec.logs' schema); K and L "
@@ -90,7 +90,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--logs", nargs="+", default=None, metavar="PATH", help="Parquet files or directories of them")
     g.add_argument("--epochs", type=int, default=None, help="passes over the training rows (default 1)")
     g.add_argument("--workers", type=int, default=None, help="DataLoader workers reading the logs (default 0)")
-    g.add_argument("--max-weight", type=float, default=None, help="importance-weight cap (default 100)")
+    g.add_argument("--max-weight", type=positive_float, default=None, help="importance-weight cap (default 100)")
     g.add_argument("--holdout", type=float, default=None,
                    help="share of the row groups (the last ones) held out for OPE (default 0.1)")
     p.set_defaults(func=_train)
@@ -316,8 +316,6 @@ def _train(args: argparse.Namespace) -> int:
 
     given = {name: getattr(args, name) for name in _CONFIG_FIELDS if getattr(args, name, None) is not None}
     out = _out_dir(args.out)
-    if args.checkpoint_every < 1:
-        _fail(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
     if not args.resume:
         _fresh(out)
     elif args.logs is None:  # a run from logs continues from the same logs
