@@ -153,11 +153,13 @@ def test_ope_scores_the_greedy_draw_of_a_mixture():
 @pytest.mark.parametrize("option, value, error", [
     ("logging_temperature", -1.0, ValueError), ("logging_steps", 0, ValueError), ("max_weight", 0.0, ValueError),
     ("lr", -1.0, ValueError), ("eval_rows", 0, ValueError), ("num_outputs", 0, ValueError),
-    ("ks", (0,), ValueError), ("batch_size", 1.5, TypeError), ("num_outputs", 20, ValueError)])
+    ("ks", (0,), ValueError), ("batch_size", 1.5, TypeError), ("num_outputs", 20, ValueError),
+    ("seeds", (0, -1), ValueError), ("seeds", (2**63,), ValueError), ("seeds", (1.0,), TypeError)])
 def test_study_options_are_checked_before_any_work(option, value, error):
     """Regression (found by review): these were taken and failed only after the logging ESR was trained (5 to 60 s
-    in), naming the inner function's parameter; num_outputs above a K failed inside the draw."""
-    with pytest.raises(error, match=option if option != "ks" else "ks entries"):
+    in), naming the inner function's parameter; num_outputs above a K failed inside the draw. A negative seed (the
+    CLI's --first-seed -1) ran, wrapped around by torch.Generator, where train refuses it."""
+    with pytest.raises(error, match=option if option not in ("ks", "seeds") else f"{option} entries"):
         OffPolicyStudy(**{option: value})
 
 

@@ -679,6 +679,11 @@ def test_demo_and_bench_refuse_bad_arguments_up_front(argv, tmp_path, capsys, mo
     (["reproduce", "variance", "--seeds", "2"], "--seeds: not used by the variance target"),
     (["reproduce", "table2", "--seeds", "0"], "--seeds: must be an integer >= 1"),
     (["reproduce", "table2", "--seeds", "-1"], "--seeds: must be an integer >= 1"),
+    (["reproduce", "table2", "--steps", "0"], "--steps: must be an integer >= 1"),  # named the parameter 'steps'
+    (["reproduce", "table2", "--ks", "5", "0"], "--ks: must be an integer >= 1"),
+    (["reproduce", "offpolicy", "--sizes", "0"], "--sizes: must be an integer >= 1"),
+    (["reproduce", "offpolicy", "--logging-temperature", "0"], "--logging-temperature: must be a finite number > 0"),
+    (["reproduce", "offpolicy", "--first-seed", "-1"], "seeds entries must be in [0, 9223372036854775807], got -1"),
 ])
 def test_reproduce_refuses_options_its_target_does_not_read(tmp_path, capsys, argv, named):
     """Regression (found by review): options of another target were ignored (table3 ran K = 10 with --ks 3, the

@@ -97,27 +97,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     p = subparsers.add_parser("reproduce", help="rerun one of the paper's experiments next to its numbers")
     p.add_argument("target", choices=_REPRODUCE_TARGETS)
-    p.add_argument("--steps", type=int, default=None, help="default 50000")
+    p.add_argument("--steps", type=positive_int, default=None, help="default 50000")
     p.add_argument("--seeds", type=positive_int, default=None, help="number of seeds (0..S-1; default 3)")
     p.add_argument("--out", default=None, help="default runs/<target>")
     p.add_argument("--data", help="KuaiRec small_matrix.csv (target kuairec)")
     p.add_argument("--estimators", nargs="+", choices=ESTIMATORS, default=None)
-    p.add_argument("--ks", nargs="+", type=int, default=None, help="candidate-set sizes K")
+    p.add_argument("--ks", nargs="+", type=positive_int, default=None, help="candidate-set sizes K")
     p.add_argument("--lsr", nargs="*", choices=LSR_NAMES[1:], default=None,
                    help="table2: also the LSR-alignment columns")
-    p.add_argument("--eval-every", type=int, default=None, help="default 1000")
+    p.add_argument("--eval-every", type=positive_int, default=None, help="default 1000")
     p.add_argument("--capg-method", default=None, help="inclusion method of the CA-PG cells (default: the library's)")
     g = p.add_argument_group("offpolicy", "options of the off-policy study (target offpolicy; --ks and --seeds too)")
     g.add_argument("--env", choices=("synthetic", "movielens"), default=None, help="default synthetic")
-    g.add_argument("--sizes", nargs="+", type=int, default=None,
+    g.add_argument("--sizes", nargs="+", type=positive_int, default=None,
                    help="numbers of logged interactions n (default 10^4 10^5 10^6)")
     g.add_argument("--learners", nargs="+", default=None, choices=tuple(LEARNERS), metavar="LEARNER",
                    help=f"among {', '.join(LEARNERS)} (default all; the study's names: capg_clip is train --logs' "
                         "capg)")
-    g.add_argument("--logging-steps", type=int, default=None, help="online steps of the logging ESR (default 1000)")
-    g.add_argument("--logging-temperature", type=float, default=None, help="τ₀ of the logging ESR (default 2)")
-    g.add_argument("--max-weight", type=float, default=None, help="importance-weight cap (default 100)")
-    g.add_argument("--epochs", type=int, default=None,
+    g.add_argument("--logging-steps", type=positive_int, default=None,
+                   help="online steps of the logging ESR (default 1000)")
+    g.add_argument("--logging-temperature", type=positive_float, default=None,
+                   help="τ₀ of the logging ESR (default 2)")
+    g.add_argument("--max-weight", type=positive_float, default=None, help="importance-weight cap (default 100)")
+    g.add_argument("--epochs", type=positive_int, default=None,
                    help="passes over the logs at most; the pass with the best held-out SNIPS estimate is kept "
                         "(default 1)")
     g.add_argument("--first-seed", type=int, default=None, help="seeds FIRST_SEED .. FIRST_SEED + SEEDS - 1 "
