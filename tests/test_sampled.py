@@ -592,6 +592,34 @@ def test_the_plugin_reads_small_catalogs_whole(k):
         torch.testing.assert_close(*grads)
 
 
+@pytest.mark.parametrize("n", [2048, 2049])
+def test_catalogs_of_at_most_2048_items_are_read_whole(n):
+    """At the bound itself, 2048 items, the methods that read the best items read a sampled catalog whole: the
+    embedding catalog's values (a mutation round: with the bound exclusive the plug-in raised "k=10 exceeds the head
+    and sample"). One item more, the sampled catalog's head and sample take over: the plug-in refuses K = 10 there."""
+    user, item = _towers(b=2, n=n, d=6)
+    items = torch.tensor([[0, 1], [3, 4]])
+    sampled = SampledCatalog(user, item, sampler=UniformSampler(8), generator=torch.Generator().manual_seed(0))
+    if n == 2048:
+        for method in ("plugin", "mean_field", "exact"):
+            torch.testing.assert_close(capg_rec.inclusion_log_prob(sampled, items, 10, method=method),
+                                       capg_rec.inclusion_log_prob(EmbeddingCatalog(user, item), items, 10,
+                                                                   method=method))
+    else:
+        with pytest.raises(ValueError, match="exceeds the head and sample"):
+            capg_rec.inclusion_log_prob(sampled, items, 10, method="plugin")
+
+
+def test_the_exact_method_names_the_head_it_would_need():
+    """Beyond 2048 items the exact method reads max(8K, 1024) best items per expert: at K = 130, 1040, more than a
+    head of 1024 names (a mutation round: with 4K the catalog's power-sum error was raised instead)."""
+    user, item = _towers(b=1, n=3000, d=6)
+    cat = SampledCatalog(user, item, sampler=UniformSampler(64), index=ExactIndex(item), head_size=1024,
+                         generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="best 1040 items"):
+        capg_rec.inclusion_log_prob(cat, torch.tensor([[0, 1]]), 130, method="exact")
+
+
 def test_draw_checks_follow_validate_args_and_empty_batches_read_whole():
     """The usable-items check of top_items is a host sync: off with validate_args=False (it ran every draw);
     an empty batch whose head names every item is read whole (exact_top took amin over zero rows)."""
