@@ -17,6 +17,9 @@ only differences of scores are ever formed), and κ is found per row by
    (or on the logs of minus those logs, when both are tiny) inside a shrinking bracket, with
    bisection in ``asinh κ`` when Newton leaves the bracket or stalls.
 
+Under ``torch.compile``, which cannot select rows, every row takes the second solve from the first one's start, in
+a ``torch.while_loop`` that stops once all rows are done.
+
 κ is an implicit function of the scores; its derivative ``∂κ/∂s_b = ρ_b x_b e^{-x_b} / Σ_c ρ_c x_c
 e^{-x_c}`` (``x = e^{s - κ}``) comes out of the solve, and is recomputed in differentiable
 operations when a second derivative is asked for, so Hessians are exact too.
@@ -36,7 +39,7 @@ import torch
 from torch import Tensor
 
 from capg_rec._head_tail import WHOLE_UP_TO, read_whole, summarize
-from capg_rec._numerics import Runs, bound_once, exp_, expm1_, safe_logsumexp
+from capg_rec._numerics import Runs, bound_once, exp_, expm1, expm1_, safe_logsumexp
 from capg_rec.catalog import CatalogScores, DenseCatalog, every_score
 
 __all__ = ["mean_field_log_inclusion"]
@@ -45,6 +48,7 @@ __all__ = ["mean_field_log_inclusion"]
 _MAX_ITER = 50
 _FAST_ITER = 12  # Newton steps in t before the log-space solve takes over
 _TAIL_COEF = (1.0, -0.5, 1.0 / 6.0)  # 1 - e^{-x} = x - x²/2 + x³/6 - …: the tail's power sums
+_OMEGA = 0.5671432904097838  # ω e^ω = 1 (the omega constant)
 _SATURATION = 40.0  # below κ = min(s) - 40 every item's clock has rung: 1 - exp(-e^{40}) = 1
 
 
@@ -58,9 +62,8 @@ def mean_field_log_inclusion(catalog: CatalogScores, items: Tensor, runs: Runs, 
     expert gets ``-inf`` with zero gradient.
 
     ``max_iter`` bounds the root-solver steps of each block: typical scores take one or two,
-    score gaps in the hundreds up to about 25. Under ``torch.compile`` there is no early exit and
-    exactly ``max_iter`` steps run, so pass a small one (say 8) where the scores are known to be
-    moderate. ``tol`` is the relative accuracy of the rates ``e^{s - κ}`` at which the solve stops
+    score gaps in the hundreds up to about 25 (under ``torch.compile`` too: its loop stops once every row is
+    done). ``tol`` is the relative accuracy of the rates ``e^{s - κ}`` at which the solve stops
     (default ``eps^(2/3)`` of the dtype; the derivatives get about the same).
     """
     if isinstance(max_iter, bool) or not isinstance(max_iter, int):
@@ -164,7 +167,7 @@ class _LogHit(torch.autograd.Function):
     @staticmethod
     def forward(y: Tensor) -> Tensor:
         x = torch.exp(y.clamp(max=30.0))  # beyond 30 the value is 0
-        near = torch.log(-torch.expm1(-x))  # x ≤ log 2 (Maechler's two branches of log(1 - e^{-x}))
+        near = torch.log(-expm1(-x))  # x ≤ log 2 (Maechler's two branches of log(1 - e^{-x}))
         far = torch.log1p(-torch.exp(-x))
         out = torch.where(x <= math.log(2.0), near, far)
         return torch.where(y < -10.0, y - 0.5 * x, out)  # x (1 - x/2 + …): exact where x underflows
@@ -182,7 +185,7 @@ class _LogHit(torch.autograd.Function):
         x = torch.exp(y.clamp(max=30.0))
         some = x > torch.finfo(y.dtype).tiny
         safe = torch.where(some, x, torch.ones_like(x))
-        slope = torch.where(some, safe * torch.exp(-safe) / -torch.expm1(-safe), (y > -math.inf).to(y.dtype))
+        slope = torch.where(some, safe * torch.exp(-safe) / -expm1(-safe), (y > -math.inf).to(y.dtype))
         return grad * slope
 
 
@@ -282,7 +285,7 @@ def _shares(d: Tensor, log_rho: Tensor | None, tail: Tensor | None, kappa: Tenso
     y = (d - kappa.unsqueeze(1)).clamp(max=_log_max(d.dtype))
     x = torch.exp(y)
     dens = torch.exp(y - x)  # x e^{-x}: ∂f/∂d per unit ρ
-    hit = -torch.expm1(-x)  # 1 - e^{-x}: ∂f/∂log ρ per unit ρ
+    hit = -expm1(-x)  # 1 - e^{-x}: ∂f/∂log ρ per unit ρ
     if log_rho is not None:
         rho = torch.exp(log_rho)
         dens, hit = rho * dens, rho * hit
@@ -316,27 +319,25 @@ def _solve(s: Tensor, top: Tensor, log_rho: Tensor | None, tail: Tensor | None, 
     negated, ``-e^{s - top - κ}`` (``[B, 0]`` unless ``survive``), without autograd."""
     finfo = torch.finfo(s.dtype)
     tol = finfo.eps ** (2.0 / 3.0) if tol is None else tol
-    compiling = torch.compiler.is_compiling()
     rho = None if log_rho is None else exp_(log_rho.clone())
-    # Eager: each phase stops once converged. Compiled (no early exit): max_iter steps in all,
-    # the last one (at least) in log-space, which every row then goes through.
-    fast_iter = min(max_iter - 1 if compiling else max_iter, _FAST_ITER)
-    if fast_iter > 0:
-        fast = _FastSolve(s, top, rho, tail, lower, count)
-        kappa, done = fast.run(fast_iter, tol, compiling)
-        if not compiling:
-            all_done, some_done, large = torch.stack((done.all(), done.any(), (fast.large & done).any())).tolist()
-            if all_done:
-                return fast.finish(kappa, survive, large)
-            if some_done:  # the log-space solve on the rows left alone (first: finish spends ρ's buffer)
-                rows = (~done).nonzero().squeeze(1)
-                part = [None if x is None else x.index_select(0, rows) for x in (s, top, rho, log_rho, tail, lower)]
-                left = _robust_solve(*part, count, kappa.index_select(0, rows), max_iter, tol, False, survive)
-                return tuple(o.index_copy_(0, rows, p) for o, p in zip(fast.finish(kappa, survive, large), left))
-    else:
-        kappa = torch.full_like(top, math.nan)  # the log-space solve starts from its own bound
-    return _robust_solve(s, top, rho, log_rho, tail, lower, count, kappa,
-                         max_iter - fast_iter if compiling else max_iter, tol, compiling, survive)
+    compiling = torch.compiler.is_compiling()
+    if compiling or not _FAST_ITER:
+        # A graph selects no rows: every row takes the log-space solve, from the fast solve's start, in a
+        # while_loop that stops once all rows are done (a Python loop would be unrolled into max_iter steps).
+        kappa = _FastSolve(s, top, rho, tail, lower, count).start() if _FAST_ITER else torch.full_like(top, math.nan)
+        return _robust_solve(s, top, rho, log_rho, tail, lower, count, kappa, max_iter, tol, compiling, survive)
+    # Eager: each phase stops once converged; the log-space solve takes the rows the fast one leaves.
+    fast = _FastSolve(s, top, rho, tail, lower, count)
+    kappa, done = fast.run(min(max_iter, _FAST_ITER), tol)
+    all_done, some_done, large = torch.stack((done.all(), done.any(), (fast.large & done).any())).tolist()
+    if all_done:
+        return fast.finish(kappa, survive, large)
+    if some_done:  # the log-space solve on the rows left alone (first: finish spends ρ's buffer)
+        rows = (~done).nonzero().squeeze(1)
+        part = [None if x is None else x.index_select(0, rows) for x in (s, top, rho, log_rho, tail, lower)]
+        left = _robust_solve(*part, count, kappa.index_select(0, rows), max_iter, tol, False, survive)
+        return tuple(o.index_copy_(0, rows, p) for o, p in zip(fast.finish(kappa, survive, large), left))
+    return _robust_solve(s, top, rho, log_rho, tail, lower, count, kappa, max_iter, tol, False, survive)
 
 
 def _robust_solve(s: Tensor, top: Tensor, rho: Tensor | None, log_rho: Tensor | None, tail: Tensor | None,
@@ -374,7 +375,7 @@ class _FastSolve:
         # solve takes over.
         self.suspect = mass < finfo.tiny / finfo.eps if rho is not None else None
         mass = mass.clamp(min=finfo.tiny)
-        self.start = (torch.log(mass) - math.log(count)) * self.alive  # f ≤ n here; 0 for an empty row
+        self.swr_kappa = (torch.log(mass) - math.log(count)) * self.alive  # f ≤ n here; 0 for an empty row
         self.neg_rate = rate.mul_((self.alive * -count / mass).unsqueeze(1))  # -x at the start
         if rho is not None:  # Σ ρ e^d may be tiny (else it is at least e^0 = 1: x ≤ n)
             self.neg_rate.clamp_(min=-1e30)
@@ -394,7 +395,7 @@ class _FastSolve:
         m2 = buf.sum(dim=1)  # Σ ρ x²
         m3 = -buf.mul_(neg_rate).sum(dim=1)  # Σ ρ x³
         if self.tail is not None:
-            terms, _ = self._tail_terms(self.start)
+            terms, _ = self._tail_terms(self.swr_kappa)
             m2, m3 = m2 - 2.0 * terms[:, 1], m3 + 6.0 * terms[:, 2]
         # Σ ρ x = n (tail included: the start's definition; 0 in an empty row, where m2 = m3 = 0)
         deficit = torch.sub(m2, m3, alpha=1.0 / 3.0).mul_(0.5)  # n - series = m2/2 - m3/6
@@ -402,14 +403,17 @@ class _FastSolve:
         step = deficit.div_(slope.clamp_(min=self.finfo.tiny))
         return torch.minimum(step.add_(1.0), m2.div_(m3.clamp(min=self.finfo.tiny))).clamp_(min=1.0)
 
-    def run(self, iters: int, tol: float, compiling: bool) -> tuple[Tensor, Tensor]:
-        """Iterate from the start → κ and which rows are done: converged, with accurate sums (no
-        host sync when ``compiling``)."""
+    def start(self) -> Tensor:
+        """κ where :meth:`run` starts (see :meth:`_series_start`); the rates are moved there."""
+        v = self._series_start()
+        self.neg_rate.mul_(v.unsqueeze(1))
+        return self.swr_kappa - torch.log(v)
+
+    def run(self, iters: int, tol: float) -> tuple[Tensor, Tensor]:
+        """Iterate from :meth:`start` → κ and which rows are done: converged, with accurate sums."""
         neg_rate, rho, finfo, em1 = self.neg_rate, self.rho, self.finfo, self.em1
         self.dens = dens = em1 if rho is None else torch.empty_like(neg_rate)
-        v = self._series_start()
-        kappa = self.start - torch.log(v)
-        neg_rate.mul_(v.unsqueeze(1))
+        kappa = self.start()
         target = math.sqrt(tol)  # the derivatives are corrected to first order: their error is its square
         eps4 = 4 * finfo.eps
         for it in range(iters):
@@ -435,7 +439,7 @@ class _FastSolve:
             # The error of the corrected derivatives is about (r x)² where they matter (x ≲ 3).
             converged = 3.0 * ratio.abs() <= target + eps4 * nxt.abs()
             kappa_eval, kappa = kappa, nxt
-            if it == iters - 1 or (not compiling and bool(converged.all())):
+            if it == iters - 1 or bool(converged.all()):
                 break
             neg_rate.mul_((1.0 + ratio).unsqueeze(1)).clamp_(min=-1e30)  # x ∝ t
         # A slope far above underflow. Rates beyond ``cap`` are fine for f (1 - e^{-x} is
@@ -528,24 +532,36 @@ class _RobustSolve:
         """Iterate from ``kappa`` → κ and its derivatives (see :class:`_Root`)."""
         kappa = torch.where(self.no_root | ~torch.isfinite(kappa), self.hi, kappa).clamp(min=self.lo, max=self.hi)
         kappa = torch.where(self.no_root, self.lo, kappa)
-        lo, hi = self.lo, self.hi
-        before = last = torch.full_like(kappa, math.inf)  # the last two step sizes, for the stall test
-        done = self.no_root
-        for it in range(iters):
-            sums, shares = self._terms(kappa)
-            width = _width(kappa, tol)
-            nxt, lo, hi, close = self._next(kappa, sums, lo, hi, before, width, it)
-            nxt = torch.where(done, kappa, nxt)
-            done = done | close | (hi - lo <= width)
-            before, last = last, (nxt - kappa).abs()
-            kappa = nxt
-            if not compiling and bool(done.all()):
-                break
+        inf = torch.full_like(kappa, math.inf)
+        # (κ, the κ last evaluated, lo, hi, the last two step sizes (for the stall test), done)
+        state = (kappa, kappa, self.lo, self.hi, inf, inf, self.no_root)
+        if compiling:  # a while_loop stops once every row is done (a graph's Python loop would run all iters)
+            def body(it: Tensor, *state: Tensor) -> tuple[Tensor, ...]:
+                nxt, evaluated, lo, hi, before, last, done = self._step(*state, tol)[0]
+                return it + 1, nxt, evaluated.clone(), lo, hi, before.clone(), last, done  # no input as an output
+
+            count = torch.zeros((), dtype=torch.int64, device=kappa.device)
+            state = tuple(x.clone() for x in state)  # distinct tensors in, none of them out
+            _, *state = torch.while_loop(lambda it, *state: (it < iters) & ~state[-1].all(), body, (count, *state))
+            shares = self._terms(state[1])[1]  # the derivatives of κ as of the last evaluation
         else:
-            if not compiling and iters > 0:
-                self._warn_unsolved(kappa, done, iters)
+            for _ in range(iters):
+                state, shares = self._step(*state, tol)
+                if bool(state[-1].all()):
+                    break
+            else:
+                self._warn_unsolved(state[0], state[-1], iters)
         keep = (~self.no_root).unsqueeze(1).to(kappa.dtype)
-        return kappa, *(share * keep for share in shares)
+        return state[0], *(share * keep for share in shares)
+
+    def _step(self, kappa: Tensor, _: Tensor, lo: Tensor, hi: Tensor, before: Tensor, last: Tensor, done: Tensor,
+              tol: float) -> tuple[tuple[Tensor, ...], tuple[Tensor, Tensor, Tensor]]:
+        """One step of :meth:`run` → its next state, and the derivatives of κ at this one's κ."""
+        sums, shares = self._terms(kappa)
+        width = _width(kappa, tol)
+        nxt, lo, hi, close = self._next(kappa, sums, lo, hi, before, width)
+        nxt = torch.where(done, kappa, nxt)
+        return (nxt, kappa, lo, hi, last, (nxt - kappa).abs(), done | close | (hi - lo <= width)), shares
 
     def _warn_unsolved(self, kappa: Tensor, done: Tensor, iters: int) -> None:
         """Warn if, in a row the solve did not finish, the block's expected count ``f(κ)`` misses n by more than
@@ -566,7 +582,10 @@ class _RobustSolve:
         arg = torch.minimum(y, -x)  # log of the small number: x (rest) or e^{-x} (saturated), per unit ρ
         if self.log_rho is not None:
             arg = arg + self.log_rho
-        sat = (y + x).sign_().clamp_(min=0.0)  # x > ω; arithmetic masks: no [B, T] where
+        # x > ω ⟺ y > log ω = -ω: a comparison of y itself, so that every fused kernel that recomputes it agrees
+        # (from x, inductor's exps put an item near ω on both sides in different reductions); arithmetic masks:
+        # no [B, T] where
+        sat = (y > -_OMEGA).to(dtype)
         rest = 1.0 - sat
         shift = finfo.max / 4  # above any -x: masks the other group out of each maximum
         scale_p = (arg - shift * rest).amax(dim=1).clamp(min=finfo.min)  # P and Q each relative to its top
@@ -587,7 +606,7 @@ class _RobustSolve:
         # earlier block took the item where ρ rounds to 1 (the rest of the saturated items' mass may be all there is)
         deficit = self.count - sat.sum(dim=1)
         if self.log_rho is not None:
-            deficit = deficit + torch.linalg.vecdot(-torch.expm1(self.log_rho), sat)
+            deficit = deficit + torch.linalg.vecdot(-expm1(self.log_rho), sat)
         p = torch.linalg.vecdot(c, sat)
         b_sat = torch.linalg.vecdot(c * x, sat)
         q = torch.linalg.vecdot(c * hit_per_x, rest)
@@ -622,7 +641,7 @@ class _RobustSolve:
         return (scale_p, scale_q, deficit, p, q, b_sat, b_rest), (share_d, share_rho.clamp_(max=bound), share_tail)
 
     def _next(self, kappa: Tensor, sums: tuple[Tensor, ...], lo: Tensor, hi: Tensor, before: Tensor,
-              width: Tensor, it: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+              width: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The next κ, the updated bracket ``[lo, hi]`` and whether the Newton step was below ``width``
         (then it is taken even if rounding put it just outside the bracket)."""
         scale_p, scale_q, deficit, p, q, b_sat, b_rest = sums
@@ -648,7 +667,7 @@ class _RobustSolve:
         valid = (log_a > -math.inf) & (q > 0) & torch.isfinite(cand)
         close = valid & (newton.abs() <= width)
         inside = valid & (cand > lo) & (cand < hi)
-        if it >= 2:  # a Newton step that does not halve the one before last: bisect instead
-            inside = inside & (newton.abs() <= 0.5 * before)
+        # a Newton step that does not halve the one before last (inf in the first two steps): bisect instead
+        inside = inside & (newton.abs() <= 0.5 * before)
         mid = torch.sinh(0.5 * (torch.asinh(lo) + torch.asinh(hi)))
         return torch.where(inside | close, cand, mid), lo, hi, close

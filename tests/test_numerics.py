@@ -8,7 +8,7 @@ import torch
 
 from capg_rec import CAPGLoss, DenseCatalog, EmbeddingCatalog, VPGLoss, sample_candidates
 from capg_rec.plackett_luce import expert_runs
-from capg_rec._numerics import (_top_k_numpy, _top_k_torch, _truncated_keys, exp_floor, filled_logsumexp,
+from capg_rec._numerics import (_top_k_numpy, _top_k_torch, _truncated_keys, exp_floor, expm1, filled_logsumexp,
                                gather_with_rest, log1mexp, log_softmax_at, masked_logsumexp, scaled_terms, top_k)
 from capg_rec.catalog import _chunked_top_k, _ChunkedLogPowerSums
 
@@ -574,6 +574,24 @@ def test_log1mexp_is_accurate_on_both_sides_of_its_branch():
     want = torch.tensor([math.log(-math.expm1(v)) if v > -1.0 else math.log1p(-math.exp(v)) for v in x.tolist()],
                         dtype=torch.float64)
     torch.testing.assert_close(log1mexp(x), want, rtol=4 * torch.finfo(torch.float64).eps, atol=0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_log1mexp_keeps_its_digits_under_inductor(dtype):
+    """Regression: torch 2.13's inductor compiles expm1 on the CPU as exp(x) - 1, so a compiled log1mexp gave -inf
+    for x = -1e-12 (and compiled mean-field's root solve went wrong through the same expm1: the test in
+    test_mean_field). Under torch.compile capg_rec's expm1 is Kahan's; values and gradients as eager's."""
+    x = -torch.logspace(-30, 1.5, 64, dtype=dtype)
+    x = torch.cat([x, torch.tensor([-math.inf, 0.0], dtype=dtype)]).requires_grad_()
+    compiled = torch.compile(log1mexp, fullgraph=True, dynamic=False)
+    got, want = compiled(x), log1mexp(x)
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(got, want, rtol=8 * eps, atol=0.0)
+    (grad,) = torch.autograd.grad(got[:-2].sum(), x)
+    (expected,) = torch.autograd.grad(want[:-2].sum(), x)
+    torch.testing.assert_close(grad[:-2], expected[:-2], rtol=16 * eps, atol=0.0)  # (at 0: -inf times 0, NaN)
+    u = torch.tensor([1e-20, -1e-9, 3e-5, -0.4, 2.0, 80.0, -200.0, -math.inf, math.inf], dtype=dtype)
+    torch.testing.assert_close(torch.compile(expm1, dynamic=False)(u), torch.expm1(u), rtol=4 * eps, atol=0.0)
 
 
 def test_truncated_gumbel_keys_match_their_formula():
