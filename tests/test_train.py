@@ -68,6 +68,22 @@ def test_policy_value_is_exact(env):
     assert value == pytest.approx(float(expected), rel=1e-6)
 
 
+def test_evaluation_with_a_sampling_lsr_draws_a_new_stream_at_each_step(env):
+    """A callable evaluation LSR without expected_value is drawn once per evaluation, seeded by seed + step: two
+    evaluations of one model at different steps see different draws, each the one policy_value makes with that seed
+    (a mutation round: seeding every evaluation alike left the tests passing)."""
+    def sampling_lsr(scores, n, generator):
+        return torch.rand(scores.shape, generator=generator).topk(n, dim=1).indices, None
+
+    trainer = Trainer(env, _config(seed=3), eval_lsr=sampling_lsr)
+    values = []
+    for step in (0, 7):
+        trainer.step_count = step  # the evaluation's seed, without moving the model
+        values.append(trainer.evaluate())
+        assert values[-1] == policy_value(trainer.model, env, sampling_lsr, 5, 1, seed=3 + step)
+    assert values[0] != values[1]
+
+
 def test_policy_value_over_more_users_than_one_chunk():
     """policy_value scores users in chunks of 256: with 300 users it is still their mean (dividing by the last
     chunk's size gave 5.08 for a mean of values in [0, 1]: a review's mutation)."""
@@ -731,8 +747,9 @@ def test_a_run_stopped_by_an_overflow_is_not_resumed_into_another(env, tmp_path)
     result = trainer.run(out_dir=tmp_path, checkpoint_every=100, progress=False)
     assert result.stopped_at == 6 and [row["step"] for row in result.history] == [0, 4, 6]
     saved = (tmp_path / "result.json").read_text()
-    with pytest.raises(ValueError, match="stopped at step 6 on a gradient overflow"):
-        Trainer.load(tmp_path / "checkpoint.pt", env, steps=20)
+    for steps in (20, None):  # a later target, or the saved one (10), which it never reached either
+        with pytest.raises(ValueError, match="stopped at step 6 on a gradient overflow"):
+            Trainer.load(tmp_path / "checkpoint.pt", env, steps=steps)
     assert (tmp_path / "result.json").read_text() == saved
 
 
