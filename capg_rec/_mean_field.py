@@ -17,8 +17,8 @@ only differences of scores are ever formed), and κ is found per row by
    (or on the logs of minus those logs, when both are tiny) inside a shrinking bracket, with
    bisection in ``asinh κ`` when Newton leaves the bracket or stalls.
 
-Under ``torch.compile``, which cannot select rows, every row takes the second solve from the first one's start, in
-a ``torch.while_loop`` that stops once all rows are done.
+Under ``torch.compile``, which cannot select rows, the first solve takes a fixed number of steps, and every row
+then takes the second one from there, in a ``torch.while_loop`` that stops once all rows are done.
 
 κ is an implicit function of the scores; its derivative ``∂κ/∂s_b = ρ_b x_b e^{-x_b} / Σ_c ρ_c x_c
 e^{-x_c}`` (``x = e^{s - κ}``) comes out of the solve, and is recomputed in differentiable
@@ -62,9 +62,10 @@ def mean_field_log_inclusion(catalog: CatalogScores, items: Tensor, runs: Runs, 
     expert gets ``-inf`` with zero gradient.
 
     ``max_iter`` bounds the root-solver steps of each block: typical scores take one or two,
-    score gaps in the hundreds up to about 25 (under ``torch.compile`` too: its loop stops once every row is
-    done). ``tol`` is the relative accuracy of the rates ``e^{s - κ}`` at which the solve stops
-    (default ``eps^(2/3)`` of the dtype; the derivatives get about the same).
+    score gaps in the hundreds up to about 25. Under ``torch.compile`` the first stage takes all of its
+    (at most 12) steps, the second stops once every row is done. ``tol`` is the relative accuracy of the
+    rates ``e^{s - κ}`` at which the solve stops (default ``eps^(2/3)`` of the dtype; the derivatives get
+    about the same).
     """
     if isinstance(max_iter, bool) or not isinstance(max_iter, int):
         raise TypeError(f"max_iter must be an int, got {type(max_iter).__name__}")
@@ -321,23 +322,26 @@ def _solve(s: Tensor, top: Tensor, log_rho: Tensor | None, tail: Tensor | None, 
     tol = finfo.eps ** (2.0 / 3.0) if tol is None else tol
     rho = None if log_rho is None else exp_(log_rho.clone())
     compiling = torch.compiler.is_compiling()
-    if compiling or not _FAST_ITER:
-        # A graph selects no rows: every row takes the log-space solve, from the fast solve's start, in a
-        # while_loop that stops once all rows are done (a Python loop would be unrolled into max_iter steps).
-        kappa = _FastSolve(s, top, rho, tail, lower, count).start() if _FAST_ITER else torch.full_like(top, math.nan)
-        return _robust_solve(s, top, rho, log_rho, tail, lower, count, kappa, max_iter, tol, compiling, survive)
-    # Eager: each phase stops once converged; the log-space solve takes the rows the fast one leaves.
-    fast = _FastSolve(s, top, rho, tail, lower, count)
-    kappa, done = fast.run(min(max_iter, _FAST_ITER), tol)
-    all_done, some_done, large = torch.stack((done.all(), done.any(), (fast.large & done).any())).tolist()
-    if all_done:
-        return fast.finish(kappa, survive, large)
-    if some_done:  # the log-space solve on the rows left alone (first: finish spends ρ's buffer)
-        rows = (~done).nonzero().squeeze(1)
-        part = [None if x is None else x.index_select(0, rows) for x in (s, top, rho, log_rho, tail, lower)]
-        left = _robust_solve(*part, count, kappa.index_select(0, rows), max_iter, tol, False, survive)
-        return tuple(o.index_copy_(0, rows, p) for o, p in zip(fast.finish(kappa, survive, large), left))
-    return _robust_solve(s, top, rho, log_rho, tail, lower, count, kappa, max_iter, tol, False, survive)
+    # Eager: each phase stops once converged, the log-space solve for the rows the fast one leaves. Compiled (a graph
+    # selects no rows): each phase is a while_loop that stops once every row is done, and every row takes both.
+    fast_iter = min(max_iter - 1 if compiling else max_iter, _FAST_ITER)
+    if not fast_iter:
+        kappa = torch.full_like(top, math.nan)  # the log-space solve starts from its own bound
+    elif compiling:
+        kappa = _FastSolve(s, top, rho, tail, lower, count).converge(fast_iter, tol)
+    else:
+        fast = _FastSolve(s, top, rho, tail, lower, count)
+        kappa, done = fast.run(fast_iter, tol)
+        all_done, some_done, large = torch.stack((done.all(), done.any(), (fast.large & done).any())).tolist()
+        if all_done:
+            return fast.finish(kappa, survive, large)
+        if some_done:  # the log-space solve on the rows left alone (first: finish spends ρ's buffer)
+            rows = (~done).nonzero().squeeze(1)
+            part = [None if x is None else x.index_select(0, rows) for x in (s, top, rho, log_rho, tail, lower)]
+            left = _robust_solve(*part, count, kappa.index_select(0, rows), max_iter, tol, False, survive)
+            return tuple(o.index_copy_(0, rows, p) for o, p in zip(fast.finish(kappa, survive, large), left))
+    return _robust_solve(s, top, rho, log_rho, tail, lower, count, kappa,
+                         max_iter - fast_iter if compiling else max_iter, tol, compiling, survive)
 
 
 def _robust_solve(s: Tensor, top: Tensor, rho: Tensor | None, log_rho: Tensor | None, tail: Tensor | None,
@@ -404,40 +408,60 @@ class _FastSolve:
         return torch.minimum(step.add_(1.0), m2.div_(m3.clamp(min=self.finfo.tiny))).clamp_(min=1.0)
 
     def start(self) -> Tensor:
-        """κ where :meth:`run` starts (see :meth:`_series_start`); the rates are moved there."""
+        """κ where the steps start (see :meth:`_series_start`); the rates are moved there."""
         v = self._series_start()
         self.neg_rate.mul_(v.unsqueeze(1))
         return self.swr_kappa - torch.log(v)
 
+    def _newton(self, kappa: Tensor, neg_rate: Tensor, em1: Tensor, dens: Tensor, tol: float
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+        """One Newton step from κ, whose rates, negated, are ``neg_rate`` (``em1`` and ``dens`` are written, and may
+        be one buffer without ρ) → the next κ, ``r = t_next / t - 1``, whether converged, ∂f/∂κ, the tail's terms."""
+        rho, finfo = self.rho, self.finfo
+        expm1_(neg_rate, em1)  # -(1 - e^{-x})
+        if rho is None:
+            neg_hit = em1.sum(dim=1)
+            torch.addcmul(neg_rate, neg_rate, em1, out=dens)  # -x e^{-x}
+        else:
+            neg_hit = torch.mul(rho, em1, out=dens).sum(dim=1)
+            torch.addcmul(neg_rate, neg_rate, em1, out=dens).mul_(rho)  # -ρ x e^{-x}
+        neg_slope = dens.sum(dim=1)  # ∂f/∂κ
+        tail_terms = None
+        if self.tail is not None:
+            tail_terms, powers = self._tail_terms(kappa)
+            neg_hit = neg_hit - tail_terms.sum(dim=1)
+            neg_slope = neg_slope - (powers * tail_terms).sum(dim=1)
+        # r = t_new / t - 1 = (n - f) / -∂f/∂κ; empty rows stay where they are
+        ratio = (neg_hit + self.count).mul_(-self.alive).div_(neg_slope.clamp(max=-finfo.tiny))
+        ratio = ratio.clamp_(min=-0.5, max=1e6)
+        nxt = kappa - torch.log1p(ratio)
+        if self.lower is not None:
+            nxt = torch.maximum(nxt, self.lower)
+            ratio = expm1(kappa - nxt)
+        # The error of the corrected derivatives is about (r x)² where they matter (x ≲ 3).
+        converged = 3.0 * ratio.abs() <= math.sqrt(tol) + 4 * finfo.eps * nxt.abs()
+        return nxt, ratio, converged, neg_slope, tail_terms
+
+    def converge(self, iters: int, tol: float) -> Tensor:
+        """:meth:`run`'s κ under ``torch.compile``: its steps in a while_loop that stops once every row has
+        converged (a Python loop would be unrolled into all of them); no derivatives."""
+        def body(it: Tensor, kappa: Tensor, neg_rate: Tensor, _: Tensor) -> tuple[Tensor, ...]:
+            nxt, ratio, converged, _, _ = self._newton(kappa, neg_rate, torch.empty_like(neg_rate),
+                                                       torch.empty_like(neg_rate), tol)
+            return it + 1, nxt, (neg_rate * (1.0 + ratio).unsqueeze(1)).clamp(min=-1e30), converged  # x ∝ t
+
+        kappa = self.start()
+        state = (torch.zeros((), dtype=torch.int64, device=kappa.device), kappa, self.neg_rate.clone(),
+                 torch.zeros_like(kappa, dtype=torch.bool))
+        return torch.while_loop(lambda it, kappa, rates, converged: (it < iters) & ~converged.all(), body, state)[1]
+
     def run(self, iters: int, tol: float) -> tuple[Tensor, Tensor]:
         """Iterate from :meth:`start` → κ and which rows are done: converged, with accurate sums."""
-        neg_rate, rho, finfo, em1 = self.neg_rate, self.rho, self.finfo, self.em1
-        self.dens = dens = em1 if rho is None else torch.empty_like(neg_rate)
+        neg_rate, finfo, em1 = self.neg_rate, self.finfo, self.em1
+        self.dens = dens = em1 if self.rho is None else torch.empty_like(neg_rate)
         kappa = self.start()
-        target = math.sqrt(tol)  # the derivatives are corrected to first order: their error is its square
-        eps4 = 4 * finfo.eps
         for it in range(iters):
-            expm1_(neg_rate, em1)  # -(1 - e^{-x})
-            if rho is None:
-                neg_hit = em1.sum(dim=1)
-                torch.addcmul(neg_rate, neg_rate, em1, out=dens)  # -x e^{-x}
-            else:
-                neg_hit = torch.mul(rho, em1, out=dens).sum(dim=1)
-                torch.addcmul(neg_rate, neg_rate, em1, out=dens).mul_(rho)  # -ρ x e^{-x}
-            neg_slope = dens.sum(dim=1)  # ∂f/∂κ
-            if self.tail is not None:
-                self.tail_terms, powers = self._tail_terms(kappa)
-                neg_hit = neg_hit - self.tail_terms.sum(dim=1)
-                neg_slope = neg_slope - (powers * self.tail_terms).sum(dim=1)
-            # r = t_new / t - 1 = (n - f) / -∂f/∂κ; empty rows stay where they are
-            ratio = (neg_hit + self.count).mul_(-self.alive).div_(neg_slope.clamp(max=-finfo.tiny))
-            ratio = ratio.clamp_(min=-0.5, max=1e6)
-            nxt = kappa - torch.log1p(ratio)
-            if self.lower is not None:
-                nxt = torch.maximum(nxt, self.lower)
-                ratio = torch.expm1(kappa - nxt)
-            # The error of the corrected derivatives is about (r x)² where they matter (x ≲ 3).
-            converged = 3.0 * ratio.abs() <= target + eps4 * nxt.abs()
+            nxt, ratio, converged, neg_slope, self.tail_terms = self._newton(kappa, neg_rate, em1, dens, tol)
             kappa_eval, kappa = kappa, nxt
             if it == iters - 1 or bool(converged.all()):
                 break
@@ -582,9 +606,7 @@ class _RobustSolve:
         arg = torch.minimum(y, -x)  # log of the small number: x (rest) or e^{-x} (saturated), per unit ρ
         if self.log_rho is not None:
             arg = arg + self.log_rho
-        # x > ω ⟺ y > log ω = -ω: a comparison of y itself, so that every fused kernel that recomputes it agrees
-        # (from x, inductor's exps put an item near ω on both sides in different reductions); arithmetic masks:
-        # no [B, T] where
+        # x > ω ⟺ y > log ω = -ω: one comparison of y; arithmetic masks: no [B, T] where
         sat = (y > -_OMEGA).to(dtype)
         rest = 1.0 - sat
         shift = finfo.max / 4  # above any -x: masks the other group out of each maximum
