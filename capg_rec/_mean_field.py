@@ -17,8 +17,8 @@ only differences of scores are ever formed), and κ is found per row by
    (or on the logs of minus those logs, when both are tiny) inside a shrinking bracket, with
    bisection in ``asinh κ`` when Newton leaves the bracket or stalls.
 
-Under ``torch.compile``, which cannot select rows, the first solve takes a fixed number of steps, and every row
-then takes the second one from there, in a ``torch.while_loop`` that stops once all rows are done.
+Under ``torch.compile``, which cannot select rows, every row takes both, each a ``torch.while_loop`` that stops once
+all rows are done.
 
 κ is an implicit function of the scores; its derivative ``∂κ/∂s_b = ρ_b x_b e^{-x_b} / Σ_c ρ_c x_c
 e^{-x_c}`` (``x = e^{s - κ}``) comes out of the solve, and is recomputed in differentiable
@@ -62,10 +62,9 @@ def mean_field_log_inclusion(catalog: CatalogScores, items: Tensor, runs: Runs, 
     expert gets ``-inf`` with zero gradient.
 
     ``max_iter`` bounds the root-solver steps of each block: typical scores take one or two,
-    score gaps in the hundreds up to about 25. Under ``torch.compile`` the first stage takes all of its
-    (at most 12) steps, the second stops once every row is done. ``tol`` is the relative accuracy of the
-    rates ``e^{s - κ}`` at which the solve stops (default ``eps^(2/3)`` of the dtype; the derivatives get
-    about the same).
+    score gaps in the hundreds up to about 25 (under ``torch.compile`` too: each stage's loop stops once
+    every row is done). ``tol`` is the relative accuracy of the rates ``e^{s - κ}`` at which the solve
+    stops (default ``eps^(2/3)`` of the dtype; the derivatives get about the same).
     """
     if isinstance(max_iter, bool) or not isinstance(max_iter, int):
         raise TypeError(f"max_iter must be an int, got {type(max_iter).__name__}")

@@ -125,8 +125,8 @@ class MeanField(InclusionMethod):
     """Rosén's successive-sampling (mean-field) approximation, block by block for a mixture.
 
     Args:
-        max_iter: root-solver steps per block at most, all stages counted (under ``torch.compile`` the
-            first stage takes all of its, at most 12; the second stops once every row is done).
+        max_iter: root-solver steps per block at most, all stages counted (under ``torch.compile`` too,
+            whose loops also stop once every row is done).
         tol: relative accuracy of the rates at which the solve stops, in (0, 1) (default:
             ``eps^(2/3)`` of the dtype).
     """
