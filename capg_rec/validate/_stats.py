@@ -106,7 +106,7 @@ def samples_needed(claim: float, low: float, high: float, trials: int, rel_error
     probability ``claim``, accepted in ``[low, high]``) at ``level`` rejects a truth off by a relative
     ``rel_error`` either way with probability at least ``power`` (exact binomial power, found by
     doubling then bisection from the normal approximation; that approximation's n itself where the search
-    would pass 2^53 trials, beyond which scipy's binomial does not count: claims of about 1e-15 and less). None
+    would pass 2^53 trials, beyond which scipy's binomial does not count: claims below about 1e-13 at a 10% error). None
     where a truth lies within ``[low, high]``: the test accepts it at any ``n``."""
     stats = scipy_stats()
     truths = _alternatives(claim, rel_error)
