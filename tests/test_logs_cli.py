@@ -101,6 +101,14 @@ def test_log_errors_name_the_option(tmp_path, capsys, argv, named):
     assert not (tmp_path / "x.parquet").exists()
 
 
+@pytest.mark.parametrize("argv", [["-K", "1000", "-L", "1"], ["-K", "4", "-L", "4"], ["--epsilon", "1"],
+                                  ["--epsilon", "0"]])
+def test_log_takes_the_options_bounds(tmp_path, argv):
+    """The bounds themselves are valid: K = N (every item a candidate), L = K, ε = 1 and 0 (a mutation round: with
+    the bounds exclusive, each was refused)."""
+    assert _run(["log", "-n", "10", "--out", str(tmp_path / "x.parquet"), "--no-progress", *argv]) == 0
+
+
 def test_log_checkpoint_env_mismatch(tmp_path, capsys):
     trainer = Trainer(synthetic_env(), TrainConfig(steps=1, batch_size=4, eval_every=1))
     trainer.save(tmp_path / "c.pt")

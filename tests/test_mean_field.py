@@ -533,18 +533,28 @@ def test_compiled_gradients_of_a_confident_mixture_match_eager():
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
 
 
-def test_inductor_compiled_mean_field_of_confident_rows_matches_float64():
-    """Compiled by inductor (the default backend), float32 mean-field of confident rows (logit spreads of ~100) is
-    float64 eager's to float32 accuracy. Regression: torch 2.13's inductor takes expm1 as exp(x) - 1 on the CPU,
-    whose 0 for tiny rates sent the log-space solve's sum Q to ~1e-27 and κ to a wrong root (0.30 in probability
-    here, 1.0 at B = 64, N = 1000, K = 200, M = 5)."""
+@pytest.mark.parametrize("scale", [3.0, 20.0])
+def test_inductor_compiled_mean_field_of_confident_rows_matches_float64(scale):
+    """Compiled by inductor (the default backend), float32 mean-field's log-probabilities and gradients are float64
+    eager's to float32 accuracy, at logit spreads of ~20 and ~100. Regression: torch 2.13's inductor takes expm1 as
+    exp(x) - 1 on the CPU, whose 0 for tiny rates sent the log-space solve's sum Q to ~1e-27 and κ to a wrong root
+    (0.30 in probability here, 1.0 at B = 64, N = 1000, K = 200, M = 5); with torch.expm1 in the log-hit's forward
+    or backward (a mutation round), log-probabilities near -9 were 2.5e-4 off and gradients 6.5e-3."""
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(16, 1, 100, generator=g) * 20.0
+    logits = torch.randn(16, 1, 100, generator=g) * scale
     items = torch.randint(0, 100, (16, 4), generator=g)
-    want = inclusion_log_prob(logits.double(), items, 10, method="mean_field").exp()
+    leaf = logits.double().requires_grad_()
+    want = inclusion_log_prob(leaf, items, 10, method="mean_field")
+    (want_grad,) = torch.autograd.grad(want.exp().sum(), leaf)
     compiled = torch.compile(lambda x: inclusion_log_prob(x, items, 10, method="mean_field", validate_args=False),
                              fullgraph=True, dynamic=False)
-    torch.testing.assert_close(compiled(logits).exp().double(), want, rtol=0.0, atol=1e-6)
+    leaf32 = logits.clone().requires_grad_()
+    got = compiled(leaf32)
+    (grad,) = torch.autograd.grad(got.exp().sum(), leaf32)
+    assert (want > -13.0).any() and (want < -5.0).any()  # items far enough down for the log-hit's small rates
+    close = want > -30.0  # beyond that, float32's rounding of the scores themselves dominates
+    torch.testing.assert_close(got.double()[close], want.detach()[close], rtol=0.0, atol=1e-5)
+    torch.testing.assert_close(grad.double(), want_grad, rtol=0.0, atol=1e-5)
 
 
 @pytest.mark.parametrize(("k", "m", "n"), [(10, 1, 300), (20, 2, 300), (10, 1, 3000)])
@@ -580,6 +590,23 @@ def test_rows_the_fast_solve_leaves_are_solved_alone(monkeypatch, k, m, n):
         torch.testing.assert_close(out[b:b + 1], alone, rtol=tol, atol=tol)
         torch.testing.assert_close(grad[b:b + 1], alone_grad, rtol=tol, atol=tol * float(alone_grad.abs().max()))
     assert bool(torch.isfinite(grad).all())
+
+
+def test_an_earlier_block_s_tiny_take_of_a_saturated_item_is_kept_when_compiled():
+    """The case below compiled by inductor, whose expm1 (e^x - 1) loses 1 - ρ where ρ rounds to 1: the log-space
+    solve's n - Σ_sat ρ must take it from capg_rec's expm1 (a mutation round: with torch.expm1 there the compiled
+    log-probability was -488 and its gradient 6e109)."""
+    logits = torch.tensor([[[-251., 0., -74., 582., 494., 133., 23.], [-66., -731., -111., 577., 182., 32., 73.],
+                            [797., 296., 809., 58., -483., -32., -6.]]], dtype=torch.float64, requires_grad=True)
+    item = torch.tensor([[1]])
+    compiled = torch.compile(lambda x: inclusion_log_prob(x, item, 6, validate_args=False), fullgraph=True,
+                             dynamic=False)
+    out = compiled(logits)
+    (grad,) = torch.autograd.grad(out.sum(), logits)
+    want = inclusion_log_prob(logits, item, 6)
+    (want_grad,) = torch.autograd.grad(want.sum(), logits)
+    torch.testing.assert_close(out, want, rtol=1e-9, atol=0.0)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-6, atol=1e-9)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
