@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from capg_rec._checks import check_count, check_flag, resolve_validate_args
+from capg_rec.logs import _handover
 from capg_rec.logs.schema import IN_BAND_BYTES, LOG_SCHEMA, REQUIRED_COLUMNS, TENSOR_COLUMNS, LogMetadata, \
     LoggedBatch, file_schema
 from capg_rec.marginals import DEFAULT_METHOD, InclusionMethod, inclusion_method, inclusion_methods
@@ -738,14 +739,16 @@ def _split(pending: list[dict[str, np.ndarray]], size: int
 def _batch(cols: dict[str, np.ndarray]) -> LoggedBatch:
     """The columns copied (and cast to the schema's dtypes) into ONE byte buffer, each a contiguous typed view
     of it: a batch never keeps the larger decoded chunk it was cut from alive. A DataLoader worker hands a batch
-    of up to :data:`~capg_rec.logs.schema.IN_BAND_BYTES` over through its pipe; a larger one through one
-    shared-memory block, in which a worker then makes the buffer, as the DataLoader's own collate does (it is not
-    copied there when sent)."""
+    over in a slot of its shared-memory pool, where it makes the buffer (on Linux, :mod:`capg_rec.logs._handover`);
+    elsewhere, or with no slot free, one of up to :data:`~capg_rec.logs.schema.IN_BAND_BYTES` through its pipe and
+    a larger one through one shared-memory block, in which the worker then makes the buffer, as the DataLoader's own
+    collate does (not copied there when sent)."""
     sizes = {name: -(-x.size * _ITEMSIZE[name] // 8) * 8 for name, x in cols.items()}  # 8-byte aligned
     nbytes = sum(sizes.values())
-    if nbytes > IN_BAND_BYTES and torch.utils.data.get_worker_info() is not None:
+    buffer = _handover.buffer(nbytes) if _handover.available() else None
+    if buffer is None and nbytes > IN_BAND_BYTES and torch.utils.data.get_worker_info() is not None:
         buffer = torch.empty(0, dtype=torch.uint8, device="cpu").set_(torch.UntypedStorage._new_shared(nbytes))
-    else:  # host memory whatever the default device (numpy writes into it)
+    elif buffer is None:  # host memory whatever the default device (numpy writes into it)
         buffer = torch.empty(nbytes, dtype=torch.uint8, device="cpu")
     out, offset = {}, 0
     for name, x in cols.items():

@@ -40,6 +40,8 @@ import pyarrow as pa
 import torch
 from torch import Tensor
 
+from capg_rec.logs import _handover
+
 __all__ = ["LOG_SCHEMA", "SCHEMA_VERSION", "REQUIRED_COLUMNS", "TENSOR_COLUMNS", "LogMetadata", "LoggedBatch",
            "file_schema"]
 
@@ -153,23 +155,32 @@ _NUMPY_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
 
 
 def _reduce_for_processes(batch: LoggedBatch) -> tuple:
-    """How multiprocessing (a DataLoader worker's queue, ``torch.multiprocessing``) pickles a :class:`LoggedBatch`:
-    a small one of plain, contiguous host tensors not in shared memory goes in-band, as numpy arrays, through the
-    pipe (faster than a shared-memory block, whose setup outweighs the copy below about 512 KiB:
-    ``benchmarks/log_reader_speed.py``); any other as tensors do (shared memory, which a batch the user shared
-    stays). ``pickle``, ``copy`` and ``torch.save`` are not affected."""
+    """How multiprocessing (a DataLoader worker's queue, ``torch.multiprocessing``) pickles a :class:`LoggedBatch`
+    of plain, contiguous host tensors not in shared memory: in a DataLoader worker on Linux, through a slot of the
+    worker's shared-memory pool (:mod:`capg_rec.logs._handover`); else, or with no slot free, in-band as numpy
+    arrays through the pipe if it is small (faster than a shared-memory block of its own, whose setup outweighs the
+    copy below about 512 KiB: ``benchmarks/log_reader_speed.py``). Any other batch pickles as tensors do (shared
+    memory, which a batch the user shared stays). ``pickle``, ``copy`` and ``torch.save`` are not affected."""
     # a lazily negated view (its negative bit set) would lose its sign as a tensor pickled between processes
     fields = tuple(x.resolve_neg() if isinstance(x, Tensor) and x.is_neg() else x for x in batch)
     if all(x is None or (type(x) is Tensor and x.device.type == "cpu" and not x.requires_grad and x.is_contiguous()
-                         and not x.is_shared() and x.dtype in _NUMPY_DTYPES) for x in fields) \
-            and sum(x.nbytes for x in fields if x is not None) <= IN_BAND_BYTES:
-        return _from_arrays, (tuple(None if x is None else x.numpy() for x in fields),)
+                         and not x.is_shared() and x.dtype in _NUMPY_DTYPES) for x in fields):
+        pooled = _handover.send(fields) if _handover.available() else None
+        if pooled is not None:
+            return _from_pool, pooled
+        if sum(x.nbytes for x in fields if x is not None) <= IN_BAND_BYTES:
+            return _from_arrays, (tuple(None if x is None else x.numpy() for x in fields),)
     return LoggedBatch, fields
 
 
 def _from_arrays(arrays: tuple[np.ndarray | None, ...]) -> LoggedBatch:
     """A :class:`LoggedBatch` unpickled from :func:`_reduce_for_processes`'s arrays (sharing their memory)."""
     return LoggedBatch(*(None if a is None else torch.from_numpy(a) for a in arrays))
+
+
+def _from_pool(*args: object) -> LoggedBatch:
+    """A :class:`LoggedBatch` unpickled from a slot of a DataLoader worker's pool (copied out of it)."""
+    return LoggedBatch(*_handover.receive(*args))
 
 
 ForkingPickler.register(LoggedBatch, _reduce_for_processes)

@@ -1,0 +1,274 @@
+"""How a DataLoader worker hands batches to the training process: through reused shared-memory slots (private).
+
+A worker's pipe moves a batch of a few hundred KiB at about 0.5 GB/s, pickling it costs the worker a copy under
+the GIL that its reading waits for, and a fresh shared-memory block per batch costs more to set up than the copy.
+So on Linux a DataLoader worker builds each batch in a free slot of its pool, one file in ``/dev/shm`` that each
+side maps once, and only the batch's layout goes through the pipe. The training process copies the batch out into
+one buffer of its own and gives the slot back with a datagram to the worker's socket (in Linux's abstract
+namespace: nothing on disk), whose delivery orders that copy before the worker's next write to the slot.
+
+- A slot is taken again once its batch was read there and no tensor in the worker views it any more (a batch the
+  worker keeps, e.g. in a shuffle buffer, keeps its slot). A batch made elsewhere is copied into a slot when it is
+  pickled. With no slot free, a batch is made and pickled the plain way
+  (:func:`capg_rec.logs.schema._reduce_for_processes`), as it is outside a DataLoader worker or off Linux.
+- The training process unlinks a pool's file once it has mapped it; a worker unlinks its own at exit if nobody
+  did. A killed worker leaves nothing behind once its first batch has been read.
+- Each message and slot carry a generation: a message read twice, or a slot overwritten while it is read, raises
+  ``RuntimeError`` rather than giving another batch's values.
+"""
+
+from __future__ import annotations
+
+import collections
+import mmap
+import os
+import socket
+import struct
+import sys
+import threading
+import uuid
+import weakref
+from multiprocessing import util
+
+import numpy as np
+import torch
+from torch import Tensor
+
+_SHM_DIR = "/dev/shm"
+_SUPPORTED = sys.platform == "linux" and os.path.isdir(_SHM_DIR)
+_SLOTS = 6
+"""Slots per pool: a DataLoader keeps ``prefetch_factor`` (default 2) batches a worker in flight, and the worker
+holds the one it builds and the one it hands to its queue."""
+_MIN_SLOT_BYTES = 1 << 16
+_HEADER = 64
+"""Bytes at the start of a slot: its generation (8 bytes), then padding to a cache line."""
+_TOKEN = struct.Struct("<IQ")
+"""A slot read by the training process: its index and the generation it held."""
+
+Layout = tuple[tuple[torch.dtype, tuple[int, ...], int] | None, ...]
+"""Each field's dtype, shape and byte offset in its slot's data, or None for an absent field."""
+
+_lock = threading.Lock()
+_pools: dict[int, _Pool] = {}  # this worker's, by slot size (bytes)
+_maps: dict[str, mmap.mmap] = {}  # the pools this process has read from, by name
+_owner = os.getpid()  # the process that _pools and _maps belong to (a forked child starts without them)
+_reply: socket.socket | None = None
+
+
+def available() -> bool:
+    """Whether batches made and pickled here go through a pool: in a DataLoader worker, on Linux."""
+    return _SUPPORTED and torch.utils.data.get_worker_info() is not None
+
+
+class _Pool:
+    """A worker's ``_SLOTS`` slots of ``size`` bytes in one mapped file, and the socket their tokens come back to.
+
+    A slot is free when no tensor here views it (``held``) and it was not sent (``sent``) or was read since
+    (``back``); taking it starts a new generation."""
+
+    def __init__(self, size: int) -> None:
+        self.name = f"capg_rec-{os.getpid()}-{uuid.uuid4().hex}"
+        self.size = size
+        path = os.path.join(_SHM_DIR, self.name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size * _SLOTS)  # a full /dev/shm fails here, not as a SIGBUS at a write
+            self.map = mmap.mmap(fd, size * _SLOTS)
+        except OSError:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        util.Finalize(self, _unlink, (path,), exitpriority=0)  # run at the worker's exit
+        self.address = np.frombuffer(self.map, np.uint8).ctypes.data
+        self.tokens = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.tokens.bind("\0" + self.name)
+        self.tokens.setblocking(False)
+        self.dropped: collections.deque[int] = collections.deque()  # slots let go of, appended by finalizers
+        self.generation = [0] * _SLOTS
+        self.held, self.sent, self.back = [False] * _SLOTS, [False] * _SLOTS, [False] * _SLOTS
+        self.issued = 0
+
+    def data(self, slot: int) -> int:
+        """The offset in the file of a slot's data."""
+        return slot * self.size + _HEADER
+
+    def take(self) -> int | None:
+        """A free slot, marked with a new generation; None if none is."""
+        while True:
+            try:
+                token = self.tokens.recv(64)
+            except BlockingIOError:
+                break
+            if len(token) == _TOKEN.size:  # an empty datagram is a liveness probe
+                slot, generation = _TOKEN.unpack(token)
+                if slot < _SLOTS and self.generation[slot] == generation:  # a stale token frees nothing
+                    self.back[slot] = True
+        while self.dropped:
+            self.held[self.dropped.popleft()] = False
+        slot = next((i for i in range(_SLOTS) if not self.held[i] and (self.back[i] or not self.sent[i])), None)
+        if slot is None:
+            return None
+        self.issued += 1
+        self.generation[slot] = self.issued
+        self.held[slot] = self.sent[slot] = self.back[slot] = False
+        self.map[slot * self.size:slot * self.size + 8] = self.issued.to_bytes(8, "little")
+        return slot
+
+    def placed(self, fields: tuple[Tensor | None, ...]) -> tuple[int, Layout, int] | None:
+        """``(slot, layout, nbytes)`` when every field with values lies in one slot (held: they view it) not sent
+        yet."""
+        slot, layout, nbytes = None, [], 0
+        for x in fields:
+            if x is None or not x.numel():
+                layout.append(None if x is None else (x.dtype, tuple(x.shape), 0))
+                continue
+            at = x.data_ptr() - self.address
+            if slot is None:
+                slot = at // self.size if 0 <= at < self.size * _SLOTS else None
+                if slot is None or self.sent[slot]:
+                    return None
+            offset = at - self.data(slot)
+            if offset < 0 or offset + x.nbytes > self.size - _HEADER:
+                return None
+            layout.append((x.dtype, tuple(x.shape), offset))
+            nbytes = max(nbytes, offset + x.nbytes)
+        return None if slot is None else (slot, tuple(layout), nbytes)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _own() -> None:
+    """Forget the pools and mappings of the process this one was forked from (call under ``_lock``)."""
+    global _owner, _reply
+    if _owner != os.getpid():
+        _pools.clear()
+        _maps.clear()
+        _owner, _reply = os.getpid(), None
+
+
+def _pool(nbytes: int) -> _Pool | None:
+    """The pool of this worker with the smallest slots that hold ``nbytes`` (an epoch's last, shorter batch takes
+    the same), or a new one with slots of the next power of two; None if none can be made (a full ``/dev/shm``)."""
+    fits = [size for size in _pools if size >= _HEADER + nbytes]
+    if fits:
+        return _pools[min(fits)]
+    size = max(_MIN_SLOT_BYTES, 1 << (_HEADER + nbytes - 1).bit_length())
+    try:
+        pool = _pools[size] = _Pool(size)
+    except OSError:
+        return None
+    return pool
+
+
+def buffer(nbytes: int) -> Tensor | None:
+    """``uint8 [nbytes]`` in a free slot of this worker's pool, for a batch to be built in, which :func:`send` then
+    hands over without a copy; None when no slot is free."""
+    with _lock:
+        _own()
+        pool = _pool(nbytes)
+        slot = None if pool is None else pool.take()
+        if slot is None:
+            return None
+        array = np.frombuffer(pool.map, np.uint8, nbytes, pool.data(slot))
+        weakref.finalize(array, pool.dropped.append, slot)  # when torch lets it go: before the slot is taken again
+        pool.held[slot] = True
+    return torch.from_numpy(array)
+
+
+def send(fields: tuple[Tensor | None, ...]) -> tuple | None:
+    """``fields`` (plain, contiguous host tensors or None) → the arguments of :func:`receive` that give them back:
+    of a batch built in a slot (:func:`buffer`), its layout there; of another, its copy into a free slot. None
+    when no slot is free."""
+    with _lock:
+        _own()
+        for pool in _pools.values():
+            placed = pool.placed(fields)
+            if placed is not None:
+                slot, layout, nbytes = placed
+                break
+        else:
+            specs, nbytes = [], 0
+            for x in fields:
+                specs.append(None if x is None else (x.dtype, tuple(x.shape), nbytes))
+                nbytes += 0 if x is None else -(-x.nbytes // 8) * 8  # 8-byte aligned
+            layout = tuple(specs)
+            pool = _pool(nbytes)
+            slot = None if pool is None else pool.take()
+            if slot is None:
+                return None
+            for x, spec in zip(fields, layout):
+                if x is not None and x.numel():
+                    out = np.frombuffer(pool.map, np.uint8, x.nbytes, pool.data(slot) + spec[2])
+                    out[:] = x.view(-1).view(torch.uint8).numpy()
+        pool.sent[slot] = True
+        return pool.name, pool.size, slot, pool.generation[slot], nbytes, layout
+
+
+def receive(name: str, size: int, slot: int, generation: int, nbytes: int, layout: Layout
+            ) -> tuple[Tensor | None, ...]:
+    """The fields :func:`send` put in a slot, copied out into one buffer of this process; the slot goes back."""
+    global _reply
+    buffer = torch.empty(nbytes, dtype=torch.uint8, device="cpu")  # whatever the default device
+    with _lock:
+        _own()
+        if _reply is None:
+            _reply = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            _reply.setblocking(False)
+        view = _maps.get(name) or _open(name, size)
+        start = slot * size
+        if nbytes:
+            buffer.numpy()[:] = np.frombuffer(view, np.uint8, nbytes, start + _HEADER)
+        if _stamp(view, start) != generation:  # the worker stamps a slot before it writes there
+            raise RuntimeError(f"a batch handed over by a DataLoader worker (slot {slot} of {name}) was read after its "
+                               "slot was taken again: its message was read twice")
+        try:
+            _reply.sendto(_TOKEN.pack(slot, generation), "\0" + name)
+        except OSError:  # the worker is gone (or its queue is full): the slot is not needed again
+            pass
+    return tuple(None if spec is None else _field(buffer, *spec) for spec in layout)
+
+
+def _field(buffer: Tensor, dtype: torch.dtype, shape: tuple[int, ...], offset: int) -> Tensor:
+    count = int(np.prod(shape, dtype=np.int64))
+    return buffer[offset:offset + count * dtype.itemsize].view(dtype).view(shape)
+
+
+def _stamp(view: mmap.mmap, start: int) -> int:
+    return int.from_bytes(view[start:start + 8], "little")
+
+
+def _open(name: str, size: int) -> mmap.mmap:
+    """Map a pool first seen here and unlink its file (this process holds it now), after closing the mappings of
+    pools whose workers have exited."""
+    for old in [n for n in _maps if not _alive(n)]:
+        _maps.pop(old).close()
+    path = os.path.join(_SHM_DIR, name)
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        raise RuntimeError(f"a batch handed over by a DataLoader worker lies in {name}, which no longer exists: it "
+                           "was read by another process, or after its worker exited (batches pickled in a DataLoader "
+                           "worker are for its DataLoader)") from None
+    try:
+        view = _maps[name] = mmap.mmap(fd, size * _SLOTS)
+    finally:
+        os.close(fd)
+    os.unlink(path)
+    return view
+
+
+def _alive(name: str) -> bool:
+    """Whether the worker of a pool still holds its socket (an empty datagram is refused otherwise)."""
+    try:
+        _reply.sendto(b"", "\0" + name)
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False
+    except OSError:  # e.g. its queue is full: alive
+        pass
+    return True

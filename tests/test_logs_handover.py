@@ -1,0 +1,239 @@
+"""How a DataLoader worker hands batches over on Linux: built in reused shared-memory slots, read out by the training
+process, each slot taken again only once its batch was read and dropped; the fallbacks, and no file left behind."""
+
+import gc
+import glob
+import multiprocessing
+import os
+import pickle
+import socket
+import types
+from multiprocessing.reduction import ForkingPickler
+
+import pytest
+import torch
+
+from capg_rec.logs import LoggedBatch, LoggedImpressions
+from capg_rec.logs import _handover
+from tests.test_logs_parquet import _assert_same, _batch, _write
+
+pytestmark = pytest.mark.skipif(not _handover._SUPPORTED, reason="the pool needs Linux and /dev/shm")
+
+
+@pytest.fixture
+def in_worker(monkeypatch):
+    """This process as a DataLoader worker (and its own training process), with pools of its own."""
+    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: types.SimpleNamespace(id=0, num_workers=1))
+    monkeypatch.setattr(_handover, "_pools", {})
+    monkeypatch.setattr(_handover, "_maps", {})
+    monkeypatch.setattr(_handover, "_reply", None)
+    yield _handover._pools
+    for pool in _handover._pools.values():
+        _handover._unlink(os.path.join(_handover._SHM_DIR, pool.name))
+        pool.tokens.close()
+    if _handover._reply is not None:
+        _handover._reply.close()
+
+
+def _in_pool(batch):
+    return any(0 <= batch.candidates.data_ptr() - p.address < p.size * _handover._SLOTS
+               for p in _handover._pools.values())
+
+
+def _send(batch):
+    return bytes(ForkingPickler.dumps(batch))
+
+
+def _reader(tmp_path, rows=200, batch_size=4):
+    """A reader, and copies of what it reads (each slot free again once its batch is copied)."""
+    _write(tmp_path / "a.parquet", [rows])
+    data = LoggedImpressions(tmp_path, batch_size)
+    return data, [LoggedBatch(*(None if x is None else x.clone() for x in b)) for b in data]
+
+
+def test_a_batch_built_in_a_slot_goes_over_as_its_layout(tmp_path, in_worker):
+    data, want = _reader(tmp_path, rows=90)
+    for i, batch in enumerate(data):
+        assert _in_pool(batch)
+        message = _send(batch)
+        assert len(message) < 2048 and b"_from_pool" in message  # the layout, not the values
+        got = pickle.loads(message)
+        _assert_same(got, want[i])
+        assert not _in_pool(got) and not got.candidates.is_shared()  # copied out: the slot can go back
+    assert i == len(want) - 1 and len(in_worker) == 1 and len(_handover._maps) == 1
+    assert not glob.glob(os.path.join(_handover._SHM_DIR, next(iter(in_worker.values())).name))  # unlinked once mapped
+
+
+def test_an_epoch_s_last_shorter_batch_takes_a_slot_of_the_same_pool(tmp_path, in_worker):
+    data, want = _reader(tmp_path, rows=2100, batch_size=1000)
+    sizes = [sum(x.nbytes for x in b if x is not None) for b in want]
+    assert sizes[0] > 2 * _handover._MIN_SLOT_BYTES and sizes[-1] < _handover._MIN_SLOT_BYTES  # a smaller class
+    for i, batch in enumerate(data):
+        assert _in_pool(batch)
+        _assert_same(pickle.loads(_send(batch)), want[i])
+    assert i == 2 and len(in_worker) == 1
+
+
+def test_a_slot_is_taken_again_only_once_its_batch_was_read_and_dropped(tmp_path, in_worker):
+    """A batch the worker keeps (a shuffle buffer) keeps its slot, whether it was sent or not; one sent and never
+    read keeps it for good. With no slot free a batch is made and pickled the plain way, whole."""
+    data, want = _reader(tmp_path)
+    it = iter(data)
+    kept = [next(it) for _ in range(_handover._SLOTS)]
+    assert all(map(_in_pool, kept))
+    spare = next(it)
+    assert not _in_pool(spare) and b"_from_arrays" in _send(spare)  # no slot free: in-band
+    _assert_same(pickle.loads(_send(spare)), want[_handover._SLOTS])
+
+    read = pickle.loads(_send(kept[0]))  # read, but still held here
+    assert not _in_pool(next(it))
+    del kept[0]
+    gc.collect()
+    assert _in_pool(next(it))  # read and dropped: free (and now held by the batch just made, dropped at once)
+    lost = _send(kept[0])  # sent, never read
+    del kept[0], lost
+    gc.collect()
+    fresh = [next(it) for _ in range(2)]  # the slot dropped above, then none: the lost one stays taken
+    assert [_in_pool(b) for b in fresh] == [True, False]
+    dropped_unsent = kept.pop(0)
+    del dropped_unsent
+    gc.collect()
+    assert _in_pool(next(it))  # never sent: free once dropped
+
+    for i, batch in enumerate(kept):  # the batches kept all along were never overwritten
+        _assert_same(batch, want[3 + i])
+    _assert_same(read, want[0])
+
+
+def test_a_message_read_after_its_slot_was_taken_again_raises(tmp_path, in_worker):
+    data, want = _reader(tmp_path)
+    it = iter(data)
+    batch = next(it)
+    message = _send(batch)
+    _assert_same(pickle.loads(message), want[0])
+    _assert_same(pickle.loads(message), want[0])  # read twice before the slot is reused: the same values
+    del batch
+    gc.collect()
+    assert _in_pool(next(it))
+    with pytest.raises(RuntimeError, match="read twice"):
+        pickle.loads(message)
+
+
+def _slot(batch, pool):
+    return (batch.candidates.data_ptr() - pool.address) // pool.size
+
+
+def test_a_stale_token_frees_no_slot(tmp_path, in_worker):
+    """A datagram that gives a slot back for an earlier generation (delayed or repeated) leaves the slot's batch
+    there until its own message is read."""
+    data, want = _reader(tmp_path)
+    it = iter(data)
+    batch = next(it)
+    pool = next(iter(in_worker.values()))
+    slot, old = _slot(batch, pool), pool.generation[_slot(batch, pool)]
+    _assert_same(pickle.loads(_send(batch)), want[0])
+    del batch
+    gc.collect()
+    kept = next(it)
+    assert _slot(kept, pool) == slot and pool.generation[slot] != old
+    message = _send(kept)
+    del kept
+    gc.collect()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as reply:
+        reply.sendto(_handover._TOKEN.pack(slot, old), "\0" + pool.name)
+    others = [next(it) for _ in range(_handover._SLOTS - 1)]
+    assert all(map(_in_pool, others)) and not _in_pool(next(it))
+    _assert_same(pickle.loads(message), want[1])
+
+
+def _send_first(data, queue, done):
+    queue.put(_send(next(iter(data))))
+    done.wait(60)  # the pool's file lives until its worker exits
+
+
+def test_a_forked_child_makes_pools_of_its_own(tmp_path, in_worker):
+    """A process forked from a worker (whose pools it inherits) hands its batches over through pools of its own:
+    in the parent's, the parent's next batch took the slot the child had written its batch in."""
+    data, want = _reader(tmp_path)
+    it = iter(data)
+    kept = next(it)
+    context = multiprocessing.get_context("fork")
+    queue, done = context.Queue(), context.Event()
+    child = context.Process(target=_send_first, args=(data, queue, done))
+    child.start()
+    try:
+        message = queue.get(timeout=60)
+        later = next(it)
+        _assert_same(pickle.loads(message), want[0])
+    finally:
+        done.set()
+        child.join(60)
+    _assert_same(kept, want[0])
+    _assert_same(later, want[1])
+
+
+def test_a_batch_pickled_twice_goes_the_second_time_by_copy(tmp_path, in_worker):
+    """Each message stays readable whatever happens to the other and to the batch (sent twice from its slot, the
+    second message would have read the slot's next batch once the first was read and the batch dropped)."""
+    data, want = _reader(tmp_path)
+    it = iter(data)
+    batch = next(it)
+    first, second = _send(batch), _send(batch)
+    _assert_same(pickle.loads(first), want[0])
+    del batch
+    gc.collect()
+    assert _in_pool(next(it))
+    _assert_same(pickle.loads(second), want[0])
+
+
+def test_a_batch_made_elsewhere_is_copied_into_a_slot(tmp_path, in_worker):
+    """Plain batches (every field dtype the reducer takes, absent fields, no rows) and one whose field was replaced
+    after it was read go through a slot by copy; the batch read stays where it is and goes later without one."""
+    data, _ = _reader(tmp_path)
+    read = next(iter(data))
+    odd = LoggedBatch(torch.arange(3), torch.zeros(3, 2, dtype=torch.int8), torch.ones(3, 1, dtype=torch.bool),
+                      torch.randn(3, 1).half(), torch.randn(3, 1, dtype=torch.float64), None,
+                      torch.randn(3, dtype=torch.float64), torch.randint(9, (3, 4), dtype=torch.int16),
+                      torch.arange(3, dtype=torch.int32))
+    for batch in (_batch(5, 0), odd, _batch(0, 1), read._replace(rewards=read.rewards + 1)):
+        message = _send(batch)
+        assert b"_from_pool" in message and len(message) < 2048
+        _assert_same(pickle.loads(message), batch)
+    assert _in_pool(read)
+    _assert_same(pickle.loads(_send(read)), read)
+
+
+def test_a_full_dev_shm_gives_plain_batches(tmp_path, in_worker, monkeypatch):
+    def full(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    data, want = _reader(tmp_path)
+    got = [pickle.loads(_send(b)) for b in data]
+    _assert_same(got[0], want[0])
+    assert len(got) == len(want) and not in_worker
+
+
+def _pool_files(pids):
+    return [f for pid in pids for f in glob.glob(os.path.join(_handover._SHM_DIR, f"capg_rec-{pid}-*"))]
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_no_pool_file_outlives_its_loader_and_dead_workers_mappings_are_closed(tmp_path, persistent):
+    """Whether an epoch is read whole, stopped after one batch or before any: the training process unlinks what it
+    mapped, the worker what nobody mapped. Each new pool closes the mappings of workers that have exited."""
+    _write(tmp_path / "a.parquet", [40] * 5)
+    data = LoggedImpressions(tmp_path, 4)
+    loader = torch.utils.data.DataLoader(data, batch_size=None, num_workers=2, persistent_workers=persistent)
+    pids = set()
+    for stop in (None, 1, 0, None):
+        it = iter(loader)
+        pids |= {w.pid for w in it._workers}
+        got = [batch for _, batch in zip(range(10**6 if stop is None else stop), it)]
+        assert len(got) == (50 if stop is None else stop)
+        del it, got
+        gc.collect()
+    del loader
+    gc.collect()
+    assert not _pool_files(pids)
+    assert len(_handover._maps) <= 2  # the last epoch's workers' pools at most
