@@ -204,14 +204,20 @@ def test_a_batch_made_elsewhere_is_copied_into_a_slot(tmp_path, in_worker):
 
 
 def test_a_full_dev_shm_gives_plain_batches(tmp_path, in_worker, monkeypatch):
+    """No pool can be made: a small batch goes in-band, a large one (over 512 KiB) is made in a shared-memory block of
+    its own, its fields views of that block's storage, and pickles as tensors do."""
     def full(*args):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "posix_fallocate", full)
-    data, want = _reader(tmp_path)
-    got = [pickle.loads(_send(b)) for b in data]
-    _assert_same(got[0], want[0])
-    assert len(got) == len(want) and not in_worker
+    data, want = _reader(tmp_path, rows=4100, batch_size=4000)
+    got = list(data)
+    assert [len(b.context) for b in got] == [4000, 100] and not in_worker
+    large, small = (_send(b) for b in got)
+    assert got[0].rewards.is_shared() and not got[1].rewards.is_shared() and b"_from_arrays" in small
+    assert got[0].rewards.untyped_storage().data_ptr() == got[0].candidates.untyped_storage().data_ptr()
+    for message, expected in zip((large, small), want):
+        _assert_same(pickle.loads(message), expected)
 
 
 def _pool_files(pids):
