@@ -59,6 +59,8 @@ def under_forward_mode() -> bool:
 
 
 def _under(transform: object) -> bool:
+    if not torch._C._are_functorch_transforms_active():  # what Dynamo traces (it cannot trace the stack's query)
+        return False
     stack = torch._C._functorch.get_interpreter_stack()
     return bool(stack) and any(level.key() == transform for level in stack)
 

@@ -377,6 +377,7 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
         catalog._trusting() if validate and trusted else contextlib.nullcontext()
 
 
+@torch.compiler.disable
 def _check_values(catalog: CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor, baseline: Tensor | None,
                   position_weights: Tensor | None, logged: tuple[str, Tensor, bool, float] | None,
                   failed: Exception | None, *, distinct: bool, inclusion: bool, ordered: bool) -> None:

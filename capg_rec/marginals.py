@@ -207,7 +207,8 @@ def _known_lookups(method: InclusionMethod) -> bool:
     """Whether ``method`` is one of this module's, whose lookups are known (the targets, the catalog's own best
     items, and whole small catalogs through :func:`~capg_rec.catalog.every_score`): a validated loss may then run
     it in its catalog's trust (:func:`capg_rec.functional._prepare`); a method of your own takes every check."""
-    return getattr(method.log_inclusion, "__func__", None) in _KNOWN_LOOKUPS  # not one set on the instance
+    # The class's function, not one set on the instance; Dynamo's bound methods have no __func__ that this set holds
+    return type(method).log_inclusion in _KNOWN_LOOKUPS and "log_inclusion" not in getattr(method, "__dict__", {})
 
 
 _REGISTRY: dict[str, Callable[[], InclusionMethod]] = {

@@ -15,6 +15,7 @@ import capg_rec
 from capg_rec import (CAPGLoss, DenseCatalog, EmbeddingCatalog, InclusionMethod, VPGLoss, candidate_log_prob,
                       functional, greedy_candidates, inclusion_log_prob, sample_candidates)
 from capg_rec._enumerate import inclusion_probs
+from capg_rec.marginals import Exact, MeanField, PlugIn, WithReplacement, _known_lookups
 from capg_rec.testing import esr_cases
 from capg_rec.validate import CatalogESR, validate_esr
 
@@ -351,6 +352,54 @@ def test_checks_under_compile_name_the_setting_or_run_between_graphs():
         torch.compile(fn, fullgraph=True, backend="eager")(user)
     torch._dynamo.reset()
     torch.testing.assert_close(torch.compile(fn, backend="eager")(user), fn(user))
+
+
+@pytest.mark.parametrize("name", ["vpg", "with_replacement", "mean_field"])
+def test_compiled_losses_with_checks_on_compile_once(name):
+    """Without fullgraph and with the default checks, the checks run eagerly between graphs and later calls compile
+    nothing: before, Dynamo traced the checks' helpers one by one, guarded on each tensor's identity, and compiled them
+    again on every call until its recompile limit (8, with a warning), and warned that it could not trace a query of
+    torch.func's transforms. The values are eager's; NaN logits raise."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    loss = _loss(name, 5)
+    compiled = torch.compile(loss, backend="eager")
+    g = torch.Generator().manual_seed(3)
+
+    def inputs():
+        logits = torch.randn(4, 30, generator=g, requires_grad=True)
+        cand = sample_candidates(logits.detach(), 5, generator=g)
+        return logits, cand, cand[:, :2], torch.rand(4, 2, generator=g)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            args = inputs()
+            torch.testing.assert_close(compiled(*args), loss(*args))
+    assert not [w for w in caught if "Dynamo" in str(w.message)]  # it warned that it could not trace the vmap query
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for _ in range(4):
+        compiled(*inputs())
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    logits, *rest = inputs()
+    with pytest.raises(ValueError, match="logits must be finite"):
+        compiled(logits.detach().index_fill(1, torch.tensor([3]), math.nan), *rest)
+
+
+def test_built_in_methods_are_known_under_compile():
+    """A built-in method's lookups are known under torch.compile as in eager (Dynamo's bound methods have no __func__
+    in the set: every built-in method counted as one of the user's there, whose output a validated loss checks)."""
+    class Mine(MeanField):
+        def log_inclusion(self, catalog, items, runs):
+            return super().log_inclusion(catalog, items, runs)
+
+    own = MeanField()
+    own.log_inclusion = lambda catalog, items, runs: None
+    for method in (MeanField(), PlugIn(), WithReplacement(), Exact(), Mine(), own):
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda x, m=method: x + _known_lookups(m), fullgraph=True, backend="eager")
+        assert float(compiled(torch.zeros(()))) == _known_lookups(method) == (type(method) is not Mine
+                                                                              and method is not own)
 
 
 # ---------------------------------------------------------------- validation default
