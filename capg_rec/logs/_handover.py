@@ -10,9 +10,13 @@ namespace: nothing on disk), whose delivery orders that copy before the worker's
 - A slot is taken again once its batch was read there and no tensor in the worker views it any more (a batch the
   worker keeps, e.g. in a shuffle buffer, keeps its slot). A batch made elsewhere is copied into a slot when it is
   pickled. With no slot free, a batch is made and pickled the plain way
-  (:func:`capg_rec.logs.schema._reduce_for_processes`), as it is outside a DataLoader worker or off Linux.
-- The training process unlinks a pool's file once it has mapped it; a worker unlinks its own at exit if nobody
-  did. A killed worker leaves nothing behind once its first batch has been read.
+  (:func:`capg_rec.logs.schema._reduce_for_processes`), as it is outside a DataLoader worker or off Linux, and a
+  pool that could not be made (a full ``/dev/shm``) is not tried again.
+- A token that a worker's full socket queue refuses is sent again at the next read. The training process unlinks
+  a pool's file once it has mapped it, and unmaps it once the worker has exited (looked up by the pid in its name,
+  when a new pool comes); a worker unlinks its own at exit if nobody did. A killed worker leaves nothing behind once
+  its first batch has been read.
+- A process forked from one that uses pools starts with none of them and a lock of its own.
 - Each message and slot carry a generation: a message read twice, or a slot overwritten while it is read, raises
   ``RuntimeError`` rather than giving another batch's values.
 """
@@ -51,9 +55,27 @@ Layout = tuple[tuple[str, tuple[int, ...], int] | None, ...]
 
 _lock = threading.Lock()
 _pools: dict[int, _Pool] = {}  # this worker's, by slot size (bytes)
+_unmade: set[int] = set()  # slot sizes of pools that could not be made (a full /dev/shm): not tried again
 _maps: dict[str, mmap.mmap] = {}  # the pools this process has read from, by name
-_owner = os.getpid()  # the process that _pools and _maps belong to (a forked child starts without them)
 _reply: socket.socket | None = None
+_unsent: list[tuple[str, bytes]] = []  # tokens a worker's full queue refused: sent again at the next read
+
+
+def _forget() -> None:
+    """In a child forked from this process: a lock of its own (another thread may hold this one, for good in the
+    child), and none of the parent's pools (whose files only the parent unlinks: ``util.Finalize`` runs in the process
+    that made it) or mappings."""
+    global _lock, _reply
+    _lock = threading.Lock()
+    _pools.clear()
+    _unmade.clear()
+    _maps.clear()
+    _unsent.clear()
+    _reply = None
+
+
+if _SUPPORTED:
+    os.register_at_fork(after_in_child=_forget)
 
 
 def available() -> bool:
@@ -101,7 +123,7 @@ class _Pool:
                 token = self.tokens.recv(64)
             except BlockingIOError:
                 break
-            if len(token) == _TOKEN.size:  # an empty datagram is a liveness probe
+            if len(token) == _TOKEN.size:
                 slot, generation = _TOKEN.unpack(token)
                 if slot < _SLOTS and self.generation[slot] == generation:  # a stale token frees nothing
                     self.back[slot] = True
@@ -144,15 +166,6 @@ def _unlink(path: str) -> None:
         pass
 
 
-def _own() -> None:
-    """Forget the pools and mappings of the process this one was forked from (call under ``_lock``)."""
-    global _owner, _reply
-    if _owner != os.getpid():
-        _pools.clear()
-        _maps.clear()
-        _owner, _reply = os.getpid(), None
-
-
 def _pool(nbytes: int) -> _Pool | None:
     """The pool of this worker with the smallest slots that hold ``nbytes`` (an epoch's last, shorter batch takes
     the same), or a new one with slots of the next power of two; None if none can be made (a full ``/dev/shm``)."""
@@ -160,9 +173,12 @@ def _pool(nbytes: int) -> _Pool | None:
     if fits:
         return _pools[min(fits)]
     size = max(_MIN_SLOT_BYTES, 1 << (_HEADER + nbytes - 1).bit_length())
+    if size in _unmade:
+        return None
     try:
         pool = _pools[size] = _Pool(size)
     except OSError:
+        _unmade.add(size)
         return None
     return pool
 
@@ -171,7 +187,6 @@ def buffer(nbytes: int) -> np.ndarray | None:
     """``uint8 [nbytes]`` in a free slot of this worker's pool, for a batch to be built in (as tensors that view it),
     which :func:`send` then hands over without a copy; None when no slot is free."""
     with _lock:
-        _own()
         pool = _pool(nbytes)
         slot = None if pool is None else pool.take()
         if slot is None:
@@ -187,7 +202,6 @@ def send(fields: tuple[Tensor | None, ...]) -> tuple | None:
     of a batch built in a slot (:func:`buffer`), its layout there; of another, its copy into a free slot. None
     when no slot is free."""
     with _lock:
-        _own()
         for pool in _pools.values():
             placed = pool.placed(fields)
             if placed is not None:
@@ -217,7 +231,6 @@ def receive(name: str, size: int, slot: int, generation: int, nbytes: int, layou
     global _reply
     buffer = np.empty(nbytes, dtype=np.uint8)
     with _lock:
-        _own()
         if _reply is None:
             _reply = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             _reply.setblocking(False)
@@ -228,10 +241,8 @@ def receive(name: str, size: int, slot: int, generation: int, nbytes: int, layou
         if _stamp(view, start) != generation:  # the worker stamps a slot before it writes there
             raise RuntimeError(f"a batch handed over by a DataLoader worker (slot {slot} of {name}) was read after its "
                                "slot was taken again: its message was read twice")
-        try:
-            _reply.sendto(_TOKEN.pack(slot, generation), "\0" + name)
-        except OSError:  # the worker is gone (or its queue is full): the slot is not needed again
-            pass
+        _unsent.append((name, _TOKEN.pack(slot, generation)))
+        _send_tokens()
     # numpy views of the buffer made into tensors: a third of the cost of slicing and viewing a tensor
     return tuple(None if spec is None else torch.from_numpy(np.ndarray(spec[1], spec[0], buffer, spec[2]))
                  for spec in layout)
@@ -271,12 +282,26 @@ def _open(name: str, size: int) -> mmap.mmap:
     return view
 
 
+def _send_tokens() -> None:
+    """Give the slots read back: a token that a worker's full queue refuses is kept for the next read (a slot lost
+    would be lost for good); one whose worker is gone is dropped."""
+    left = []
+    for name, token in _unsent:
+        try:
+            _reply.sendto(token, "\0" + name)
+        except BlockingIOError:
+            left.append((name, token))
+        except OSError:
+            pass
+    _unsent[:] = left
+
+
 def _alive(name: str) -> bool:
-    """Whether the worker of a pool still holds its socket (an empty datagram is refused otherwise)."""
+    """Whether the worker that made a pool (its pid is in the name) is still running."""
     try:
-        _reply.sendto(b"", "\0" + name)
-    except (ConnectionRefusedError, FileNotFoundError):
+        os.kill(int(name.split("-")[1]), 0)
+    except ProcessLookupError:
         return False
-    except OSError:  # e.g. its queue is full: alive
+    except PermissionError:  # another user's process took its pid: not ours, but alive
         pass
     return True
