@@ -1,6 +1,7 @@
 """How a DataLoader worker hands batches over on Linux: built in reused shared-memory slots, read out by the training
 process, each slot taken again only once its batch was read and dropped; the fallbacks, and no file left behind."""
 
+import contextlib
 import gc
 import glob
 import multiprocessing
@@ -25,14 +26,14 @@ pytestmark = pytest.mark.skipif(not _handover._SUPPORTED, reason="the pool needs
 def in_worker(monkeypatch):
     """This process as a DataLoader worker (and its own training process), with pools of its own."""
     monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: types.SimpleNamespace(id=0, num_workers=1))
-    for name, value in (("_pools", {}), ("_unmade", set()), ("_maps", {}), ("_unsent", []), ("_reply", None)):
+    for name, value in (("_pools", {}), ("_maps", {}), ("_unsent", [])):
         monkeypatch.setattr(_handover, name, value)
     yield _handover._pools
     for pool in _handover._pools.values():
         _handover._unlink(os.path.join(_handover._SHM_DIR, pool.name))
         pool.tokens.close()
-    if _handover._reply is not None:
-        _handover._reply.close()
+        os.close(pool.fd)
+    _handover._close_sockets()
 
 
 def _in_pool(batch):
@@ -205,23 +206,41 @@ def test_a_batch_made_elsewhere_is_copied_into_a_slot(tmp_path, in_worker):
     _assert_same(pickle.loads(_send(read)), read)
 
 
-def test_a_full_dev_shm_gives_plain_batches(tmp_path, in_worker, monkeypatch):
-    """No pool can be made: a small batch goes in-band, a large one (over 512 KiB) is made in a shared-memory block of
-    its own, its fields views of that block's storage, and pickles as tensors do."""
-    def full():
-        raise OSError(28, "No space left on device")
+def test_a_full_dev_shm_gives_plain_batches_in_band(tmp_path, in_worker, monkeypatch):
+    """No slot's space can be reserved: batches are made in the worker's own memory (one storage each, as always) and
+    go in-band whatever their size, with no shared-memory block of their own (a small /dev/shm that the pools had
+    filled then failed there, found by review); the reservation is tried again only after a while."""
+    def full(*args):
+        attempts.append(args)
+        if len(attempts) == 1:
+            raise OSError(28, "No space left on device")
+        return reserve(*args)
 
-    attempts = []
-    monkeypatch.setattr(os, "posix_fallocate", lambda *args: attempts.append(args) or full())
+    attempts, reserve = [], os.posix_fallocate
+    monkeypatch.setattr(os, "posix_fallocate", full)
     data, want = _reader(tmp_path, rows=4100, batch_size=4000)
     got = list(data)
-    assert [len(b.context) for b in got] == [4000, 100] and not in_worker
-    large, small = (_send(b) for b in got)
-    assert got[0].rewards.is_shared() and not got[1].rewards.is_shared() and b"_from_arrays" in small
+    assert [len(b.context) for b in got] == [4000, 100] and not any(map(_in_pool, got))
+    assert not got[0].rewards.is_shared()
     assert got[0].rewards.untyped_storage().data_ptr() == got[0].candidates.untyped_storage().data_ptr()
-    for message, expected in zip((large, small), want):
+    for batch, expected in zip(got, want):
+        message = _send(batch)
+        assert b"_from_arrays" in message
         _assert_same(pickle.loads(message), expected)
-    assert len(attempts) == 2  # once per slot size (each batch and each pickling tried, and filled /dev/shm, before)
+    assert len(attempts) == 1  # not per batch and per pickling (each filled /dev/shm for a moment before)
+    next(iter(in_worker.values())).retry_at = 0.0  # the while has passed, and there is room now
+    assert _in_pool(next(iter(data))) and len(attempts) == 2
+
+
+def test_slots_are_reserved_as_they_are_first_needed(tmp_path, in_worker):
+    """A pool reserves in /dev/shm only the slots it has needed at once (all six, for every worker, before: a
+    small /dev/shm ran out, found by review)."""
+    data, want = _reader(tmp_path)
+    for i, batch in enumerate(data):
+        _assert_same(pickle.loads(_send(batch)), want[i])
+    pool = next(iter(in_worker.values()))
+    assert sum(pool.reserved) == 2  # the batch being made, and the one before it still referenced
+    assert os.fstat(pool.fd).st_blocks * 512 <= 2 * pool.size
 
 
 def test_fields_from_two_slots_go_by_copy(tmp_path, in_worker):
@@ -275,6 +294,35 @@ def test_a_token_that_a_full_queue_refuses_is_sent_again(tmp_path, in_worker):
         kept = [next(it) for _ in range(_handover._SLOTS - 1)]  # the worker drains its queue: the others
         _assert_same(pickle.loads(_send(kept[0])), want[1])  # a read sends the refused token too
     assert pool.take() == slot and not _handover._unsent  # the only slot free: the one given back late
+
+
+def test_a_pool_whose_tokens_are_not_read_leaves_the_others_alone(tmp_path, in_worker):
+    """Datagrams not yet read count against the socket that sent them: each pool's tokens go through a socket of
+    their own, so one that fills (an idle worker, which reads its tokens only when it makes a batch) refuses no other
+    pool's (through one shared socket, 47 idle pools were enough to stop every other worker's slots, found by
+    review)."""
+    data, want = _reader(tmp_path)
+    big = _batch(3, 1)._replace(features=torch.zeros(_handover._MIN_SLOT_BYTES // 4))  # a pool of larger slots
+    _assert_same(pickle.loads(_send(big)), big)
+    large = max(in_worker.values(), key=lambda pool: pool.size)
+    reply, idle = _handover._maps[large.name][1], []
+    with contextlib.ExitStack() as stack:
+        while True:  # idle sockets holding datagrams from its reply socket, until that socket's buffer is full
+            idle.append(stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)))
+            idle[-1].bind(f"\0capg_rec-test-{len(idle)}-{large.name}")
+            sent = 0
+            while True:
+                try:
+                    reply.sendto(b"x", f"\0capg_rec-test-{len(idle)}-{large.name}")
+                    sent += 1
+                except BlockingIOError:
+                    break
+            if not sent:
+                break
+        for i, batch in enumerate(data):  # the small pool's slots keep coming back
+            assert _in_pool(batch)
+            _assert_same(pickle.loads(_send(batch)), want[i])
+        assert not _handover._unsent
 
 
 def test_a_worker_forked_while_another_thread_holds_the_lock_runs(tmp_path):

@@ -9,16 +9,19 @@ namespace: nothing on disk), whose delivery orders that copy before the worker's
 
 - A slot is taken again once its batch was read there and no tensor in the worker views it any more (a batch the
   worker keeps, e.g. in a shuffle buffer, keeps its slot). A batch made elsewhere is copied into a slot when it is
-  pickled. With no slot free, a batch is made and pickled the plain way
-  (:func:`capg_rec.logs.schema._reduce_for_processes`), as it is outside a DataLoader worker or off Linux, and a
-  pool that could not be made (a full ``/dev/shm``) is not tried again.
-- A token that a worker's full socket queue refuses is sent again at the next read. The training process unlinks
-  a pool's file once it has mapped it, and unmaps it once the worker has exited (looked up by the pid in its name,
+  pickled.
+- A slot's space is reserved when it is first needed, so a pool holds only the slots its worker has had in use at
+  once (two or three with a DataLoader's defaults). With no slot free, or no space in ``/dev/shm`` (tried again
+  only a few seconds later), a batch is made in the worker's own memory and goes in-band through the pipe
+  (:func:`capg_rec.logs.schema._reduce_for_processes`), whatever its size: it takes no more of ``/dev/shm``.
+- The training process gives each pool's slots back through a socket of its own (datagrams not yet read count
+  against their sender); a token that a worker's full queue refuses is sent again at the next read. It unlinks a
+  pool's file once it has mapped it, and unmaps it once the worker has exited (looked up by the pid in its name,
   when a new pool comes); a worker unlinks its own at exit if nobody did. A killed worker leaves nothing behind once
   its first batch has been read.
-- A process forked from one that uses pools starts with none of them and a lock of its own.
 - Each message and slot carry a generation: a message read twice, or a slot overwritten while it is read, raises
   ``RuntimeError`` rather than giving another batch's values.
+- A process forked from one that uses pools starts with none of them and a lock of its own.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 import uuid
 import weakref
 from multiprocessing import util
@@ -45,6 +49,8 @@ _SLOTS = 6
 """Slots per pool: a DataLoader keeps ``prefetch_factor`` (default 2) batches a worker in flight, and the worker
 holds the one it builds and the one it hands to its queue."""
 _MIN_SLOT_BYTES = 1 << 16
+"""Slot sizes are multiples of this."""
+_RETRY_SECONDS = 5.0
 _HEADER = 64
 """Bytes at the start of a slot: its generation (8 bytes), then padding to a cache line."""
 _TOKEN = struct.Struct("<IQ")
@@ -55,9 +61,7 @@ Layout = tuple[tuple[str, tuple[int, ...], int] | None, ...]
 
 _lock = threading.Lock()
 _pools: dict[int, _Pool] = {}  # this worker's, by slot size (bytes)
-_unmade: set[int] = set()  # slot sizes of pools that could not be made (a full /dev/shm): not tried again
-_maps: dict[str, mmap.mmap] = {}  # the pools this process has read from, by name
-_reply: socket.socket | None = None
+_maps: dict[str, tuple[mmap.mmap, socket.socket]] = {}  # the pools this process reads from, and a socket for each
 _unsent: list[tuple[str, bytes]] = []  # tokens a worker's full queue refused: sent again at the next read
 
 
@@ -65,17 +69,21 @@ def _forget() -> None:
     """In a child forked from this process: a lock of its own (another thread may hold this one, for good in the
     child), and none of the parent's pools (whose files only the parent unlinks: ``util.Finalize`` runs in the process
     that made it) or mappings."""
-    global _lock, _reply
+    global _lock
     _lock = threading.Lock()
     _pools.clear()
-    _unmade.clear()
     _maps.clear()
     _unsent.clear()
-    _reply = None
+
+
+def _close_sockets() -> None:
+    for _, reply in _maps.values():
+        reply.close()
 
 
 if _SUPPORTED:
     os.register_at_fork(after_in_child=_forget)
+    atexit.register(_close_sockets)
 
 
 def available() -> bool:
@@ -87,22 +95,26 @@ class _Pool:
     """A worker's ``_SLOTS`` slots of ``size`` bytes in one mapped file, and the socket their tokens come back to.
 
     A slot is free when no tensor here views it (``held``) and it was not sent (``sent``) or was read since
-    (``back``); taking it starts a new generation."""
+    (``back``); taking it starts a new generation. The file's space is reserved slot by slot, when a slot is first
+    taken (``reserved``): a pool holds in ``/dev/shm`` only the slots it has needed at once (two or three, with a
+    DataLoader's defaults), and a full ``/dev/shm`` fails there, not as a SIGBUS at a write. After a failure the
+    pool tries again only :data:`_RETRY_SECONDS` later."""
 
     def __init__(self, size: int) -> None:
         self.name = f"capg_rec-{os.getpid()}-{uuid.uuid4().hex}"
         self.size = size
         path = os.path.join(_SHM_DIR, self.name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.posix_fallocate(fd, 0, size * _SLOTS)  # a full /dev/shm fails here, not as a SIGBUS at a write
-            self.map = mmap.mmap(fd, size * _SLOTS)
+            os.ftruncate(self.fd, size * _SLOTS)  # sparse: nothing reserved yet
+            self.map = mmap.mmap(self.fd, size * _SLOTS)
         except OSError:
+            os.close(self.fd)
             os.unlink(path)
             raise
-        finally:
-            os.close(fd)
         util.Finalize(self, _unlink, (path,), exitpriority=0)  # run at the worker's exit
+        self.reserved = [False] * _SLOTS
+        self.retry_at = 0.0
         self.address = np.frombuffer(self.map, np.uint8).ctypes.data
         self.tokens = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.tokens.bind("\0" + self.name)
@@ -130,13 +142,27 @@ class _Pool:
         while self.dropped:
             self.held[self.dropped.popleft()] = False
         slot = next((i for i in range(_SLOTS) if not self.held[i] and (self.back[i] or not self.sent[i])), None)
-        if slot is None:
+        if slot is None or not self._reserve(slot):
             return None
         self.issued += 1
         self.generation[slot] = self.issued
         self.held[slot] = self.sent[slot] = self.back[slot] = False
         self.map[slot * self.size:slot * self.size + 8] = self.issued.to_bytes(8, "little")
         return slot
+
+    def _reserve(self, slot: int) -> bool:
+        """Whether a slot's space is reserved in the file (reserving it now if it was not)."""
+        if self.reserved[slot]:
+            return True
+        if time.monotonic() < self.retry_at:
+            return False
+        try:
+            os.posix_fallocate(self.fd, slot * self.size, self.size)
+        except OSError:  # a full /dev/shm
+            self.retry_at = time.monotonic() + _RETRY_SECONDS
+            return False
+        self.reserved[slot] = True
+        return True
 
     def placed(self, fields: tuple[Tensor | None, ...]) -> tuple[int, Layout, int] | None:
         """``(slot, layout, nbytes)`` when every field with values lies in one slot (held: they view it) not sent
@@ -168,17 +194,14 @@ def _unlink(path: str) -> None:
 
 def _pool(nbytes: int) -> _Pool | None:
     """The pool of this worker with the smallest slots that hold ``nbytes`` (an epoch's last, shorter batch takes
-    the same), or a new one with slots of the next power of two; None if none can be made (a full ``/dev/shm``)."""
+    the same), or a new one with slots of the next multiple of 64 KiB; None if none can be made."""
     fits = [size for size in _pools if size >= _HEADER + nbytes]
     if fits:
         return _pools[min(fits)]
-    size = max(_MIN_SLOT_BYTES, 1 << (_HEADER + nbytes - 1).bit_length())
-    if size in _unmade:
-        return None
+    size = -(-(_HEADER + nbytes) // _MIN_SLOT_BYTES) * _MIN_SLOT_BYTES
     try:
         pool = _pools[size] = _Pool(size)
     except OSError:
-        _unmade.add(size)
         return None
     return pool
 
@@ -227,24 +250,27 @@ def send(fields: tuple[Tensor | None, ...]) -> tuple | None:
 
 def receive(name: str, size: int, slot: int, generation: int, nbytes: int, layout: Layout
             ) -> tuple[Tensor | None, ...]:
-    """The fields :func:`send` put in a slot, copied out into one buffer of this process; the slot goes back."""
-    global _reply
-    buffer = np.empty(nbytes, dtype=np.uint8)
+    """The fields :func:`send` put in a slot, copied out into one buffer of this process (views of one storage, as
+    the reader makes them); the slot goes back."""
+    buffer = torch.empty(nbytes, dtype=torch.uint8, device="cpu")  # whatever the default device
     with _lock:
-        if _reply is None:
-            _reply = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-            _reply.setblocking(False)
-            atexit.register(_reply.close)
-        view = _maps.get(name) or _open(name, size)
+        view, _ = _maps.get(name) or _open(name, size)
         start = slot * size
-        buffer[:] = np.frombuffer(view, np.uint8, nbytes, start + _HEADER)
+        buffer.numpy()[:] = np.frombuffer(view, np.uint8, nbytes, start + _HEADER)
         if _stamp(view, start) != generation:  # the worker stamps a slot before it writes there
             raise RuntimeError(f"a batch handed over by a DataLoader worker (slot {slot} of {name}) was read after its "
                                "slot was taken again: its message was read twice")
         _unsent.append((name, _TOKEN.pack(slot, generation)))
         _send_tokens()
-    # numpy views of the buffer made into tensors: a third of the cost of slicing and viewing a tensor
-    return tuple(None if spec is None else torch.from_numpy(np.ndarray(spec[1], spec[0], buffer, spec[2]))
+    return views(buffer.untyped_storage(), layout)
+
+
+def views(storage: torch.UntypedStorage, layout: Layout) -> tuple[Tensor | None, ...]:
+    """Each field of ``layout`` as a tensor viewing ``storage`` (one ``set_`` each: a quarter of the cost of slicing
+    and viewing a tensor)."""
+    return tuple(None if spec is None else
+                 torch.empty(0, dtype=_TORCH_DTYPES[spec[0]], device=storage.device).set_(
+                     storage, spec[2] // _ITEMSIZES[spec[0]], spec[1])
                  for spec in layout)
 
 
@@ -256,17 +282,21 @@ _NUMPY_NAMES = {dtype: torch.empty(0, dtype=dtype).numpy().dtype.str
                 for dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.float64,
                               torch.float32, torch.float16)}
 """The tensors' dtypes :func:`send` takes (those :func:`capg_rec.logs.schema._reduce_for_processes` passes)."""
+_TORCH_DTYPES = {name: dtype for dtype, name in _NUMPY_NAMES.items()}
+_ITEMSIZES = {name: dtype.itemsize for dtype, name in _NUMPY_NAMES.items()}
 
 
 def _stamp(view: mmap.mmap, start: int) -> int:
     return int.from_bytes(view[start:start + 8], "little")
 
 
-def _open(name: str, size: int) -> mmap.mmap:
-    """Map a pool first seen here and unlink its file (this process holds it now), after closing the mappings of
-    pools whose workers have exited."""
+def _open(name: str, size: int) -> tuple[mmap.mmap, socket.socket]:
+    """Map a pool first seen here and unlink its file (this process holds it now), with a socket of its own for its
+    tokens (datagrams not yet read count against the sending socket: a worker that reads none could fill a shared one),
+    after closing those of pools whose workers have exited."""
     for old in [n for n in _maps if not _alive(n)]:
-        _maps.pop(old).close()
+        for resource in _maps.pop(old):
+            resource.close()
     path = os.path.join(_SHM_DIR, name)
     try:
         fd = os.open(path, os.O_RDWR)
@@ -275,11 +305,14 @@ def _open(name: str, size: int) -> mmap.mmap:
                            "was read by another process, or after its worker exited (batches pickled in a DataLoader "
                            "worker are for its DataLoader)") from None
     try:
-        view = _maps[name] = mmap.mmap(fd, size * _SLOTS)
+        view = mmap.mmap(fd, size * _SLOTS)
     finally:
         os.close(fd)
     os.unlink(path)
-    return view
+    reply = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    reply.setblocking(False)
+    _maps[name] = view, reply
+    return view, reply
 
 
 def _send_tokens() -> None:
@@ -287,8 +320,10 @@ def _send_tokens() -> None:
     would be lost for good); one whose worker is gone is dropped."""
     left = []
     for name, token in _unsent:
+        if name not in _maps:
+            continue
         try:
-            _reply.sendto(token, "\0" + name)
+            _maps[name][1].sendto(token, "\0" + name)
         except BlockingIOError:
             left.append((name, token))
         except OSError:

@@ -739,26 +739,23 @@ def _split(pending: list[dict[str, np.ndarray]], size: int
 
 def _batch(cols: dict[str, np.ndarray]) -> LoggedBatch:
     """The columns copied (and cast to the schema's dtypes) into ONE byte buffer, each a contiguous typed view
-    of it: a batch never keeps the larger decoded chunk it was cut from alive. A DataLoader worker hands a batch
-    over in a slot of its shared-memory pool, where it makes the buffer (on Linux, :mod:`capg_rec.logs._handover`);
-    elsewhere, or with no slot free, one of up to :data:`~capg_rec.logs.schema.IN_BAND_BYTES` through its pipe and
-    a larger one through one shared-memory block, in which the worker then makes the buffer, as the DataLoader's own
-    collate does (not copied there when sent): its fields are views of that block's storage, the others tensors of
-    numpy views (a third of the cost of slicing and viewing a tensor)."""
+    of it: a batch never keeps the larger decoded chunk it was cut from alive. A DataLoader worker on Linux makes
+    the buffer in a slot of its shared-memory pool (:mod:`capg_rec.logs._handover`), else in its own memory (the
+    batch then goes in-band through its pipe); elsewhere a worker makes a batch of more than
+    :data:`~capg_rec.logs.schema.IN_BAND_BYTES` in a shared-memory block, as the DataLoader's own collate does (it is
+    not copied there when sent)."""
     sizes = {name: -(-x.size * _ITEMSIZE[name] // 8) * 8 for name, x in cols.items()}  # 8-byte aligned
     nbytes = sum(sizes.values())
-    host = _handover.buffer(nbytes) if _handover.available() else None
-    shared = None
-    if host is None and nbytes > IN_BAND_BYTES and torch.utils.data.get_worker_info() is not None:
-        shared = torch.empty(0, dtype=torch.uint8, device="cpu").set_(torch.UntypedStorage._new_shared(nbytes))
-        host = shared.numpy()
-    elif host is None:
-        host = np.empty(nbytes, dtype=np.uint8)
-    out, offset = {}, 0
+    slot = _handover.buffer(nbytes) if _handover.available() else None
+    if slot is not None:
+        storage = torch.from_numpy(slot).untyped_storage()
+    elif nbytes > IN_BAND_BYTES and not _handover._SUPPORTED and torch.utils.data.get_worker_info() is not None:
+        storage = torch.UntypedStorage._new_shared(nbytes)
+    else:  # host memory whatever the default device (numpy writes into it)
+        storage = torch.empty(nbytes, dtype=torch.uint8, device="cpu").untyped_storage()
+    offsets = itertools.accumulate((sizes[name] for name in cols), initial=0)
+    layout = tuple((_NUMPY_DTYPES[name].str, x.shape, offset) for (name, x), offset in zip(cols.items(), offsets))
+    out = dict(zip(cols, _handover.views(storage, layout)))
     for name, x in cols.items():
-        view = np.ndarray(x.shape, _NUMPY_DTYPES[name], host, offset)
-        np.copyto(view, x, casting="unsafe")  # the file's type was checked readable as the schema's
-        out[name] = torch.from_numpy(view) if shared is None else \
-            shared[offset:offset + view.nbytes].view(_DTYPES[name]).view(x.shape)
-        offset += sizes[name]
+        np.copyto(out[name].numpy(), x, casting="unsafe")  # the file's type was checked readable as the schema's
     return LoggedBatch(**{name: out.get(name) for name in LoggedBatch._fields})

@@ -157,18 +157,20 @@ _NUMPY_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
 def _reduce_for_processes(batch: LoggedBatch) -> tuple:
     """How multiprocessing (a DataLoader worker's queue, ``torch.multiprocessing``) pickles a :class:`LoggedBatch`
     of plain, contiguous host tensors not in shared memory: in a DataLoader worker on Linux, through a slot of the
-    worker's shared-memory pool (:mod:`capg_rec.logs._handover`); else, or with no slot free, in-band as numpy
-    arrays through the pipe if it is small (faster than a shared-memory block of its own, whose setup outweighs the
-    copy below about 512 KiB: ``benchmarks/log_reader_speed.py``). Any other batch pickles as tensors do (shared
-    memory, which a batch the user shared stays). ``pickle``, ``copy`` and ``torch.save`` are not affected."""
+    worker's shared-memory pool (:mod:`capg_rec.logs._handover`), or in-band as numpy arrays through the pipe when no
+    slot is free (whatever its size: no more of ``/dev/shm``, which may be what is short); elsewhere in-band if it is
+    small (faster than a shared-memory block of its own, whose setup outweighs the copy below about 512 KiB:
+    ``benchmarks/log_reader_speed.py``). Any other batch pickles as tensors do (shared memory, which a batch the user
+    shared stays). ``pickle``, ``copy`` and ``torch.save`` are not affected."""
     # a lazily negated view (its negative bit set) would lose its sign as a tensor pickled between processes
     fields = tuple(x.resolve_neg() if isinstance(x, Tensor) and x.is_neg() else x for x in batch)
     if all(x is None or (type(x) is Tensor and x.device.type == "cpu" and not x.requires_grad and x.is_contiguous()
                          and not x.is_shared() and x.dtype in _NUMPY_DTYPES) for x in fields):
-        pooled = _handover.send(fields) if _handover.available() else None
+        in_worker = _handover.available()
+        pooled = _handover.send(fields) if in_worker else None
         if pooled is not None:
             return _from_pool, pooled
-        if sum(x.nbytes for x in fields if x is not None) <= IN_BAND_BYTES:
+        if in_worker or sum(x.nbytes for x in fields if x is not None) <= IN_BAND_BYTES:
             return _from_arrays, (tuple(None if x is None else x.numpy() for x in fields),)
     return LoggedBatch, fields
 
