@@ -11,8 +11,9 @@ namespace: nothing on disk), whose delivery orders that copy before the worker's
   worker keeps, e.g. in a shuffle buffer, keeps its slot). A batch made elsewhere is copied into a slot when it is
   pickled.
 - A slot's space is reserved when it is first needed, so a pool holds only the slots its worker has had in use at
-  once (two or three with a DataLoader's defaults). With no slot free, or no space in ``/dev/shm`` (tried again
-  only a few seconds later), a batch is made in the worker's own memory and goes in-band through the pipe
+  once (two or three with a DataLoader's defaults), and given back when the worker exits (but for slots whose
+  batches were not read). With no slot free, or no space in ``/dev/shm`` (tried again only a few seconds later), a
+  batch is made in the worker's own memory and goes in-band through the pipe
   (:func:`capg_rec.logs.schema._reduce_for_processes`), whatever its size: it takes no more of ``/dev/shm``.
 - The training process gives each pool's slots back through a socket of its own (datagrams not yet read count
   against their sender); a token that a worker's full queue refuses is sent again at the next read. It unlinks a
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import ctypes
 import mmap
 import os
 import socket
@@ -49,7 +51,6 @@ _SLOTS = 6
 """Slots per pool: a DataLoader keeps ``prefetch_factor`` (default 2) batches a worker in flight, and the worker
 holds the one it builds and the one it hands to its queue."""
 _MIN_SLOT_BYTES = 1 << 16
-"""Slot sizes are multiples of this."""
 _RETRY_SECONDS = 5.0
 _HEADER = 64
 """Bytes at the start of a slot: its generation (8 bytes), then padding to a cache line."""
@@ -112,7 +113,7 @@ class _Pool:
             os.close(self.fd)
             os.unlink(path)
             raise
-        util.Finalize(self, _unlink, (path,), exitpriority=0)  # run at the worker's exit
+        util.Finalize(self, self._release, (path,), exitpriority=0)  # run at the worker's exit
         self.reserved = [False] * _SLOTS
         self.retry_at = 0.0
         self.address = np.frombuffer(self.map, np.uint8).ctypes.data
@@ -128,8 +129,8 @@ class _Pool:
         """The offset in the file of a slot's data."""
         return slot * self.size + _HEADER
 
-    def take(self) -> int | None:
-        """A free slot, marked with a new generation; None if none is."""
+    def _collect(self) -> None:
+        """The tokens of the slots read since, and the slots no tensor here views any more."""
         while True:
             try:
                 token = self.tokens.recv(64)
@@ -141,6 +142,10 @@ class _Pool:
                     self.back[slot] = True
         while self.dropped:
             self.held[self.dropped.popleft()] = False
+
+    def take(self) -> int | None:
+        """A free slot, marked with a new generation; None if none is."""
+        self._collect()
         slot = next((i for i in range(_SLOTS) if not self.held[i] and (self.back[i] or not self.sent[i])), None)
         if slot is None or not self._reserve(slot):
             return None
@@ -164,6 +169,16 @@ class _Pool:
         self.reserved[slot] = True
         return True
 
+    def _release(self, path: str) -> None:
+        """At the worker's exit: the space of every slot whose batch was read, or never sent, goes back to
+        ``/dev/shm`` now, though the training process still maps the file (until a new pool comes); a slot whose
+        message was not read keeps its batch for its reader. Then the file is unlinked, if nobody did."""
+        self._collect()
+        for slot in range(_SLOTS):
+            if self.reserved[slot] and (self.back[slot] or not self.sent[slot]):
+                _punch_hole(self.fd, slot * self.size, self.size)
+        _unlink(path)
+
     def placed(self, fields: tuple[Tensor | None, ...]) -> tuple[int, Layout, int] | None:
         """``(slot, layout, nbytes)`` when every field with values lies in one slot (held: they view it) not sent
         yet."""
@@ -185,6 +200,17 @@ class _Pool:
         return None if slot is None else (slot, tuple(layout), nbytes)
 
 
+_FALLOC_PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+
+
+def _punch_hole(fd: int, offset: int, length: int) -> None:
+    """Free a range of a file's space (Linux's ``fallocate``; best effort)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fallocate = getattr(libc, "fallocate64", None) or libc.fallocate
+    fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+    fallocate(fd, _FALLOC_PUNCH_HOLE, offset, length)
+
+
 def _unlink(path: str) -> None:
     try:
         os.unlink(path)
@@ -194,16 +220,24 @@ def _unlink(path: str) -> None:
 
 def _pool(nbytes: int) -> _Pool | None:
     """The pool of this worker with the smallest slots that hold ``nbytes`` (an epoch's last, shorter batch takes
-    the same), or a new one with slots of the next multiple of 64 KiB; None if none can be made."""
+    the same), or a new one with slots of the next of four sizes an octave; None if none can be made."""
     fits = [size for size in _pools if size >= _HEADER + nbytes]
     if fits:
         return _pools[min(fits)]
-    size = -(-(_HEADER + nbytes) // _MIN_SLOT_BYTES) * _MIN_SLOT_BYTES
+    size = _slot_size(nbytes)
     try:
         pool = _pools[size] = _Pool(size)
     except OSError:
         return None
     return pool
+
+
+def _slot_size(nbytes: int) -> int:
+    """The slot size for a batch of ``nbytes``: four sizes an octave (at most 25% of a slot unused, and few pools for
+    batches that grow), at least :data:`_MIN_SLOT_BYTES`."""
+    need = _HEADER + nbytes
+    step = 1 << max(need.bit_length() - 3, 0)
+    return max(_MIN_SLOT_BYTES, -(-need // step) * step)
 
 
 def buffer(nbytes: int) -> np.ndarray | None:
