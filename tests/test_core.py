@@ -357,9 +357,9 @@ def test_checks_under_compile_name_the_setting_or_run_between_graphs():
 @pytest.mark.parametrize("name", ["vpg", "with_replacement", "mean_field"])
 def test_compiled_losses_with_checks_on_compile_once(name):
     """Without fullgraph and with the default checks, the checks run eagerly between graphs and later calls compile
-    nothing: before, Dynamo traced the checks' helpers one by one, guarded on each tensor's identity, and compiled them
-    again on every call until its recompile limit (8, with a warning), and warned that it could not trace a query of
-    torch.func's transforms. The values are eager's; NaN logits raise."""
+    nothing: before, Dynamo traced the checks' functions one by one, guarded on each tensor's identity, and compiled
+    them again on every call until its recompile limit (8, with a warning), and warned that it could not trace a query
+    of torch.func's transforms. The values are eager's; NaN logits raise."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     loss = _loss(name, 5)

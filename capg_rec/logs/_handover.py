@@ -113,7 +113,6 @@ class _Pool:
             os.close(self.fd)
             os.unlink(path)
             raise
-        util.Finalize(self, self._release, (path,), exitpriority=0)  # run at the worker's exit
         self.reserved = [False] * _SLOTS
         self.retry_at = 0.0
         self.address = np.frombuffer(self.map, np.uint8).ctypes.data
@@ -124,6 +123,7 @@ class _Pool:
         self.generation = [0] * _SLOTS
         self.held, self.sent, self.back = [False] * _SLOTS, [False] * _SLOTS, [False] * _SLOTS
         self.issued = 0
+        util.Finalize(self, self._release, (path,), exitpriority=0)  # run at the worker's exit
 
     def data(self, slot: int) -> int:
         """The offset in the file of a slot's data."""
@@ -173,10 +173,11 @@ class _Pool:
         """At the worker's exit: the space of every slot whose batch was read, or never sent, goes back to
         ``/dev/shm`` now, though the training process still maps the file (until a new pool comes); a slot whose
         message was not read keeps its batch for its reader. Then the file is unlinked, if nobody did."""
-        self._collect()
-        for slot in range(_SLOTS):
-            if self.reserved[slot] and (self.back[slot] or not self.sent[slot]):
-                _punch_hole(self.fd, slot * self.size, self.size)
+        with _lock:  # the queue's feeder thread, which pickles the batches, may still be running
+            self._collect()
+            for slot in range(_SLOTS):
+                if self.reserved[slot] and (self.back[slot] or not self.sent[slot]):
+                    _punch_hole(self.fd, slot * self.size, self.size)
         _unlink(path)
 
     def placed(self, fields: tuple[Tensor | None, ...]) -> tuple[int, Layout, int] | None:
