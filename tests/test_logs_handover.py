@@ -4,6 +4,7 @@ process, each slot taken again only once its batch was read and dropped; the fal
 import contextlib
 import gc
 import glob
+import mmap
 import multiprocessing
 import os
 import pickle
@@ -30,6 +31,7 @@ def in_worker(monkeypatch):
         monkeypatch.setattr(_handover, name, value)
     yield _handover._pools
     for pool in _handover._pools.values():
+        pool.finalizer.cancel()  # its worker's exit: this process's, long after its fd is closed
         _handover._unlink(os.path.join(_handover._SHM_DIR, pool.name))
         pool.tokens.close()
         os.close(pool.fd)
@@ -273,6 +275,32 @@ def test_a_worker_gives_its_slots_space_back_at_exit_but_for_unread_batches(tmp_
     pool._release(os.path.join(_handover._SHM_DIR, pool.name))  # what the worker's exit runs
     assert os.fstat(pool.fd).st_blocks * 512 == pool.size
     _assert_same(pickle.loads(unread), want[2])
+    late = _send(_batch(3, 0))  # the queue's feeder thread may pickle a batch after that: in-band, not in the space
+    assert b"_from_arrays" in late and sum(pool.reserved) == 1  # given back (a SIGBUS once /dev/shm was full again)
+    assert not _in_pool(next(it))
+
+
+def test_reads_close_the_mappings_of_exited_workers_pools(tmp_path, in_worker, monkeypatch):
+    """Every read, in-band ones too, closes (at most once a second) the mappings of pools whose workers have exited:
+    a loop stopped early leaves its prefetched slots' space mapped, and on a full /dev/shm no new pool (whose first
+    read was the only other chance) could be made, so every later batch went in-band (found by review)."""
+    data, _ = _reader(tmp_path)
+    pickle.loads(_send(next(iter(data))))  # a live worker's pool (this process's), mapped
+    exited = multiprocessing.get_context("fork").Process(target=int)
+    exited.start()
+    exited.join()
+    name = f"capg_rec-{exited.pid}-gone"
+    _handover._maps[name] = (mmap.mmap(-1, 4096), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM))
+    reply = _handover._maps[name][1]
+    monkeypatch.setattr(_handover, "available", lambda: False)
+    message = _send(_batch(3, 0))
+    assert b"_from_arrays" in message
+    _handover._swept = time.monotonic()
+    pickle.loads(message)
+    assert name in _handover._maps  # not within the second
+    _handover._swept = 0.0
+    pickle.loads(message)
+    assert name not in _handover._maps and reply.fileno() == -1 and len(_handover._maps) == 1
 
 
 def test_slot_sizes_take_four_values_an_octave():

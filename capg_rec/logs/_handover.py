@@ -52,6 +52,7 @@ _SLOTS = 6
 holds the one it builds and the one it hands to its queue."""
 _MIN_SLOT_BYTES = 1 << 16
 _RETRY_SECONDS = 5.0
+_SWEEP_SECONDS = 1.0
 _HEADER = 64
 """Bytes at the start of a slot: its generation (8 bytes), then padding to a cache line."""
 _TOKEN = struct.Struct("<IQ")
@@ -64,6 +65,7 @@ _lock = threading.Lock()
 _pools: dict[int, _Pool] = {}  # this worker's, by slot size (bytes)
 _maps: dict[str, tuple[mmap.mmap, socket.socket]] = {}  # the pools this process reads from, and a socket for each
 _unsent: list[tuple[str, bytes]] = []  # tokens a worker's full queue refused: sent again at the next read
+_swept = 0.0  # when the mappings of exited workers' pools were last closed
 
 
 def _forget() -> None:
@@ -123,7 +125,8 @@ class _Pool:
         self.generation = [0] * _SLOTS
         self.held, self.sent, self.back = [False] * _SLOTS, [False] * _SLOTS, [False] * _SLOTS
         self.issued = 0
-        util.Finalize(self, self._release, (path,), exitpriority=0)  # run at the worker's exit
+        self.closed = False  # by _release: a batch pickled later goes in-band
+        self.finalizer = util.Finalize(self, self._release, (path,), exitpriority=0)  # run at the worker's exit
 
     def data(self, slot: int) -> int:
         """The offset in the file of a slot's data."""
@@ -145,6 +148,8 @@ class _Pool:
 
     def take(self) -> int | None:
         """A free slot, marked with a new generation; None if none is."""
+        if self.closed:
+            return None
         self._collect()
         slot = next((i for i in range(_SLOTS) if not self.held[i] and (self.back[i] or not self.sent[i])), None)
         if slot is None or not self._reserve(slot):
@@ -171,18 +176,23 @@ class _Pool:
 
     def _release(self, path: str) -> None:
         """At the worker's exit: the space of every slot whose batch was read, or never sent, goes back to
-        ``/dev/shm`` now, though the training process still maps the file (until a new pool comes); a slot whose
-        message was not read keeps its batch for its reader. Then the file is unlinked, if nobody did."""
-        with _lock:  # the queue's feeder thread, which pickles the batches, may still be running
+        ``/dev/shm`` now, though the training process still maps the file (until its next :func:`sweep`); a slot
+        whose message was not read keeps its batch for its reader. Then the file is unlinked, if nobody did, and a
+        batch pickled later goes in-band (it would write to space given back)."""
+        with _lock:  # the queue's feeder thread may still pickle batches (in-band from now on)
             self._collect()
             for slot in range(_SLOTS):
                 if self.reserved[slot] and (self.back[slot] or not self.sent[slot]):
                     _punch_hole(self.fd, slot * self.size, self.size)
+                    self.reserved[slot] = False
+            self.closed = True
         _unlink(path)
 
     def placed(self, fields: tuple[Tensor | None, ...]) -> tuple[int, Layout, int] | None:
         """``(slot, layout, nbytes)`` when every field with values lies in one slot (held: they view it) not sent
         yet."""
+        if self.closed:
+            return None
         slot, layout, nbytes = None, [], 0
         for x in fields:
             if x is None or not x.numel():
@@ -297,6 +307,7 @@ def receive(name: str, size: int, slot: int, generation: int, nbytes: int, layou
                                "slot was taken again: its message was read twice")
         _unsent.append((name, _TOKEN.pack(slot, generation)))
         _send_tokens()
+    sweep()
     return views(buffer.untyped_storage(), layout)
 
 
@@ -329,9 +340,7 @@ def _open(name: str, size: int) -> tuple[mmap.mmap, socket.socket]:
     """Map a pool first seen here and unlink its file (this process holds it now), with a socket of its own for its
     tokens (datagrams not yet read count against the sending socket: a worker that reads none could fill a shared one),
     after closing those of pools whose workers have exited."""
-    for old in [n for n in _maps if not _alive(n)]:
-        for resource in _maps.pop(old):
-            resource.close()
+    _sweep()
     path = os.path.join(_SHM_DIR, name)
     try:
         fd = os.open(path, os.O_RDWR)
@@ -348,6 +357,23 @@ def _open(name: str, size: int) -> tuple[mmap.mmap, socket.socket]:
     reply.setblocking(False)
     _maps[name] = view, reply
     return view, reply
+
+
+def sweep(every: float = _SWEEP_SECONDS) -> None:
+    """Close the mappings of pools whose workers have exited (their unread slots' space goes back to ``/dev/shm``),
+    at most once every ``every`` seconds: called at each read of a batch, in-band ones too, since a full
+    ``/dev/shm`` lets no new pool be made, whose first read would otherwise be the next chance."""
+    if _maps and time.monotonic() >= _swept + every:
+        with _lock:
+            _sweep()
+
+
+def _sweep() -> None:
+    global _swept
+    _swept = time.monotonic()
+    for old in [n for n in _maps if not _alive(n)]:
+        for resource in _maps.pop(old):
+            resource.close()
 
 
 def _send_tokens() -> None:

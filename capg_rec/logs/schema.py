@@ -177,6 +177,7 @@ def _reduce_for_processes(batch: LoggedBatch) -> tuple:
 
 def _from_arrays(arrays: tuple[np.ndarray | None, ...]) -> LoggedBatch:
     """A :class:`LoggedBatch` unpickled from :func:`_reduce_for_processes`'s arrays (sharing their memory)."""
+    _handover.sweep()  # a worker with no slot (a full /dev/shm) sends in-band: exited workers' pools may hold it
     return LoggedBatch(*(None if a is None else torch.from_numpy(a) for a in arrays))
 
 
