@@ -123,6 +123,16 @@ def test_a_refused_token_of_a_pool_no_longer_mapped_is_dropped(in_worker):
     assert not _handover._unsent
 
 
+def test_a_message_whose_pool_is_gone_raises(tmp_path, in_worker):
+    """A message read where its pool's file no longer exists (read by another process first, or after its worker
+    exited) names that."""
+    data, _ = _reader(tmp_path)
+    message = _send(next(iter(data)))
+    _handover._unlink(os.path.join(_handover._SHM_DIR, next(iter(in_worker.values())).name))
+    with pytest.raises(RuntimeError, match="no longer exists"):
+        pickle.loads(message)
+
+
 def test_a_message_read_after_its_slot_was_taken_again_raises(tmp_path, in_worker):
     data, want = _reader(tmp_path)
     it = iter(data)
