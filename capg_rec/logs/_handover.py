@@ -30,6 +30,7 @@ from __future__ import annotations
 import atexit
 import collections
 import ctypes
+import math
 import mmap
 import os
 import socket
@@ -39,6 +40,7 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import Iterable
 from multiprocessing import util
 
 import numpy as np
@@ -276,11 +278,7 @@ def send(fields: tuple[Tensor | None, ...]) -> tuple | None:
                 slot, layout, nbytes = placed
                 break
         else:
-            specs, nbytes = [], 0
-            for x in fields:
-                specs.append(None if x is None else (_numpy_dtype(x), tuple(x.shape), nbytes))
-                nbytes += 0 if x is None else -(-x.nbytes // 8) * 8  # 8-byte aligned
-            layout = tuple(specs)
+            layout, nbytes = pack(None if x is None else (_numpy_dtype(x), tuple(x.shape)) for x in fields)
             pool = _pool(nbytes)
             slot = None if pool is None else pool.take()
             if slot is None:
@@ -309,6 +307,17 @@ def receive(name: str, size: int, slot: int, generation: int, nbytes: int, layou
         _send_tokens()
     sweep()
     return views(buffer.untyped_storage(), layout)
+
+
+def pack(fields: Iterable[tuple[str, tuple[int, ...]] | None]) -> tuple[Layout, int]:
+    """Fields' ``(numpy dtype name, shape)`` (or None: absent) laid out one after the other in one buffer, each at an
+    8-byte aligned offset → the layout and the buffer's size in bytes."""
+    layout, nbytes = [], 0
+    for field in fields:
+        layout.append(None if field is None else (*field, nbytes))
+        if field is not None:
+            nbytes += -(-_ITEMSIZES[field[0]] * math.prod(field[1]) // 8) * 8
+    return tuple(layout), nbytes
 
 
 def views(storage: torch.UntypedStorage, layout: Layout) -> tuple[Tensor | None, ...]:
@@ -359,11 +368,11 @@ def _open(name: str, size: int) -> tuple[mmap.mmap, socket.socket]:
     return view, reply
 
 
-def sweep(every: float = _SWEEP_SECONDS) -> None:
+def sweep() -> None:
     """Close the mappings of pools whose workers have exited (their unread slots' space goes back to ``/dev/shm``),
-    at most once every ``every`` seconds: called at each read of a batch, in-band ones too, since a full
+    at most once every :data:`_SWEEP_SECONDS`: called at each read of a batch, in-band ones too, since a full
     ``/dev/shm`` lets no new pool be made, whose first read would otherwise be the next chance."""
-    if _maps and time.monotonic() >= _swept + every:
+    if _maps and time.monotonic() >= _swept + _SWEEP_SECONDS:
         with _lock:
             _sweep()
 

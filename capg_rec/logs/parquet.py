@@ -47,7 +47,6 @@ _LIST_WIDTH = {"candidates": "num_candidates", "shown": "num_shown", "rewards": 
 _DTYPES = {"request_id": torch.long, "context": torch.long, "features": torch.float32, "candidates": torch.long,
            "shown": torch.long, "rewards": torch.float32, "log_inclusion": torch.float64,
            "log_expected_count": torch.float64, "log_candidate_prob": torch.float64}
-_ITEMSIZE = {name: dtype.itemsize for name, dtype in _DTYPES.items()}
 _NUMPY_DTYPES = {name: torch.empty(0, dtype=dtype).numpy().dtype for name, dtype in _DTYPES.items()}
 _FLOAT32_MAX = float(np.nextafter(2.0**128 - 2.0**103, 0))  # the largest float64 that rounds to a finite float32
 
@@ -744,8 +743,7 @@ def _batch(cols: dict[str, np.ndarray]) -> LoggedBatch:
     batch then goes in-band through its pipe); elsewhere a worker makes a batch of more than
     :data:`~capg_rec.logs.schema.IN_BAND_BYTES` in a shared-memory block, as the DataLoader's own collate does (it is
     not copied there when sent)."""
-    sizes = {name: -(-x.size * _ITEMSIZE[name] // 8) * 8 for name, x in cols.items()}  # 8-byte aligned
-    nbytes = sum(sizes.values())
+    layout, nbytes = _handover.pack((_NUMPY_DTYPES[name].str, x.shape) for name, x in cols.items())
     slot = _handover.buffer(nbytes) if _handover.available() else None
     if slot is not None:
         storage = torch.from_numpy(slot).untyped_storage()
@@ -753,8 +751,6 @@ def _batch(cols: dict[str, np.ndarray]) -> LoggedBatch:
         storage = torch.UntypedStorage._new_shared(nbytes)
     else:  # host memory whatever the default device (numpy writes into it)
         storage = torch.empty(nbytes, dtype=torch.uint8, device="cpu").untyped_storage()
-    offsets = itertools.accumulate((sizes[name] for name in cols), initial=0)
-    layout = tuple((_NUMPY_DTYPES[name].str, x.shape, offset) for (name, x), offset in zip(cols.items(), offsets))
     out = dict(zip(cols, _handover.views(storage, layout)))
     for name, x in cols.items():
         np.copyto(out[name].numpy(), x, casting="unsafe")  # the file's type was checked readable as the schema's
