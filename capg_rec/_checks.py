@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import collections
 import math
+import numbers
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -65,8 +66,19 @@ def _under(transform: object) -> bool:
     return bool(stack) and any(level.key() == transform for level in stack)
 
 
+def is_int(value: object) -> bool:
+    """Whether ``value`` is an integer, Python's or numpy's (``np.int64``), and not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> bool:
+    """Whether ``value`` is a real number, Python's or numpy's (``np.float32``, ``np.int64``), and not a bool
+    (numpy's bool is no ``numbers.Real``)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def check_positive(name: str, value: float) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
+    if not is_number(value):
         raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
@@ -98,8 +110,10 @@ def check_generator(generator: object) -> torch.Generator | None:
 
 
 def check_count(name: str, value: int, *, low: int = 1, high: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    """``value`` as a Python int (numpy's integers too: ``np.int64(10)``) in ``[low, high]``."""
+    if not is_int(value):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    value = int(value)
     if value < low or (high is not None and value > high):
         bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
         raise ValueError(f"{name} must be {bound}, got {value}")

@@ -69,6 +69,7 @@ import torch.nn.functional as F
 from torch.autograd import forward_ad
 from torch import Tensor
 
+from capg_rec._checks import is_int
 from capg_rec._head_tail import HeadTail
 from capg_rec._numerics import cumsum, log1mexp, log1mexp_exp, safe_logsumexp
 
@@ -676,10 +677,11 @@ def exact_log_inclusion(summary: HeadTail, runs: Sequence[tuple[int, int]], *,
                          f"{tuple(scores.shape)} and {tuple(tail.shape)}")
     if targets.dim() != 2 or targets.shape[0] != scores.shape[0]:
         raise ValueError(f"summary.target_pos must be [B={scores.shape[0]}, L], got {tuple(targets.shape)}")
-    if isinstance(memory_budget, bool) or not isinstance(memory_budget, int):
+    if not is_int(memory_budget):
         raise TypeError(f"memory_budget must be an int (bytes), got {type(memory_budget).__name__}")
     if memory_budget <= 0:
         raise ValueError(f"memory_budget must be positive, got {memory_budget}")
+    memory_budget = int(memory_budget)
     runs = _check_runs(runs, scores.shape[1])
     if scores.shape[0] == 0 or targets.shape[1] == 0 or scores.shape[2] == 0:
         # zero, still a function of both inputs (finite parts only: -inf · 0 is NaN), so that the backward

@@ -38,6 +38,7 @@ import warnings
 import torch
 from torch import Tensor
 
+from capg_rec._checks import check_count, is_number
 from capg_rec._head_tail import WHOLE_UP_TO, read_whole, summarize
 from capg_rec._numerics import Runs, bound_once, exp_, expm1, expm1_, safe_logsumexp
 from capg_rec.catalog import CatalogScores, DenseCatalog, every_score
@@ -66,14 +67,12 @@ def mean_field_log_inclusion(catalog: CatalogScores, items: Tensor, runs: Runs, 
     every row is done). ``tol`` is the relative accuracy of the rates ``e^{s - κ}`` at which the solve
     stops (default ``eps^(2/3)`` of the dtype; the derivatives get about the same).
     """
-    if isinstance(max_iter, bool) or not isinstance(max_iter, int):
-        raise TypeError(f"max_iter must be an int, got {type(max_iter).__name__}")
-    if max_iter < 1:
-        raise ValueError(f"max_iter must be >= 1, got {max_iter}")
-    if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float))):
+    max_iter = check_count("max_iter", max_iter)
+    if tol is not None and not is_number(tol):
         raise TypeError(f"tol must be a float or None, got {type(tol).__name__}")
     if tol is not None and not 0 < tol < 1:
         raise ValueError(f"tol must be in (0, 1), got {tol}")
+    tol = None if tol is None else float(tol)
     if items.shape[0] == 0 and isinstance(catalog, DenseCatalog):  # other catalogs may be collective: run them
         return catalog.gather(items)[:, 0] * 0.0
     if len(runs) == 1 and runs[0][1] == 1:  # one draw: its inclusion probability is the softmax itself, exactly

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 
 from torch import Tensor
 
-from capg_rec._checks import DeferredChecks, resolve_validate_args
+from capg_rec._checks import DeferredChecks, is_number, resolve_validate_args
 from capg_rec.functional import LOG_PROB_TOLERANCE, _capped_log_weights, _relative_weights
 
 __all__ = ["OffPolicyEstimate", "off_policy_value"]
@@ -82,11 +82,11 @@ def off_policy_value(target_log_inclusion: Tensor, logged_log_inclusion: Tensor,
     num_samples, length = target_log_inclusion.shape
     if num_samples < 2 or length < 1:
         raise ValueError(f"target_log_inclusion must have at least 2 rows and 1 column, got {[num_samples, length]}")
-    if isinstance(confidence, bool) or not isinstance(confidence, (int, float)):
+    if not is_number(confidence):
         raise TypeError(f"confidence must be a number, got {type(confidence).__name__}")
     if not 0 < confidence < 1:
         raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
-    if isinstance(min_effective_sample_size, bool) or not isinstance(min_effective_sample_size, (int, float)):
+    if not is_number(min_effective_sample_size):
         raise TypeError(f"min_effective_sample_size must be a number, got {type(min_effective_sample_size).__name__}")
     if not 0 <= min_effective_sample_size < math.inf:
         raise ValueError(f"min_effective_sample_size must be finite and >= 0, got {min_effective_sample_size!r}")

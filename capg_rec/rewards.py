@@ -7,7 +7,8 @@ import math
 import torch
 from torch import Tensor
 
-from capg_rec._checks import check_count, check_device, check_float_tensor, check_positive, resolve_validate_args
+from capg_rec._checks import check_count, check_device, check_float_tensor, check_positive, is_int, is_number, \
+    resolve_validate_args
 
 __all__ = ["dcg_weights", "group_normalize"]
 
@@ -35,15 +36,17 @@ def group_normalize(rewards: Tensor, *, offset: float = 0.0, dim: int = 0, eps: 
     """
     rewards = check_float_tensor("rewards", rewards, ndims=tuple(range(1, 9)),
                                  validate=resolve_validate_args(validate_args))
-    if isinstance(dim, bool) or not isinstance(dim, int):
+    if not is_int(dim):
         raise TypeError(f"dim must be an int, got {type(dim).__name__}")
     if not -rewards.dim() <= dim < rewards.dim():
         raise ValueError(f"dim must be in [{-rewards.dim()}, {rewards.dim()}), got {dim}")
+    dim = int(dim)
     eps = check_positive("eps", eps)
-    if isinstance(offset, bool) or not isinstance(offset, (int, float)):
+    if not is_number(offset):
         raise TypeError(f"offset must be a number, got {type(offset).__name__}")
     if not math.isfinite(offset):
         raise ValueError(f"offset must be finite, got {offset!r}")
+    offset = float(offset)
     # half precision in float32 (as autocast does): eps = 1e-8 rounds to 0 in float16, and a constant group was 0/0
     x = rewards.float() if rewards.dtype in (torch.float16, torch.bfloat16) else rewards
     mean = x.mean(dim=dim, keepdim=True)

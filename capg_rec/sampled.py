@@ -56,7 +56,7 @@ import torch
 from torch import Tensor
 
 from capg_rec._checks import FAILED_ELSEWHERE, all_finite, check_count, check_float_tensor, check_generator, \
-    check_items, check_positive, raise_where_short, resolve_validate_args
+    check_items, check_positive, is_int, raise_where_short, resolve_validate_args
 from capg_rec._numerics import (exp_floor, gumbel_group_size, gumbel_top_k, no_autocast, safe_logsumexp,
                                 select_experts, top_k)
 from capg_rec.ann import ItemIndex
@@ -191,9 +191,9 @@ class InBatchSampler(NegativeSampler):
         self.alpha = check_positive("alpha", alpha)
         if self.alpha > 1:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
-        if isinstance(seed, bool) or not isinstance(seed, int):
+        if not is_int(seed):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-        self.seed = seed
+        self.seed = seed = int(seed)
         g = torch.Generator().manual_seed(seed)
         self._mult = torch.randint(1, _PRIME, (num_hashes, 1), generator=g, device="cpu")  # whatever the default
         self._add = torch.randint(0, _PRIME, (num_hashes, 1), generator=g, device="cpu")

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from capg_rec._checks import check_count, check_flag, check_float_tensor, check_id_tensor, check_positive
+from capg_rec._checks import check_count, check_flag, check_float_tensor, check_id_tensor, check_positive, is_number
 from capg_rec.ann import FaissIndex, ItemIndex
 from capg_rec.catalog import EmbeddingCatalog
 from capg_rec.logs.propensity import explore_candidates, log_propensities
@@ -89,7 +89,7 @@ class ServingRetriever:
             raise TypeError(f"index must be a capg_rec.ann.ItemIndex, got {type(self.index).__name__}")
         self._check_index()
         self.temperature = check_positive("temperature", temperature)
-        if not isinstance(epsilon, (int, float)) or isinstance(epsilon, bool):
+        if not is_number(epsilon):
             raise TypeError(f"epsilon must be a float, got {type(epsilon).__name__}")
         if not 0.0 <= epsilon <= 1.0:
             raise ValueError(f"epsilon must lie in [0, 1], got {epsilon}")

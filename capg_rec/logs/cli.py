@@ -141,10 +141,10 @@ def generate_logs(env, model: torch.nn.Module, out: str | Path, *, num_interacti
     from capg_rec.logs.schema import LoggedBatch
     from capg_rec.sim.lsr import make_lsr
 
-    check_count("num_interactions", num_interactions)
-    check_count("batch_size", batch_size)
-    check_count("num_candidates", num_candidates, high=env.num_items)
-    check_count("num_outputs", num_outputs, high=num_candidates)
+    num_interactions = check_count("num_interactions", num_interactions)
+    batch_size = check_count("batch_size", batch_size)
+    num_candidates = check_count("num_candidates", num_candidates, high=env.num_items)
+    num_outputs = check_count("num_outputs", num_outputs, high=num_candidates)
     ranker = make_lsr(lsr)
     g = torch.Generator().manual_seed(seed)
     extra = dict(extra or {}, env=env.name, lsr=lsr, temperature=temperature, epsilon=epsilon, seed=seed,

@@ -207,14 +207,14 @@ class LogWriter:
                  method: str | InclusionMethod = DEFAULT_METHOD, num_features: int | None = None,
                  policy_version: str = "", extra: dict[str, Any] | None = None, row_group_size: int | None = None,
                  compression: str = "snappy", validate_args: bool | None = None) -> None:
-        check_count("num_candidates", num_candidates)
-        check_count("num_shown", num_shown, high=num_candidates)
+        num_candidates = check_count("num_candidates", num_candidates)
+        num_shown = check_count("num_shown", num_shown, high=num_candidates)
         if num_items is not None:
-            check_count("num_items", num_items, low=num_candidates)
+            num_items = check_count("num_items", num_items, low=num_candidates)
         if num_features is not None:
-            check_count("num_features", num_features)
+            num_features = check_count("num_features", num_features)
         if row_group_size is not None:
-            check_count("row_group_size", row_group_size)
+            row_group_size = check_count("row_group_size", row_group_size)
         if not isinstance(policy_version, str):
             raise TypeError(f"policy_version must be a str, got {type(policy_version).__name__}")
         if not isinstance(method, (str, InclusionMethod)):

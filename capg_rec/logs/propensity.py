@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from capg_rec._checks import DeferredChecks, check_count, check_id_tensor, raise_where_short, \
+from capg_rec._checks import check_count, check_id_tensor, DeferredChecks, is_number, raise_where_short, \
     resolve_validate_args
 from capg_rec._numerics import safe_logaddexp
 from capg_rec.catalog import CatalogScores, DenseCatalog, EmbeddingCatalog, _exclusion_mask, agreement, \
@@ -61,7 +61,7 @@ class LoggedPropensities(NamedTuple):
 
 
 def _check_epsilon(epsilon: float) -> float:
-    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)):
+    if not is_number(epsilon):
         raise TypeError(f"epsilon must be a number in [0, 1], got {type(epsilon).__name__} {epsilon!r}")
     if not 0.0 <= epsilon <= 1.0:  # NaN fails too
         raise ValueError(f"epsilon must be in [0, 1], got {epsilon!r}")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from capg_rec._checks import check_count
+from capg_rec._checks import check_count, is_number
 
 __all__ = ["MatrixEnv"]
 
@@ -115,11 +115,11 @@ class MatrixEnv:
         ``r = q · (1 + ε)``, ``ε ~ N(0, relative_noise²)``; the LSRs rank by ``q`` itself."""
         if not isinstance(q, Tensor) or not q.is_floating_point():
             raise TypeError(f"q must be a float tensor [U, N], got {type(q).__name__}")
-        if isinstance(relative_noise, bool) or not isinstance(relative_noise, (int, float)):
+        if not is_number(relative_noise):
             raise TypeError(f"relative_noise must be a number >= 0, got {relative_noise!r}")
         if not 0 <= relative_noise < math.inf:
             raise ValueError(f"relative_noise must be a finite number >= 0, got {relative_noise!r}")
-        return cls(q, relative_noise * q.abs(), q, name=name)
+        return cls(q, float(relative_noise) * q.abs(), q, name=name)
 
     def subset(self, users: Tensor | None = None, items: Tensor | None = None) -> MatrixEnv:
         """The environment restricted to some users and/or items: ``[U']`` and ``[N']`` ids (re-numbered from 0 in

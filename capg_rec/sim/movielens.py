@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from capg_rec._checks import check_count, check_positive
+from capg_rec._checks import check_count, check_positive, is_int
 from capg_rec.sim.env import MatrixEnv
 
 __all__ = ["movielens_env", "load_movielens_ratings", "fit_matrix_factorization"]
@@ -81,8 +81,9 @@ def movielens_env(*, min_item_ratings: int = 10, rank: int = 10, reg: float = 0.
                   seed: int = 0, relative_noise: float = 0.3) -> MatrixEnv:
     """The MovieLens environment: 610 users × the movies with ``>= min_item_ratings`` ratings
     (2,269 at the default 10), ``q`` = the ALS completion clipped to the rating scale ``[0.5, 5]``."""
-    if isinstance(seed, bool) or not isinstance(seed, int):
+    if not is_int(seed):
         raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
+    seed = int(seed)
     users, items, ratings = load_movielens_ratings(min_item_ratings)
     if users.numel() == 0:
         raise ValueError(f"min_item_ratings={min_item_ratings} keeps no movie (the most rated has fewer ratings)")

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from capg_rec._checks import check_count, check_positive
+from capg_rec._checks import check_count, check_positive, is_int
 from capg_rec.sim.env import MatrixEnv, check_ids, check_user_items
 from capg_rec.sim.synthetic import _unit_rows
 
@@ -72,11 +72,11 @@ class OnDemandSyntheticEnv:
 
     def __init__(self, seed: int = 0, *, num_users: int = 1000, num_items: int = 1_000_000, dim: int = 10,
                  scale: float = 10.0, device: str | torch.device = "cpu") -> None:
-        if isinstance(seed, bool) or not isinstance(seed, int):
+        if not is_int(seed):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
         if not 0 <= seed < 2**62:
             raise ValueError(f"seed must be in [0, 2^62), got {seed}")
-        self.seed = seed
+        self.seed = int(seed)
         self.num_users = check_count("num_users", num_users, high=2**32)
         self.num_items = check_count("num_items", num_items, high=2**32)
         self.dim = check_count("dim", dim)

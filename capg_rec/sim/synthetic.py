@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from capg_rec._checks import check_count, check_positive
+from capg_rec._checks import check_count, check_positive, is_int
 from capg_rec.sim.env import MatrixEnv
 
 __all__ = ["synthetic_env", "PAPER_SEED"]
@@ -68,10 +68,11 @@ def synthetic_env(seed: int = PAPER_SEED, *, num_users: int = 1000, num_items: i
     Deterministic in ``seed`` (explicit ``torch.Generator``; drawn in float32, computed in float64).
     The defaults are the paper's: 1000 users, 1000 items, d = 10, scale 10, its seed and coupling.
     """
-    if isinstance(seed, bool) or not isinstance(seed, int):
+    if not is_int(seed):
         raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
     if not 0 <= seed < 2**63:
         raise ValueError(f"seed must be in [0, 2^63), got {seed}")
+    seed = int(seed)
     check_count("num_users", num_users)
     check_count("num_items", num_items)
     check_count("dim", dim)

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from capg_rec._checks import check_count, check_flag, check_float_tensor, check_id_tensor, resolve_validate_args
+from capg_rec._checks import check_count, check_flag, check_float_tensor, check_id_tensor, is_number, \
+    resolve_validate_args
 from capg_rec.torchrec._collective import exchange, on_ranks, ranks_where
 
 __all__ = ["ContextBaseline", "global_mean_baseline"]
@@ -103,7 +104,7 @@ class ContextBaseline(nn.Module):
                  process_group: dist.ProcessGroup | None = None, validate_args: bool | None = None) -> None:
         super().__init__()
         self.num_contexts = check_count("num_contexts", num_contexts)
-        if not isinstance(decay, (int, float)) or not 0.0 <= decay < 1.0:
+        if not is_number(decay) or not 0.0 <= decay < 1.0:
             raise ValueError(f"decay must be in [0, 1), got {decay!r}")
         self.decay, self.process_group = float(decay), process_group
         self.validate_args = None if validate_args is None else check_flag("validate_args", validate_args)

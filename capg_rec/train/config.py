@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
+from capg_rec._checks import is_int, is_number
 from capg_rec.marginals import inclusion_methods
 from capg_rec.sim.lsr import LSR_NAMES
 
@@ -27,7 +28,7 @@ SEED_MAX = 2**63 - 1
 
 
 def _int(name: str, value: object, low: int, high: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise TypeError(f"{name} must be an int >= {low}, got {type(value).__name__} {value!r}")
     if value < low or (high is not None and value > high):
         bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
@@ -35,7 +36,7 @@ def _int(name: str, value: object, low: int, high: int | None = None) -> None:
 
 
 def _num(name: str, value: object, *, positive: bool) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not is_number(value):
         raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
     if not math.isfinite(value) or (value <= 0 if positive else value < 0):
         raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
@@ -98,6 +99,10 @@ class TrainConfig:
                      "adaptive_lr_batches", "embedding_dim", "eval_every", "group_size"):
             _int(name, getattr(self, name), 1)
         _int("seed", self.seed, 0, SEED_MAX)
+        for f in fields(self):  # numpy's numbers as Python's: the config is saved as JSON
+            value = getattr(self, f.name)
+            if is_number(value) and type(value) not in (int, float):
+                object.__setattr__(self, f.name, int(value) if is_int(value) else float(value))
         if self.num_outputs > self.num_candidates:
             raise ValueError(f"num_outputs must be <= num_candidates={self.num_candidates}, "
                              f"got {self.num_outputs}")

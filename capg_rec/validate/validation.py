@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from capg_rec._checks import check_count
+from capg_rec._checks import check_count, is_number
 from capg_rec.validate import _stats
 from capg_rec.validate.protocol import ESR
 from capg_rec.validate.report import Check, ItemResult, ValidationReport
@@ -22,7 +22,7 @@ _DRAWS_PER_CHUNK = 1 << 21  # B·S·K ids sampled per call to esr.sample
 
 def _check_fraction(name: str, value: float, *, closed_low: bool = False) -> float:
     low = "[0" if closed_low else "(0"
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
+    if not is_number(value):
         raise TypeError(f"{name} must be a number in {low}, 1), got {type(value).__name__} {value!r}")
     if not ((0 <= value if closed_low else 0 < value) and value < 1):
         raise ValueError(f"{name} must be a number in {low}, 1), got {value!r}")
@@ -105,7 +105,7 @@ def validate_esr(esr: ESR, contexts: Any = None, *, num_samples: int = 20_000, a
     num_worst = check_count("num_worst", num_worst, low=0)
     max_enumerated_draws = check_count("max_enumerated_draws", max_enumerated_draws, low=0)
     for name, value in (("tolerance", tolerance), ("sum_tolerance", sum_tolerance), ("rel_error", rel_error)):
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
+        if not is_number(value):
             raise TypeError(f"{name} must be a finite number >= 0, got {type(value).__name__} {value!r}")
         if not 0 <= value < math.inf:
             raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")

@@ -1,0 +1,74 @@
+"""numpy's numbers (``np.int64``, ``np.float32``: what a config read through numpy or an array's element gives)
+are taken wherever Python's are, as torch takes them, and give the same results; numpy's bool is refused as
+Python's is (a ``TypeError`` naming the argument)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from capg_rec import CAPGLoss, EmbeddingCatalog, VPGLoss, group_normalize, inclusion_log_prob, sample_candidates
+from capg_rec.functional import offpolicy_capg_loss
+from capg_rec.logs import explore_candidates, log_propensities
+from capg_rec.offpolicy_evaluation import off_policy_value
+from capg_rec.train.config import TrainConfig
+
+
+def _inputs():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 2, 12, generator=gen)
+    candidates = sample_candidates(logits, 4, generator=gen)
+    return logits, candidates, candidates[:, :2], torch.rand(4, 2, generator=gen)
+
+
+def test_losses_and_probabilities_take_numpy_numbers_alike():
+    logits, candidates, chosen, rewards = _inputs()
+    assert torch.equal(CAPGLoss(np.int64(4))(logits, candidates, chosen, rewards),
+                       CAPGLoss(4)(logits, candidates, chosen, rewards))
+    assert torch.equal(VPGLoss(np.int32(4), temperature=np.float32(0.5))(logits, candidates, chosen, rewards),
+                       VPGLoss(4, temperature=0.5)(logits, candidates, chosen, rewards))
+    assert torch.equal(inclusion_log_prob(logits, chosen, np.int64(4), temperature=np.float64(2.0)),
+                       inclusion_log_prob(logits, chosen, 4, temperature=2.0))
+    logged = torch.full((4, 2), -0.5)
+    assert torch.equal(offpolicy_capg_loss(logits, candidates, chosen, rewards, logged, max_weight=np.float32(2.0)),
+                       offpolicy_capg_loss(logits, candidates, chosen, rewards, logged, max_weight=2.0))
+    draw = sample_candidates(logits, np.int64(3), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(draw, sample_candidates(logits, 3, generator=torch.Generator().manual_seed(1)))
+    catalog = EmbeddingCatalog(torch.randn(4, 2, 3), torch.randn(12, 2, 3), chunk_size=np.int64(5))
+    assert catalog.chunk_size == 5 and type(catalog.chunk_size) is int
+
+
+def test_logging_and_evaluation_take_numpy_numbers_alike():
+    logits, candidates, chosen, _ = _inputs()
+    a = log_propensities(logits, candidates, chosen, epsilon=np.float32(0.25), temperature=np.float32(2.0))
+    b = log_propensities(logits, candidates, chosen, epsilon=0.25, temperature=2.0)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    explore_candidates(logits, np.int64(3), epsilon=np.float64(0.5))
+    target, logged, rewards = torch.full((8, 1), -1.0), torch.full((8, 1), -1.2), torch.rand(8, 1)
+    assert off_policy_value(target, logged, rewards, confidence=np.float32(0.9),
+                            min_effective_sample_size=np.int64(2)).confidence == pytest.approx(0.9)
+    assert torch.equal(group_normalize(rewards, offset=np.float32(0.5), dim=np.int64(0)),
+                       group_normalize(rewards, offset=0.5, dim=0))
+
+
+def test_a_config_keeps_numpy_numbers_as_python_ones():
+    """A run's config is saved as JSON, which numpy's numbers are not."""
+    config = TrainConfig(num_candidates=np.int64(10), temperature=np.float32(0.5), seed=np.uint32(3))
+    assert (type(config.num_candidates), type(config.temperature), type(config.seed)) == (int, float, int)
+    json.dumps(dataclasses.asdict(config))
+
+
+@pytest.mark.parametrize("call", [
+    lambda: sample_candidates(torch.randn(2, 5), np.bool_(True)),
+    lambda: CAPGLoss(np.bool_(True)),
+    lambda: log_propensities(torch.randn(2, 5), torch.tensor([[0, 1]] * 2), torch.tensor([[0]] * 2),
+                             epsilon=np.bool_(False)),
+    lambda: TrainConfig(num_candidates=np.bool_(True)),
+], ids=["sample_candidates", "CAPGLoss", "log_propensities", "TrainConfig"])
+def test_numpy_bools_are_refused_as_python_bools_are(call):
+    with pytest.raises(TypeError, match="num_candidates|epsilon"):
+        call()
