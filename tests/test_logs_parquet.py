@@ -427,8 +427,12 @@ def test_writer_rejects_bad_batches(tmp_path):
             writer.write(good._replace(shown=shown))
         with pytest.raises(ValueError, match=r"batch.shown must have shape \[6, 2\]"):
             writer.write(good._replace(shown=good.candidates))
-        with pytest.raises(TypeError, match="batch.candidates must have an integer dtype"):
-            writer.write(good._replace(candidates=good.candidates.float()))
+        for wrong in (torch.float32, torch.complex64, torch.bool):  # review: complex ids lost their imaginary part
+            with pytest.raises(TypeError, match=f"batch.candidates must have an integer dtype, got {wrong}"):
+                writer.write(good._replace(candidates=good.candidates.to(wrong)))
+        for wrong in (torch.int64, torch.complex64, torch.bool):  # as the losses take them: bool rewards were written
+            with pytest.raises(TypeError, match=f"batch.rewards must have a floating dtype, got {wrong}"):
+                writer.write(good._replace(rewards=good.rewards.to(wrong)))
         with pytest.raises(ValueError, match="batch.features must be a tensor"):
             writer.write(good._replace(features=None))
         with pytest.raises(TypeError, match="LoggedBatch"):
@@ -509,6 +513,42 @@ def test_a_writer_replaces_the_file_only_when_it_closes(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["logs.parquet"]
     second = _write(path, [4])
     _assert_same(_cat(list(LoggedImpressions(path, 100))), _cat([_as_written(b) for b in second]))
+
+
+@pytest.mark.parametrize("meta, message", [
+    (LogMetadata(2, 3, "mean_field", N, F), r"metadata num_shown must be <= num_candidates=2 \(.*\), got 3"),
+    (LogMetadata(K, L, "mean_field", K - 1, F),
+     f"metadata num_items must be >= num_candidates={K} \\(.*\\), got {K - 1}"),
+], ids=["L > K", "N < K"])
+def test_metadata_the_writer_refuses_is_refused_by_the_reader(tmp_path, meta, message):
+    """Another pipeline's file with such metadata was read (review): unchecked, or with only some columns read, it
+    gave batches of L shown items among K < L candidates."""
+    _write_raw(tmp_path / "meta.parquet", _table(), meta=meta)
+    for kwargs in ({}, {"validate_args": False}, {"columns": ["context"]}):
+        with pytest.raises(ValueError, match=f"meta.parquet: {message}"):
+            LoggedImpressions(tmp_path / "meta.parquet", 2, **kwargs)
+
+
+def test_reader_and_writer_arguments_from_review(tmp_path):
+    """Each was a raw or misleading error: an empty list of paths was a TypeError, a list holding None or a bytes
+    path a bare one not naming the argument, a generator of columns was read up by its check (iteration then failed
+    with StopIteration), an epoch beyond int64 a RuntimeError of torch; NaN in extra was written as JSON that other
+    readers refuse."""
+    _write(tmp_path / "good.parquet", [6])
+    with pytest.raises(ValueError, match="path_or_paths must name at least one path, got an empty list"):
+        LoggedImpressions([], 2)
+    for paths in ([None], b"good.parquet", [tmp_path / "good.parquet", 3]):
+        with pytest.raises(TypeError, match="path_or_paths must be a path, a directory or a list of paths"):
+            LoggedImpressions(paths, 2)
+    data = LoggedImpressions(tmp_path / "good.parquet", 6, columns=(c for c in ["context", "shown"]))
+    assert data.columns == ["context", "shown"] and len(list(data)) == 1
+    with pytest.raises(TypeError, match="columns must be a list of column names"):
+        LoggedImpressions(tmp_path / "good.parquet", 6, columns=(c for c in ["context", 3]))
+    with pytest.raises(ValueError, match=r"epoch must be in \[0, 9223372036854775807\], got 9223372036854775808"):
+        data.set_epoch(2**63)
+    for extra in ({"x": math.nan}, {"x": [math.inf]}):
+        with pytest.raises(ValueError, match="extra must hold finite numbers"):
+            LogWriter(tmp_path / "w.parquet", num_candidates=K, num_shown=L, extra=extra)
 
 
 def test_file_level_gaps_in_the_schema_are_named(tmp_path):

@@ -449,6 +449,24 @@ def test_a_holdout_of_every_row_group_is_refused(tmp_path):
         LogTrainer(LogTrainConfig(logs=[str(path)], holdout=0.9))
 
 
+def test_logs_with_no_rows_to_train_on_are_refused(tmp_path):
+    """Review: training row groups that are all empty gave a run of 0 steps reporting an untrained model, and logs
+    of no rows a bare ``max() arg is an empty sequence``."""
+    from tests.logs import write_logs
+
+    path = write_logs(tmp_path / "a.parquet", [0, 6, 6], extra={"num_users": 10})
+    with pytest.raises(ValueError, match=r"holdout = 0.5 leaves no rows to train on: the 1 row group\(s\) before"):
+        LogTrainer(LogTrainConfig(logs=[str(path)], holdout=0.5, batch_size=4))
+    assert LogTrainer(LogTrainConfig(logs=[str(path)], holdout=0.3, batch_size=4)).num_steps == 2
+    empty = write_logs(tmp_path / "empty.parquet", [0, 0])
+    with pytest.raises(ValueError, match="empty.parquet hold no rows to train on"):
+        LogTrainer(LogTrainConfig(logs=[str(empty)], holdout=0.0))
+    for recorded in ("ten", 0, 2.0):  # review: int("ten") failed without naming the logs
+        path = write_logs(tmp_path / f"users-{recorded}.parquet", [6, 6], extra={"num_users": recorded})
+        with pytest.raises(ValueError, match=f"record num_users = {recorded!r} in their metadata's extra"):
+            LogTrainer(LogTrainConfig(logs=[str(path)], holdout=0.5))
+
+
 def test_steps_per_epoch_follow_each_epochs_shuffle_over_workers(tmp_path):
     """With row groups of different sizes over 2 workers, each epoch's batch count depends on its shuffle: the
     trainer counts each epoch's own (24 steps for 4 times the first epoch's 6, against 27)."""

@@ -17,7 +17,7 @@ import math
 import os
 import uuid
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -231,6 +231,10 @@ class LogWriter:
         except (TypeError, ValueError) as err:
             raise TypeError(f"extra must hold JSON values (str, int, float, bool, None, lists and dicts of them): "
                             f"{err}") from None
+        try:  # standard JSON, which other readers of the metadata take
+            json.dumps(extra, allow_nan=False)
+        except ValueError:
+            raise ValueError(f"extra must hold finite numbers (JSON has no NaN or infinity), got {extra!r}") from None
         self.meta = LogMetadata(num_candidates, num_shown, _method_name(method),
                                 num_items, num_features, extra=dict(extra or {}))
         self.path = Path(path)
@@ -346,7 +350,8 @@ class LogWriter:
             if not isinstance(x, Tensor):
                 raise TypeError(f"batch.{name} must be a torch.Tensor, got {type(x).__name__}")
             integer = _DTYPES[name] == torch.long
-            if integer == (x.is_floating_point() or x.dtype == torch.bool):
+            is_integer = not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
+            if not (is_integer if integer else x.is_floating_point()):  # bools and complex numbers are neither
                 raise TypeError(f"batch.{name} must have {'an integer' if integer else 'a floating'} dtype, "
                                 f"got {x.dtype}")
             width = getattr(self.meta, _LIST_WIDTH[name]) if name in _LIST_WIDTH else None
@@ -426,8 +431,11 @@ def _readable(batches: Iterator[pa.RecordBatch], where: str) -> Iterator[pa.Reco
 def _log_files(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
-    elif not isinstance(paths, Sequence) or not paths:
-        raise TypeError(f"path_or_paths must be a path, a directory or a non-empty list of paths, got {paths!r}")
+    elif not isinstance(paths, Sequence) or isinstance(paths, bytes) or \
+            not all(isinstance(p, (str, os.PathLike)) for p in paths):
+        raise TypeError(f"path_or_paths must be a path, a directory or a list of paths, got {paths!r}")
+    elif not paths:
+        raise ValueError("path_or_paths must name at least one path, got an empty list")
     files: list[Path] = []
     for p in map(Path, paths):
         files.extend(sorted(p.glob("*.parquet")) if p.is_dir() else [p])
@@ -491,13 +499,13 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
         if (rank is None) != (world_size is None):
             raise ValueError("rank and world_size must be given together (or neither)")
         if world_size is not None:
-            check_count("world_size", world_size)
-            check_count("rank", rank, low=0, high=world_size - 1)
+            world_size = check_count("world_size", world_size)
+            rank = check_count("rank", rank, low=0, high=world_size - 1)
         self.rank, self.world_size = rank, world_size
         self._digests: dict[tuple[Path, int, int], str] = {}  # for fingerprint()
         self._parent_rank: tuple[int, int] | None = None  # the rank of the process that sent this copy to a worker
         if num_items is not None:
-            check_count("num_items", num_items)
+            num_items = check_count("num_items", num_items)
         # In shared memory: DataLoader workers, persistent ones included, read the epoch set here.
         self._epoch = torch.zeros((), dtype=torch.long, device="cpu").share_memory_()
         self.meta, self.row_groups = self._inspect(num_items)
@@ -505,8 +513,12 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
         present = set(TENSOR_COLUMNS) - ({"features"} if self.meta.num_features is None else set())
         if columns is None:
             columns = [c for c in TENSOR_COLUMNS if c in present]
-        elif isinstance(columns, str) or not all(isinstance(c, str) for c in columns):
+        elif isinstance(columns, str) or not isinstance(columns, Iterable):
             raise TypeError(f"columns must be a list of column names, got {columns!r}")
+        else:
+            columns = list(columns)  # a generator is read once
+            if not all(isinstance(c, str) for c in columns):
+                raise TypeError(f"columns must be a list of column names, got {columns!r}")
         if not columns:
             raise ValueError(f"columns must name at least one of {sorted(present)}, got none")
         unknown = [c for c in columns if c not in present]
@@ -546,7 +558,7 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
         """Reshuffle the row groups for this epoch (with ``shuffle_row_groups``), the same on every rank. DataLoader
         workers see it at their next pass, persistent ones (``persistent_workers=True``) too: the epoch lies in
         shared memory."""
-        self._epoch.fill_(check_count("epoch", epoch, low=0))
+        self._epoch.fill_(check_count("epoch", epoch, low=0, high=2**63 - 1))  # an int64
 
     def __getstate__(self) -> dict[str, Any]:
         """The state sent to a DataLoader worker, with this process's rank: a worker that a spawn or forkserver
@@ -617,7 +629,7 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
     def num_batches(self, num_workers: int = 0) -> int:
         """The batches this rank yields in the current epoch (see :meth:`set_epoch`) through a
         ``DataLoader(..., num_workers=num_workers)`` (each worker's last batch may be short)."""
-        check_count("num_workers", num_workers, low=0)
+        num_workers = check_count("num_workers", num_workers, low=0)
         rank, world = self._rank()
         workers = max(num_workers, 1)
         total = 0

@@ -107,6 +107,13 @@ class LogMetadata:
                 continue  # not recorded
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"log file {path}: metadata {name} must be an int >= 1, got {value!r}")
+        # what LogWriter refuses: a reader trusting them would batch L shown items of K < L candidates
+        if meta.num_shown > meta.num_candidates:
+            raise ValueError(f"log file {path}: metadata num_shown must be <= num_candidates={meta.num_candidates} "
+                             f"(the later stage shows some of the candidates), got {meta.num_shown}")
+        if meta.num_items is not None and meta.num_items < meta.num_candidates:
+            raise ValueError(f"log file {path}: metadata num_items must be >= num_candidates={meta.num_candidates} "
+                             f"(K distinct candidates of the catalog), got {meta.num_items}")
         return meta
 
 

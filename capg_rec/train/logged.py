@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from capg_rec._checks import all_finite
+from capg_rec._checks import all_finite, is_int
 from capg_rec.losses import OffPolicyCAPGLoss, OffPolicyVPGLoss, TopKReinforceLoss
 from capg_rec.marginals import DEFAULT_METHOD, inclusion_method, inclusion_methods
 from capg_rec.offpolicy_evaluation import OffPolicyEstimate, off_policy_value
@@ -237,6 +237,8 @@ class LogTrainer(Trainer):
             raise TypeError(f"env must be a MatrixEnv or None, got {type(env).__name__}")
         data = LoggedImpressions(list(config.logs), config.batch_size, shuffle_row_groups=True, seed=config.seed)
         meta = data.meta
+        if not data.num_rows:
+            raise ValueError(f"logs: {', '.join(map(str, config.logs))} hold no rows to train on")
         if meta.num_items is None:
             raise ValueError(f"logs: {config.logs[0]} records no catalog size (num_items): the model needs it")
         if env is not None and meta.num_items != env.num_items:
@@ -270,6 +272,9 @@ class LogTrainer(Trainer):
         self.config, self.env, self.meta = config, env, meta
         self.train_data = data.subset(range(groups - held))
         self.eval_data = data.subset(range(groups - held, groups))
+        if not self.train_data.num_rows:  # its row groups are empty (a serving job may write empty ones)
+            raise ValueError(f"holdout = {config.holdout} leaves no rows to train on: the {groups - held} row "
+                             f"group(s) before the held-out {held} of the logs' {groups} are empty")
         self.num_items = meta.num_items
         self.num_users = env.num_users if env is not None else self._count_users(data)
         self.epoch_batches = []
@@ -286,7 +291,11 @@ class LogTrainer(Trainer):
     def _count_users(data) -> int:
         """Context keys index the user table: ``extra["num_users"]`` if the logs record it, else 1 + the largest."""
         if "num_users" in data.meta.extra:
-            return int(data.meta.extra["num_users"])
+            recorded = data.meta.extra["num_users"]
+            if not is_int(recorded) or recorded < 1:
+                raise ValueError(f"logs: {data.files[0]} record num_users = {recorded!r} in their metadata's extra, "
+                                 "not a number of users (an int >= 1)")
+            return int(recorded)
         keys = data.subset(range(len(data.row_groups)))
         keys.columns, keys.shuffle_row_groups = ["context"], False
         largest = max(int(batch.context.max()) for batch in keys)
