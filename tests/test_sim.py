@@ -14,6 +14,7 @@ from capg_rec.sim import (AntiOptimalLSR, MatrixEnv, NoisyLSR, OptimalLSR, Unifo
                           movielens_env, synthetic_env)
 from capg_rec.sim import synthetic
 from capg_rec.sim.kuairec import KUAIREC_COLUMNS
+from capg_rec.sim.ondemand import OnDemandSyntheticEnv
 from capg_rec.sim.synthetic import PAPER_SEED
 from capg_rec.sim.movielens import fit_matrix_factorization, load_movielens_ratings
 
@@ -167,6 +168,32 @@ def test_kuairec_bad_files(tmp_path, case):
     # "no_file": the path does not exist
     with pytest.raises(ValueError, match="path|bad.csv"):
         load_kuairec(path)
+
+
+def test_every_setting_that_changes_the_tables_changes_the_name(tmp_path):
+    """Checkpoints, reused reproduce runs and logs are matched to an environment by its name (review: a checkpoint
+    of synthetic_env() loaded into synthetic_env(scale=3, dim=4), whose tables differ, without a word). The defaults'
+    names are unchanged."""
+    small = dict(num_users=6, num_items=5)
+    base = synthetic_env(**small)
+    assert base.name == f"synthetic(seed={PAPER_SEED}, paper)"
+    names = {base.name, synthetic_env(**small, scale=3.0).name, synthetic_env(**small, dim=4).name,
+             synthetic_env(**small, dim=4, scale=3.0).name}
+    assert len(names) == 4
+    ondemand = [OnDemandSyntheticEnv(0, num_users=6, num_items=5, scale=s).name for s in (10.0, 2.0)]
+    assert ondemand[0] == "ondemand_synthetic(seed=0, U=6, N=5, d=10)" != ondemand[1]
+    rows = [(0, 100, 0.5), (0, 101, 1.5), (1, 100, 2.0), (1, 101, 0.25)]
+    kuairec = [load_kuairec(_write_kuairec(tmp_path / "m.csv", rows), relative_noise=r).name for r in (0.3, 0.1)]
+    assert kuairec[1] == kuairec[0][:-1] + ", relative_noise=0.1)"
+
+
+def test_movielens_names_carry_its_settings(monkeypatch):
+    import capg_rec.sim.movielens as movielens
+
+    ratings = torch.tensor([0, 1, 0, 1]), torch.tensor([0, 0, 1, 1]), torch.tensor([4.0, 3.0, 2.0, 5.0])
+    monkeypatch.setattr(movielens, "load_movielens_ratings", lambda min_item_ratings: ratings)
+    names = [movielens_env(**kw).name for kw in ({}, {"reg": 0.5}, {"iterations": 3}, {"relative_noise": 0.1})]
+    assert names[0] == "movielens(min_item_ratings=10, rank=10, seed=0)" and len(set(names)) == 4
 
 
 # --------------------------------------------------------------------------- MovieLens

@@ -84,10 +84,14 @@ def movielens_env(*, min_item_ratings: int = 10, rank: int = 10, reg: float = 0.
     if not is_int(seed):
         raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
     seed = int(seed)
+    # the other settings that make other tables, where not the default (checkpoints and runs are matched by name)
+    settings = "".join(f", {key}={value}" for key, value, default in (
+        ("reg", reg, 0.1), ("iterations", iterations, 20), ("relative_noise", relative_noise, 0.3)) if value != default)
     users, items, ratings = load_movielens_ratings(min_item_ratings)
     if users.numel() == 0:
         raise ValueError(f"min_item_ratings={min_item_ratings} keeps no movie (the most rated has fewer ratings)")
     table = fit_matrix_factorization(users, items, ratings, rank=rank, reg=reg, iterations=iterations, seed=seed)
     q = table.clamp(*_RATING_RANGE).float()
     return MatrixEnv.from_table(q, relative_noise=relative_noise,
-                                name=f"movielens(min_item_ratings={min_item_ratings}, rank={rank}, seed={seed})")
+                                name=f"movielens(min_item_ratings={min_item_ratings}, rank={rank}, seed={seed}"
+                                     f"{settings})")

@@ -88,7 +88,8 @@ class OnDemandSyntheticEnv:
         self.m_latent = _unit_rows(torch.randn(dim, dim, generator=g, dtype=torch.float64)).to(self.device)
         self.m_base = _unit_rows(torch.randn(dim, dim, generator=g, dtype=torch.float64)).to(self.device)
         self.w_noise = torch.randn(dim, dim, generator=g, dtype=torch.float64).to(self.device)
-        self.name = f"ondemand_synthetic(seed={seed}, U={num_users}, N={num_items}, d={dim})"
+        scaled = "" if self.scale == 10.0 else f", scale={self.scale:g}"  # what makes other tables, as the name says
+        self.name = f"ondemand_synthetic(seed={seed}, U={num_users}, N={num_items}, d={dim}{scaled})"
 
     def user_vectors(self, users: Tensor) -> Tensor:
         """``users [...]`` (ids) → ``[..., d]`` float64 unit vectors."""

@@ -88,5 +88,8 @@ def synthetic_env(seed: int = PAPER_SEED, *, num_users: int = 1000, num_items: i
     q = F.softplus(q_raw) + 1
     reward_std = torch.sigmoid(users @ p["w_noise"] @ items.T + 1)
     coupling = "paper" if paper_coupling else "independent"
+    # every setting that makes other tables, where not the default (checkpoints and runs are matched by name)
+    settings = "".join(f", {key}={value:g}" for key, value, default in (("dim", dim, 10), ("scale", scale, 10.0))
+                       if value != default)
     return MatrixEnv(q.float(), reward_std.float(), q_raw.float(),
-                     name=f"synthetic(seed={seed}, {coupling})")
+                     name=f"synthetic(seed={seed}, {coupling}{settings})")
