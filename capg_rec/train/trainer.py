@@ -385,21 +385,22 @@ class Trainer:
         trainer.baseline_table, trainer.baseline_seen = state["baseline_table"], state["baseline_seen"]
         trainer.step_count = state["step"]
         trainer.interval_losses = state["interval_losses"]
-        trainer._restore_result(state)
+        trainer._restore_result(state, extended=steps is not None)
         trainer.optimizer = trainer._optimizer(state["lr"])
         trainer.optimizer.load_state_dict(state["optimizer"])
         return trainer
 
-    def _restore_result(self, state: dict) -> None:
-        """``self.result`` from a :meth:`state_dict` (``step_count`` and ``config`` already restored)."""
+    def _restore_result(self, state: dict, *, extended: bool) -> None:
+        """``self.result`` from a :meth:`state_dict` (``step_count`` and ``config`` already restored; ``extended``:
+        to a target other than the saved run's)."""
         saved = state["result"]
         self.result = TrainResult(config=self.config.to_dict(), lr=state["lr"])
         if saved is not None:
             stopped = saved["stopped_at"]
             if stopped is not None and self.step_count < self.num_steps:
+                what = "cannot go on to a later target" if extended else "is over (its result.json holds its values)"
                 raise ValueError(f"the run stopped at step {stopped} on a gradient overflow (on_overflow='stop'): it "
-                                 "cannot go on to a later target; start a new run (e.g. with a lower learning rate, "
-                                 "or on_overflow='skip')")
+                                 f"{what}; start a new run (e.g. with a lower learning rate, or on_overflow='skip')")
             history = saved["history"]
             if history and history[-1]["step"] % self.config.eval_every and self.step_count < self.num_steps:
                 history = history[:-1]  # the end-of-run evaluation of a run now extended
