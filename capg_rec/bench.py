@@ -147,7 +147,7 @@ def accuracy_table(num_samples: int, seed: int = 0) -> list[dict]:
                    "mc_se": _mean_or_none(np.sqrt((1 - p_mc[seen]) / (p_mc[seen] * num_samples)))}
             probs = {}
             methods = {"exact": Exact(), "mean_field": MeanField(), "plugin": PlugIn(),
-                       "with_replacement": WithReplacement()}  # enumeration is for N <= 8 only
+                       "with_replacement": WithReplacement()}  # enumeration is for few draws only
             for name, method in methods.items():
                 p = inclusion_log_prob(logits, items, k, temperature=tau, method=method).exp()[0]
                 if not method.is_probability:  # E[count] → P(drawn at least once)

@@ -10,7 +10,8 @@ string works wherever a method is taken (``CAPGLoss(K, method="plugin")``):
   ``1 - exp(-w_a t)`` with ``Σ_b (1 - exp(-w_b t)) = K``, run block by block for a mixture. O(N).
 * :class:`PlugIn` (``"plugin"``): the paper's arg-top-(k-1) plug-in: the hazard at position k is
   evaluated at the most probable prefix of k-1 items *that excludes the target*.
-* :class:`Enumeration` (``"enumerate"``): every ordered draw, for catalogs of at most 8 items.
+* :class:`Enumeration` (``"enumerate"``): every ordered draw, up to ``8! = 40,320`` of them (N ≤ 8, or K ≤ 4 of
+  N ≤ 15, ...).
 * :class:`WithReplacement` (``"with_replacement"``): sampling with replacement,
   ``log Σ_k π_{m(k)}(a)`` — the CA-PG-SwR / TOP1-PG score. Not a probability (it can exceed 1:
   it is the expected number of times a is drawn); its gradient is what CA-PG-SwR uses.
@@ -182,13 +183,27 @@ class Exact(InclusionMethod):
 
 class Enumeration(InclusionMethod):
     """Every ordered draw enumerated, in float64: exact for mixtures too (``"exact"`` is block-exact
-    there). The reference of the tests and the validator, for catalogs of at most 8 items."""
+    there). The reference of the tests and the validator, for at most :attr:`max_draws` ordered draws
+    ``N!/(N-K)!``: every draw of 8 items, or of K ≤ 4 out of 15, ... (it holds ``[B, draws, N]``)."""
 
-    max_items = 8
+    max_draws = math.factorial(8)
+
+    @classmethod
+    def affordable(cls, num_items: int, num_candidates: int) -> bool:
+        """Whether a catalog of ``num_items`` has at most :attr:`max_draws` ordered draws of ``num_candidates``."""
+        return math.perm(num_items, min(num_candidates, num_items)) <= cls.max_draws
+
+    @classmethod
+    def check_affordable(cls, num_items: int, num_candidates: int) -> None:
+        """``ValueError`` unless :meth:`affordable`, naming the number of draws."""
+        if not cls.affordable(num_items, num_candidates):
+            draws = math.perm(num_items, num_candidates)
+            raise ValueError(f"Enumeration needs at most {cls.max_draws} ordered draws N!/(N-K)! (every draw of 8 "
+                             f"items), got {draws if draws < 10**9 else format(draws, '.3g')} for N = {num_items}, "
+                             f"K = {num_candidates}")
 
     def log_inclusion(self, catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
-        if catalog.num_items > self.max_items:
-            raise ValueError(f"Enumeration needs num_items <= {self.max_items}, got {catalog.num_items}")
+        self.check_affordable(catalog.num_items, sum(n for _, n in runs))
         experts = torch.tensor([m for m, n in runs for _ in range(n)], device=catalog.device)
         log_probs = log_inclusion_probs(every_score(catalog).double(), experts)  # [B, N]
         return log_probs.gather(1, items).to(catalog.dtype)

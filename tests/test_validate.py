@@ -56,6 +56,8 @@ OWN = {
     # the default method: enumerate for a tiny mixture (its exact default, block-exact, failed a correct sampler:
     # found by review), exact otherwise
     "default_moe_tiny": (lambda: CatalogESR(randn(2, 2, 8, seed=6), 4), True),
+    # and beyond 8 items while its draws are few (review: block-exact failed a correct one at N = 9, K = 4)
+    "default_moe_small": (lambda: CatalogESR(randn(4, 2, 9, seed=8, scale=2.0), 4), True),
     "default": (lambda: CatalogESR(randn(2, 30, seed=7), 5), False),
 }
 
@@ -545,8 +547,8 @@ def test_catalog_esr_bad_arguments(args, kwargs, error, match):
 
 
 def test_enumerate_needs_a_tiny_catalog():
-    with pytest.raises(ValueError, match="num_items <= 8"):
-        CatalogESR(randn(1, 9), 2, method="enumerate").inclusion_log_prob(None)
+    with pytest.raises(ValueError, match="at most 40320 ordered draws"):
+        CatalogESR(randn(1, 16), 4, method="enumerate").inclusion_log_prob(None)
 
 
 def test_catalog_esr_is_an_esr():

@@ -23,6 +23,7 @@ from torch import Tensor
 from capg_rec._checks import all_finite, check_count, check_items
 from capg_rec.catalog import DenseCatalog
 from capg_rec.losses import CAPGLoss, VPGLoss
+from capg_rec.marginals import Enumeration
 from capg_rec.plackett_luce import greedy_candidates, sample_candidates, unresolved_draws
 from capg_rec.rewards import dcg_weights, group_normalize
 from capg_rec.sim.env import MatrixEnv
@@ -141,8 +142,8 @@ class Trainer:
         self.eval_candidates = eval_k
         self.loss_fn = make_loss(config, validate_args=False)  # the step checks what it does not build itself
         method = getattr(self.loss_fn, "method", None)
-        if env.num_items > getattr(method, "max_items", env.num_items):  # before any file is written: not at step 1
-            raise ValueError(f"{type(method).__name__} needs num_items <= {method.max_items}, got {env.num_items}")
+        if isinstance(method, Enumeration):  # before any file is written: not at step 1
+            method.check_affordable(env.num_items, config.num_candidates)
         self.position_weights = self._position_weights()
 
     def _position_weights(self) -> Tensor:
