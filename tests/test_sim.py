@@ -120,7 +120,9 @@ def test_subset_refuses_ids_it_cannot_take():
                           ({"items": torch.tensor([], dtype=torch.long)}, "items must be a non-empty 1-d"),
                           ({"users": torch.tensor([[0, 1]])}, "users must be a non-empty 1-d"),
                           ({"items": torch.tensor([True, False])}, r"items as a mask must have shape \[4\]"),
-                          ({"items": torch.zeros(4, dtype=torch.bool)}, "items must be a non-empty 1-d")):
+                          ({"items": torch.zeros(4, dtype=torch.bool)}, "items must be a non-empty 1-d"),
+                          # review: a repeated id made two identical users or items
+                          ({"items": torch.tensor([1, 2, 1])}, r"items must not repeat an id, got \[1, 2, 1\]")):
         with pytest.raises(ValueError, match=match):
             env.subset(**kwargs)
     with pytest.raises(TypeError, match="items must be an integer tensor"):

@@ -547,6 +547,16 @@ def test_demo_and_bench_run(tmp_path, capsys):
     assert timings["step"] > 0 and timings["ratio"] > 0
     with pytest.raises(ValueError, match="logit_scale"):
         bench_train_step("capg_swr", repeats=2, warmup=1, logit_scale=-1.0)
+    from capg_rec.train.bench import main as bench_main
+
+    # review: these ended in tracebacks (a StatisticsError for no repeats)
+    for argv, message in ((["-K", "0"], "-K/--num-candidates: must be an integer >= 1"),
+                          (["--repeats", "0"], "--repeats: must be an integer >= 1"),
+                          (["--logit-scale", "-1"], "--logit-scale: must be a finite number > 0"),
+                          (["-K", "2000"], "must be <= env.num_items=1000")):
+        with pytest.raises(SystemExit) as exit_info:
+            bench_main(["--estimators", "capg_swr", *argv])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_adaptive_lr_matches_the_papers_rounded_values():

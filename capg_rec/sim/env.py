@@ -136,6 +136,8 @@ class MatrixEnv:
             ids = check_ids(name, ids, count)
             if ids.dim() != 1 or not ids.numel():
                 raise ValueError(f"{name} must be a non-empty 1-d tensor of ids, got shape {list(ids.shape)}")
+            if ids.unique().numel() != ids.numel():  # a user or an item twice would be two of them
+                raise ValueError(f"{name} must not repeat an id, got {ids.tolist()}")
             tables = [t.index_select(dim, ids.to(t.device)) for t in tables]
         digest = hashlib.sha256(b"".join(t.detach().cpu().double().numpy().tobytes() for t in tables)).hexdigest()
         return MatrixEnv(*tables, name=f"{self.name}[subset {digest[:12]}]")

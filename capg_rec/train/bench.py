@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from capg_rec._checks import check_positive
+from capg_rec._checks import check_positive, positive_float, positive_int
 from capg_rec.catalog import DenseCatalog
 from capg_rec.marginals import DEFAULT_METHOD
 from capg_rec.plackett_luce import sample_candidates
@@ -94,17 +94,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--estimators", nargs="+", default=["vpg_swr", "capg_swr", "vpg", "capg"],
                         choices=tuple(ESTIMATOR_LABELS))
-    parser.add_argument("-K", "--num-candidates", type=int, default=10)
-    parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=100)
-    parser.add_argument("--logit-scale", type=float, default=1.0,
+    parser.add_argument("-K", "--num-candidates", type=positive_int, default=10)
+    parser.add_argument("--batch-size", type=positive_int, default=128)
+    parser.add_argument("--repeats", type=positive_int, default=100)
+    parser.add_argument("--logit-scale", type=positive_float, default=1.0,
                         help="multiply the initial logits (a confident policy, as after training)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     rows = []
     for est in args.estimators:
-        r = bench_train_step(est, num_candidates=args.num_candidates, batch_size=args.batch_size,
-                             repeats=args.repeats, logit_scale=args.logit_scale)
+        try:
+            r = bench_train_step(est, num_candidates=args.num_candidates, batch_size=args.batch_size,
+                                 repeats=args.repeats, logit_scale=args.logit_scale)
+        except ValueError as err:  # e.g. more candidates than the problem's items: exit 2, as for an option's type
+            parser.error(str(err))
         label = ESTIMATOR_LABELS[est] + (f" ({DEFAULT_METHOD})" if est == "capg" else "")
         rows.append([label, f"{r['step']:.2f}", f"{r['core loss (fwd+bwd)']:.2f}",
                      f"{r['ratio']:.2f}", f"{r['validated loss (fwd+bwd)']:.2f}", f"{r['ESR forward']:.2f}",
