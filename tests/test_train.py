@@ -358,15 +358,21 @@ def test_cli_resume_continues_the_saved_run(tmp_path, monkeypatch, capsys):
     assert exit_info.value.code == 2 and "no checkpoint" in capsys.readouterr().err
 
 
-def test_reproduce_restarts_a_checkpoint_past_its_steps(env, tmp_path):
+def test_reproduce_refuses_to_overwrite_a_longer_run(env, tmp_path):
+    """Found by review: a reproduce run of fewer steps than one saved in its folder (finished, or interrupted past
+    them) trained a new run into that folder, overwriting the longer one; one folder, one run, as for train."""
     cell = Cell("K=5", _config(steps=20, eval_every=10))
     run_cells(env, [cell], [0], tmp_path, checkpoint_every=10, progress=False)
     run_dir = next((tmp_path / "runs").iterdir())
-    (run_dir / "result.json").unlink()  # an interrupted longer run: only its step-20 checkpoint is left
+    saved = {path.name: path.read_bytes() for path in run_dir.iterdir()}
     shorter = Cell("K=5", _config(steps=10, eval_every=10))
-    results = run_cells(env, [shorter], [0], tmp_path, checkpoint_every=10, progress=False)
-    (result,) = results[("CA-PG-SwR", "K=5")]
-    assert result.steps_done == 10 and [row["step"] for row in result.history] == [0, 10]
+    with pytest.raises(ValueError, match="holds this run at step 20, beyond the 10 steps asked"):
+        run_cells(env, [shorter], [0], tmp_path, checkpoint_every=10, progress=False)
+    (run_dir / "result.json").unlink()  # an interrupted longer run: only its step-20 checkpoint is left
+    with pytest.raises(ValueError, match="holds this run at step 20, beyond the 10 steps asked"):
+        run_cells(env, [shorter], [0], tmp_path, checkpoint_every=10, progress=False)
+    assert {path.name: path.read_bytes() for path in run_dir.iterdir()} == {
+        name: data for name, data in saved.items() if name != "result.json"}
 
 
 def test_reproduce_reuses_a_diverged_run(env, tmp_path):
