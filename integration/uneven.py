@@ -388,6 +388,11 @@ def main() -> int:
             if base.dtype != rewards.dtype or not torch.equal(base, torch.full_like(base, 1.5)):
                 raise AssertionError(f"baseline {base.tolist()} ({base.dtype}), want 1.5 ({rewards.dtype})")
 
+    def baseline_contexts():  # rank 1 passes no contexts: refused on every rank, before the baseline's collectives
+        rewards = torch.ones(PER_RANK, 2)
+        ContextBaseline(SETUP.num_users, process_group=dist.group.WORLD)(
+            None if rank == 1 else torch.arange(PER_RANK), rewards)
+
     cases = {"empty/mean_field": empty("mean_field"), "empty/with_replacement": empty("with_replacement"),
              "empty/mean_field_small": empty("mean_field", small=True), "empty/draw": empty_draw(False),
              "empty/greedy": empty_draw(True),
@@ -410,7 +415,7 @@ def main() -> int:
              "user_method_shape": user_method_shape,
              **{f"catalog_arguments/{what}": catalog_arguments(what) for what in ("k", "other_k", "experts", "powers")},
              "key_order/one_rank": key_order(True), "key_order/both": key_order(False),
-             "baseline_dtype": baseline_dtype}
+             "baseline_dtype": baseline_dtype, "baseline_contexts": baseline_contexts}
     outcomes = {name: outcome(case) for name, case in cases.items()}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"uneven_rank{rank}.json").write_text(json.dumps(outcomes, indent=1))

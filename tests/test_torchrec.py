@@ -526,6 +526,9 @@ def test_context_baseline_is_a_per_context_moving_average(one_rank):
             baseline(torch.tensor([4]), torch.ones(1, 2))
         with pytest.raises(ValueError, match="contexts must be a 1-dim tensor"):
             baseline(torch.tensor([[0]]), torch.ones(1, 2))
+        # review: None passed the checks and failed inside torch, between two collectives (other ranks waited)
+        with pytest.raises(TypeError, match="contexts must be a 1-dim tensor of ids"):
+            baseline(None, torch.ones(1, 2))
         with pytest.raises(ValueError, match="decay must be in"):
             ContextBaseline(3, decay=1.0)
         assert baseline(torch.zeros(0, dtype=torch.long), torch.zeros(0, 2)).shape == (0,)

@@ -249,6 +249,10 @@ def test_sampled_mode_checks_agree_whatever_each_rank_holds(tmp_path):
     assert first["masked/range"].startswith("ValueError: masked_items must hold ids in [-1, 3001)")
     assert first["masked/float"] == second["masked/float"]
     assert first["masked/float"].startswith("TypeError: masked_items must have an integer dtype")
+    # regression (found by review): no contexts on rank 1 failed inside torch there, between the baseline's collectives
+    assert first["baseline_contexts"] == second["baseline_contexts"]
+    assert first["baseline_contexts"].startswith("TypeError: contexts must be a 1-dim tensor of ids")
+    assert first["baseline_contexts"].endswith("(on rank 1 of the process group)")
     # regression (found by review): checked before the exchange, on rank 1 alone
     assert first["user_vectors_catalog"] == second["user_vectors_catalog"]
     assert "must not have the catalog feature" in first["user_vectors_catalog"]

@@ -31,15 +31,15 @@ def _all_sum(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
 
 def _checked(rewards: Tensor, contexts: Tensor | None, num_contexts: int, group: dist.ProcessGroup | None,
              validate_args: bool | None) -> tuple[Tensor, Tensor | None]:
-    """``rewards [B_r, L]`` (finite when validating) and ``contexts [B_r]`` (ids in range when validating),
-    checked on every rank alike."""
+    """``rewards [B_r, L]`` (finite when validating) and ``contexts [B_r]`` (ids in range when validating; none
+    for ``num_contexts = 0``), checked on every rank alike."""
     validate = resolve_validate_args(None if validate_args is None else check_flag("validate_args", validate_args))
     checked: list[Tensor | None] = []
 
     def local() -> list[Tensor]:
         r = check_float_tensor("rewards", rewards, ndims=(2,), validate=False).detach()
         c = None
-        if contexts is not None:
+        if num_contexts:  # None too is refused here, on every rank, not in a collective of only some
             if not isinstance(contexts, Tensor) or contexts.dim() != 1:
                 raise (ValueError if isinstance(contexts, Tensor) else TypeError)(
                     f"contexts must be a 1-dim tensor of ids [B_r], got {getattr(contexts, 'shape', type(contexts))}")
