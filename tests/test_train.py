@@ -343,7 +343,11 @@ def test_cli_resume_continues_the_saved_run(tmp_path, monkeypatch, capsys):
     with pytest.raises(_Started):  # options equal to the saved ones, and a longer run
         _train_cli(*out, "--resume", "--steps", "25", "--lr", "0.05", "-K", "5", "--estimator", "capg_swr")
     assert started[-1] == saved.replace(steps=25)
+    with pytest.raises(_Started):  # the run's own method, named (review: refused, "saved: None")
+        _train_cli(*out, "--resume", "--capg-method", "with_replacement")
+    assert started[-1] == saved
     for extra, named in [(("--estimator", "vpg"), "--estimator vpg (saved: 'capg_swr')"),
+                         (("--capg-method", "mean_field"), "--capg-method mean_field (saved: 'with_replacement')"),
                          (("--lr", "0.1"), "--lr 0.1 (saved: 0.05)"), (("--seed", "0"), "--seed 0"),
                          (("--adaptive-lr",), "--adaptive-lr True"), (("--env", "movielens"), "--env movielens"),
                          (("--steps", "10"), "--steps 10: the saved run is at step 10"),
@@ -352,7 +356,7 @@ def test_cli_resume_continues_the_saved_run(tmp_path, monkeypatch, capsys):
         with pytest.raises(SystemExit) as exit_info:
             _train_cli(*out, "--resume", *extra)
         assert exit_info.value.code == 2 and named in capsys.readouterr().err
-    assert len(started) == 2
+    assert len(started) == 3
     with pytest.raises(SystemExit) as exit_info:
         _train_cli("--out", str(tmp_path / "none"), "--resume")
     assert exit_info.value.code == 2 and "no checkpoint" in capsys.readouterr().err

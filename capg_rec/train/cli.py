@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from capg_rec._checks import positive_float, positive_int
-from capg_rec.marginals import inclusion_methods
+from capg_rec.marginals import DEFAULT_METHOD, inclusion_methods
 from capg_rec.sim.lsr import LSR_NAMES
 from capg_rec.train.config import ESTIMATORS, TrainConfig
 from capg_rec.train.logged import LOG_ESTIMATORS, LogTrainConfig, eval_lsr_name
@@ -209,6 +209,8 @@ def _resume(args: argparse.Namespace, given: dict, out: Path) -> Trainer:
     if state.get("kind") == "logs":
         _fail(f"--resume: the run saved in {path} trained from logs; continue it with the same --logs")
     saved = dict(state["config"], env=state["env"].partition("(")[0])
+    if saved.get("capg_method") is None:  # the method the run used: its estimator's (CA-PG's: the library default)
+        saved["capg_method"] = {"capg": DEFAULT_METHOD, "capg_swr": "with_replacement"}.get(saved["estimator"])
     given = dict(given, env=args.env) if args.env is not None else given
     _check_unchanged(path, saved, given, "steps", TrainConfig(**state["config"]).base_lr)
     steps = given.get("steps")
