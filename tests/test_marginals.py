@@ -270,3 +270,5 @@ def test_enumeration_takes_any_catalog_of_few_ordered_draws():
     assert ((counts - want).abs() <= z * (want * (1 - want) / draws).sqrt() + 1e-12).all()
     with pytest.raises(ValueError, match="at most 40320 ordered draws N!/\\(N-K\\)! .* got 43680 for N = 16, K = 4"):
         inclusion_log_prob(torch.randn(1, 2, 16), torch.tensor([[0]]), 4, method="enumerate")
+    assert marginals.Enumeration.affordable(8, 8) and marginals.Enumeration.affordable(8, 7)  # 8! exactly, as before
+    assert not marginals.Enumeration.affordable(9, 12)  # no draw of 12 out of 9 (perm would say 0)

@@ -64,11 +64,18 @@ def test_a_config_keeps_numpy_numbers_as_python_ones():
 
 @pytest.mark.parametrize("call", [
     lambda: sample_candidates(torch.randn(2, 5), np.bool_(True)),
+    lambda: sample_candidates(torch.randn(2, 5), True),
     lambda: CAPGLoss(np.bool_(True)),
     lambda: log_propensities(torch.randn(2, 5), torch.tensor([[0, 1]] * 2), torch.tensor([[0]] * 2),
                              epsilon=np.bool_(False)),
     lambda: TrainConfig(num_candidates=np.bool_(True)),
-], ids=["sample_candidates", "CAPGLoss", "log_propensities", "TrainConfig"])
+], ids=["sample_candidates", "sample_candidates(True)", "CAPGLoss", "log_propensities", "TrainConfig"])
 def test_numpy_bools_are_refused_as_python_bools_are(call):
     with pytest.raises(TypeError, match="num_candidates|epsilon"):
         call()
+
+
+@pytest.mark.parametrize("zero", [0, 0.0, np.float32(0.0), np.int64(0)])
+def test_a_temperature_of_zero_is_refused_in_any_type(zero):
+    with pytest.raises(ValueError, match="temperature must be a finite number > 0"):
+        CAPGLoss(3, temperature=zero)

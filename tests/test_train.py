@@ -377,6 +377,23 @@ def test_reproduce_refuses_to_overwrite_a_longer_run(env, tmp_path):
         run_cells(env, [shorter], [0], tmp_path, checkpoint_every=10, progress=False)
     assert {path.name: path.read_bytes() for path in run_dir.iterdir()} == {
         name: data for name, data in saved.items() if name != "result.json"}
+    # its checkpoint exactly at the steps asked (interrupted at step 10 of 20): refused alike
+    other = tmp_path / "other"
+    trainer = Trainer(env, cell.config.replace(seed=0))
+    for _ in range(10):
+        trainer.step()
+    run_cells(env, [Cell("K=5", _config(steps=5, eval_every=5))], [0], other, progress=False)  # makes the folder
+    (only,) = (other / "runs").iterdir()
+    (only / "result.json").unlink()
+    trainer.save(only / "checkpoint.pt")
+    with pytest.raises(ValueError, match="holds this run at step 10, beyond the 10 steps asked"):
+        run_cells(env, [shorter], [0], other, checkpoint_every=10, progress=False)
+    # a finished run of the steps asked whose result.json is gone: trained again, as before (nothing longer lost)
+    finished = tmp_path / "finished"
+    run_cells(env, [shorter], [0], finished, checkpoint_every=10, progress=False)
+    (next((finished / "runs").iterdir()) / "result.json").unlink()
+    (result,) = run_cells(env, [shorter], [0], finished, checkpoint_every=10, progress=False)[("CA-PG-SwR", "K=5")]
+    assert result.steps_done == 10
 
 
 def test_reproduce_reuses_a_diverged_run(env, tmp_path):
@@ -785,6 +802,10 @@ def test_reproduce_reuses_a_run_stopped_by_an_overflow_at_a_later_target(env, tm
     assert result.stopped_at is not None and result.stopped_at < 10
     again = run_cells(env, [Cell("x", config.replace(steps=20))], [0], tmp_path, checkpoint_every=2, progress=False)
     assert again[("V-PG", "x")][0].history == result.history
+    # asked exactly the steps where it stopped: that run too
+    exact = run_cells(env, [Cell("x", config.replace(steps=result.stopped_at))], [0], tmp_path, checkpoint_every=2,
+                      progress=False)
+    assert exact[("V-PG", "x")][0].history == result.history
 
 
 def test_help_states_each_default_once_and_every_method(capsys):

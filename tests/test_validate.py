@@ -549,6 +549,8 @@ def test_catalog_esr_bad_arguments(args, kwargs, error, match):
 def test_enumerate_needs_a_tiny_catalog():
     with pytest.raises(ValueError, match="at most 40320 ordered draws"):
         CatalogESR(randn(1, 16), 4, method="enumerate").inclusion_log_prob(None)
+    # by default a mixture too large to enumerate takes block-exact
+    assert CatalogESR(randn(1, 2, 16), 4).inclusion_log_prob(None).shape == (1, 16)
 
 
 def test_catalog_esr_is_an_esr():
