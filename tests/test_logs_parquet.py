@@ -549,6 +549,8 @@ def test_reader_and_writer_arguments_from_review(tmp_path):
     for extra in ({"x": math.nan}, {"x": [math.inf]}):
         with pytest.raises(ValueError, match="extra must hold finite numbers"):
             LogWriter(tmp_path / "w.parquet", num_candidates=K, num_shown=L, extra=extra)
+    with pytest.raises(ValueError, match="path must be in an existing folder, got .*missing/w.parquet"):  # it named
+        LogWriter(tmp_path / "missing" / "w.parquet", num_candidates=K, num_shown=L)  # the hidden partial file
 
 
 def test_file_level_gaps_in_the_schema_are_named(tmp_path):

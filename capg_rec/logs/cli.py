@@ -89,8 +89,8 @@ def _logging_esr(args: argparse.Namespace, env_name: str | None):
         except (OSError, ValueError) as err:  # missing, unreadable or corrupt (and no intact .prev): err names it
             raise ValueError(f"--checkpoint: {err}") from err
         if state.get("kind") == "logs":
-            raise ValueError(f"--checkpoint {args.checkpoint}: a run trained from logs (capg-rec train --logs), "
-                             "which records no environment to serve in; pass an online run's checkpoint")
+            raise ValueError(f"--checkpoint {args.checkpoint}: a run trained from logs (capg-rec train --logs), which "
+                             "this command does not serve; pass an online run's checkpoint (capg-rec train)")
         missing = sorted({"config", "env", "model", "step"} - state.keys())
         if missing:
             raise ValueError(f"--checkpoint {args.checkpoint}: not a capg-rec train checkpoint (no {missing})")

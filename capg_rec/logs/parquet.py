@@ -246,6 +246,8 @@ class LogWriter:
         self.batches_written = 0
         if self.path.is_dir():
             raise ValueError(f"path must be a file to create, got the folder {self.path}")
+        if not self.path.parent.is_dir():  # else the error would name the hidden file written first
+            raise ValueError(f"path must be in an existing folder, got {self.path} ({self.path.parent} is not one)")
         self._partial = self.path.with_name(f".{self.path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.partial")
         try:
             self._writer = pq.ParquetWriter(self._partial, self.schema, compression=compression)
