@@ -388,6 +388,28 @@ def float_k():
     return esr
 
 
+class LearnedClaims(CatalogESR):  # its claims held in a parameter (a learnable table): they require grad
+    def inclusion_log_prob(self, contexts):
+        return torch.nn.Parameter(super().inclusion_log_prob(contexts).float())
+
+    def candidate_log_prob(self, contexts, candidates):
+        return torch.nn.Parameter(super().candidate_log_prob(contexts, candidates).float())
+
+
+def learned_claims():
+    return LearnedClaims(torch.tensor([[0.0, 1.0, 2.0, 3.0]]), 2, method="enumerate")
+
+
+class ConfigDown(Spy):
+    @property
+    def with_replacement(self):
+        raise RuntimeError("config service down")
+
+
+def config_down():
+    return ConfigDown()
+
+
 def empty_contexts():
     return CatalogESR(lambda x: x, 2), torch.zeros(0, 4)
 
@@ -430,6 +452,8 @@ def test_cli_exit_codes(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     monkeypatch.delitem(sys.modules, "exit_esrs", raising=False)
     assert _exit_code("exit_esrs:good", "--samples", "500") == 0
+    # found by review: claims that require grad crashed the validator, and that exited 1 ("fails validation")
+    assert _exit_code("exit_esrs:learned_claims", "--samples", "500") == 0
     assert _exit_code("exit_esrs:spy", "--samples", "500") == 1
     calls = importlib.import_module("exit_esrs").CALLS
     crashes = {"exit_esrs:crashes_in_sample": "esr.sample raised RuntimeError: boom in sample",
@@ -437,7 +461,9 @@ def test_cli_exit_codes(tmp_path, monkeypatch, capsys):
                "exit_esrs_broken:f": "importing exit_esrs_broken raised ImportError: broken at import",
                "exit_esrs:float_draws": "breaks the ESR protocol: esr.sample must return an integer",
                # found by review: a traceback and exit 1 ("fails validation"), the TypeError uncaught
-               "exit_esrs:float_k": "breaks the ESR protocol: esr.num_candidates must be an int"}
+               "exit_esrs:float_k": "breaks the ESR protocol: esr.num_candidates must be an int",
+               # found by a later review: an attribute's own error was a traceback and exit 1
+               "exit_esrs:config_down": "esr.with_replacement raised RuntimeError: config service down"}
     for spec, message in crashes.items():
         capsys.readouterr()
         assert _exit_code(spec, "--samples", "50") == 3, spec
@@ -465,13 +491,22 @@ def test_cli_exit_codes(tmp_path, monkeypatch, capsys):
         assert "sample" not in calls, argv  # found before any draw
     assert not (tmp_path / "no_dir").exists()
 
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug of the validator")
+
+    monkeypatch.setattr(validate_cli, "validate_esr", broken)  # not a verdict on the ESR: not exit 1
+    capsys.readouterr()
+    assert _exit_code("exit_esrs:good", "--samples", "50") == 4
+    assert "internal error of the validator: RuntimeError: a bug of the validator" in capsys.readouterr().err
+
 
 def test_cli_help_documents_the_exit_codes(capsys):
     with pytest.raises(SystemExit):
         main(["validate", "--help"])
     text = capsys.readouterr().out
     assert "Exit status:" in text and validate_cli._EXIT_STATUS.strip() in validate_cli.__doc__
-    for code, meaning in ((0, "passes"), (1, "fails validation"), (2, "usage or input error"), (3, "crashed")):
+    for code, meaning in ((0, "passes"), (1, "fails validation"), (2, "usage or input error"), (3, "crashed"),
+                          (4, "the validator itself failed")):
         assert re.search(rf"^  {code}  the ESR {meaning}|^  {code}  {meaning}", text, re.M), code
 
 

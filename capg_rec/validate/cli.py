@@ -5,8 +5,9 @@ Exit status:
   1  the ESR fails validation: its draws disagree with the probabilities it claims
   2  usage or input error, found before any draw: a bad option, a factory that cannot be found or
      does not make an ESR, B = 0 contexts, a --json or --plot path that cannot be written
-  3  the ESR crashed: importing its module, its factory or one of its methods raised an exception
-     (traceback on stderr), or returned output that breaks the ESR protocol
+  3  the ESR crashed: importing its module, its factory or one of its methods or attributes raised an
+     exception (traceback on stderr), or returned output that breaks the ESR protocol
+  4  the validator itself failed (a bug of capg_rec's: traceback on stderr)
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ from capg_rec._json import json_text
 from capg_rec.validate.protocol import ESR
 from capg_rec.validate.validation import validate_esr
 
-__all__ = ["load_factory", "register", "EXIT_PASS", "EXIT_FAIL", "EXIT_USAGE", "EXIT_CRASH"]
+__all__ = ["load_factory", "register", "EXIT_PASS", "EXIT_FAIL", "EXIT_USAGE", "EXIT_CRASH", "EXIT_INTERNAL"]
 
-EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_CRASH = 0, 1, 2, 3
+EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_CRASH, EXIT_INTERNAL = 0, 1, 2, 3, 4
 _EXIT_STATUS = __doc__[__doc__.index("Exit status:"):] if __doc__ else ""
 
 
@@ -95,7 +96,7 @@ class _Guarded:
 
     @property
     def num_candidates(self) -> int:
-        return self._esr.num_candidates
+        return self._read("num_candidates")
 
     def sample(self, contexts: Any, num_samples: int, generator: torch.Generator) -> Tensor:
         return self._call("sample", contexts, num_samples, generator)
@@ -107,8 +108,19 @@ class _Guarded:
         return claims
 
     def __getattr__(self, name: str) -> Any:  # the optional members: with_replacement, candidate_log_prob
-        value = getattr(self._esr, name)
+        value = self._read(name)
         return functools.partial(self._call, name) if callable(value) else value
+
+    def _read(self, name: str) -> Any:
+        """An attribute of the ESR (a property may run its code); an absent one is an AttributeError as usual."""
+        try:
+            return getattr(self._esr, name)
+        except AttributeError:
+            if name in dir(type(self._esr)):  # a property of its own that raised AttributeError: its crash
+                raise _ESRCrash(f"esr.{name} raised AttributeError") from None
+            raise
+        except Exception as err:
+            raise _ESRCrash(f"esr.{name} raised {type(err).__name__}: {err}") from err
 
     def _call(self, name: str, *args: Any) -> Any:
         try:
@@ -187,6 +199,9 @@ def _main(args: argparse.Namespace) -> None:
         if err.__cause__ is not None:
             traceback.print_exception(err.__cause__)
         _exit(EXIT_CRASH, f"error in the ESR: {err}")
+    except Exception as err:  # not the ESR's, nor a verdict on it: its status must not read as a failed validation
+        traceback.print_exception(err)
+        _exit(EXIT_INTERNAL, f"internal error of the validator: {type(err).__name__}: {err}")
     if not passed:
         raise SystemExit(EXIT_FAIL)
 

@@ -37,7 +37,7 @@ def _check_claims(name: str, x: object, shape: tuple[int, ...] | None = None) ->
         raise ValueError(f"{name} must return shape {list(shape) if shape else '[B, N]'}, got {list(x.shape)}")
     if bool(torch.isnan(x).any()) or bool((x == math.inf).any()):
         raise ValueError(f"{name} returned NaN or +inf")
-    return x
+    return x.detach()  # claims held in a tensor that requires grad (a learnable table) are values here
 
 
 def _check_draws(draws: object, batch: int, size: int, k: int, num_items: int) -> Tensor:
