@@ -50,8 +50,8 @@ def logits(*, max_batch: int = 3, max_experts: int = 1, min_items: int = 1, max_
 
     Values are numbers of ``dtype`` in ``[-scale, scale]`` (drawn as float32 numbers within the largest number
     that both float32 and ``dtype`` hold at most ``scale``: rounded to ``dtype`` they stay within it); with
-    ``extreme`` about a quarter are
-    ``±EXTREME_LOGIT``; with ``ties`` many entries repeat a small drawn pool of values; with
+    ``extreme`` about a quarter are ``±EXTREME_LOGIT`` (as ``dtype`` holds it: ±9984 in bfloat16); with
+    ``ties`` many entries repeat a small drawn pool of values; with
     ``masked`` some items of a row are ``-inf`` under every expert (masked out of that row's
     catalog), at least ``min_items`` of each row staying unmasked.
     """
