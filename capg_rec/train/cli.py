@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 import warnings
 from pathlib import Path
@@ -303,8 +304,10 @@ def _train_logs(args: argparse.Namespace, given: dict, out: Path) -> int:
     cfg, last = trainer.config, result.history[-1]
     value = "no environment" if env is None else f"policy value {last['policy_value']:.4f} under the " \
         f"{trainer.eval_lsr_name} LSR (best achievable under the optimal LSR {env.optimal_value(cfg.num_outputs):.4f})"
-    ope = "" if last["ope_snips"] is None else f"; held-out OPE SNIPS {last['ope_snips']:.4f}, IPS " \
-        f"{last['ope_ips']:.4f} [{last['ope_ips_low']:.4f}, {last['ope_ips_high']:.4f}], ESS {last['ope_ess']:.0f}"
+    snips_interval = [last.get(key, math.nan) for key in ("ope_snips_low", "ope_snips_high")]  # older runs: none
+    ope = "" if last["ope_snips"] is None else f"; held-out OPE SNIPS {last['ope_snips']:.4f} " \
+        f"[{snips_interval[0]:.4f}, {snips_interval[1]:.4f}], IPS {last['ope_ips']:.4f} [{last['ope_ips_low']:.4f}, " \
+        f"{last['ope_ips_high']:.4f}], ESS {last['ope_ess']:.0f}"
     print(f"{cfg.label} from {trainer.train_data.num_rows} logged rows, {result.steps_done} steps "
           f"({cfg.epochs} epochs): {value}{ope}; {result.overflow_count} gradient overflows")
     if env is None and last["ope_snips"] is None:

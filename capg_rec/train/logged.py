@@ -204,10 +204,14 @@ def eval_lsr_name(eval_lsr: str | None, meta: LogMetadata) -> str:
     return eval_lsr or meta.extra.get("lsr", "optimal")
 
 
+OPE_COLUMNS = ("ope_ips", "ope_ips_low", "ope_ips_high", "ope_snips", "ope_snips_low", "ope_snips_high", "ope_ess")
+"""The metrics columns of an off-policy estimate."""
+
+
 def ope_columns(est: OffPolicyEstimate) -> dict[str, float]:
     """The metrics columns of an off-policy estimate (as the trainer and the study report it)."""
-    return {"ope_ips": est.ips, "ope_ips_low": est.ips_ci_low, "ope_ips_high": est.ips_ci_high,
-            "ope_snips": est.snips, "ope_ess": est.effective_sample_size}
+    return dict(zip(OPE_COLUMNS, (est.ips, est.ips_ci_low, est.ips_ci_high, est.snips, est.snips_ci_low,
+                                  est.snips_ci_high, est.effective_sample_size)))
 
 
 class LogTrainer(Trainer):
@@ -346,7 +350,7 @@ class LogTrainer(Trainer):
         for batch in self.eval_data:
             scores = self._scores(batch)
             if not all_finite(scores):  # nothing ranks them: no estimate of this ESR
-                return dict.fromkeys(("ope_ips", "ope_ips_low", "ope_ips_high", "ope_snips", "ope_ess"), math.nan)
+                return dict.fromkeys(OPE_COLUMNS, math.nan)
             top = greedy_candidates(scores, self.config.num_candidates, temperature=self.config.temperature,
                                     validate_args=False)
             inside = (batch.shown.unsqueeze(2) == top.unsqueeze(1)).any(2)
@@ -354,7 +358,7 @@ class LogTrainer(Trainer):
             logged.append(batch.log_inclusion)
             rewards.append(batch.rewards.double())
         if sum(len(t) for t in targets) < 2:
-            return {"ope_ips": None, "ope_ips_low": None, "ope_ips_high": None, "ope_snips": None, "ope_ess": None}
+            return dict.fromkeys(OPE_COLUMNS)
         return ope_columns(off_policy_value(torch.cat(targets), torch.cat(logged), torch.cat(rewards),
                                             validate_args=False))
 

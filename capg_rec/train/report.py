@@ -39,9 +39,10 @@ def mean_pm_se(mean: float, se: float, digits: int) -> str:
 
 
 def write_csv(path: str | os.PathLike, rows: Sequence[Mapping]) -> None:
-    """``rows`` (the first one's keys are the columns) as CSV; an undefined value, None or NaN, is an empty cell."""
+    """``rows`` (every key of any row is a column, in the order first seen: a resumed run's older rows may lack
+    some) as CSV; an undefined value, None, NaN or a key a row lacks, is an empty cell."""
     with open(path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(key for row in rows for key in row)), restval="")
         writer.writeheader()
         writer.writerows({key: "" if isinstance(value, float) and math.isnan(value) else value
                           for key, value in row.items()} for row in rows)
