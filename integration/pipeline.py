@@ -19,7 +19,10 @@ With ``--index-head`` the task learns on-policy through the sampled mode: each b
 ``IndexHead`` (an exact index over the item side, rebuilt every other batch; the head is found before the
 step, as a data loader would), all listed in its sparse features: one lookup. The task draws the
 candidates from the sampled catalog of the index head and the first sample, ranks them, and takes CA-PG
-on the catalog ``resampled`` with the second sample and the candidates as its head.
+on the catalog ``resampled`` with the second sample and the candidates as its head. With ``--head-in-loader``
+each run finds its batches' heads as it is fed, from its own weights: the pipeline fetches batch t + 2 (its
+head searched while the pipeline's lookups are in flight) before step t's forward, so the plain loop finds batch
+t + 2's head before its step t as well.
 """
 
 from __future__ import annotations
@@ -233,6 +236,8 @@ def main() -> int:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--sampled", action="store_true", help="from logs, through the sampled mode")
     mode.add_argument("--index-head", action="store_true", help="on-policy, the sampled mode with an index head")
+    parser.add_argument("--head-in-loader", action="store_true",  # with --index-head
+                        help="with --index-head: each run finds the heads as it is fed (see the module docstring)")
     args = parser.parse_args()
     setup, task, names = ((SAMPLED_SETUP, SampledTask, ("loss", "candidates")) if args.sampled
                           else (SAMPLED_SETUP, OnPolicySampledTask, ("rewards", "candidates")) if args.index_head
@@ -247,6 +252,8 @@ def main() -> int:
                                           lambda params: torch.optim.SGD(params, lr=LR))
         runs[name] = (model, optimizer)
     initial = {k: v.clone() for k, v in local_pieces(runs["loop"][0]).items()}
+    if args.head_in_loader:
+        return _head_in_loader(runs, initial, args)
     retriever = runs["loop"][0].module.retriever
     g = torch.Generator().manual_seed(100 + rank)
     head = IndexHead(retriever, INDEX_HEAD, refresh_every=2)
@@ -274,7 +281,47 @@ def main() -> int:
     it = iter(batches)
     for _ in batches:
         outputs["pipeline"].append(pipeline.progress(it))
-    pipelined = [type(m).__name__ for m in pipeline._pipelined_modules]
+    return _report(runs, initial, outputs, [type(m).__name__ for m in pipeline._pipelined_modules], names, args)
+
+
+def _head_in_loader(runs: dict, initial: dict[str, Tensor], args: argparse.Namespace) -> int:
+    """``--head-in-loader``: each run's batches made as it is fed, their heads from its own retriever's weights
+    (a regression: under the pipeline the head's lookups raised TorchRec's 'Invalid PipelinedForward usage')."""
+    rank = torch.distributed.get_rank()
+
+    def feed(retriever: TwoTowerRetriever):  # the same users and samples for both runs, heads of their own weights
+        g = torch.Generator().manual_seed(100 + rank)
+        head = IndexHead(retriever, INDEX_HEAD, refresh_every=2)
+        for _ in range(args.steps):
+            yield sampled_batch(retriever, head, args.batch, g)
+
+    outputs: dict[str, list] = {"loop": [], "pipeline": []}
+    model, optimizer = runs["loop"]
+    fed = feed(model.module.retriever)
+    ahead = [next(fed), next(fed)]  # batches 0 and 1, from the initial weights, as the pipeline fills itself
+    for _ in range(args.steps):
+        following = next(fed, None)  # batch t + 2, before step t (the pipeline's order)
+        if following is not None:
+            ahead.append(following)
+        batch = ahead.pop(0)
+        optimizer.zero_grad()
+        loss, (first, candidates) = model(batch.to(h.device(), non_blocking=False))
+        loss.backward()
+        optimizer.step()
+        outputs["loop"].append((first, candidates))
+    model, optimizer = runs["pipeline"]
+    pipeline = TrainPipelineSparseDist(model, optimizer, h.device())
+    it = feed(model.module.retriever)
+    for _ in range(args.steps):
+        outputs["pipeline"].append(pipeline.progress(it))
+    return _report(runs, initial, outputs, [type(m).__name__ for m in pipeline._pipelined_modules],
+                   ("rewards", "candidates"), args)
+
+
+def _report(runs: dict, initial: dict[str, Tensor], outputs: dict[str, list], pipelined: list[str],
+            names: tuple[str, str], args: argparse.Namespace) -> int:
+    """The plain loop's and the pipeline's steps and final shards compared, written to ``--out``; 0 if they agree."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     errors: dict[str, float] = {}
     for t, (ref, got) in enumerate(zip(outputs["loop"], outputs["pipeline"])):
         errors[f"step{t}/{names[0]}"] = rel(got[0], ref[0])

@@ -112,6 +112,21 @@ def test_train_pipeline_sparse_dist_trains_on_policy_through_the_sampled_mode_wi
         assert sum(k.startswith("final/") for k in report["errors"]) == 6
 
 
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if worlds(2, backend=b)])
+def test_an_index_head_searched_in_the_data_loader_under_the_pipeline(backend, tmp_path):
+    """The README's flow: each batch's head found as the pipeline fetches it, two batches ahead, while its lookups
+    are in flight (review: TorchRec's 'Invalid PipelinedForward usage' on both ranks). Over 6 steps, the index
+    rebuilt every other batch from trained weights, the pipeline equals a plain loop that finds each head at the
+    same point (batch t + 2's before step t)."""
+    run = launch("pipeline.py", 2, tmp_path, "--steps", "6", "--index-head", "--head-in-loader", backend=backend)
+    assert run.returncode == 0, run.stderr[-4000:]
+    for r in range(2):
+        report = json.loads((tmp_path / f"pipeline_rank{r}.json").read_text())
+        assert report["pipelined_modules"] == ["ShardedEmbeddingCollection"]
+        assert max(report["errors"].values()) <= 1e-6, report["errors"]
+        assert sum(k.startswith("step") and k.endswith("/candidates") for k in report["errors"]) == 6
+
+
 @pytest.mark.parametrize("backend, world", [(b, w) for b in BACKENDS for w in worlds(1, 2, 3, backend=b)])
 def test_towers_and_bag_collections_match_one_process(backend, world, tmp_path):
     """Item tower (chunked, recomputed) + bag-collection user side + user tower: after one step of CA-PG

@@ -348,7 +348,7 @@ class TwoTowerRetriever(nn.Module):
         offset, rows, group = self._layout()
         with _eval_mode(self):  # no dropout; batch norm's running statistics read, not updated
             features = self.with_catalog(self._without_users(0, torch.device(device)))
-            item = self._item(self.embeddings(features))
+            item = self._item(_unpipelined(self.embeddings, features))
             self._record_key_orders(features, None, "item_vectors() (serving_export), whose item-only lookup lists "
                                     "the user features of the collection as user_features does, then the others "
                                     "sorted")
@@ -399,8 +399,8 @@ class TwoTowerRetriever(nn.Module):
             weights=features.weights_or_none(), lengths=torch.cat([lengths, lengths.new_zeros(batch + 1)]),
             stride=batch + 1)
         with _eval_mode(self):  # no dropout; batch norm's running statistics read, not updated
-            bags = None if self.user_embeddings is None else self.user_embeddings(bag_features)
-            user = self._user(self.embeddings(with_empty_catalog), bags, dense, batch)
+            bags = None if self.user_embeddings is None else _unpipelined(self.user_embeddings, bag_features)
+            user = self._user(_unpipelined(self.embeddings, with_empty_catalog), bags, dense, batch)
             self._record_key_orders(with_empty_catalog, bag_features, "user_vectors()")
         return user.view(batch, self.num_experts, user.shape[1] // self.num_experts)
 
@@ -733,6 +733,24 @@ class _Scorer(nn.Module):
                 head_items: Tensor | None = None, index_items: Tensor | None = None
                 ) -> ShardedEmbeddingCatalog | SampledCatalog:
         return self.scores(features, out, bags, dense, masked_items, sample, head_items, index_items)
+
+
+def _unpipelined(module: nn.Module, features: KeyedJaggedTensor) -> object:
+    """``module(features)`` outside a training pipeline's schedule. ``TrainPipelineSparseDist`` replaces, on the
+    instances, a sharded module's forward with one that takes the input distribution it started for the batch in
+    flight, and its input distributions' all-to-all with one whose splits it fuses with the other modules'. A
+    lookup of other ids (the serving halves, an index head searched in the data loader) runs the module's own
+    forward with the all-to-alls' own, between the pipeline's collectives (every rank at the same point)."""
+    if "forward" not in vars(module):  # not pipelined
+        return module(features)
+    replaced = [(dist, vars(dist).pop("forward")) for child in module.modules()
+                for dist in (getattr(d, "_dist", None) for d in getattr(child, "_input_dists", ()))
+                if dist is not None and "forward" in vars(dist)]
+    try:
+        return type(module).forward(module, features)
+    finally:
+        for dist, forward in replaced:
+            dist.forward = forward
 
 
 def _layout(kjt: KeyedJaggedTensor | None, *, ids_cast: bool = False) -> tuple[int, int, int]:
