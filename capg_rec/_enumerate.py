@@ -1,6 +1,6 @@
 """Exact enumeration of Plackett-Luce(-MoE) draws for tiny catalogs (reference for tests).
 
-Every ordered draw of K distinct items out of N is listed, so this is for few draws (``Enumeration`` takes up to 8!).
+Every ordered draw of K distinct items out of N is listed, so this is for few draws (see ``Enumeration``).
 All functions are differentiable, which makes them references for gradients too.
 """
 

@@ -10,8 +10,8 @@ string works wherever a method is taken (``CAPGLoss(K, method="plugin")``):
   ``1 - exp(-w_a t)`` with ``Σ_b (1 - exp(-w_b t)) = K``, run block by block for a mixture. O(N).
 * :class:`PlugIn` (``"plugin"``): the paper's arg-top-(k-1) plug-in: the hazard at position k is
   evaluated at the most probable prefix of k-1 items *that excludes the target*.
-* :class:`Enumeration` (``"enumerate"``): every ordered draw, up to ``8! = 40,320`` of them (N ≤ 8, or K ≤ 4 of
-  N ≤ 15, ...).
+* :class:`Enumeration` (``"enumerate"``): every ordered draw, as long as the draws times the items stay within
+  those of 8 items (N ≤ 8, or K ≤ 4 of 13 items, K ≤ 3 of 24, ...).
 * :class:`WithReplacement` (``"with_replacement"``): sampling with replacement,
   ``log Σ_k π_{m(k)}(a)`` — the CA-PG-SwR / TOP1-PG score. Not a probability (it can exceed 1:
   it is the expected number of times a is drawn); its gradient is what CA-PG-SwR uses.
@@ -183,23 +183,25 @@ class Exact(InclusionMethod):
 
 class Enumeration(InclusionMethod):
     """Every ordered draw enumerated, in float64: exact for mixtures too (``"exact"`` is block-exact
-    there). The reference of the tests and the validator, for at most :attr:`max_draws` ordered draws
-    ``N!/(N-K)!``: every draw of 8 items, or of K ≤ 4 out of 15, ... (it holds ``[B, draws, N]``)."""
+    there). The reference of the tests and the validator. It holds ``[B, draws, N]`` (``N!/(N-K)!`` draws),
+    at most :attr:`max_entries` a row: every draw of 8 items, of K ≤ 4 out of 13, of K ≤ 3 out of 24, ..."""
 
-    max_draws = math.factorial(8)
+    max_entries = math.factorial(8) * 8
 
     @classmethod
     def affordable(cls, num_items: int, num_candidates: int) -> bool:
-        """Whether a catalog of ``num_items`` has at most :attr:`max_draws` ordered draws of ``num_candidates``."""
-        return math.perm(num_items, min(num_candidates, num_items)) <= cls.max_draws
+        """Whether a catalog of ``num_items`` has at most :attr:`max_entries` draws of ``num_candidates`` times
+        items."""
+        return math.perm(num_items, min(num_candidates, num_items)) * num_items <= cls.max_entries
 
     @classmethod
     def check_affordable(cls, num_items: int, num_candidates: int) -> None:
-        """``ValueError`` unless :meth:`affordable`, naming the number of draws."""
+        """``ValueError`` unless :meth:`affordable`, naming the size."""
         if not cls.affordable(num_items, num_candidates):
-            draws = math.perm(num_items, num_candidates)
-            raise ValueError(f"Enumeration needs at most {cls.max_draws} ordered draws N!/(N-K)! (every draw of 8 "
-                             f"items), got {draws if draws < 10**9 else format(draws, '.3g')} for N = {num_items}, "
+            entries = math.perm(num_items, num_candidates) * num_items
+            raise ValueError(f"Enumeration holds every ordered draw times every item, N!/(N-K)! × N entries a row, at "
+                             f"most {cls.max_entries} (those of 8 items), got "
+                             f"{entries if entries < 10**9 else format(entries, '.3g')} for N = {num_items}, "
                              f"K = {num_candidates}")
 
     def log_inclusion(self, catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:

@@ -582,10 +582,24 @@ def test_catalog_esr_bad_arguments(args, kwargs, error, match):
 
 
 def test_enumerate_needs_a_tiny_catalog():
-    with pytest.raises(ValueError, match="at most 40320 ordered draws"):
+    with pytest.raises(ValueError, match="at most 322560 \\(those of 8 items\\)"):
         CatalogESR(randn(1, 16), 4, method="enumerate").inclusion_log_prob(None)
     # by default a mixture too large to enumerate takes block-exact
     assert CatalogESR(randn(1, 2, 16), 4).inclusion_log_prob(None).shape == (1, 16)
+
+
+def test_the_default_method_enumerates_only_where_block_exact_is_not_exact(monkeypatch):
+    """Enumeration for a draw of several expert blocks, where it is affordable; block-exact, exact for one block,
+    otherwise (review: a K = 1 mixture of 8,000 items took the enumeration, 6 GB, for an exact answer)."""
+    import capg_rec.validate.protocol as protocol
+
+    methods = []
+    real = protocol.inclusion_log_prob
+    monkeypatch.setattr(protocol, "inclusion_log_prob", lambda *a, method, **k: methods.append(method) or
+                        real(*a, method=method, **k))
+    for logits, k in ((randn(1, 2, 600), 1), (randn(1, 2, 9), 4), (randn(1, 2, 14), 4), (randn(1, 9), 4)):
+        CatalogESR(logits, k).inclusion_log_prob(None)
+    assert methods == ["exact", "enumerate", "exact", "exact"]
 
 
 def test_catalog_esr_is_an_esr():

@@ -59,8 +59,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             help=f"online: {', '.join(ESTIMATORS)} (default {TrainConfig.estimator}); with --logs: "
                  f"{', '.join(LOG_ESTIMATORS)} (default {LogTrainConfig.estimator})", defaults=False)
     _option(p, "--capg-method", help=f"CA-PG's inclusion method, one of {', '.join(inclusion_methods())} (enumerate: "
-                                     "at most 8! ordered draws N!/(N-K)!); default the library's, with --logs the "
-                                     "logs' own")
+                                     "small catalogs, draws × items within those of 8 items); default the library's, "
+                                     "with --logs the logs' own")
     _option(p, "-K", "--num-candidates", type=positive_int)
     _option(p, "-L", "--num-outputs", type=positive_int)
     _option(p, "-M", "--num-experts", type=positive_int)

@@ -17,7 +17,7 @@ from torch import Tensor
 from capg_rec._checks import check_count, check_positive
 from capg_rec.catalog import CatalogScores, DenseCatalog, EmbeddingCatalog, as_catalog
 from capg_rec.marginals import Enumeration, InclusionMethod, inclusion_log_prob, inclusion_method
-from capg_rec.plackett_luce import candidate_log_prob, expert_of_position, sample_candidates
+from capg_rec.plackett_luce import candidate_log_prob, expert_of_position, expert_runs, sample_candidates
 
 __all__ = ["ESR", "CatalogESR"]
 
@@ -71,9 +71,9 @@ class CatalogESR:
     (or, for a method that is not a probability such as ``WithReplacement``, one independent
     softmax draw per position); claims come from :func:`~capg_rec.inclusion_log_prob` with
     ``method`` (an :class:`~capg_rec.InclusionMethod`, yours included, or a registered name; by default
-    ``"enumerate"`` for a mixture with at most :attr:`~capg_rec.Enumeration.max_draws` ordered draws, where it is
-    exact, else ``"exact"``, which is exact for one expert and block-exact, an approximation, for a mixture: a
-    correct mixture ESR may then fail its inclusion checks) and
+    ``"enumerate"`` for a draw of more than one expert block where it is affordable
+    (:meth:`~capg_rec.Enumeration.affordable`), else ``"exact"``, which is exact for one block and block-exact,
+    an approximation, for more: a correct mixture ESR may then fail its inclusion checks) and
     :func:`~capg_rec.candidate_log_prob`. ``max_elements`` bounds the ``B·copies·M·N`` scores
     held at once while sampling.
     """
@@ -132,8 +132,9 @@ class CatalogESR:
         items = torch.arange(catalog.num_items, device=catalog.device).expand(catalog.batch_size, -1)
         method = self.method
         if method is None:  # block-exact's error in a mixture would fail a correct ESR (0.04 at N = 12, K = 4)
-            exact = catalog.num_experts > 1 and Enumeration.affordable(catalog.num_items, self.num_candidates)
-            method = "enumerate" if exact else "exact"
+            blocks = len(expert_runs(self.num_candidates, catalog.num_experts))  # "exact" is exact for one
+            method = "enumerate" if blocks > 1 and Enumeration.affordable(catalog.num_items, self.num_candidates) \
+                else "exact"
         with torch.no_grad():
             return inclusion_log_prob(catalog, items, self.num_candidates, method=method)
 
