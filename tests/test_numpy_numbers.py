@@ -15,7 +15,12 @@ from capg_rec import CAPGLoss, EmbeddingCatalog, VPGLoss, group_normalize, inclu
 from capg_rec.functional import offpolicy_capg_loss
 from capg_rec.logs import explore_candidates, log_propensities
 from capg_rec.offpolicy_evaluation import off_policy_value
+from capg_rec.logs import LoggedImpressions
+from capg_rec.logs.cli import generate_logs
+from capg_rec.sim import synthetic_env
 from capg_rec.train.config import TrainConfig
+from capg_rec.train.logged import LogTrainConfig
+from capg_rec.train.offpolicy import OffPolicyStudy
 
 
 def _inputs():
@@ -55,11 +60,24 @@ def test_logging_and_evaluation_take_numpy_numbers_alike():
                        group_normalize(rewards, offset=0.5, dim=0))
 
 
-def test_a_config_keeps_numpy_numbers_as_python_ones():
-    """A run's config is saved as JSON, which numpy's numbers are not."""
+def test_a_config_keeps_numpy_numbers_as_python_ones(tmp_path):
+    """A run's config is saved as JSON, which numpy's numbers are not (a review of this change: a run from logs
+    or the off-policy study failed at its very end, writing its result, and logs generated with numpy numbers
+    failed at their metadata)."""
     config = TrainConfig(num_candidates=np.int64(10), temperature=np.float32(0.5), seed=np.uint32(3))
     assert (type(config.num_candidates), type(config.temperature), type(config.seed)) == (int, float, int)
     json.dumps(dataclasses.asdict(config))
+    logged = LogTrainConfig(logs=["logs.parquet"], epochs=np.int64(2), temperature=np.float32(0.5))
+    assert (type(logged.epochs), type(logged.temperature)) == (int, float)
+    json.dumps(dataclasses.asdict(logged))
+    study = OffPolicyStudy(ks=(np.int64(20),), seeds=(np.int64(0),), batch_size=np.int64(64), sizes=(np.int64(640),))
+    assert type(study.ks[0]) is int and type(study.batch_size) is int
+    json.dumps(dataclasses.asdict(study))
+    env = synthetic_env(num_users=6, num_items=5)
+    generate_logs(env, lambda users: torch.zeros(len(users), 1, 5), tmp_path / "logs.parquet",
+                  num_interactions=np.int64(8), num_candidates=np.int64(3), num_outputs=np.int64(1),
+                  temperature=np.float32(2.0), epsilon=np.float64(0.25), seed=np.int64(1), progress=False)
+    assert LoggedImpressions(tmp_path / "logs.parquet", 4).meta.extra["temperature"] == 2.0
 
 
 @pytest.mark.parametrize("call", [

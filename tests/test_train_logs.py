@@ -462,7 +462,9 @@ def test_logs_with_no_rows_to_train_on_are_refused(tmp_path):
     empty = write_logs(tmp_path / "empty.parquet", [0, 0])
     with pytest.raises(ValueError, match="empty.parquet hold no rows to train on"):
         LogTrainer(LogTrainConfig(logs=[str(empty)], holdout=0.0))
-    for recorded in ("ten", 0, 2.0):  # review: int("ten") failed without naming the logs
+    assert LogTrainer(LogTrainConfig(logs=[str(write_logs(tmp_path / "float.parquet", [6, 6],
+                                                          extra={"num_users": 10.0}))], holdout=0.5)).num_users == 10
+    for recorded in ("ten", 0, 2.5, "10"):  # review: int("ten") failed without naming the logs
         path = write_logs(tmp_path / f"users-{recorded}.parquet", [6, 6], extra={"num_users": recorded})
         with pytest.raises(ValueError, match=f"record num_users = {recorded!r} in their metadata's extra"):
             LogTrainer(LogTrainConfig(logs=[str(path)], holdout=0.5))

@@ -135,9 +135,9 @@ def generate_logs(env, model: torch.nn.Module, out: str | Path, *, num_interacti
     and write them to ``out`` (Parquet); returns the summary (rows, rewards, propensities, speed)."""
     from tqdm.auto import tqdm
 
-    from capg_rec._checks import check_count
+    from capg_rec._checks import check_count, check_positive
     from capg_rec.logs.parquet import LogWriter
-    from capg_rec.logs.propensity import explore_candidates, log_propensities
+    from capg_rec.logs.propensity import _check_epsilon, explore_candidates, log_propensities
     from capg_rec.logs.schema import LoggedBatch
     from capg_rec.sim.lsr import make_lsr
 
@@ -145,6 +145,9 @@ def generate_logs(env, model: torch.nn.Module, out: str | Path, *, num_interacti
     batch_size = check_count("batch_size", batch_size)
     num_candidates = check_count("num_candidates", num_candidates, high=env.num_items)
     num_outputs = check_count("num_outputs", num_outputs, high=num_candidates)
+    # checked here, as Python numbers: they go into the file's metadata (JSON) before anything reads them
+    temperature, epsilon = check_positive("temperature", temperature), _check_epsilon(epsilon)
+    seed = check_count("seed", seed, low=0, high=2**63 - 1)
     ranker = make_lsr(lsr)
     g = torch.Generator().manual_seed(seed)
     extra = dict(extra or {}, env=env.name, lsr=lsr, temperature=temperature, epsilon=epsilon, seed=seed,

@@ -42,6 +42,20 @@ def _num(name: str, value: object, *, positive: bool) -> None:
         raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
 
 
+def python_numbers(config: object) -> None:
+    """A frozen dataclass's numpy numbers, in its fields and their tuples, as Python's (checked already): a config
+    is saved as JSON, which numpy's numbers are not."""
+    def plain(value: object) -> object:
+        if isinstance(value, tuple):
+            return tuple(plain(v) for v in value)
+        if is_number(value) and type(value) not in (int, float):
+            return int(value) if is_int(value) else float(value)
+        return value
+
+    for f in fields(config):
+        object.__setattr__(config, f.name, plain(getattr(config, f.name)))
+
+
 def _choice(name: str, value: object, choices: tuple) -> None:
     if not isinstance(value, str):
         raise TypeError(f"{name} must be one of {choices}, got {type(value).__name__} {value!r}")
@@ -99,10 +113,7 @@ class TrainConfig:
                      "adaptive_lr_batches", "embedding_dim", "eval_every", "group_size"):
             _int(name, getattr(self, name), 1)
         _int("seed", self.seed, 0, SEED_MAX)
-        for f in fields(self):  # numpy's numbers as Python's: the config is saved as JSON
-            value = getattr(self, f.name)
-            if is_number(value) and type(value) not in (int, float):
-                object.__setattr__(self, f.name, int(value) if is_int(value) else float(value))
+        python_numbers(self)
         if self.num_outputs > self.num_candidates:
             raise ValueError(f"num_outputs must be <= num_candidates={self.num_candidates}, "
                              f"got {self.num_outputs}")

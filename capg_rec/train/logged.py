@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from capg_rec._checks import all_finite, is_int
+from capg_rec._checks import all_finite, is_number
 from capg_rec.losses import OffPolicyCAPGLoss, OffPolicyVPGLoss, TopKReinforceLoss
 from capg_rec.marginals import DEFAULT_METHOD, inclusion_method, inclusion_methods
 from capg_rec.offpolicy_evaluation import OffPolicyEstimate, off_policy_value
@@ -32,7 +32,7 @@ from capg_rec.plackett_luce import expert_runs, greedy_candidates
 from capg_rec.sim.env import MatrixEnv
 from capg_rec.sim.lsr import LSR_NAMES, make_lsr
 from capg_rec.train.checkpoint import CHECKPOINT_VERSION, read_checkpoint
-from capg_rec.train.config import SEED_MAX, _choice, _int, _num
+from capg_rec.train.config import SEED_MAX, _choice, _int, _num, python_numbers
 from capg_rec.train.model import TwoTowerMoE
 from capg_rec.train.report import plot_curves, write_csv
 from capg_rec.train.trainer import Trainer, TrainResult
@@ -129,6 +129,7 @@ class LogTrainConfig:
         if self.eval_lsr is not None:
             _choice("eval_lsr", self.eval_lsr, LSR_NAMES)
         _choice("on_overflow", self.on_overflow, _ON_OVERFLOW)
+        python_numbers(self)
 
     @property
     def method(self) -> str | None:
@@ -295,8 +296,8 @@ class LogTrainer(Trainer):
     def _count_users(data) -> int:
         """Context keys index the user table: ``extra["num_users"]`` if the logs record it, else 1 + the largest."""
         if "num_users" in data.meta.extra:
-            recorded = data.meta.extra["num_users"]
-            if not is_int(recorded) or recorded < 1:
+            recorded = data.meta.extra["num_users"]  # a whole number (another tool may write 1000.0)
+            if not (is_number(recorded) and math.isfinite(recorded) and float(recorded).is_integer()) or recorded < 1:
                 raise ValueError(f"logs: {data.files[0]} record num_users = {recorded!r} in their metadata's extra, "
                                  "not a number of users (an int >= 1)")
             return int(recorded)

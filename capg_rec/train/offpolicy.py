@@ -34,7 +34,7 @@ from capg_rec.offpolicy_evaluation import off_policy_value
 from capg_rec.plackett_luce import greedy_candidates, sample_candidates
 from capg_rec.sim.env import MatrixEnv
 from capg_rec.sim.lsr import OptimalLSR
-from capg_rec.train.config import SEED_MAX, TrainConfig
+from capg_rec.train.config import SEED_MAX, TrainConfig, python_numbers
 from capg_rec.train.logged import _LR, _estimator_loss, ope_columns
 from capg_rec.train.report import markdown_table, mean_pm_se, mean_se, write_csv, write_json
 from capg_rec.train.trainer import Trainer, policy_value
@@ -96,6 +96,7 @@ class OffPolicyStudy:
             raise ValueError(f"num_outputs must be <= every K of ks, got {self.num_outputs} and ks {list(self.ks)}")
         if min(self.sizes) < self.batch_size:
             raise ValueError(f"sizes must be >= batch_size={self.batch_size}, got {min(self.sizes)}")
+        python_numbers(self)
 
 
 @dataclass
