@@ -370,10 +370,10 @@ def test_reproduce_refuses_to_overwrite_a_longer_run(env, tmp_path):
     run_dir = next((tmp_path / "runs").iterdir())
     saved = {path.name: path.read_bytes() for path in run_dir.iterdir()}
     shorter = Cell("K=5", _config(steps=10, eval_every=10))
-    with pytest.raises(ValueError, match="holds this run at step 20, beyond the 10 steps asked"):
+    with pytest.raises(ValueError, match="holds this run at step 20 of 20: a run of 10 steps would overwrite it"):
         run_cells(env, [shorter], [0], tmp_path, checkpoint_every=10, progress=False)
     (run_dir / "result.json").unlink()  # an interrupted longer run: only its step-20 checkpoint is left
-    with pytest.raises(ValueError, match="holds this run at step 20, beyond the 10 steps asked"):
+    with pytest.raises(ValueError, match="holds this run at step 20 of 20: a run of 10 steps would overwrite it"):
         run_cells(env, [shorter], [0], tmp_path, checkpoint_every=10, progress=False)
     assert {path.name: path.read_bytes() for path in run_dir.iterdir()} == {
         name: data for name, data in saved.items() if name != "result.json"}
@@ -386,7 +386,7 @@ def test_reproduce_refuses_to_overwrite_a_longer_run(env, tmp_path):
     (only,) = (other / "runs").iterdir()
     (only / "result.json").unlink()
     trainer.save(only / "checkpoint.pt")
-    with pytest.raises(ValueError, match="holds this run at step 10, beyond the 10 steps asked"):
+    with pytest.raises(ValueError, match="holds this run at step 10 of 20: a run of 10 steps would overwrite it"):
         run_cells(env, [shorter], [0], other, checkpoint_every=10, progress=False)
     # a finished run of the steps asked whose result.json is gone: trained again, as before (nothing longer lost)
     finished = tmp_path / "finished"

@@ -433,8 +433,7 @@ def _readable(batches: Iterator[pa.RecordBatch], where: str) -> Iterator[pa.Reco
 def _log_files(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
-    elif not isinstance(paths, Sequence) or isinstance(paths, bytes) or \
-            not all(isinstance(p, (str, os.PathLike)) for p in paths):
+    elif not isinstance(paths, Sequence) or not all(isinstance(p, (str, os.PathLike)) for p in paths):
         raise TypeError(f"path_or_paths must be a path, a directory or a list of paths, got {paths!r}")
     elif not paths:
         raise ValueError("path_or_paths must name at least one path, got an empty list")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from capg_rec._checks import check_count, is_number
+from capg_rec._checks import check_count, is_int, is_number
 
 __all__ = ["MatrixEnv"]
 
@@ -43,6 +43,16 @@ def check_user_items(users: object, items: object, num_users: int, num_items: in
         raise ValueError(f"users and items must have shapes [B] and [B, L], got {list(users.shape)} and "
                          f"{list(items.shape)}")
     return users, items
+
+
+def settings_text(*settings: tuple[str, object, object]) -> str:
+    """``", key=value"`` for each ``(key, value, default)`` whose value is not its default, numbers written exactly
+    (a float's shortest exact form; numpy's as Python's): what an environment's name adds for the settings that
+    make other tables, since checkpoints, reused runs and logs are matched to an environment by its name."""
+    def plain(value: object) -> object:
+        return (int(value) if is_int(value) else float(value)) if is_number(value) else value
+
+    return "".join(f", {key}={plain(value)!r}" for key, value, default in settings if plain(value) != default)
 
 
 @dataclass(frozen=True, eq=False)
@@ -123,7 +133,8 @@ class MatrixEnv:
 
     def subset(self, users: Tensor | None = None, items: Tensor | None = None) -> MatrixEnv:
         """The environment restricted to some users and/or items: ``[U']`` and ``[N']`` ids (re-numbered from 0 in
-        that order) or bool masks ``[U]``, ``[N]``. It is another environment, which checkpoints and logs tell apart:
+        that order; an id twice is two users or items: a resample) or bool masks ``[U]``, ``[N]``. It is another
+        environment, which checkpoints and logs tell apart:
         named ``"<name>[subset <digest of its tables>]"``."""
         tables = [self.q, self.reward_std, self.lsr_scores]
         for name, ids, count, dim in (("users", users, self.num_users, 0), ("items", items, self.num_items, 1)):
@@ -136,8 +147,6 @@ class MatrixEnv:
             ids = check_ids(name, ids, count)
             if ids.dim() != 1 or not ids.numel():
                 raise ValueError(f"{name} must be a non-empty 1-d tensor of ids, got shape {list(ids.shape)}")
-            if ids.unique().numel() != ids.numel():  # a user or an item twice would be two of them
-                raise ValueError(f"{name} must not repeat an id, got {ids.tolist()}")
             tables = [t.index_select(dim, ids.to(t.device)) for t in tables]
         digest = hashlib.sha256(b"".join(t.detach().cpu().double().numpy().tobytes() for t in tables)).hexdigest()
         return MatrixEnv(*tables, name=f"{self.name}[subset {digest[:12]}]")

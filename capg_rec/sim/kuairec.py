@@ -14,7 +14,7 @@ import warnings
 import numpy as np
 import torch
 
-from capg_rec.sim.env import MatrixEnv
+from capg_rec.sim.env import MatrixEnv, settings_text
 
 __all__ = ["load_kuairec", "KUAIREC_COLUMNS"]
 
@@ -71,5 +71,5 @@ def load_kuairec(path: str | os.PathLike, *, relative_noise: float = 0.3) -> Mat
     table = _dense_mean(ids[:, 0], ids[:, 1], np.clip(data[:, 2], 0.0, _MAX_WATCH_RATIO))
     q = torch.from_numpy(table).float()
     digest = hashlib.sha256(q.numpy().tobytes()).hexdigest()[:12]  # runs on other data are told apart by name
-    noise = "" if relative_noise == 0.3 else f", relative_noise={relative_noise}"  # its reward tables differ too
+    noise = settings_text(("relative_noise", relative_noise, 0.3))  # its reward tables differ too
     return MatrixEnv.from_table(q, relative_noise=relative_noise, name=f"kuairec(table={digest}{noise})")

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from capg_rec._checks import check_count, check_positive, is_int
-from capg_rec.sim.env import MatrixEnv
+from capg_rec.sim.env import MatrixEnv, settings_text
 
 __all__ = ["movielens_env", "load_movielens_ratings", "fit_matrix_factorization"]
 
@@ -84,9 +84,8 @@ def movielens_env(*, min_item_ratings: int = 10, rank: int = 10, reg: float = 0.
     if not is_int(seed):
         raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
     seed = int(seed)
-    # the other settings that make other tables, where not the default (checkpoints and runs are matched by name)
-    settings = "".join(f", {key}={value}" for key, value, default in (
-        ("reg", reg, 0.1), ("iterations", iterations, 20), ("relative_noise", relative_noise, 0.3)) if value != default)
+    # the other settings that make other tables
+    settings = settings_text(("reg", reg, 0.1), ("iterations", iterations, 20), ("relative_noise", relative_noise, 0.3))
     users, items, ratings = load_movielens_ratings(min_item_ratings)
     if users.numel() == 0:
         raise ValueError(f"min_item_ratings={min_item_ratings} keeps no movie (the most rated has fewer ratings)")

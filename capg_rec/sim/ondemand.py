@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from capg_rec._checks import check_count, check_positive, is_int
-from capg_rec.sim.env import MatrixEnv, check_ids, check_user_items
+from capg_rec.sim.env import MatrixEnv, check_ids, check_user_items, settings_text
 from capg_rec.sim.synthetic import _unit_rows
 
 __all__ = ["OnDemandSyntheticEnv"]
@@ -88,8 +88,8 @@ class OnDemandSyntheticEnv:
         self.m_latent = _unit_rows(torch.randn(dim, dim, generator=g, dtype=torch.float64)).to(self.device)
         self.m_base = _unit_rows(torch.randn(dim, dim, generator=g, dtype=torch.float64)).to(self.device)
         self.w_noise = torch.randn(dim, dim, generator=g, dtype=torch.float64).to(self.device)
-        scaled = "" if self.scale == 10.0 else f", scale={self.scale:g}"  # what makes other tables, as the name says
-        self.name = f"ondemand_synthetic(seed={seed}, U={num_users}, N={num_items}, d={dim}{scaled})"
+        self.name = f"ondemand_synthetic(seed={seed}, U={num_users}, N={num_items}, d={dim}" \
+            f"{settings_text(('scale', self.scale, 10.0))})"  # every setting that makes other tables
 
     def user_vectors(self, users: Tensor) -> Tensor:
         """``users [...]`` (ids) → ``[..., d]`` float64 unit vectors."""

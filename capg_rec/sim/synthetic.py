@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from capg_rec._checks import check_count, check_positive, is_int
-from capg_rec.sim.env import MatrixEnv
+from capg_rec.sim.env import MatrixEnv, settings_text
 
 __all__ = ["synthetic_env", "PAPER_SEED"]
 
@@ -88,8 +88,7 @@ def synthetic_env(seed: int = PAPER_SEED, *, num_users: int = 1000, num_items: i
     q = F.softplus(q_raw) + 1
     reward_std = torch.sigmoid(users @ p["w_noise"] @ items.T + 1)
     coupling = "paper" if paper_coupling else "independent"
-    # every setting that makes other tables, where not the default (checkpoints and runs are matched by name)
-    settings = "".join(f", {key}={value:g}" for key, value, default in (("dim", dim, 10), ("scale", scale, 10.0))
-                       if value != default)
+    # the settings besides the shape (which a checkpoint checks apart) that make other tables
+    settings = settings_text(("dim", dim, 10), ("scale", scale, 10.0))
     return MatrixEnv(q.float(), reward_std.float(), q_raw.float(),
                      name=f"synthetic(seed={seed}, {coupling}{settings})")

@@ -39,7 +39,7 @@ def _checked(rewards: Tensor, contexts: Tensor | None, num_contexts: int, group:
     def local() -> list[Tensor]:
         r = check_float_tensor("rewards", rewards, ndims=(2,), validate=False).detach()
         c = None
-        if num_contexts:  # None too is refused here, on every rank, not in a collective of only some
+        if num_contexts:  # None too is refused here (with the checks on, on every rank: in their exchange)
             if not isinstance(contexts, Tensor) or contexts.dim() != 1:
                 raise (ValueError if isinstance(contexts, Tensor) else TypeError)(
                     f"contexts must be a 1-dim tensor of ids [B_r], got {getattr(contexts, 'shape', type(contexts))}")

@@ -416,7 +416,7 @@ class LogTrainer(Trainer):
         trainer.model.load_state_dict(state["model"])
         trainer.step_count, trainer.epoch, trainer.epoch_step = state["step"], state["epoch"], state["epoch_step"]
         trainer.interval_losses = state["interval_losses"]
-        trainer._restore_result(state, extended=epochs is not None)
+        trainer._restore_result(state, extended=epochs is not None and epochs != state["config"]["epochs"])
         trainer.optimizer = trainer._optimizer(state["lr"])
         trainer.optimizer.load_state_dict(state["optimizer"])
         return trainer

@@ -188,7 +188,7 @@ def run_cells(env: MatrixEnv, cells: Sequence[Cell], seeds: Sequence[int], out: 
                 saved["config"] == config.replace(steps=saved["config"]["steps"]).to_dict()
             if saved["steps_done"] > config.steps and not stopped_alike and \
                     saved["config"] == config.replace(steps=saved["config"]["steps"]).to_dict():
-                raise _longer_run(run_dir, saved["steps_done"], config.steps)
+                raise _longer_run(run_dir, saved["steps_done"], saved["config"]["steps"], config.steps)
             if (saved["config"] == config.to_dict() or stopped_alike) and "env" in saved:
                 # a value that was NaN (a diverged run) is saved as null: NaN again
                 history = [dict(row, policy_value=math.nan if row["policy_value"] is None else row["policy_value"])
@@ -212,14 +212,15 @@ def _resumable(path: Path, env: MatrixEnv, config: TrainConfig) -> Trainer | Non
         return None
     same = state["config"] == config.replace(steps=state["config"]["steps"]).to_dict() and state["env"] == env.name
     if same and state["step"] >= config.steps and state["config"]["steps"] != config.steps:
-        raise _longer_run(path.parent, state["step"], config.steps)
+        raise _longer_run(path.parent, state["step"], state["config"]["steps"], config.steps)
     return Trainer.from_state(state, env, steps=config.steps) if same and state["step"] < config.steps else None
 
 
-def _longer_run(run_dir: Path, step: int, steps: int) -> ValueError:
-    """What a run of fewer steps than one saved in ``run_dir`` (at ``step``) raises: it would overwrite that run."""
-    return ValueError(f"{run_dir} holds this run at step {step}, beyond the {steps} steps asked: a run of fewer "
-                      "steps would overwrite it; give another output folder, or at least as many steps")
+def _longer_run(run_dir: Path, step: int, target: int, steps: int) -> ValueError:
+    """What a run of ``steps`` raises where ``run_dir`` holds a longer one of the same cell (at ``step`` of
+    ``target``): it would overwrite that run."""
+    return ValueError(f"{run_dir} holds this run at step {step} of {target}: a run of {steps} steps would overwrite "
+                      "it; give another output folder, or as many steps as the run has")
 
 
 def summarize(target: str, env: MatrixEnv, cells: Sequence[Cell], results: dict, out: str | os.PathLike,

@@ -386,7 +386,7 @@ class Trainer:
         trainer.baseline_table, trainer.baseline_seen = state["baseline_table"], state["baseline_seen"]
         trainer.step_count = state["step"]
         trainer.interval_losses = state["interval_losses"]
-        trainer._restore_result(state, extended=steps is not None)
+        trainer._restore_result(state, extended=steps is not None and steps != state["config"]["steps"])
         trainer.optimizer = trainer._optimizer(state["lr"])
         trainer.optimizer.load_state_dict(state["optimizer"])
         return trainer

@@ -7,7 +7,8 @@ Exit status:
      does not make an ESR, B = 0 contexts, a --json or --plot path that cannot be written
   3  the ESR crashed: importing its module, its factory or one of its methods or attributes raised an
      exception (traceback on stderr), or returned output that breaks the ESR protocol
-  4  the validator itself failed (a bug of capg_rec's: traceback on stderr)
+  4  the validator itself failed: a bug of capg_rec's, or an output of the ESR it could not read
+     (traceback on stderr)
 """
 
 from __future__ import annotations
@@ -201,7 +202,8 @@ def _main(args: argparse.Namespace) -> None:
         _exit(EXIT_CRASH, f"error in the ESR: {err}")
     except Exception as err:  # not the ESR's, nor a verdict on it: its status must not read as a failed validation
         traceback.print_exception(err)
-        _exit(EXIT_INTERNAL, f"internal error of the validator: {type(err).__name__}: {err}")
+        _exit(EXIT_INTERNAL, f"internal error of the validator (or an output of the ESR it could not read): "
+                             f"{type(err).__name__}: {err}")
     if not passed:
         raise SystemExit(EXIT_FAIL)
 
