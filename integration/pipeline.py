@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -268,20 +269,27 @@ def main() -> int:
         users = torch.randint(0, SETUP.num_users, (args.batch,), generator=g)
         batches.append(Batch(dense_features=torch.zeros(args.batch, 0), labels=users,
                              sparse_features=retriever.with_catalog(h.user_batch(users))))
-    outputs: dict[str, list] = {"loop": [], "pipeline": []}
-    model, optimizer = runs["loop"]
-    for batch in batches:
-        optimizer.zero_grad()
-        loss, (first, candidates) = model(batch.to(h.device(), non_blocking=False))
-        loss.backward()
-        optimizer.step()
-        outputs["loop"].append((first, candidates))
-    model, optimizer = runs["pipeline"]
+    loop = [_step(*runs["loop"], batch) for batch in batches]
+    pipelined, modules = _pipelined(runs["pipeline"], iter(batches), len(batches))
+    return _report(runs, initial, {"loop": loop, "pipeline": pipelined}, modules, names, args)
+
+
+def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: object) -> tuple[Tensor, Tensor]:
+    """One step of the plain loop → the task's first output and candidates."""
+    optimizer.zero_grad()
+    loss, (first, candidates) = model(batch.to(h.device(), non_blocking=False))
+    loss.backward()
+    optimizer.step()
+    return first, candidates
+
+
+def _pipelined(run: tuple[nn.Module, torch.optim.Optimizer], batches: Iterator, steps: int) -> tuple[list, list[str]]:
+    """``steps`` steps of ``run`` through ``TrainPipelineSparseDist`` fed by ``batches`` → their outputs and the
+    modules the pipeline pipelined."""
+    model, optimizer = run
     pipeline = TrainPipelineSparseDist(model, optimizer, h.device())
-    it = iter(batches)
-    for _ in batches:
-        outputs["pipeline"].append(pipeline.progress(it))
-    return _report(runs, initial, outputs, [type(m).__name__ for m in pipeline._pipelined_modules], names, args)
+    outputs = [pipeline.progress(batches) for _ in range(steps)]
+    return outputs, [type(m).__name__ for m in pipeline._pipelined_modules]
 
 
 def _head_in_loader(runs: dict, initial: dict[str, Tensor], args: argparse.Namespace) -> int:
@@ -295,27 +303,16 @@ def _head_in_loader(runs: dict, initial: dict[str, Tensor], args: argparse.Names
         for _ in range(args.steps):
             yield sampled_batch(retriever, head, args.batch, g)
 
-    outputs: dict[str, list] = {"loop": [], "pipeline": []}
-    model, optimizer = runs["loop"]
-    fed = feed(model.module.retriever)
+    loop = []
+    fed = feed(runs["loop"][0].module.retriever)
     ahead = [next(fed), next(fed)]  # batches 0 and 1, from the initial weights, as the pipeline fills itself
     for _ in range(args.steps):
         following = next(fed, None)  # batch t + 2, before step t (the pipeline's order)
         if following is not None:
             ahead.append(following)
-        batch = ahead.pop(0)
-        optimizer.zero_grad()
-        loss, (first, candidates) = model(batch.to(h.device(), non_blocking=False))
-        loss.backward()
-        optimizer.step()
-        outputs["loop"].append((first, candidates))
-    model, optimizer = runs["pipeline"]
-    pipeline = TrainPipelineSparseDist(model, optimizer, h.device())
-    it = feed(model.module.retriever)
-    for _ in range(args.steps):
-        outputs["pipeline"].append(pipeline.progress(it))
-    return _report(runs, initial, outputs, [type(m).__name__ for m in pipeline._pipelined_modules],
-                   ("rewards", "candidates"), args)
+        loop.append(_step(*runs["loop"], ahead.pop(0)))
+    pipelined, modules = _pipelined(runs["pipeline"], feed(runs["pipeline"][0].module.retriever), args.steps)
+    return _report(runs, initial, {"loop": loop, "pipeline": pipelined}, modules, ("rewards", "candidates"), args)
 
 
 def _report(runs: dict, initial: dict[str, Tensor], outputs: dict[str, list], pipelined: list[str],

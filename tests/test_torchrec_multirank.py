@@ -97,34 +97,26 @@ def test_train_pipeline_sparse_dist_trains_from_logs_through_the_sampled_mode(ba
 
 
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if worlds(2, backend=b)])
-def test_train_pipeline_sparse_dist_trains_on_policy_through_the_sampled_mode_with_an_index_head(backend, tmp_path):
+@pytest.mark.parametrize("in_loader", [False, True], ids=["before_training", "in_the_data_loader"])
+def test_train_pipeline_sparse_dist_trains_on_policy_through_the_sampled_mode_with_an_index_head(backend, in_loader,
+                                                                                                   tmp_path):
     """On-policy CA-PG on the sampled catalog: each batch lists a negative sample and its users' best items
-    from an IndexHead (found before the step, the index rebuilt every other batch, collectively); the task
-    draws the candidates from that catalog. The pipeline gives the same candidates, rewards and parameters at
-    every step as a plain loop, on 2 ranks."""
-    run = launch("pipeline.py", 2, tmp_path, "--steps", "4", "--index-head", backend=backend)
+    from an IndexHead (the index rebuilt every other batch, collectively); the task draws the candidates from
+    that catalog. The pipeline gives the same candidates, rewards and parameters at every step as a plain loop,
+    on 2 ranks, with the heads found before training, or as the README shows, in the data loader: as the pipeline
+    fetches each batch, two ahead, while its lookups are in flight (review: TorchRec's 'Invalid PipelinedForward
+    usage' on both ranks), against a plain loop that finds each head at the same point (batch t + 2's before step
+    t), over 6 steps, the index then rebuilt from trained weights."""
+    steps = 6 if in_loader else 4
+    run = launch("pipeline.py", 2, tmp_path, "--steps", str(steps), "--index-head",
+                 *(["--head-in-loader"] if in_loader else []), backend=backend)
     assert run.returncode == 0, run.stderr[-4000:]
     for r in range(2):
         report = json.loads((tmp_path / f"pipeline_rank{r}.json").read_text())
         assert report["pipelined_modules"] == ["ShardedEmbeddingCollection"]
         assert max(report["errors"].values()) <= 1e-6, report["errors"]
-        assert sum(k.startswith("step") and k.endswith("/candidates") for k in report["errors"]) == 4
+        assert sum(k.startswith("step") and k.endswith("/candidates") for k in report["errors"]) == steps
         assert sum(k.startswith("final/") for k in report["errors"]) == 6
-
-
-@pytest.mark.parametrize("backend", [b for b in BACKENDS if worlds(2, backend=b)])
-def test_an_index_head_searched_in_the_data_loader_under_the_pipeline(backend, tmp_path):
-    """The README's flow: each batch's head found as the pipeline fetches it, two batches ahead, while its lookups
-    are in flight (review: TorchRec's 'Invalid PipelinedForward usage' on both ranks). Over 6 steps, the index
-    rebuilt every other batch from trained weights, the pipeline equals a plain loop that finds each head at the
-    same point (batch t + 2's before step t)."""
-    run = launch("pipeline.py", 2, tmp_path, "--steps", "6", "--index-head", "--head-in-loader", backend=backend)
-    assert run.returncode == 0, run.stderr[-4000:]
-    for r in range(2):
-        report = json.loads((tmp_path / f"pipeline_rank{r}.json").read_text())
-        assert report["pipelined_modules"] == ["ShardedEmbeddingCollection"]
-        assert max(report["errors"].values()) <= 1e-6, report["errors"]
-        assert sum(k.startswith("step") and k.endswith("/candidates") for k in report["errors"]) == 6
 
 
 @pytest.mark.parametrize("backend, world", [(b, w) for b in BACKENDS for w in worlds(1, 2, 3, backend=b)])
