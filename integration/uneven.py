@@ -103,6 +103,15 @@ def main() -> int:
     model = h.shard(SETUP, 0.1)
     h.load(model, h.full_state(SETUP, seed=5, grid=False))
     ones = lambda rows: torch.ones(rows, 2)  # noqa: E731
+    # with_catalog is a local call: its first one makes no process group (found by review: a rank that raised before
+    # it left the others in new_group), the first collective does
+    made, new_group = [], dist.new_group
+    dist.new_group = lambda *a, **k: made.append(1) or new_group(*a, **k)
+    kjt = model.module.with_catalog(h.user_batch(batch(rank, PER_RANK)[0].to(h.device())))
+    groups_of_with_catalog = len(made)
+    model(kjt)
+    dist.new_group = new_group
+    with_catalog_local = "ok" if (groups_of_with_catalog, len(made)) == (0, 1) else f"groups made {made}"
 
     def empty(method: str, small: bool = False):
         def case():  # small: rank 1's head and sample (6 candidates, 3 negatives) hold fewer than mean-field's head
@@ -417,6 +426,7 @@ def main() -> int:
              "key_order/one_rank": key_order(True), "key_order/both": key_order(False),
              "baseline_dtype": baseline_dtype, "baseline_contexts": baseline_contexts}
     outcomes = {name: outcome(case) for name, case in cases.items()}
+    outcomes["with_catalog_local"] = with_catalog_local
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"uneven_rank{rank}.json").write_text(json.dumps(outcomes, indent=1))
     h.teardown(model, towered)

@@ -256,6 +256,7 @@ def test_sampled_mode_checks_agree_whatever_each_rank_holds(tmp_path):
     assert first["masked/range"].startswith("ValueError: masked_items must hold ids in [-1, 3001)")
     assert first["masked/float"] == second["masked/float"]
     assert first["masked/float"].startswith("TypeError: masked_items must have an integer dtype")
+    assert first["with_catalog_local"] == second["with_catalog_local"] == "ok"
     # regression (found by review): no contexts on rank 1 failed inside torch there, between the baseline's collectives
     assert first["baseline_contexts"] == second["baseline_contexts"]
     assert first["baseline_contexts"].startswith("TypeError: contexts must be a 1-dim tensor of ids")

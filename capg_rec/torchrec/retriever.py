@@ -158,16 +158,11 @@ class TwoTowerRetriever(nn.Module):
         self._key_orders: dict[str, tuple[tuple[str, ...], str]] = {}
 
     def _layout(self) -> tuple[int, int, dist.ProcessGroup | None]:
-        """(first global row, number of rows, process group) of this rank's item rows."""
+        """(first global row, number of rows, process group) of this rank's item rows; the group is made at the
+        first call (a collective: every rank makes it)."""
+        offset, rows = self._rows()
         if isinstance(self.embeddings, EmbeddingCollection):
-            return 0, self.num_items, None
-        if not isinstance(self.embeddings, ShardedEmbeddingCollection):
-            raise TypeError(f"embeddings must be an EmbeddingCollection or its sharded form, "
-                             f"got {type(self.embeddings).__name__}")
-        sharding = self.embeddings.module_sharding_plan[self.item_table]
-        if sharding.sharding_type not in _SHARDABLE:
-            raise ValueError(f"the item table {self.item_table!r} must be sharded {' or '.join(_SHARDABLE)} "
-                             f"(each rank holding whole rows), got {sharding.sharding_type}")
+            return offset, rows, None
         group = self.process_group if self.process_group is not None else dist.group.WORLD
         if self._catalog_group is None:
             # The catalog's collectives get their own group: in backward they then cannot interleave
@@ -177,15 +172,29 @@ class TwoTowerRetriever(nn.Module):
             # gloo): a rank that stops answering then fails the others' collectives as it would the world's
             self._catalog_group = dist.new_group(ranks=dist.get_process_group_ranks(group),
                                                  timeout=_group_timeout(group))
-        rank = dist.get_rank(group)
+        return offset, rows, self._catalog_group
+
+    def _rows(self) -> tuple[int, int]:
+        """(first global row, number of rows) of this rank's item rows, from the sharding plan: no collective."""
+        if isinstance(self.embeddings, EmbeddingCollection):
+            return 0, self.num_items
+        if not isinstance(self.embeddings, ShardedEmbeddingCollection):
+            raise TypeError(f"embeddings must be an EmbeddingCollection or its sharded form, "
+                             f"got {type(self.embeddings).__name__}")
+        sharding = self.embeddings.module_sharding_plan[self.item_table]
+        if sharding.sharding_type not in _SHARDABLE:
+            raise ValueError(f"the item table {self.item_table!r} must be sharded {' or '.join(_SHARDABLE)} "
+                             f"(each rank holding whole rows), got {sharding.sharding_type}")
+        rank = dist.get_rank(self.process_group if self.process_group is not None else dist.group.WORLD)
         for shard in sharding.sharding_spec.shards:
             if shard.placement.rank() == rank:
-                return shard.shard_offsets[0], shard.shard_sizes[0], self._catalog_group
-        return 0, 0, self._catalog_group
+                return shard.shard_offsets[0], shard.shard_sizes[0]
+        return 0, 0
 
     def catalog_ids(self) -> Tensor:
-        """Global ids of this rank's item rows ``[R]``: the values of the catalog feature."""
-        offset, rows, _ = self._layout()
+        """Global ids of this rank's item rows ``[R]``: the values of the catalog feature (a local call, as
+        :meth:`with_catalog`: no collective)."""
+        offset, rows = self._rows()
         return torch.arange(offset, offset + rows)
 
     def with_catalog(self, features: KeyedJaggedTensor, items: Tensor | None = None) -> KeyedJaggedTensor:
