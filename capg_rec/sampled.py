@@ -564,10 +564,11 @@ class SampledCatalog(CatalogScores):
         generator: the sampler's randomness.
         validate_args: check embeddings are finite and ids in range (host syncs); ``None``: the default.
 
-    Example:
-        >>> catalog = SampledCatalog(user, item_table, sampler=UniformSampler(4096), head_items=candidates,
-        ...                          index=index, head_size=100)
-        >>> loss = CAPGLoss(K, method="with_replacement")(catalog, candidates, chosen, rewards)
+    Example (a sketch: the names it takes come from your loop)::
+
+        catalog = SampledCatalog(user, item_table, sampler=UniformSampler(4096), head_items=candidates,
+                                 index=index, head_size=100)
+        loss = CAPGLoss(K, method="with_replacement")(catalog, candidates, chosen, rewards)
     """
 
     def __init__(self, user: Tensor, item: ItemSource, *, sampler: NegativeSampler, temperature: float = 1.0,
@@ -723,10 +724,11 @@ class SampledCatalog(CatalogScores):
         come from (the sums of a catalog whose head was chosen from its own sample are biased). The item side
         is called again for the new ids (in TorchRec's sampled mode they must have been listed too).
 
-        Example:
-            >>> candidates = sample_candidates(catalog, K)
-            >>> loss = CAPGLoss(K)(catalog.resampled(UniformSampler(4096), head_items=candidates), candidates,
-            ...                    chosen, rewards)
+        Example (a sketch: the names it takes come from your loop)::
+
+            candidates = sample_candidates(catalog, K)
+            loss = CAPGLoss(K)(catalog.resampled(UniformSampler(4096), head_items=candidates), candidates,
+                               chosen, rewards)
         """
         user, item, temperature, num_items = self._source
         new = copy.copy(self)  # a subclass's own attributes come along

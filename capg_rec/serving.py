@@ -70,10 +70,11 @@ class ServingRetriever:
     Shape:
         ``retrieve(*inputs, num_candidates=K)`` → :class:`Retrieved` of ``[B, K]`` (and ``[B]``) tensors.
 
-    Example:
-        >>> server = ServingRetriever(model.user_tower, item_vectors, temperature=2.0, epsilon=0.05)
-        >>> got = server.retrieve(user_features, num_candidates=50, sample=True, generator=g)
-        >>> shown, log_inclusion, log_count = got.at(lsr_picks)        # store with the rewards
+    Example (a sketch: the names it takes come from your loop)::
+
+        server = ServingRetriever(model.user_tower, item_vectors, temperature=2.0, epsilon=0.05)
+        got = server.retrieve(user_features, num_candidates=50, sample=True, generator=g)
+        shown, log_inclusion, log_count = got.at(lsr_picks)        # store with the rewards
     """
 
     def __init__(self, user_tower: Callable[..., Tensor], item_vectors: Tensor, *, index: ItemIndex | None = None,

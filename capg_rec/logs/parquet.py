@@ -197,10 +197,11 @@ class LogWriter:
         :meth:`write` takes a :class:`LoggedBatch` of B rows (``request_id`` None numbers rows on from
         the rows written so far).
 
-    Example:
-        >>> with LogWriter("logs.parquet", num_candidates=K, num_shown=L, num_items=N) as writer:
-        ...     logged = log_propensities(logits, candidates, shown, epsilon=0.05)
-        ...     writer.write(LoggedBatch(users, candidates, shown, rewards, *logged))
+    Example (a sketch: the names it takes come from your loop)::
+
+        with LogWriter("logs.parquet", num_candidates=K, num_shown=L, num_items=N) as writer:
+            logged = log_propensities(logits, candidates, shown, epsilon=0.05)
+            writer.write(LoggedBatch(users, candidates, shown, rewards, *logged))
     """
 
     def __init__(self, path: str | os.PathLike, *, num_candidates: int, num_shown: int, num_items: int | None = None,
@@ -480,10 +481,11 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
         [B, K]`` and ``shown [B, L]`` (int64), ``rewards [B, L]`` (float32), ``log_inclusion`` and
         ``log_expected_count [B, L]`` and ``log_candidate_prob [B]`` (float64), ``request_id [B]``.
 
-    Example:
-        >>> data = LoggedImpressions("logs/", batch_size=512, shuffle_row_groups=True)
-        >>> for batch in torch.utils.data.DataLoader(data, batch_size=None, num_workers=2):
-        ...     loss = off_policy_loss(model(batch.context), batch.candidates, batch.shown, batch.rewards, ...)
+    Example (a sketch: the names it takes come from your loop)::
+
+        data = LoggedImpressions("logs/", batch_size=512, shuffle_row_groups=True)
+        for batch in torch.utils.data.DataLoader(data, batch_size=None, num_workers=2):
+            loss = off_policy_loss(model(batch.context), batch.candidates, batch.shown, batch.rewards, ...)
     """
 
     def __init__(self, path_or_paths: str | os.PathLike | Sequence[str | os.PathLike], batch_size: int, *,

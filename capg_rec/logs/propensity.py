@@ -138,8 +138,9 @@ def explore_candidates(logits: Tensor | CatalogScores, num_candidates: int, *, t
     Shape:
         Returns ``LongTensor[B, K]``, in draw order.
 
-    Example:
-        >>> candidates = explore_candidates(logits, 50, temperature=2.0, epsilon=0.05, generator=g)
+    Example (a sketch: the names it takes come from your loop)::
+
+        candidates = explore_candidates(logits, 50, temperature=2.0, epsilon=0.05, generator=g)
     """
     epsilon = _check_epsilon(epsilon)
     catalog, validate, num_candidates, failed = _checked(logits, num_candidates, temperature, validate_args, generator)
@@ -190,10 +191,11 @@ def log_propensities(logits: Tensor | CatalogScores, candidates: Tensor, shown: 
         compute dtype: pass float64 logits to store ``log π0(A^K)`` (a sum of K terms that reaches
         hundreds of nats) to float64 accuracy.
 
-    Example:
-        >>> candidates = explore_candidates(logits, K, temperature=2.0, epsilon=0.05, generator=g)
-        >>> shown = candidates.gather(1, lsr_picks)                 # [B, L]
-        >>> logged = log_propensities(logits, candidates, shown, temperature=2.0, epsilon=0.05)
+    Example (a sketch: the names it takes come from your loop)::
+
+        candidates = explore_candidates(logits, K, temperature=2.0, epsilon=0.05, generator=g)
+        shown = candidates.gather(1, lsr_picks)                 # [B, L]
+        logged = log_propensities(logits, candidates, shown, temperature=2.0, epsilon=0.05)
     """
     epsilon = _check_epsilon(epsilon)
     method = inclusion_method(method)

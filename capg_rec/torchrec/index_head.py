@@ -54,12 +54,13 @@ class IndexHead:
         ``features`` of B users (stride B, without the catalog feature) → ids ``[B, M, H]`` on the features'
         device.
 
-    Example:
-        >>> head = IndexHead(retriever, 100, refresh_every=50)
-        >>> found = head(user_features)                                   # [B, M, H]
-        >>> listed = torch.cat([sample.ids, found.flatten()]).unique()
-        >>> catalog = retriever(retriever.with_catalog(user_features, items=listed), sample=sample,
-        ...                     index_items=found)
+    Example (a sketch: the names it takes come from your loop)::
+
+        head = IndexHead(retriever, 100, refresh_every=50)
+        found = head(user_features)                                   # [B, M, H]
+        listed = torch.cat([sample.ids, found.flatten()]).unique()
+        catalog = retriever(retriever.with_catalog(user_features, items=listed), sample=sample,
+                            index_items=found)
     """
 
     def __init__(self, retriever: TwoTowerRetriever, size: int, *,

@@ -75,9 +75,10 @@ class TwoTowerRetriever(nn.Module):
         validate_args: check the inputs' values (the catalog feature, and the catalog's checks);
             ``None`` takes :func:`capg_rec.set_default_validate_args`'s default at each forward.
 
-    Example:
-        >>> catalog = retriever(retriever.with_catalog(user_features), masked_items=seen)  # seen [B, E], -1 pads
-        >>> candidates = capg_rec.sample_candidates(catalog, 10)
+    Example (a sketch: the names it takes come from your loop)::
+
+        catalog = retriever(retriever.with_catalog(user_features), masked_items=seen)  # seen [B, E], -1 pads
+        candidates = capg_rec.sample_candidates(catalog, 10)
     """
 
     def __init__(self, embeddings: EmbeddingCollection, *, item_table: str, num_experts: int = 1,
