@@ -182,12 +182,11 @@ def run_cells(env: MatrixEnv, cells: Sequence[Cell], seeds: Sequence[int], out: 
             if saved.get("env", env.name) != env.name:
                 raise ValueError(f"{run_dir} holds a run on {saved['env']}, not on {env.name}: give each "
                                  "environment (and data file) its own output folder")
+            same_cell = saved["config"] == config.replace(steps=saved["config"]["steps"]).to_dict()  # any length
             # the run asked for, or one of another length that stopped on an overflow within this one's steps: the
             # run asked for would stop there too (runs are deterministic)
-            stopped_alike = saved["stopped_at"] is not None and saved["stopped_at"] <= config.steps and \
-                saved["config"] == config.replace(steps=saved["config"]["steps"]).to_dict()
-            if saved["steps_done"] > config.steps and not stopped_alike and \
-                    saved["config"] == config.replace(steps=saved["config"]["steps"]).to_dict():
+            stopped_alike = same_cell and saved["stopped_at"] is not None and saved["stopped_at"] <= config.steps
+            if same_cell and saved["steps_done"] > config.steps and not stopped_alike:
                 raise _longer_run(run_dir, saved["steps_done"], saved["config"]["steps"], config.steps)
             if (saved["config"] == config.to_dict() or stopped_alike) and "env" in saved:
                 # a value that was NaN (a diverged run) is saved as null: NaN again
