@@ -76,7 +76,7 @@ def test_a_config_keeps_numpy_numbers_as_python_ones(tmp_path):
     env = synthetic_env(num_users=6, num_items=5)
     generate_logs(env, lambda users: torch.zeros(len(users), 1, 5), tmp_path / "logs.parquet",
                   num_interactions=np.int64(8), num_candidates=np.int64(3), num_outputs=np.int64(1),
-                  temperature=np.float32(2.0), epsilon=np.float64(0.25), seed=np.int64(1), progress=False)
+                  temperature=np.float32(2.0), epsilon=np.float32(0.25), seed=np.int64(1), progress=False)
     assert LoggedImpressions(tmp_path / "logs.parquet", 4).meta.extra["temperature"] == 2.0
 
 

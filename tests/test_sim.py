@@ -189,7 +189,7 @@ def test_every_setting_that_changes_the_tables_changes_the_name(tmp_path):
     assert kuairec[1] == kuairec[0][:-1] + ", relative_noise=0.1)"
     # written exactly (review: 6 digits named scale 10.0000001 and 10.0000004 alike), a number's type aside
     assert synthetic_env(**small, scale=10.0000001).name != synthetic_env(**small, scale=10.0000004).name
-    assert synthetic_env(**small, dim=np.int64(4)).name == synthetic_env(**small, dim=4).name
+    assert synthetic_env(**small, dim=np.int64(4)).name == f"synthetic(seed={PAPER_SEED}, paper, dim=4)"
     assert synthetic_env(**small, scale=np.float32(3.0)).name == synthetic_env(**small, scale=3).name
 
 

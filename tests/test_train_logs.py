@@ -546,3 +546,14 @@ def test_metrics_csv_takes_rows_of_a_resumed_older_run(tmp_path):
 
     write_csv(tmp_path / "m.csv", [{"step": 0, "ope_snips": 1.5}, {"step": 1, "ope_snips": 2.0, "ope_snips_low": 1.0}])
     assert (tmp_path / "m.csv").read_text().splitlines() == ["step,ope_snips,ope_snips_low", "0,1.5,", "1,2.0,1.0"]
+
+
+def test_the_metrics_columns_of_an_estimate_are_its_fields():
+    """The SNIPS interval, not saved before (found by review), and each column from its own field."""
+    from capg_rec.offpolicy_evaluation import OffPolicyEstimate
+    from capg_rec.train.logged import ope_columns
+
+    estimate = OffPolicyEstimate(ips=1.0, ips_ci_low=0.5, ips_ci_high=1.5, snips=2.0, snips_ci_low=1.75,
+                                 snips_ci_high=2.25, effective_sample_size=40.0, num_samples=50, confidence=0.95)
+    assert ope_columns(estimate) == {"ope_ips": 1.0, "ope_ips_low": 0.5, "ope_ips_high": 1.5, "ope_snips": 2.0,
+                                     "ope_snips_low": 1.75, "ope_snips_high": 2.25, "ope_ess": 40.0}

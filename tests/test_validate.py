@@ -410,6 +410,16 @@ def config_down():
     return ConfigDown()
 
 
+class AttributeBug(Spy):  # its own property fails with an AttributeError: a crash, not an absent member
+    @property
+    def with_replacement(self):
+        return self.no_such_setting
+
+
+def attribute_bug():
+    return AttributeBug()
+
+
 def empty_contexts():
     return CatalogESR(lambda x: x, 2), torch.zeros(0, 4)
 
@@ -463,7 +473,8 @@ def test_cli_exit_codes(tmp_path, monkeypatch, capsys):
                # found by review: a traceback and exit 1 ("fails validation"), the TypeError uncaught
                "exit_esrs:float_k": "breaks the ESR protocol: esr.num_candidates must be an int",
                # found by a later review: an attribute's own error was a traceback and exit 1
-               "exit_esrs:config_down": "esr.with_replacement raised RuntimeError: config service down"}
+               "exit_esrs:config_down": "esr.with_replacement raised RuntimeError: config service down",
+               "exit_esrs:attribute_bug": "esr.with_replacement raised AttributeError"}
     for spec, message in crashes.items():
         capsys.readouterr()
         assert _exit_code(spec, "--samples", "50") == 3, spec
