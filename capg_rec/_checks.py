@@ -78,6 +78,13 @@ def is_number(value: object) -> bool:
     return type(value) in (float, int) or (isinstance(value, numbers.Real) and not isinstance(value, bool))
 
 
+def python_number(value: object) -> object:
+    """``value`` as Python's int or float if it is a number (numpy's too: JSON and names take Python's), else as is."""
+    if type(value) in (int, float) or not is_number(value):
+        return value
+    return int(value) if is_int(value) else float(value)
+
+
 def check_positive(name: str, value: float) -> float:
     if not is_number(value):
         raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")

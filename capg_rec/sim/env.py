@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from capg_rec._checks import check_count, is_int, is_number
+from capg_rec._checks import check_count, is_number, python_number
 
 __all__ = ["MatrixEnv"]
 
@@ -49,10 +49,8 @@ def settings_text(*settings: tuple[str, object, object]) -> str:
     """``", key=value"`` for each ``(key, value, default)`` whose value is not its default, numbers written exactly
     (a float's shortest exact form; numpy's as Python's): what an environment's name adds for the settings that
     make other tables, since checkpoints, reused runs and logs are matched to an environment by its name."""
-    def plain(value: object) -> object:
-        return (int(value) if is_int(value) else float(value)) if is_number(value) else value
-
-    return "".join(f", {key}={plain(value)!r}" for key, value, default in settings if plain(value) != default)
+    return "".join(f", {key}={python_number(value)!r}" for key, value, default in settings
+                   if python_number(value) != default)
 
 
 @dataclass(frozen=True, eq=False)

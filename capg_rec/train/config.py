@@ -6,7 +6,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, fields
 
-from capg_rec._checks import is_int, is_number
+from capg_rec._checks import is_int, is_number, python_number
 from capg_rec.marginals import inclusion_methods
 from capg_rec.sim.lsr import LSR_NAMES
 
@@ -46,11 +46,7 @@ def python_numbers(config: object) -> None:
     """A frozen dataclass's numpy numbers, in its fields and their tuples, as Python's (checked already): a config
     is saved as JSON, which numpy's numbers are not."""
     def plain(value: object) -> object:
-        if isinstance(value, tuple):
-            return tuple(plain(v) for v in value)
-        if is_number(value) and type(value) not in (int, float):
-            return int(value) if is_int(value) else float(value)
-        return value
+        return tuple(plain(v) for v in value) if isinstance(value, tuple) else python_number(value)
 
     for f in fields(config):
         object.__setattr__(config, f.name, plain(getattr(config, f.name)))
