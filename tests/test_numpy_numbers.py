@@ -78,6 +78,12 @@ def test_a_config_keeps_numpy_numbers_as_python_ones(tmp_path):
                   num_interactions=np.int64(8), num_candidates=np.int64(3), num_outputs=np.int64(1),
                   temperature=np.float32(2.0), epsilon=np.float32(0.25), seed=np.int64(1), progress=False)
     assert LoggedImpressions(tmp_path / "logs.parquet", 4).meta.extra["temperature"] == 2.0
+    for bad, error, name in (({"temperature": 0.0}, ValueError, "temperature"), ({"seed": -1}, ValueError, "seed"),
+                             ({"epsilon": 1.5}, ValueError, "epsilon"), ({"epsilon": "0.1"}, TypeError, "epsilon")):
+        with pytest.raises(error, match=name):  # before a file is made
+            generate_logs(env, lambda users: torch.zeros(len(users), 1, 5), tmp_path / "bad.parquet",
+                          num_interactions=8, num_candidates=3, num_outputs=1, progress=False, **bad)
+    assert not (tmp_path / "bad.parquet").exists()
 
 
 @pytest.mark.parametrize("call", [
