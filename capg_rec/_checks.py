@@ -94,9 +94,13 @@ def check_positive(name: str, value: float) -> float:
 
 
 def check_flag(name: str, value: bool) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
-    return value
+    """``value`` as Python's bool (numpy's too: ``np.True_``); a ``TypeError`` naming ``name`` for anything else."""
+    if type(value) is bool:
+        return value
+    if isinstance(value, np.bool_):
+        return bool(value)
+    raise TypeError(f"{name} must be True or False, got {type(value).__module__}.{type(value).__qualname__} "
+                    f"{value!r}")
 
 
 def check_device(name: str, value: object) -> torch.device:

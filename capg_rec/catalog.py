@@ -290,6 +290,8 @@ class DenseCatalog(CatalogScores):
     def __init__(self, logits: Tensor, temperature: float = 1.0, *, validate_args: bool | None = None) -> None:
         validate = resolve_validate_args(validate_args)
         logits = check_float_tensor("logits", logits, ndims=(2, 3), validate=validate, allow_masked=True)
+        if logits.dim() == 3 and logits.shape[1] == 0:
+            raise ValueError(f"logits [B, M, N] must have at least one expert (M >= 1), got shape {list(logits.shape)}")
         tau = check_positive("temperature", temperature)
         scores = logits.unsqueeze(1) if logits.dim() == 2 else logits
         self._source_dtypes = (scores.dtype,)

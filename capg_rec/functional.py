@@ -59,7 +59,7 @@ def vpg_loss(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
 
     ``num_candidates``, in every loss of this module: the K that ``candidates [B, K]`` must have (``None``: any;
     the loss modules pass theirs). Like every input check, it fails in every process that shares a catalog."""
-    check_flag("with_replacement", with_replacement)
+    with_replacement = check_flag("with_replacement", with_replacement)
     catalog, candidates, chosen, advantage, scoring = _prepare(logits, candidates, chosen, rewards, position_weights,
                                                                baseline, temperature, reduction, validate_args,
                                                                width=num_candidates, distinct=not with_replacement,
@@ -293,7 +293,7 @@ _LARGEST_LOG_WEIGHT = {dtype: _largest_log_weight(dtype)
 
 
 def _weight_options(max_weight: float | None, self_normalize: bool) -> tuple[float | None, bool]:
-    check_flag("self_normalize", self_normalize)
+    self_normalize = check_flag("self_normalize", self_normalize)
     return (None if max_weight is None else check_positive("max_weight", max_weight)), self_normalize
 
 
@@ -327,12 +327,18 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
     failed = None
     try:
         check_choice("reduction", reduction, REDUCTIONS)
+        if num_items == 0:
+            raise ValueError("the catalog has no items (N = 0): a draw of K >= 1 candidates needs at least one")
         candidates = check_id_tensor("candidates", candidates, batch_size=batch, columns="K")
-        if width is not None and candidates.shape[1] != width:  # the module's K (a structure check: collective)
+        if width is not None and candidates.shape[1] != check_count("num_candidates", width):  # the module's K
             raise ValueError(f"candidates must have num_candidates={width} columns, got {candidates.shape[1]}")
         check_count("num_candidates (candidates.shape[1])", candidates.shape[1], high=num_items)
         chosen = check_id_tensor("chosen", chosen, batch_size=batch)
         length = chosen.shape[1]
+        if length > candidates.shape[1]:  # the later stage shows some of the K candidates
+            raise ValueError(f"chosen must have at most K = {candidates.shape[1]} columns (the shown items are "
+                             f"among the candidates), got {length}")
+        _same_device(catalog.device, candidates=candidates, chosen=chosen)
         rewards = _float("rewards", rewards, ((batch, length),))
         if baseline is not None:
             if isinstance(baseline, (int, float)) and not isinstance(baseline, bool):  # one for every row
@@ -344,6 +350,8 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
             position_weights = _float("position_weights", position_weights, ((length,),)).detach()
         if logged is not None:
             _float(logged_name, log_propensity, ((batch, length),) if per_item else ((batch,),))
+            _same_device(catalog.device, **{logged_name: log_propensity})
+        _same_device(catalog.device, rewards=rewards, baseline=baseline, position_weights=position_weights)
     except (TypeError, ValueError) as err:
         if agree is None:  # one process, or no checks: raise here
             raise
@@ -461,6 +469,13 @@ def _drawing_scores(catalog: CatalogScores, candidates: Tensor) -> Tensor:
         return catalog.scores.flatten(1).gather(1, experts * catalog.num_items + candidates)
     index = experts.view(1, 1, -1).expand(candidates.shape[0], 1, -1)
     return catalog.gather(candidates).gather(1, index)[:, 0]
+
+
+def _same_device(device: torch.device, **tensors: Tensor | None) -> None:
+    """A ``ValueError`` naming the first of ``tensors`` (None: absent) that is not on the catalog's ``device``."""
+    for name, x in tensors.items():
+        if x is not None and x.device != device:
+            raise ValueError(f"{name} must be on the scores' device {device}, got {x.device}")
 
 
 def _float(name: str, x: object, shapes: tuple[tuple[int, ...], ...]) -> Tensor:

@@ -301,3 +301,45 @@ def test_a_logged_log_propensity_on_its_bound_is_accepted():
     out = F.offpolicy_capg_loss(logits, cand, cand[:, :2].clone(), torch.ones(2, 2, dtype=torch.float64),
                                 torch.full((2, 2), LOG_PROB_TOLERANCE, dtype=torch.float64))
     assert torch.isfinite(out)
+
+
+def test_argument_errors_found_by_review():
+    """Regressions (a review of every public argument), each failing before its fix: the functional losses took a
+    float or bool ``num_candidates``; a ``chosen`` wider than the candidates was blamed on ``rewards``; a tensor on
+    another device than the scores gave torch's ``RuntimeError``; logits of no expert or no item named no argument of
+    the call; numpy's bools were refused as flags."""
+    import numpy as np
+
+    import capg_rec.functional as F
+
+    logits, cand, chosen, rewards = _inputs()
+    logged = torch.zeros(4, 2)
+    for loss, extra in ((F.capg_loss, ()), (F.vpg_loss, ()), (F.topk_reinforce_loss, (logged,)),
+                        (F.offpolicy_capg_loss, (logged,)), (F.offpolicy_vpg_loss, (logged[:, 0],))):
+        for bad in (5.0, True):
+            with pytest.raises(TypeError, match="num_candidates must be an int"):
+                loss(logits, cand, chosen, rewards, *extra, num_candidates=bad)
+    wide = torch.cat([cand, cand[:, :1]], 1)
+    with pytest.raises(ValueError, match=r"chosen must have at most K = 5 columns .* got 6"):
+        F.capg_loss(logits, cand, wide, torch.ones(4, 6))
+    meta = torch.device("meta")
+    for name, args in (("candidates", (logits, cand.to(meta), chosen, rewards)),
+                       ("chosen", (logits, cand, chosen.to(meta), rewards)),
+                       ("rewards", (logits, cand, chosen, rewards.to(meta)))):
+        for loss in (F.capg_loss, F.vpg_loss):
+            with pytest.raises(ValueError, match=f"{name} must be on the scores' device cpu, got meta"):
+                loss(*args)
+    with pytest.raises(ValueError, match="position_weights must be on the scores' device"):
+        F.capg_loss(logits, cand, chosen, rewards, position_weights=torch.ones(2, device=meta))
+    with pytest.raises(ValueError, match="logged_log_inclusion must be on the scores' device"):
+        F.offpolicy_capg_loss(logits, cand, chosen, rewards, torch.zeros(4, 2, device=meta))
+    with pytest.raises(ValueError, match=r"logits \[B, M, N\] must have at least one expert"):
+        F.capg_loss(torch.randn(4, 0, 30), cand, chosen, rewards)
+    with pytest.raises(ValueError, match=r"the catalog has no items \(N = 0\)"):
+        F.capg_loss(torch.randn(4, 0), cand, chosen, rewards)
+    expected = F.vpg_loss(logits, cand, chosen, rewards, with_replacement=True)
+    torch.testing.assert_close(F.vpg_loss(logits, cand, chosen, rewards, with_replacement=np.True_,
+                                          validate_args=np.True_), expected)
+    assert CAPGLoss(5, validate_args=np.False_).validate_args is False
+    with pytest.raises(TypeError, match="validate_args must be True or False, got numpy.int64"):
+        CAPGLoss(5, validate_args=np.int64(1))
