@@ -102,6 +102,11 @@ class NegativeSampler(abc.ABC):
         if _checked_state(state):
             raise ValueError(f"{type(self).__name__} keeps no state, got keys {sorted(state)}")
 
+    def _draw_size(self, batch_items: Tensor | None) -> int | Tensor | None:
+        """How many ids (not ``-1``) :meth:`draw` returns given ``batch_items`` (None: not known, as for a sampler of
+        your own)."""
+        return None
+
     def _frozen(self, ids: Tensor) -> NegativeSampler:
         """A sampler that gives ``ids [S]`` the expected counts this one gives them now, whatever later draws teach
         this one: what a :class:`DrawnSample` keeps of its sampler (default: a sampler that learns nothing, itself)."""
@@ -131,6 +136,9 @@ class UniformSampler(NegativeSampler):
     def draw(self, num_items: int, batch_items: Tensor | None, *, generator: torch.Generator | None,
              device: torch.device) -> Tensor:
         return torch.randint(num_items, (self.num_samples,), generator=generator, device=device)
+
+    def _draw_size(self, batch_items: Tensor | None) -> int | Tensor | None:
+        return self.num_samples
 
     def log_expected_count(self, ids: Tensor, num_items: int, batch_items: Tensor | None) -> Tensor:
         return torch.full(ids.shape, math.log(self.num_samples / num_items), dtype=torch.float64, device=ids.device)
@@ -320,6 +328,9 @@ class InBatchSampler(NegativeSampler):
     def draws_batch(self) -> bool:
         return True
 
+    def _draw_size(self, batch_items: Tensor | None) -> int | Tensor | None:
+        return None if batch_items is None else (batch_items != -1).sum()
+
     def log_expected_count_from_others(self, ids: Tensor, num_items: int, batch_items: Tensor) -> Tensor:
         # Every slot holds j with the same chance: the other rows' slots hold (slots - own) / slots of E[count].
         own = (batch_items >= 0).sum(1).to(torch.float64)  # [B]
@@ -339,7 +350,7 @@ class MixedSampler(NegativeSampler):
 
     def __init__(self, *samplers: NegativeSampler) -> None:
         if not samplers:
-            raise ValueError("MixedSampler needs at least one sampler")
+            raise ValueError("samplers must hold at least one NegativeSampler: MixedSampler(UniformSampler(256), ...)")
         for s in samplers:
             if not isinstance(s, NegativeSampler):
                 raise TypeError(f"samplers must be NegativeSampler objects, got {type(s).__name__}")
@@ -356,6 +367,10 @@ class MixedSampler(NegativeSampler):
     @property
     def draws_batch(self) -> bool:
         return any(s.draws_batch for s in self.samplers)
+
+    def _draw_size(self, batch_items: Tensor | None) -> int | Tensor | None:
+        sizes = [s._draw_size(batch_items) for s in self.samplers]
+        return None if any(size is None for size in sizes) else sum(sizes)
 
     def _frozen(self, ids: Tensor) -> NegativeSampler:
         parts = [s._frozen(ids) for s in self.samplers]
@@ -405,11 +420,29 @@ class DrawnSample(NegativeSampler):
         if ids.dim() != 1:
             raise ValueError(f"ids must be 1-d [S], got shape {list(ids.shape)}")
         if batch_items is not None and (not isinstance(batch_items, Tensor) or batch_items.is_floating_point()
-                                        or batch_items.dtype == torch.bool):
+                                        or batch_items.is_complex() or batch_items.dtype == torch.bool):
             raise TypeError(f"batch_items must be an integer tensor [B, H], got "
                             f"{getattr(batch_items, 'dtype', type(batch_items).__name__)}")
+        if batch_items is not None and batch_items.dim() != 2:
+            raise ValueError(f"batch_items must be 2-d [B, H], got shape {list(batch_items.shape)}")
         self.ids, self.sampler = ids.long(), sampler._frozen(ids)
         self.batch_items = None if batch_items is None else batch_items.long()
+        self._check_size(batch_items)
+
+    def _check_size(self, batch_items: Tensor | None) -> None:
+        """With the default validation (:func:`capg_rec.set_default_validate_args`), a ``ValueError`` unless the
+        sample holds as many ids (not ``-1``) as its sampler draws (from ``batch_items``, where its draw depends on
+        them; an in-batch sample given without them is not checked): each drawn id's term is divided by the sampler's
+        expected count, which holds for its whole draw only (3 of 5 uniform ids would make every estimated sum 3/5 of
+        the truth). One host read, at construction (this rank's own, before any collective)."""
+        size = self.sampler._draw_size(batch_items)
+        if size is None or not resolve_validate_args(None):
+            return
+        used, size = int((self.ids != -1).sum()), int(size)
+        if used != size:
+            raise ValueError(f"ids must hold the {size} ids that {self.sampler!r} draws"
+                             f"{'' if batch_items is None else f' from batch_items of shape {list(batch_items.shape)}'}"
+                             f" (-1: unused slots, not counted), got {used}")
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> DrawnSample:
         """The same sample (and batch) on ``device``."""

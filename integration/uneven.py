@@ -55,19 +55,35 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import _harness as h
-from capg_rec import CAPGLoss, DrawnSample, InclusionMethod, SampledCatalog, UniformSampler, VPGLoss, \
-    WithReplacement, greedy_candidates, inclusion_log_prob, sample_candidates
+from capg_rec import CAPGLoss, DrawnSample, InclusionMethod, NegativeSampler, SampledCatalog, UniformSampler, \
+    VPGLoss, WithReplacement, greedy_candidates, inclusion_log_prob, sample_candidates
 from capg_rec.logs import explore_candidates, log_propensities
 from capg_rec.torchrec import ContextBaseline, global_mean_baseline
 
 SETUP = h.Setup(num_items=3_001, num_experts=2, dim=4, num_users=40, temperature=0.5)
 PER_RANK, WIDE, SAMPLES, HEAD, K = 4, 1_500, 400, 30, 5
+
+
+class Cut(NegativeSampler):
+    """A uniform sampler's expected counts for a sample cut short on one rank (fewer ids than the draw, or none): a
+    sampler of the user's own, whose draw's size the library does not know (a ``UniformSampler``'s DrawnSample must
+    hold its whole draw)."""
+
+    def __init__(self, num_samples: int) -> None:
+        self.num_samples = num_samples
+
+    def draw(self, num_items, batch_items, *, generator, device):
+        return torch.randint(num_items, (self.num_samples,), generator=generator, device=device)
+
+    def log_expected_count(self, ids, num_items, batch_items):
+        return torch.full(ids.shape, math.log(self.num_samples / num_items), dtype=torch.float64, device=ids.device)
 
 
 def batch(rank: int, size: int) -> tuple[torch.Tensor, DrawnSample, torch.Tensor, torch.Tensor]:
@@ -129,7 +145,7 @@ def main() -> int:
         def case():  # rank 1 has no users, and its head and sample fewer slots than the draw (or none)
             users, sample, head, listed = batch(rank, 0 if rank == 1 else PER_RANK)
             if rank == 1:
-                sample = DrawnSample(sample.ids[:0 if greedy else 3], UniformSampler(3))
+                sample = DrawnSample(sample.ids[:0 if greedy else 3], Cut(3))
                 listed = listed[:0] if greedy else listed
             head = None if greedy else head  # greedy: no head anywhere, and rank 1 lists nothing
             kjt = model.module.with_catalog(h.user_batch(users.to(h.device())), items=listed.to(h.device()))
@@ -158,7 +174,7 @@ def main() -> int:
         users, sample, head, listed = batch(rank, PER_RANK)
         cand = head[:, :K].clone()
         if rank == 1:
-            sample, head, listed = DrawnSample(listed[:0], UniformSampler(1)), torch.full_like(head, -1), listed[:0]
+            sample, head, listed = DrawnSample(listed[:0], Cut(1)), torch.full_like(head, -1), listed[:0]
         CAPGLoss(K, method="with_replacement")(catalog(model, users, sample, head, listed), cand, cand[:, :2],
                                                ones(PER_RANK))
 

@@ -951,6 +951,31 @@ def test_sampler_and_head_arguments_found_by_review():
         DrawnSample(torch.zeros(4), UniformSampler(4))
 
 
+def test_a_drawn_sample_holds_its_sampler_s_whole_draw():
+    """Regression (found by review): a DrawnSample of fewer ids than its sampler draws was taken, and every estimated
+    sum came out that share of the truth (3 of 5 uniform ids: 3/5). Unused slots (-1) are not counted; an in-batch
+    draw's size is its batch's, checked where the batch is given."""
+    g = torch.Generator().manual_seed(0)
+    users, items = torch.randn(2, 4, generator=g), torch.randn(50, 4, generator=g)
+    with pytest.raises(ValueError, match=r"ids must hold the 5 ids that UniformSampler\(num_samples=5\) draws"):
+        DrawnSample(torch.tensor([1, 2, 3]), UniformSampler(5))
+    DrawnSample(torch.tensor([1, 2, 3, -1, 4, 5]), UniformSampler(5))  # an unused slot
+    batch = torch.tensor([[1, 2], [3, -1]])
+    mixed = MixedSampler(InBatchSampler(), UniformSampler(5))
+    with pytest.raises(ValueError, match=r"ids must hold the 8 ids .* from batch_items of shape \[2, 2\] .*, got 3"):
+        DrawnSample(torch.tensor([1, 2, 3]), mixed, batch_items=batch)
+    with pytest.raises(ValueError, match=r"batch_items must be 2-d \[B, H\], got shape \[3\]"):
+        DrawnSample(torch.tensor([1, 2, 3]), InBatchSampler(), batch_items=batch[0, :1].repeat(3))
+    sampler = InBatchSampler()
+    drawn = sampler.draw(50, batch, generator=g, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"ids must hold the 3 ids that InBatchSampler"):
+        DrawnSample(drawn[:2], sampler, batch_items=batch)
+    whole = DrawnSample(drawn, sampler, batch_items=batch)
+    assert torch.isfinite(SampledCatalog(users, items, sampler=whole, head_items=batch).log_normalizer()).all()
+    with pytest.raises(ValueError, match="samplers must hold at least one NegativeSampler"):
+        MixedSampler()
+
+
 def test_streaming_estimate_of_rare_items_is_not_biased_by_their_first_gaps():
     """Zipf batches, 128 slots per step for 4000 steps over 2000 items: the rarest 800 (E[count] 0.008–0.013 per
     step) are seen n ≈ 30–50 times. At a fixed rate (alpha = 0.01) their first gap kept weight 0.99^n ≈ 0.7, and
