@@ -553,6 +553,44 @@ def test_reader_and_writer_arguments_from_review(tmp_path):
         LogWriter(tmp_path / "missing" / "w.parquet", num_candidates=K, num_shown=L)  # the hidden partial file
 
 
+def test_a_folder_is_read_as_pyarrow_datasets_read_one(tmp_path):
+    """Regressions (found by review), each a silent loss of rows before its fix: a folder was read one level deep, and
+    only its files ending in lower-case ``.parquet`` (Hive-style partitions, ``date=.../part.parquet``, and
+    ``PART.PARQUET`` were skipped). Names starting with ``.`` or ``_`` stay out, as pyarrow.dataset leaves them."""
+    parts = {"a.parquet": [3], "date=2024-01-02/b.parquet": [4], "date=2024-01-03/x/c.PARQUET": [5],
+             ".hidden.parquet": [6], "_tmp/d.parquet": [7], "date=2024-01-04/_e.parquet": [8]}
+    written = {}
+    for name, sizes in parts.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        written[name] = _write(tmp_path / "w.parquet", sizes)
+        (tmp_path / "w.parquet").rename(tmp_path / name)
+    data = LoggedImpressions(tmp_path, 100)
+    assert [f.relative_to(tmp_path).as_posix() for f in data.files] == ["a.parquet", "date=2024-01-02/b.parquet",
+                                                                        "date=2024-01-03/x/c.PARQUET"]
+    _assert_same(_cat(list(data)), _as_written(_cat([b for name in list(parts)[:3] for b in written[name]])))
+
+
+def test_integer_rewards_and_features_are_read_as_floats(tmp_path):
+    """Regression (found by review): clicks stored as integers (0 and 1) were refused, though narrower integer ids
+    and other float types read."""
+    _write(tmp_path / "good.parquet", [6])
+    table = pq.read_table(tmp_path / "good.parquet")
+    clicks = pa.array([[1, 0]] * 6, type=pa.list_(pa.int8()))
+    counts = pa.array([[2, 0, 7]] * 6, type=pa.large_list(pa.int64()))
+    table = table.set_column(table.schema.get_field_index("rewards"), "rewards", clicks)
+    table = table.set_column(table.schema.get_field_index("features"), "features", counts)
+    pq.write_table(table, tmp_path / "ints.parquet")
+    (batch,) = LoggedImpressions(tmp_path / "ints.parquet", 6)
+    assert batch.rewards.dtype == batch.features.dtype == torch.float32
+    assert batch.rewards.tolist() == [[1.0, 0.0]] * 6 and batch.features.tolist() == [[2.0, 0.0, 7.0]] * 6
+    bad = table.set_column(table.schema.get_field_index("log_inclusion"), "log_inclusion",
+                           pa.array([[0, 0]] * 6, type=pa.list_(pa.int64())))
+    pq.write_table(bad, tmp_path / "bad.parquet")
+    with pytest.raises(ValueError, match=r"column 'log_inclusion' must have type list<item: double> \(or another "
+                                         r"list layout, or float type read as it\)"):
+        LoggedImpressions(tmp_path / "bad.parquet", 6)
+
+
 def test_file_level_gaps_in_the_schema_are_named(tmp_path):
     """Malformed files that were read silently or with another error: a null policy version (never read,
     so never checked), a column twice (a bare KeyError), a negative id in a file that records no catalog

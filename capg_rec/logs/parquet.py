@@ -51,24 +51,33 @@ _NUMPY_DTYPES = {name: torch.empty(0, dtype=dtype).numpy().dtype for name, dtype
 _FLOAT32_MAX = float(np.nextafter(2.0**128 - 2.0**103, 0))  # the largest float64 that rounds to a finite float32
 
 
-def _readable_as(got: pa.DataType, want: pa.DataType) -> bool:
-    """Whether a column of Arrow type ``got`` reads as :data:`LOG_SCHEMA`'s ``want``: lists as any list layout
+def _readable_as(got: pa.DataType, want: pa.DataType, name: str) -> bool:
+    """Whether column ``name`` of Arrow type ``got`` reads as :data:`LOG_SCHEMA`'s ``want``: lists as any list layout
     (``large_list``, ``fixed_size_list``; elements declared non-nullable or named otherwise, as Spark and Polars
-    write them) of readable values; integers as any integer type that int64 holds; floats as any float type
-    (rewards and features are read as float32, the schema's type); strings as either string type, dictionary-encoded
-    or not (as pandas writes a categorical)."""
+    write them) of readable values; integers as any integer type that int64 holds; floats as any float type, and
+    rewards and features (read as float32, the schema's type) as integers too (clicks stored as 0 and 1); strings as
+    either string type, dictionary-encoded or not (as pandas writes a categorical)."""
     if pa.types.is_list(want):
         layouts = (pa.types.is_list, pa.types.is_large_list, pa.types.is_fixed_size_list)
-        return any(layout(got) for layout in layouts) and _readable_as(got.value_type, want.value_type)
+        return any(layout(got) for layout in layouts) and _readable_as(got.value_type, want.value_type, name)
     if pa.types.is_integer(want):
         return pa.types.is_signed_integer(got) or (pa.types.is_unsigned_integer(got) and got.bit_width < 64)
     if pa.types.is_floating(want):
-        return pa.types.is_floating(got)
+        return pa.types.is_floating(got) or (name in _NUMBERS_AS_FLOATS and pa.types.is_integer(got))
     if pa.types.is_string(want):
         if pa.types.is_dictionary(got):
             got = got.value_type
         return pa.types.is_string(got) or pa.types.is_large_string(got)
     return got == want
+
+
+def _element(kind: pa.DataType) -> pa.DataType:
+    """A list type's element type, or ``kind`` itself."""
+    return kind.value_type if pa.types.is_list(kind) else kind
+
+
+_NUMBERS_AS_FLOATS = ("rewards", "features")
+"""The float columns that read integer columns too."""
 
 
 def _first(bad: np.ndarray | None) -> int | None:
@@ -431,6 +440,14 @@ def _readable(batches: Iterator[pa.RecordBatch], where: str) -> Iterator[pa.Reco
         yield batch
 
 
+def _folder_files(folder: Path) -> list[Path]:
+    """The ``.parquet`` files (any case) under ``folder`` and its subfolders (Hive-style partitions, ``date=.../``),
+    in path order, leaving out those whose name or folder starts with ``.`` or ``_`` (hidden files, a writer's
+    temporary ones, ``_SUCCESS`` markers), as ``pyarrow.dataset`` does."""
+    return sorted(f for f in folder.rglob("*") if f.suffix.lower() == ".parquet" and f.is_file()
+                  and not any(part.startswith((".", "_")) for part in f.relative_to(folder).parts))
+
+
 def _log_files(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
@@ -440,7 +457,7 @@ def _log_files(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[P
         raise ValueError("path_or_paths must name at least one path, got an empty list")
     files: list[Path] = []
     for p in map(Path, paths):
-        files.extend(sorted(p.glob("*.parquet")) if p.is_dir() else [p])
+        files.extend(_folder_files(p) if p.is_dir() else [p])
     if not files:
         raise ValueError(f"path_or_paths: no .parquet file in {[str(p) for p in paths]}")
     seen: dict[Path, Path] = {}
@@ -460,7 +477,9 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
     Different ranks may get different numbers of rows (whole row groups).
 
     Args:
-        path_or_paths: a file, a directory of ``.parquet`` files, or a list of them (naming a file twice,
+        path_or_paths: a file, a directory of ``.parquet`` files (searched recursively: Hive-style partition
+            folders too, whose values are not read as columns; names starting with ``.`` or ``_`` are left out,
+            as ``pyarrow.dataset`` leaves them), or a list of them (naming a file twice,
             directly or through its directory, is a ``ValueError``: its rows would be read twice).
         batch_size: rows per batch (the last one of each worker may be smaller).
         columns: the :class:`LoggedBatch` fields to read (default: all there are); the others are None.
@@ -587,10 +606,12 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
                 for name in (*REQUIRED_COLUMNS, *(["features"] if here.num_features is not None else [])):
                     if name not in schema.names:
                         raise ValueError(f"log file {path}: missing column {name!r}")
-                    if not _readable_as(schema.field(name).type, LOG_SCHEMA.field(name).type):
+                    if not _readable_as(schema.field(name).type, LOG_SCHEMA.field(name).type, name):
+                        also = "integer or float" if name in _NUMBERS_AS_FLOATS else \
+                            "float" if pa.types.is_floating(_element(LOG_SCHEMA.field(name).type)) else "integer"
                         raise ValueError(f"log file {path}: column {name!r} must have type "
-                                         f"{LOG_SCHEMA.field(name).type} (or another list layout, integer or float "
-                                         f"type read as it), got {schema.field(name).type}")
+                                         f"{LOG_SCHEMA.field(name).type} (or another list layout, or {also} type "
+                                         f"read as it), got {schema.field(name).type}")
                 if meta is None:
                     meta = here
                 else:
