@@ -189,8 +189,10 @@ def recall_at_k(found: Tensor, exact: Tensor) -> float:
                             f"{ids.dtype if isinstance(ids, Tensor) else type(ids).__name__}")
     if found.shape != exact.shape:
         raise ValueError(f"found and exact must have one shape, got {tuple(found.shape)} and {tuple(exact.shape)}")
+    if not exact.numel():
+        raise ValueError(f"found and exact must hold at least one id, got shape {tuple(exact.shape)}")
     hits = (found.unsqueeze(-1) == exact.unsqueeze(-2)).any(-2)
-    return float(hits.float().mean()) if hits.numel() else 1.0
+    return float(hits.float().mean())
 
 
 def _import_faiss():

@@ -43,7 +43,7 @@ def test_approximate_kinds_run_and_refresh(kind):
     _, found = index.search(queries, 10)
     _, exact = ExactIndex(items).search(queries, 10)
     assert found.shape == (7, 10) and found.dtype == torch.long
-    assert recall_at_k(found, exact) > 0.5  # sanity only; benchmarks/sampled_ann.py measures recall
+    assert recall_at_k(found, exact) > 0.5  # sanity only; benchmarks/serving_recall.py measures recall
     index.refresh(items[:100])
     assert index.num_items == 100
     _, ids = index.search(queries, 5)
@@ -57,6 +57,8 @@ def test_recall_at_k():
     for bad in (a.float(), a > 2, a.tolist()):  # found by review: float ids were compared as they came
         with pytest.raises(TypeError, match="found must be an integer tensor of ids"):
             recall_at_k(bad, a)
+    with pytest.raises(ValueError, match="found and exact must hold at least one id"):  # found by review: gave 1.0
+        recall_at_k(a[:0], a[:0])
 
 
 def test_index_errors():

@@ -287,6 +287,8 @@ def test_expected_values_match_enumeration():
 def test_lsr_validation():
     with pytest.raises(ValueError, match="lsr"):
         make_lsr("greedy")
+    with pytest.raises(TypeError, match="lsr must be a name in .* or a callable, got int"):  # found by review
+        make_lsr(3)
     with pytest.raises(ValueError, match="num_outputs"):
         OptimalLSR()(SCORES, 5)
     with pytest.raises(ValueError, match="scores"):

@@ -540,6 +540,9 @@ def test_bad_arguments_raise(kwargs, match):
 def test_bad_argument_types_raise_type_error():
     with pytest.raises(TypeError, match="num_samples"):
         validate_esr(CatalogESR(randn(1, 4), 2), num_samples=2.5)
+    for progress in ("no", 1):  # found by review: any truthy value turned the progress bar on
+        with pytest.raises(TypeError, match="progress must be True or False"):
+            validate_esr(CatalogESR(randn(1, 4), 2), num_samples=10, progress=progress)
 
 
 class Broken:

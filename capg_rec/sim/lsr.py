@@ -123,6 +123,8 @@ def make_lsr(name: str | LSRPolicy) -> LSRPolicy:
     if callable(name):
         return name
     table = {"optimal": OptimalLSR, "noisy": NoisyLSR, "uniform": UniformLSR, "anti": AntiOptimalLSR}
+    if not isinstance(name, str):
+        raise TypeError(f"lsr must be a name in {LSR_NAMES} or a callable, got {type(name).__name__} {name!r}")
     if name not in table:
         raise ValueError(f"lsr must be one of {LSR_NAMES} or a callable, got {name!r}")
     return table[name]()

@@ -251,7 +251,8 @@ class ShardedEmbeddingCatalog(CatalogScores):
 
         sel: list[int] = []
         self._arguments("every rank must draw alike (the same K in sample_candidates) and ask top_items for the "
-                        "same k and experts", 3, arguments)
+                        "same k and experts (a draw of K from a mixture asks each expert block for its share of K)",
+                        3, arguments, shown="top_items' k = ")
         with torch.no_grad():
             user = self.user_all.detach()[:, sel]
             item = self.item.detach()[:, sel]
@@ -275,16 +276,16 @@ class ShardedEmbeddingCatalog(CatalogScores):
             all_vals, all_ids = all_vals.gather(2, order), all_ids.gather(2, order)
             return self._mine(all_ids.gather(2, top_k(all_vals, k)))
 
-    def _arguments(self, same: str, size: int, check: Callable[[], list[int]]) -> None:
-        """A method's argument checks (``check``: ``size`` ints, the first shown), raised on every rank when
-        validating with a group (one exchange, which also requires the same arguments everywhere, else a
+    def _arguments(self, same: str, size: int, check: Callable[[], list[int]], shown: str = "") -> None:
+        """A method's argument checks (``check``: ``size`` ints, the first shown after ``shown``), raised on every
+        rank when validating with a group (one exchange, which also requires the same arguments everywhere, else a
         ``ValueError`` starting with ``same``: the method's collectives pair them), else on this rank."""
         if not self.validate or self.group is None:
             check()
             return
         table = exchange(check, size, self.group, self.device)
         if len({tuple(entries) for entries in table}) > 1:  # the first entry is shown: the others are fingerprints
-            raise ValueError(f"{same}, got {[entries[0] for entries in table]} by rank"
+            raise ValueError(f"{same}, got {shown}{[entries[0] for entries in table]} by rank"
                              f"{' (or other experts)' if size > 1 else ''}")
 
     def _shared_seed(self, generator: torch.Generator | None, k: int, experts: list[int]) -> list[int]:

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from capg_rec._checks import check_count, is_number
+from capg_rec._checks import check_count, check_flag, is_number
 from capg_rec.validate import _stats
 from capg_rec.validate.protocol import ESR
 from capg_rec.validate.report import Check, ItemResult, ValidationReport
@@ -102,6 +102,7 @@ def validate_esr(esr: ESR, contexts: Any = None, *, num_samples: int = 20_000, a
     alpha = _check_fraction("alpha", alpha)
     power = _check_fraction("power", power)
     check_count("seed", seed, low=0, high=2**63 - 1)  # a torch.Generator seed
+    progress = check_flag("progress", progress)
     num_worst = check_count("num_worst", num_worst, low=0)
     max_enumerated_draws = check_count("max_enumerated_draws", max_enumerated_draws, low=0)
     for name, value in (("tolerance", tolerance), ("sum_tolerance", sum_tolerance), ("rel_error", rel_error)):
