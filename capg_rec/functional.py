@@ -471,10 +471,14 @@ def _drawing_scores(catalog: CatalogScores, candidates: Tensor) -> Tensor:
     return catalog.gather(candidates).gather(1, index)[:, 0]
 
 
-def _same_device(device: torch.device, **tensors: Tensor | None) -> None:
-    """A ``ValueError`` naming the first of ``tensors`` (None: absent) that is not on the catalog's ``device``."""
+def _same_device(device: torch.device | str, **tensors: Tensor | None) -> None:
+    """A ``ValueError`` naming the first of ``tensors`` (None: absent) that is not on the catalog's ``device`` (a
+    catalog of your own may name it as a string, or without an index: ``"cuda"`` is the current one's)."""
+    device = torch.device(device)
+    if device.index is None and device.type not in ("cpu", "meta"):
+        device = torch.empty(0, device=device).device  # the current device of its type, with its index
     for name, x in tensors.items():
-        if x is not None and x.device != device:
+        if x is not None and x.device != device and (x.device.type, device.type) != ("cpu", "cpu"):
             raise ValueError(f"{name} must be on the scores' device {device}, got {x.device}")
 
 

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from capg_rec import CAPGLoss, OffPolicyCAPGLoss, VPGLoss, inclusion_log_prob, sample_candidates
+from capg_rec import CAPGLoss, DenseCatalog, OffPolicyCAPGLoss, VPGLoss, inclusion_log_prob, sample_candidates
 import capg_rec._checks
 from capg_rec.testing import count_host_syncs
 
@@ -337,6 +337,11 @@ def test_argument_errors_found_by_review():
         F.capg_loss(torch.randn(4, 0, 30), cand, chosen, rewards)
     with pytest.raises(ValueError, match=r"the catalog has no items \(N = 0\)"):
         F.capg_loss(torch.randn(4, 0), cand, chosen, rewards)
+    for device in ("cpu", torch.device("cpu", 0)):  # a catalog of one's own may name its device so (found by review)
+        catalog = DenseCatalog(logits)
+        catalog.device = device
+        torch.testing.assert_close(F.capg_loss(catalog, cand, chosen, rewards), F.capg_loss(logits, cand, chosen,
+                                                                                             rewards))
     expected = F.vpg_loss(logits, cand, chosen, rewards, with_replacement=True)
     torch.testing.assert_close(F.vpg_loss(logits, cand, chosen, rewards, with_replacement=np.True_,
                                           validate_args=np.True_), expected)
