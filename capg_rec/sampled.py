@@ -404,7 +404,8 @@ class DrawnSample(NegativeSampler):
 
     Args:
         ids: the sample ``[S]`` (int64 ids, ``-1``: unused), e.g. ``sampler.draw(num_items, batch_items,
-            generator=g, device=d)``.
+            generator=g, device=d)``: the sampler's whole draw (a validating catalog refuses more or fewer ids, where
+            the library knows the sampler's draw: each id's term is divided by the expected count of that draw).
         sampler: the :class:`NegativeSampler` that drew it.
         batch_items: the ``batch_items [B, H]`` it was drawn with, where that is not the batch of the catalog it
             goes to (the catalog's ``batch_items``, else its ``head_items``, which are taken for it otherwise): the
@@ -427,22 +428,23 @@ class DrawnSample(NegativeSampler):
             raise ValueError(f"batch_items must be 2-d [B, H], got shape {list(batch_items.shape)}")
         self.ids, self.sampler = ids.long(), sampler._frozen(ids)
         self.batch_items = None if batch_items is None else batch_items.long()
-        self._check_size(batch_items)
 
-    def _check_size(self, batch_items: Tensor | None) -> None:
-        """With the default validation (:func:`capg_rec.set_default_validate_args`), a ``ValueError`` unless the
-        sample holds as many ids (not ``-1``) as its sampler draws (from ``batch_items``, where its draw depends on
-        them; an in-batch sample given without them is not checked): each drawn id's term is divided by the sampler's
-        expected count, which holds for its whole draw only (3 of 5 uniform ids would make every estimated sum 3/5 of
-        the truth). One host read, at construction (this rank's own, before any collective)."""
-        size = self.sampler._draw_size(batch_items)
-        if size is None or not resolve_validate_args(None):
-            return
+    def _size_problem(self, batch_items: Tensor | None) -> str | None:
+        """What is wrong, if the sample does not hold as many ids (not ``-1``) as its sampler draws from its own
+        ``batch_items``, else from the catalog's ``batch_items`` (where its draw depends on them; None: no check):
+        each drawn id's term is divided by the sampler's expected count, which holds for its whole draw only (3 of 5
+        uniform ids would make every estimated sum 3/5 of the truth). One host read; a validating catalog asks (the
+        TorchRec retriever in its collective checks)."""
+        drawn_with = self.batch_items if self.batch_items is not None else batch_items
+        size = self.sampler._draw_size(drawn_with)
+        if size is None:
+            return None
         used, size = int((self.ids != -1).sum()), int(size)
-        if used != size:
-            raise ValueError(f"ids must hold the {size} ids that {self.sampler!r} draws"
-                             f"{'' if batch_items is None else f' from batch_items of shape {list(batch_items.shape)}'}"
-                             f" (-1: unused slots, not counted), got {used}")
+        if used == size:
+            return None
+        return (f"sample must hold the {size} ids that {self.sampler!r} draws"
+                f"{f' from batch_items of shape {list(drawn_with.shape)}' if self.sampler.draws_batch else ''}"
+                f" (-1: unused slots, not counted), got {used}")
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> DrawnSample:
         """The same sample (and batch) on ``device``."""
@@ -685,6 +687,10 @@ class SampledCatalog(CatalogScores):
             if low < -1 or high >= self.num_items:
                 raise ValueError(f"sampler must draw ids in [0, {self.num_items}) (-1: an unused slot), got ids in "
                                  f"[{low}, {high}]")
+            problem = sampler._size_problem(batch_items) if self.validate and isinstance(sampler, DrawnSample) \
+                else None
+            if problem is not None:
+                raise ValueError(problem)
             self.sample_ids, copies, self._sample_sorted = _first_copies(sample.to(self.device).long())  # [S]
             if own_batch and sampler.draws_batch:
                 # A row's own head items are in the sample but scored exactly (their terms dropped): its sums

@@ -32,6 +32,7 @@ ranks with a collective timeout, so that a hang fails the case instead of the jo
 * ``structure/*``: rank 1 passes a loss malformed input (rewards of the wrong shape, float ``chosen``, candidates
   with a row too few, or a column fewer than the loss module's K), in the sampled mode and on the whole catalog: its
   own error there, a ``ValueError`` on rank 0;
+* ``short_sample``: rank 1's DrawnSample holds 3 of its uniform sampler's ids: refused on both ranks;
 * ``masked/range``, ``masked/float``: rank 1's ``masked_items`` in the sampled mode hold an id outside the catalog, or
   are floats: the error on both;
 * ``uneven_sum``: batches of 3 and 1 users, the loss summed and scaled by W / B_total: one step updates the tables
@@ -169,6 +170,14 @@ def main() -> int:
                 cand[1, -1] = -1
             loss_fn(catalog(model, users, sample, head, listed), cand, cand[:, :2], ones(PER_RANK))
         return case
+
+    def short_sample():
+        users, sample, head, listed = batch(rank, PER_RANK)
+        if rank == 1:  # 3 of the uniform sampler's 400 ids: each estimated sum would be 3/400 of the sample's part
+            sample = DrawnSample(sample.ids[:3], UniformSampler(SAMPLES))
+        cand = head[:, :K].clone()
+        CAPGLoss(K, method="with_replacement")(catalog(model, users, sample, head, listed), cand, cand[:, :2],
+                                               ones(PER_RANK))
 
     def nothing_listed():
         users, sample, head, listed = batch(rank, PER_RANK)
@@ -423,6 +432,7 @@ def main() -> int:
              "empty/greedy": empty_draw(True),
              "wide": wide, "pad/capg": pad(CAPGLoss(K, method="with_replacement")),
              "pad/vpg": pad(VPGLoss(K, with_replacement=True)), "nothing_listed": nothing_listed,
+             "short_sample": short_sample,
              "rewritten": rewritten, "exact/empty": exact_empty, "propensity/empty": propensity_empty,
              "propensity/bad_id": propensity_bad_id, "uniform_short": uniform_short,
              "short_pool": short_pool(PER_RANK), "short_pool/empty": short_pool(0), "k_draw": k_draw,

@@ -222,8 +222,8 @@ def test_deterministic_algorithms_run_and_repeat_bit_for_bit(device, name, place
     cand = sample_candidates(EmbeddingCatalog(user.detach(), item.detach()), 6,
                              generator=torch.Generator(device).manual_seed(11))
     chosen, rewards = cand[:, :2], torch.rand(4, 2, generator=g).to(device)
-    ids = MixedSampler(UniformSampler(32), InBatchSampler(num_buckets=256)).draw(
-        300, cand, generator=torch.Generator(device).manual_seed(12), device=device)
+    sampler = MixedSampler(UniformSampler(32), InBatchSampler(num_buckets=256))
+    ids = sampler.draw(300, cand, generator=torch.Generator(device).manual_seed(12), device=device)
 
     def run():
         if placement == "logits":
@@ -231,7 +231,7 @@ def test_deterministic_algorithms_run_and_repeat_bit_for_bit(device, name, place
         elif placement == "chunked":
             catalog = EmbeddingCatalog(user, item, chunk_size=64)
         else:
-            catalog = SampledCatalog(user, item, sampler=DrawnSample(ids, UniformSampler(32)), head_items=cand,
+            catalog = SampledCatalog(user, item, sampler=DrawnSample(ids, sampler), head_items=cand,
                                      index=ExactIndex(item.detach()), head_size=8)
         loss = _loss(name, 6)(catalog, cand, chosen, rewards)
         return (loss, *torch.autograd.grad(loss, (user, item)))

@@ -953,25 +953,34 @@ def test_sampler_and_head_arguments_found_by_review():
 
 def test_a_drawn_sample_holds_its_sampler_s_whole_draw():
     """Regression (found by review): a DrawnSample of fewer ids than its sampler draws was taken, and every estimated
-    sum came out that share of the truth (3 of 5 uniform ids: 3/5). Unused slots (-1) are not counted; an in-batch
-    draw's size is its batch's, checked where the batch is given."""
+    sum came out that share of the truth (3 of 5 uniform ids: 3/5). A validating catalog refuses it (unused -1 slots
+    not counted; an in-batch draw's size is that of the batch it was drawn from, its own or else the catalog's);
+    the sample itself is made as before, under torch.compile and vmap too."""
     g = torch.Generator().manual_seed(0)
     users, items = torch.randn(2, 4, generator=g), torch.randn(50, 4, generator=g)
-    with pytest.raises(ValueError, match=r"ids must hold the 5 ids that UniformSampler\(num_samples=5\) draws"):
-        DrawnSample(torch.tensor([1, 2, 3]), UniformSampler(5))
-    DrawnSample(torch.tensor([1, 2, 3, -1, 4, 5]), UniformSampler(5))  # an unused slot
+
+    def catalog(sample, **kwargs):
+        return SampledCatalog(users, items, sampler=sample, **kwargs)
+
+    with pytest.raises(ValueError, match=r"sample must hold the 5 ids that UniformSampler\(num_samples=5\) draws "
+                                         r"\(-1: unused slots, not counted\), got 3"):
+        catalog(DrawnSample(torch.tensor([1, 2, 3]), UniformSampler(5)))
+    short = DrawnSample(torch.tensor([1, 2, 3]), UniformSampler(5))
+    assert torch.isfinite(SampledCatalog(users, items, sampler=short, validate_args=False).log_normalizer()).all()
+    assert torch.isfinite(catalog(DrawnSample(torch.tensor([1, 2, 3, -1, 4, 5]), UniformSampler(5))).log_normalizer()
+                          ).all()  # an unused slot
     batch = torch.tensor([[1, 2], [3, -1]])
-    mixed = MixedSampler(InBatchSampler(), UniformSampler(5))
-    with pytest.raises(ValueError, match=r"ids must hold the 8 ids .* from batch_items of shape \[2, 2\] .*, got 3"):
-        DrawnSample(torch.tensor([1, 2, 3]), mixed, batch_items=batch)
+    sampler = MixedSampler(InBatchSampler(), UniformSampler(5))
+    drawn = sampler.draw(50, batch, generator=g, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"sample must hold the 8 ids .* from batch_items of shape \[2, 2\] .*got 7"):
+        catalog(DrawnSample(drawn[1:], sampler, batch_items=batch), head_items=batch)
+    with pytest.raises(ValueError, match=r"sample must hold the 8 ids .* from batch_items of shape \[2, 2\] .*got 7"):
+        catalog(DrawnSample(drawn[1:], sampler), head_items=batch)  # drawn from the catalog's own head
+    assert torch.isfinite(catalog(DrawnSample(drawn, sampler), head_items=batch).log_normalizer()).all()
     with pytest.raises(ValueError, match=r"batch_items must be 2-d \[B, H\], got shape \[3\]"):
         DrawnSample(torch.tensor([1, 2, 3]), InBatchSampler(), batch_items=batch[0, :1].repeat(3))
-    sampler = InBatchSampler()
-    drawn = sampler.draw(50, batch, generator=g, device=torch.device("cpu"))
-    with pytest.raises(ValueError, match=r"ids must hold the 3 ids that InBatchSampler"):
-        DrawnSample(drawn[:2], sampler, batch_items=batch)
-    whole = DrawnSample(drawn, sampler, batch_items=batch)
-    assert torch.isfinite(SampledCatalog(users, items, sampler=whole, head_items=batch).log_normalizer()).all()
+    made = torch.compile(lambda ids: DrawnSample(ids, UniformSampler(5)).ids * 2, backend="eager", fullgraph=True)
+    torch.testing.assert_close(made(torch.arange(5)), torch.arange(0, 10, 2))  # found by review of the first fix
     with pytest.raises(ValueError, match="samplers must hold at least one NegativeSampler"):
         MixedSampler()
 

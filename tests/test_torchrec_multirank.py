@@ -252,6 +252,10 @@ def test_sampled_mode_checks_agree_whatever_each_rank_holds(tmp_path):
     # found by review: a user's method of the wrong shape on rank 1 alone raised there, and rank 0 hung
     assert second["user_method_shape"].startswith("ValueError: Squeezed().log_inclusion must return the items' shape")
     assert first["user_method_shape"].startswith("ValueError: an input check failed in another process")
+    # found by review: a DrawnSample of fewer ids than its sampler draws was taken (every sum scaled by their ratio)
+    assert first["short_sample"] == second["short_sample"] == (
+        "ValueError: sample must hold the 400 ids that UniformSampler(num_samples=400) draws (-1: unused slots, not "
+        "counted), got 3 (on rank 1 of the process group)")
     assert first["masked/range"] == second["masked/range"]
     assert first["masked/range"].startswith("ValueError: masked_items must hold ids in [-1, 3001)")
     assert first["masked/float"] == second["masked/float"]

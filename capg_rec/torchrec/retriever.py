@@ -559,6 +559,9 @@ class TwoTowerRetriever(nn.Module):
             raise ValueError(f"the catalog feature {self.catalog_feature!r} must list item ids in [0, "
                              f"{self.num_items}) in the last sample only: build it with "
                              f"retriever.with_catalog(features, items)")
+        problem = sample._size_problem(head_items)
+        if problem is not None:
+            raise ValueError(problem)
         named = {"sample": sample.ids, "head_items": head_items, "index_items": index_items}
         for name, part in named.items():
             if part is None:
