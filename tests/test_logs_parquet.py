@@ -568,6 +568,16 @@ def test_a_folder_is_read_as_pyarrow_datasets_read_one(tmp_path):
     assert [f.relative_to(tmp_path).as_posix() for f in data.files] == ["a.parquet", "date=2024-01-02/b.parquet",
                                                                         "date=2024-01-03/x/c.PARQUET"]
     _assert_same(_cat(list(data)), _as_written(_cat([b for name in list(parts)[:3] for b in written[name]])))
+    # a linked partition folder is searched (found by review: Path.rglob does not follow links), and a link back
+    # into the tree lists nothing twice
+    elsewhere = tmp_path.parent / f"{tmp_path.name}-elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "date=2024-01-02" / "b.parquet").rename(elsewhere / "b.parquet")
+    (tmp_path / "date=2024-01-02").rmdir()
+    (tmp_path / "date=2024-01-02").symlink_to(elsewhere, target_is_directory=True)
+    (tmp_path / "date=2024-01-03" / "x" / "loop").symlink_to(tmp_path / "date=2024-01-03", target_is_directory=True)
+    assert [f.relative_to(tmp_path).as_posix() for f in LoggedImpressions(tmp_path, 100).files] == [
+        "a.parquet", "date=2024-01-02/b.parquet", "date=2024-01-03/x/c.PARQUET"]
 
 
 def test_integer_rewards_and_features_are_read_as_floats(tmp_path):

@@ -441,11 +441,21 @@ def _readable(batches: Iterator[pa.RecordBatch], where: str) -> Iterator[pa.Reco
 
 
 def _folder_files(folder: Path) -> list[Path]:
-    """The ``.parquet`` files (any case) under ``folder`` and its subfolders (Hive-style partitions, ``date=.../``),
-    in path order, leaving out those whose name or folder starts with ``.`` or ``_`` (hidden files, a writer's
-    temporary ones, ``_SUCCESS`` markers), as ``pyarrow.dataset`` does."""
-    return sorted(f for f in folder.rglob("*") if f.suffix.lower() == ".parquet" and f.is_file()
-                  and not any(part.startswith((".", "_")) for part in f.relative_to(folder).parts))
+    """The ``.parquet`` files (any case) under ``folder`` and its subfolders (Hive-style partitions, ``date=.../``;
+    linked folders too, each visited once), in path order, leaving out those whose name or folder starts with ``.``
+    or ``_`` (hidden files, a writer's temporary ones, ``_SUCCESS`` markers), as ``pyarrow.dataset`` does."""
+    files, seen = [], set()
+    for top, dirs, names in os.walk(folder, followlinks=True):
+        real = os.path.realpath(top)
+        if real in seen:  # a link back into the tree: its files are listed once
+            dirs.clear()
+            continue
+        seen.add(real)
+        dirs[:] = [d for d in dirs if not d.startswith((".", "_"))]
+        files.extend(Path(top) / name for name in names
+                     if name.lower().endswith(".parquet") and not name.startswith((".", "_"))
+                     and os.path.isfile(os.path.join(top, name)))
+    return sorted(files)
 
 
 def _log_files(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
