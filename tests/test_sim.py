@@ -52,6 +52,9 @@ def test_synthetic_determinism_and_options():
     assert not torch.equal(a.q, synthetic_env(4, num_users=50, num_items=40).q)
     independent = synthetic_env(3, num_users=50, num_items=40, paper_coupling=False)
     assert independent.q.shape == (50, 40) and not torch.equal(independent.q, a.q)
+    assert torch.equal(synthetic_env(3, num_users=50, num_items=40, paper_coupling=np.False_).q, independent.q)
+    with pytest.raises(TypeError, match="paper_coupling must be True or False, got builtins.str"):
+        synthetic_env(3, num_users=50, num_items=40, paper_coupling="no")
     # Paper coupling: the item vectors are the user vectors, so raw + rawᵀ = scale · X (M0 + M0ᵀ) Xᵀ
     # has rank <= d = 10; with independent draws (and η now mixing M0 and Mz) the rank is higher.
     def sym_rank(env: MatrixEnv) -> int:

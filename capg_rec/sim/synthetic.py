@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from capg_rec._checks import check_count, check_positive, is_int
+from capg_rec._checks import check_count, check_flag, check_positive, is_int
 from capg_rec.sim.env import MatrixEnv, settings_text
 
 __all__ = ["synthetic_env", "PAPER_SEED"]
@@ -77,8 +77,7 @@ def synthetic_env(seed: int = PAPER_SEED, *, num_users: int = 1000, num_items: i
     check_count("num_items", num_items)
     check_count("dim", dim)
     scale = check_positive("scale", scale)
-    if not isinstance(paper_coupling, bool):
-        raise TypeError(f"paper_coupling must be a bool, got {paper_coupling!r}")
+    paper_coupling = check_flag("paper_coupling", paper_coupling)
     p = _draw(seed, num_users, num_items, dim, paper_coupling)
     users, items = p["users"], p["items"]
     rho_user = torch.sigmoid(users @ p["w_user"] + 3)
