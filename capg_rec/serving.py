@@ -17,7 +17,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from capg_rec._checks import check_count, check_flag, check_float_tensor, check_id_tensor, check_positive, is_number
+from capg_rec._checks import check_count, check_flag, check_float_tensor, check_id_tensor, check_items, \
+    check_positive, is_number
 from capg_rec.ann import FaissIndex, ItemIndex
 from capg_rec.catalog import EmbeddingCatalog
 from capg_rec.logs.propensity import explore_candidates, log_propensities
@@ -62,13 +63,16 @@ class ServingRetriever:
             (a mixture of M experts; position k uses expert m(k) as in training).
         item_vectors: ``[N, D]`` or ``[N, M, D]``: every item through the item side.
         index: an :class:`~capg_rec.ann.ItemIndex` over ``item_vectors`` for the greedy top-K (default: an
-            exact :class:`~capg_rec.ann.FaissIndex`; an approximate one trades recall for time).
+            exact :class:`~capg_rec.ann.FaissIndex`; an approximate one trades recall for time). Among equal
+            scores FAISS picks its own way; :class:`~capg_rec.ann.ExactIndex` picks the lower id, as
+            :func:`capg_rec.greedy_candidates` does.
         temperature: the serving policy's τ > 0 (a softened ESR explores).
         epsilon: the share ε in ``[0, 1]`` of requests answered by K uniform items.
         method: the inclusion method of the logged ``log_inclusion`` (``"exact"`` where affordable).
 
     Shape:
-        ``retrieve(*inputs, num_candidates=K)`` → :class:`Retrieved` of ``[B, K]`` (and ``[B]``) tensors.
+        ``retrieve(*inputs, num_candidates=K, masked_items=None)`` (``masked_items [B, E]``) → :class:`Retrieved` of
+        ``[B, K]`` (and ``[B]``) tensors.
 
     Example (a sketch: the names it takes come from your loop)::
 
@@ -127,38 +131,49 @@ class ServingRetriever:
 
     @torch.no_grad()
     def retrieve(self, *inputs: object, num_candidates: int, sample: bool = False,
-                 generator: torch.Generator | None = None, **kwargs: object) -> Retrieved:
+                 generator: torch.Generator | None = None, masked_items: Tensor | None = None,
+                 **kwargs: object) -> Retrieved:
         """K candidates per request: the greedy top-K through the index (``sample=False``), or a draw from
         the serving policy with its log-propensities (``sample=True``: the full catalog is scored, in
-        chunks, so that the logged propensities are those of the policy that drew). ``inputs`` and
-        ``kwargs`` go to the user tower."""
+        chunks, so that the logged propensities are those of the policy that drew). ``masked_items [B, E]``
+        (``-1`` pads) are never served, and the logged propensities are those of the policy without them (as
+        training masks them). ``inputs`` and ``kwargs`` go to the user tower."""
         num_candidates = check_count("num_candidates", num_candidates, high=self.num_items)
-        user = self.user_vectors(*inputs, **kwargs)
+        user = self.user_vectors(*inputs, **kwargs)  # first: with a sharded model, a collective on every rank
+        masked = None if masked_items is None else check_items(
+            "masked_items", masked_items, batch_size=user.shape[0], num_items=self.num_items, unique=False,
+            low=-1).to(user.device)
         if not check_flag("sample", sample):
             self._check_index()  # refreshed to another catalog since: its ids would be another catalog's
-            return Retrieved(self._greedy(user, num_candidates))
-        catalog = EmbeddingCatalog(user, self.item_vectors, self.temperature)  # the wider dtype: never rounded to half
+            return Retrieved(self._greedy(user, num_candidates, masked))
+        catalog = EmbeddingCatalog(user, self.item_vectors, self.temperature,  # the wider dtype: never half
+                                   masked_items=masked)
         candidates = explore_candidates(catalog, num_candidates, epsilon=self.epsilon, generator=generator)
         logged = log_propensities(catalog, candidates, candidates, method=self.method, epsilon=self.epsilon,
                                   validate_args=False)  # our own draw from this very catalog: nothing to check
         return Retrieved(candidates, *logged)
 
-    def _greedy(self, user: Tensor, num_candidates: int) -> Tensor:
+    def _greedy(self, user: Tensor, num_candidates: int, masked: Tensor | None) -> Tensor:
         """Each expert's block takes its best items not taken by earlier blocks (as
-        :func:`capg_rec.greedy_candidates`), from one index search of the top K per expert → ``[B, K]``."""
-        found = self.index.search(user if self.index.num_experts is not None else user[:, 0], num_candidates)[1]
-        found = found if found.dim() == 3 else found.unsqueeze(1)  # [B, M, K], best first
-        if found.numel() and int(found.min()) < 0:
-            raise ValueError(f"the index found fewer than K={num_candidates} items for a request (an approximate "
-                             "index: search deeper)")
+        :func:`capg_rec.greedy_candidates`) nor masked, from one index search of the top K + E per expert (E: the
+        masked ids per request) → ``[B, K]``."""
+        extra = 0 if masked is None else masked.shape[1]
+        depth = min(num_candidates + extra, self.num_items)
+        found = self.index.search(user if self.index.num_experts is not None else user[:, 0], depth)[1]
+        found = found if found.dim() == 3 else found.unsqueeze(1)  # [B, M, K + E], best first
         picks: list[Tensor] = []
         taken = 0
         for expert, count in expert_runs(num_candidates, user.shape[1]):
-            best = found[:, expert, :taken + count]  # enough: at most `taken` of them are gone
-            if picks:  # drop what earlier blocks took and keep the first `count` others, in order
-                fresh = ~(best.unsqueeze(2) == torch.cat(picks, dim=1).unsqueeze(1)).any(2)
-                order = torch.where(fresh, 0, best.shape[1]) + torch.arange(best.shape[1], device=best.device)
-                best = best.gather(1, order.argsort(dim=1))
-            picks.append(best[:, :count])
+            best = found[:, expert, :taken + count + extra]  # enough: at most `taken + E` of them are gone
+            gone = [*picks, *([] if masked is None else [masked])]
+            fresh = best >= 0  # -1: an approximate index found no more
+            if gone:  # drop what earlier blocks took and the masked ids, and keep the first `count` others, in order
+                fresh &= ~(best.unsqueeze(2) == torch.cat(gone, dim=1).unsqueeze(1)).any(2)
+            if bool((fresh.sum(1) < count).any()):
+                raise ValueError(f"the index found fewer than K={num_candidates} items for a request"
+                                 f"{'' if masked is None else ' that it does not mask'} (an approximate index: "
+                                 f"search deeper{'' if masked is None else '; or a request masks too many'})")
+            order = torch.where(fresh, 0, best.shape[1]) + torch.arange(best.shape[1], device=best.device)
+            picks.append(best.gather(1, order.argsort(dim=1))[:, :count])
             taken += count
         return torch.cat(picks, dim=1)

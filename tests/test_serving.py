@@ -57,6 +57,35 @@ def test_sampled_retrieval_logs_the_drawing_policys_propensities(num_experts, ep
     assert (inclusion <= 0).all() and torch.isfinite(count).all()
 
 
+@pytest.mark.parametrize("num_experts, k", [(1, 5), (3, 7)])
+def test_masked_items_are_never_served_and_the_logs_are_the_masked_policy_s(device, num_experts, k):
+    """Regression (found by review): serving took no masked_items (already seen items), and one passed went to the
+    user tower (a TypeError, or dropped by a tower taking **kwargs: masked items served and logged as drawable). The
+    greedy top-K now equals the greedy draw of the masked logits, through an exact and a FAISS index, and a draw
+    logs the masked policy's propensities."""
+    tower, items = _towers(60, num_experts, 4, seed=num_experts, device=device)
+    users = torch.randn(9, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).to(device)
+    plain = greedy_candidates(EmbeddingCatalog(tower(users), items), k)
+    masked = torch.cat([plain[:, ::2], torch.full((9, 2), -1, device=device)], 1)  # the best taken away, -1 pads
+    catalog = EmbeddingCatalog(tower(users), items, masked_items=masked)
+    expected = greedy_candidates(catalog, k)
+    assert not (expected.unsqueeze(2) == masked.unsqueeze(1)).any()
+    for index in (ExactIndex(items), *([FaissIndex(items.float())] if device.type == "cpu" else [])):
+        got = ServingRetriever(tower, items, index=index).retrieve(users, num_candidates=k, masked_items=masked)
+        torch.testing.assert_close(got.candidates, expected, rtol=0, atol=0)
+    server = ServingRetriever(tower, items, index=ExactIndex(items), epsilon=0.3, method="exact")
+    got = server.retrieve(users, num_candidates=k, sample=True, masked_items=masked,
+                          generator=torch.Generator(device).manual_seed(3))
+    assert not (got.candidates.unsqueeze(2) == masked.unsqueeze(1)).any()
+    ref = log_propensities(catalog, got.candidates, got.candidates, method="exact", epsilon=0.3)
+    torch.testing.assert_close(got.log_inclusion, ref.log_inclusion)
+    torch.testing.assert_close(got.log_candidate_prob, ref.log_candidate_prob)
+    with pytest.raises(ValueError, match=r"masked_items must hold ids in \[-1, 60\)"):
+        server.retrieve(users, num_candidates=k, masked_items=masked + 60)
+    with pytest.raises(ValueError, match="that it does not mask"):  # all but 3 items masked
+        server.retrieve(users[:1], num_candidates=5, masked_items=torch.arange(57, device=device).view(1, -1))
+
+
 def test_sampled_retrieval_frequencies_match_the_logged_inclusion():
     """Monte-Carlo: each item's retrieval frequency over R draws against exp(log_inclusion), within a
     binomial bound (z for a two-sided 1e-6 level, Bonferroni over the items)."""
@@ -152,8 +181,8 @@ def test_bad_input_is_a_clear_error():
 
     remote = ServingRetriever(tower, items, index=Remote(items))
     assert remote.retrieve(users, num_candidates=2).candidates.shape == (3, 2)
-    with pytest.raises(ValueError, match="fewer than K"):
-        ServingRetriever(tower, items, index=_ShortIndex(items)).retrieve(users, num_candidates=3)
+    with pytest.raises(ValueError, match="fewer than K"):  # expert 0's block needs 3 items; the index found 2
+        ServingRetriever(tower, items, index=_ShortIndex(items)).retrieve(users, num_candidates=5)
     assert isinstance(got, Retrieved) and issubclass(_ShortIndex, ItemIndex)
 
 
