@@ -138,8 +138,10 @@ class ServingRetriever:
         chunks, so that the logged propensities are those of the policy that drew). ``masked_items [B, E]``
         (``-1`` pads) are never served, and the logged propensities are those of the policy without them (as
         training masks them). ``inputs`` and ``kwargs`` go to the user tower."""
+        # The user side first: with a sharded model it is a collective of every rank, where an argument error raised
+        # before it on one rank would leave the others waiting; nothing after it is collective.
+        user = self.user_vectors(*inputs, **kwargs)
         num_candidates = check_count("num_candidates", num_candidates, high=self.num_items)
-        user = self.user_vectors(*inputs, **kwargs)  # first: with a sharded model, a collective on every rank
         masked = None if masked_items is None else check_items(
             "masked_items", masked_items, batch_size=user.shape[0], num_items=self.num_items, unique=False,
             low=-1).to(user.device)

@@ -86,6 +86,23 @@ def test_masked_items_are_never_served_and_the_logs_are_the_masked_policy_s(devi
         server.retrieve(users[:1], num_candidates=5, masked_items=torch.arange(57, device=device).view(1, -1))
 
 
+def test_the_user_side_runs_before_any_argument_check():
+    """Regression (found by review): with a sharded model the user side is a collective of every rank, and a K
+    outside [1, N] on one rank raised before it, so the other ranks waited until the process group's timeout."""
+    tower, items = _towers(20, 2, 3, seed=5)
+    calls = []
+    server = ServingRetriever(lambda x: calls.append(1) or tower(x), items, index=ExactIndex(items))
+    users = torch.randn(2, 3, dtype=torch.float64)
+    for bad, error in ((21, ValueError), (0, ValueError), (2.0, TypeError)):
+        with pytest.raises(error, match="num_candidates"):
+            server.retrieve(users, num_candidates=bad)
+    with pytest.raises(ValueError, match="masked_items"):
+        server.retrieve(users, num_candidates=2, masked_items=torch.tensor([[20], [0]]))
+    with pytest.raises(TypeError, match="sample"):
+        server.retrieve(users, num_candidates=2, sample="yes")
+    assert len(calls) == 5
+
+
 def test_sampled_retrieval_frequencies_match_the_logged_inclusion():
     """Monte-Carlo: each item's retrieval frequency over R draws against exp(log_inclusion), within a
     binomial bound (z for a two-sided 1e-6 level, Bonferroni over the items)."""
