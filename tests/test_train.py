@@ -457,6 +457,30 @@ def test_group_normalisation_and_baseline_reach_the_loss(env):
     assert torch.equal(seen["weights"], torch.ones(2))
 
 
+def test_a_run_records_the_lsrs_it_used_and_resumes_only_with_them(env, tmp_path):
+    """Regression (found by review): a Trainer given LSR callables wrote the config's names ("optimal") into its
+    result.json and checkpoint, and a resume went on under the config's LSRs without a word (the curve then mixed
+    two rankers). A callable is recorded by its repr and must be passed again; another name given is kept."""
+    from capg_rec.sim import NoisyLSR, UniformLSR
+
+    trainer = Trainer(env, _config(steps=20, eval_every=10), train_lsr=UniformLSR(), eval_lsr=NoisyLSR(3.0))
+    trainer.run(out_dir=tmp_path, checkpoint_every=10, progress=False)
+    recorded = json.loads((tmp_path / "result.json").read_text())["config"]
+    assert recorded["train_lsr"] == "custom: UniformLSR()"
+    assert recorded["eval_lsr"] == "custom: NoisyLSR(temperature=3.0)"
+    with pytest.raises(ValueError, match=r"trained with a train_lsr of its own \(custom: UniformLSR\(\)\): pass it "
+                                         r"again"):
+        Trainer.load(tmp_path / "checkpoint.pt", env, steps=30)
+    with pytest.raises(ValueError, match="eval_lsr of its own"):
+        Trainer.load(tmp_path / "checkpoint.pt", env, train_lsr=UniformLSR(), steps=30)
+    again = Trainer.load(tmp_path / "checkpoint.pt", env, train_lsr=UniformLSR(), eval_lsr=NoisyLSR(3.0), steps=30)
+    assert again.result.config["eval_lsr"] == "custom: NoisyLSR(temperature=3.0)"
+    named = Trainer(env, _config(steps=10, eval_every=10), eval_lsr="uniform")
+    named.run(out_dir=tmp_path / "named", checkpoint_every=10, progress=False)
+    resumed = Trainer.load(tmp_path / "named" / "checkpoint.pt", env, steps=20)
+    assert isinstance(resumed.eval_lsr, UniformLSR) and resumed.result.config["eval_lsr"] == "uniform"
+
+
 def test_adaptive_lr_factor(env):
     assert Trainer(env, _config(adaptive_lr=True)).result.lr == pytest.approx(1e-2)  # optimal LSR: 1
     uniform = Trainer(env, _config(adaptive_lr=True, train_lsr="uniform"))

@@ -64,6 +64,9 @@ class OptimalLSR:
         picks, _ = self(scores, num_outputs)
         return q.gather(1, picks).mean(dim=1)
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
 
 class AntiOptimalLSR(OptimalLSR):
     """The anti-oracle: the bottom-L candidates by score (propensities 1)."""
@@ -79,6 +82,9 @@ class NoisyLSR:
 
     def __init__(self, temperature: float = 1.0) -> None:
         self.temperature = check_positive("temperature", temperature)
+
+    def __repr__(self) -> str:
+        return f"NoisyLSR(temperature={self.temperature})"
 
     def __call__(self, scores: Tensor, num_outputs: int, generator: torch.Generator | None = None
                  ) -> tuple[Tensor, Tensor]:
@@ -113,6 +119,9 @@ class UniformLSR:
 
     def expected_value(self, scores: Tensor, q: Tensor, num_outputs: int) -> Tensor:
         return q.mean(dim=1)
+
+    def __repr__(self) -> str:
+        return "UniformLSR()"
 
 
 LSR_NAMES = ("optimal", "noisy", "uniform", "anti")

@@ -359,9 +359,9 @@ def _train(args: argparse.Namespace) -> int:
     write_csv(out / "metrics.csv", result.history)
     plot_curves({f"{cfg.label} on {env.name}, K={cfg.num_candidates}": {cfg.label: [result.history]}},
                 out / "curves.png", optimum=best)
-    print(f"{cfg.label} on {env.name}: policy value {result.final_value:.4f} under the {cfg.eval_lsr} LSR after "
-          f"{result.steps_done} steps (best achievable under the optimal LSR {best:.4f}); {result.overflow_count} "
-          "gradient overflows")
+    print(f"{cfg.label} on {env.name}: policy value {result.final_value:.4f} under the "
+          f"{trainer.lsr_labels['eval_lsr']} LSR after {result.steps_done} steps (best achievable under the optimal "
+          f"LSR {best:.4f}); {result.overflow_count} gradient overflows")
     print(f"metrics: {out / 'metrics.jsonl'}, {out / 'metrics.csv'}, {out / 'curves.png'}, result: "
           f"{out / 'result.json'}, checkpoint: {out / 'checkpoint.pt'}")
     return 0

@@ -108,7 +108,9 @@ class TrainResult:
 class Trainer:
     """Online PG training of a :class:`TwoTowerMoE` ESR on a :class:`MatrixEnv`.
 
-    ``train_lsr`` / ``eval_lsr`` override the config's named rankers with any LSR callable.
+    ``train_lsr`` / ``eval_lsr`` override the config's named rankers with any LSR callable (or another name). The
+    run's files and checkpoint record what was used (a callable as ``"custom: <its repr>"``), and a checkpoint of a
+    run with a callable is loaded only with a callable passed again (it cannot be saved).
     """
 
     def __init__(self, env: MatrixEnv, config: TrainConfig, *, train_lsr: LSRPolicy | None = None,
@@ -121,7 +123,7 @@ class Trainer:
         self.baseline_seen = torch.zeros(env.num_users, dtype=torch.bool)
         self.step_count = 0
         self.interval_losses: list[float] = []  # losses since the last evaluation
-        self.result = TrainResult(config=config.to_dict())
+        self.result = TrainResult(config=self._recorded_config())
         self.result.lr = config.base_lr * (self.estimate_adaptive_factor() if config.adaptive_lr else 1.0)
         self.optimizer = self._optimizer(self.result.lr)
 
@@ -139,6 +141,8 @@ class Trainer:
         self.env, self.config = env, config
         self.train_lsr = make_lsr(train_lsr if train_lsr is not None else config.train_lsr)
         self.eval_lsr = make_lsr(eval_lsr if eval_lsr is not None else config.eval_lsr)
+        self.lsr_labels = {"train_lsr": _lsr_label(train_lsr, config.train_lsr),
+                           "eval_lsr": _lsr_label(eval_lsr, config.eval_lsr)}
         self.eval_candidates = eval_k
         self.loss_fn = make_loss(config, validate_args=False)  # the step checks what it does not build itself
         method = getattr(self.loss_fn, "method", None)
@@ -334,9 +338,14 @@ class Trainer:
                 f.write(json_text(row) + "\n")
 
     # ---------------------------------------------------------- checkpoints
+    def _recorded_config(self) -> dict:
+        """The config as the run's files record it: with the LSRs it used (a callable's label, see :class:`Trainer`)."""
+        return {**self.config.to_dict(), **self.lsr_labels}
+
     def state_dict(self) -> dict:
         """Everything a resume needs, as containers of tensors, numbers and strings."""
-        return {"version": CHECKPOINT_VERSION, "config": self.config.to_dict(), "env": self.env.name,
+        return {"version": CHECKPOINT_VERSION, "config": self.config.to_dict(), "lsrs": self.lsr_labels,
+                "env": self.env.name,
                 "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "generator": self.generator.get_state(), "baseline_table": self.baseline_table,
                 "baseline_seen": self.baseline_seen, "step": self.step_count, "interval_losses": self.interval_losses,
@@ -370,8 +379,15 @@ class Trainer:
                 raise ValueError(f"steps must be an int > the checkpoint's step {state['step']} to continue "
                                  f"the run, got {steps!r}")
             config = config.replace(steps=steps)
+        given = {"train_lsr": train_lsr, "eval_lsr": eval_lsr}
+        for name, label in state.get("lsrs", {}).items():
+            if given[name] is None and label.startswith(_CUSTOM):  # a callable is not saved: it must come again
+                raise ValueError(f"the run trained with a {name} of its own ({label}): pass it again ({name}=...) "
+                                 "to go on")
+            if given[name] is None and label != state["config"][name]:  # another name, given to Trainer
+                given[name] = label
         trainer = cls.__new__(cls)
-        trainer._setup(env, config, train_lsr, eval_lsr)
+        trainer._setup(env, config, given["train_lsr"], given["eval_lsr"])
         if env.name != state["env"]:
             raise ValueError(f"env must be the checkpoint's {state['env']!r}, got {env.name!r}")
         shape = tuple(state["model"]["user"].shape[1:2]) + tuple(state["model"]["item"].shape[1:2])
@@ -395,7 +411,7 @@ class Trainer:
         """``self.result`` from a :meth:`state_dict` (``step_count`` and ``config`` already restored; ``extended``:
         to a target other than the saved run's)."""
         saved = state["result"]
-        self.result = TrainResult(config=self.config.to_dict(), lr=state["lr"])
+        self.result = TrainResult(config=self._recorded_config(), lr=state["lr"])
         if saved is not None:
             stopped = saved["stopped_at"]
             if stopped is not None and self.step_count < self.num_steps:
@@ -409,6 +425,16 @@ class Trainer:
             self.result.overflow_steps = saved["overflow_steps"]
             self.result.stopped_at = saved["stopped_at"]
             self.result.seconds = saved["seconds"]
+
+
+_CUSTOM = "custom: "
+
+
+def _lsr_label(given: LSRPolicy | str | None, configured: str) -> str:
+    """How a run records the LSR it used: the config's name, another name given, or a callable's repr."""
+    if given is None:
+        return configured
+    return given if isinstance(given, str) else f"{_CUSTOM}{given!r}"
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
