@@ -185,12 +185,17 @@ def assert_esr_valid(esr: ESR, contexts: Any = None, *, num_samples: int = 20_00
 
 @contextlib.contextmanager
 def count_host_syncs() -> Iterator[list[str]]:
-    """Within the block, record every Tensor method that reads a value back to the host (``bool(t)``,
-    ``int(t)``, ``.item()``, ``.tolist()``, ...): e.g. assert that a step with checks off makes none.
+    """Within the block, record every call of the Tensor methods through which Python reads values back to the
+    host: ``.item()``, ``.tolist()``, ``.numpy()``, ``bool(t)``, ``int(t)``, ``float(t)`` and ``t.__index__()``
+    (e.g. ``range(t)``). E.g. assert that a step with checks off makes none of them.
 
         with count_host_syncs() as calls:
             loss_fn(logits, candidates, chosen, rewards)
         assert calls == []
+
+    Only these Python entry points are seen: an op whose own C++ code waits for a device (``x.cpu()``,
+    ``torch.nonzero``, boolean indexing, a size given as a tensor, ``torch.unique`` ...) is not. On a GPU, run the
+    block under ``torch.cuda.set_sync_debug_mode("error")`` as well, which catches those too.
     """
     calls: list[str] = []
     names = ["item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy"]

@@ -420,6 +420,44 @@ def attribute_bug():
     return AttributeBug()
 
 
+class KDown(Spy):  # num_candidates a property that raises (isinstance(esr, ESR) ran it: exit 4, or 2)
+    def __init__(self, error):
+        super().__init__()
+        self.error = error
+
+    @property
+    def num_candidates(self):
+        raise self.error
+
+
+def k_down():
+    return KDown(RuntimeError("K lookup failed"))
+
+
+def k_attribute_bug():
+    return KDown(AttributeError("oops"))
+
+
+class Delegating:  # an ESR whose members come from __getattr__ (a wrapper): still an ESR
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def delegating():
+    return Delegating(good())
+
+
+class StringFlag(Spy):  # "False" is truthy: it switched on the with-replacement checks
+    with_replacement = "False"
+
+
+def string_flag():
+    return StringFlag()
+
+
 def empty_contexts():
     return CatalogESR(lambda x: x, 2), torch.zeros(0, 4)
 
@@ -462,6 +500,7 @@ def test_cli_exit_codes(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     monkeypatch.delitem(sys.modules, "exit_esrs", raising=False)
     assert _exit_code("exit_esrs:good", "--samples", "500") == 0
+    assert _exit_code("exit_esrs:delegating", "--samples", "500") == 0
     # found by review: claims that require grad crashed the validator, and that exited 1 ("fails validation")
     assert _exit_code("exit_esrs:learned_claims", "--samples", "500") == 0
     assert _exit_code("exit_esrs:spy", "--samples", "500") == 1
@@ -474,7 +513,11 @@ def test_cli_exit_codes(tmp_path, monkeypatch, capsys):
                "exit_esrs:float_k": "breaks the ESR protocol: esr.num_candidates must be an int",
                # found by a later review: an attribute's own error was a traceback and exit 1
                "exit_esrs:config_down": "esr.with_replacement raised RuntimeError: config service down",
-               "exit_esrs:attribute_bug": "esr.with_replacement raised AttributeError"}
+               "exit_esrs:attribute_bug": "esr.with_replacement raised AttributeError",
+               # found by a review of the validator: exit 4 (an internal error) and exit 2 ("has no num_candidates")
+               "exit_esrs:k_down": "esr.num_candidates raised RuntimeError: K lookup failed",
+               "exit_esrs:k_attribute_bug": "esr.num_candidates raised AttributeError",
+               "exit_esrs:string_flag": "esr.with_replacement must be True or False, got builtins.str 'False'"}
     for spec, message in crashes.items():
         capsys.readouterr()
         assert _exit_code(spec, "--samples", "50") == 3, spec
@@ -806,6 +849,17 @@ def test_ordered_draws_check_is_bonferroni_over_contexts():
                    for c, p in zip(counts, probs)]
     assert check.name == "ordered_draws" and check.p_value == pytest.approx(min(1.0, 2 * min(per_context)))
     assert check.p_value < 1.0  # the factor shows
+    # The detail names the context furthest off and, in it, the draw furthest from its claim (found by review: a
+    # failing check said neither, and the worst-items table pointed at another context).
+    shifted = seq_counts.clone()
+    shifted[1, 5], shifted[1, 6] = shifted[1, 5] + 60, shifted[1, 6] - min(60.0, float(shifted[1, 6]))
+    shifted[1, -1] = 3
+    _, check = _check_sets(esr, None, claimed, shifted, seqs, 1e-6, 0.005, torch.device("cpu"))
+    expected = float(probs[1, 5]) * float(shifted[1].sum())
+    assert not check.passed
+    assert (f"context 1 is furthest off (p = 0; 1 of 2 contexts below the per-context level), where draw "
+            f"{seqs[5].tolist()} came {int(shifted[1, 5])} times against {expected:.1f} claimed, and 3 draws fell "
+            "outside the enumerated ones") in check.detail
 
 
 def test_calibration_noise_floor_is_the_expected_error_of_correct_claims():

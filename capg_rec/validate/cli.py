@@ -17,6 +17,7 @@ import argparse
 import functools
 import importlib
 import importlib.util
+import inspect
 import math
 import os
 import sys
@@ -71,12 +72,30 @@ def _find_factory(spec: str) -> Callable[[], Any]:
 
 def _as_esr(spec: str, made: object) -> tuple[ESR, Any]:
     esr, contexts = made if isinstance(made, tuple) and len(made) == 2 else (made, None)
-    if not isinstance(esr, ESR):
-        missing = [name for name in ("num_candidates", "sample", "inclusion_log_prob") if not hasattr(esr, name)]
+    # Looked up without running them (isinstance(esr, ESR) runs its properties): a property that raises is the
+    # ESR's crash, found by the guarded read that follows, not a missing member or the validator's own error.
+    missing = [name for name in ("num_candidates", "sample", "inclusion_log_prob") if not _has(esr, name)]
+    if missing:
         raise _UsageError(f"factory {spec} must return an ESR or (ESR, contexts): an object with num_candidates, "
                           "sample(contexts, num_samples, generator) and inclusion_log_prob(contexts); got "
-                          f"{type(esr).__name__}{', which has no ' + ', '.join(missing) if missing else ''}")
+                          f"{type(esr).__name__}, which has no {', '.join(missing)}")
     return esr, contexts
+
+
+def _has(obj: object, name: str) -> bool:
+    """Whether ``obj`` has ``name``, without running a property: looked up statically, or (for an object that makes
+    attributes in ``__getattr__``) read, where anything it raises but AttributeError says the attribute is there."""
+    try:
+        inspect.getattr_static(obj, name)
+        return True
+    except AttributeError:
+        pass
+    if inspect.getattr_static(type(obj), "__getattr__", None) is None:
+        return False
+    try:
+        return hasattr(obj, name)
+    except Exception:  # noqa: BLE001 - it is there, and crashes: the guarded read reports it
+        return True
 
 
 def load_factory(spec: str) -> tuple[ESR, Any]:

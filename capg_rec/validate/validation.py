@@ -112,7 +112,7 @@ def validate_esr(esr: ESR, contexts: Any = None, *, num_samples: int = 20_000, a
             raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     if rel_error <= 0:
         raise ValueError(f"rel_error must be > 0, got {rel_error!r}")
-    with_replacement = bool(getattr(esr, "with_replacement", False))
+    with_replacement = check_flag("esr.with_replacement", getattr(esr, "with_replacement", False))
     set_log_prob = getattr(esr, "candidate_log_prob", None)
 
     with torch.no_grad():
@@ -242,5 +242,21 @@ def _check_sets(esr: ESR, contexts: Any, claimed: np.ndarray, seq_counts: Tensor
     family_p = min(1.0, batch * min(p))
     return [consistent, Check("ordered_draws", family_p > level,
                               f"chi-square over {seqs.shape[0]} ordered draws per context, Bonferroni over "
-                              f"{batch} contexts", family_p, level)]
+                              f"{batch} contexts; {_worst_draw(p, observed, stray, probs, seqs, level / batch)}",
+                              family_p, level)]
+
+
+def _worst_draw(p: list[float], observed: Tensor, stray: Tensor, probs: Tensor, seqs: Tensor, level: float) -> str:
+    """Where the ordered-draw test is furthest from its claims: the context of the least p-value (and how many fall
+    below the per-context ``level``), and in it the draw seen furthest from its expected count (in standard
+    errors), or the draws outside the enumerated support."""
+    worst = int(np.argmin(p))
+    draws = float(observed[worst].sum() + stray[worst])
+    expected = probs[worst] * draws
+    deviation = (observed[worst] - expected) / expected.clamp(min=1e-300).sqrt()
+    at = int(deviation.abs().argmax())
+    text = (f"context {worst} is furthest off (p = {p[worst]:.3g}; {sum(q <= level for q in p)} of {len(p)} contexts "
+            f"below the per-context level), where draw {seqs[at].tolist()} came {int(observed[worst, at])} times "
+            f"against {float(expected[at]):.1f} claimed")
+    return text + (f", and {int(stray[worst])} draws fell outside the enumerated ones" if stray[worst] else "")
 
