@@ -373,6 +373,9 @@ class LogTrainer(Trainer):
         return " ".join(parts)
 
     # ---------------------------------------------------------- checkpoints
+    def _recorded_config(self) -> dict:
+        return self.config.to_dict()  # its LSR is the config's, named
+
     def state_dict(self) -> dict:
         return {"version": CHECKPOINT_VERSION, "kind": "logs", "config": self.config.to_dict(),
                 "env": None if self.env is None else self.env.name, "num_rows": self.train_data.num_rows,
