@@ -15,6 +15,7 @@ from capg_rec import dcg_weights, group_normalize
 from capg_rec.plackett_luce import greedy_candidates
 from capg_rec.sim import MatrixEnv, synthetic_env
 from capg_rec.train.cli import register
+from capg_rec.train.checkpoint import read_checkpoint
 from capg_rec.train.config import TrainConfig
 from capg_rec.train.offpolicy import OffPolicyStudy
 from capg_rec.train.reproduce import TARGETS, Cell, build_target, run_cells
@@ -268,6 +269,13 @@ def test_corrupt_checkpoint_falls_back_to_the_previous_one(env, tmp_path):
         restored = Trainer.load(path, env)
     assert restored.step_count == 5
     assert all(torch.equal(good[k], v) for k, v in restored.model.state_dict().items())
+    # The run that fell back saves again: the corrupt file is dropped, not rotated over the intact .prev (found by
+    # review: the next save moved it there, and the only good checkpoint was gone).
+    restored.step()
+    restored.save(path)
+    assert Trainer.load(path, env).step_count == 6
+    assert read_checkpoint(tmp_path / "checkpoint.pt.prev")["step"] == 5
+    _flip_inside(path, restored.model.state_dict()["user"])
     _flip_inside(tmp_path / "checkpoint.pt.prev", good["user"])
     with pytest.raises(ValueError, match=r"checkpoint\.pt is corrupt.*checkpoint\.pt\.prev is corrupt"):
         Trainer.load(path, env)

@@ -37,7 +37,8 @@ def _encode(payload: bytes) -> bytes:
 
 def write_checkpoint(state: dict, path: str | os.PathLike) -> None:
     """Write ``state`` to ``path`` atomically (temp file, fsync, ``os.replace``); the file it
-    replaces becomes ``<path>.prev``. An interrupted write leaves both earlier files intact."""
+    replaces becomes ``<path>.prev`` if it is intact (a corrupt one, which a resume fell back from, is dropped and
+    ``<path>.prev`` kept). An interrupted write leaves both earlier files intact."""
     path = Path(path)
     buffer = io.BytesIO()
     torch.save(state, buffer)
@@ -46,13 +47,22 @@ def write_checkpoint(state: dict, path: str | os.PathLike) -> None:
         f.write(_encode(buffer.getvalue()))
         f.flush()
         os.fsync(f.fileno())
-    if path.exists():
+    if path.exists() and _intact(path):
         os.replace(path, _previous(path))
     os.replace(tmp, path)
 
 
-def _read_verified(path: Path) -> dict:
-    """The state in ``path``; ``ValueError`` (naming the file) unless it is an intact checkpoint."""
+def _intact(path: Path) -> bool:
+    """Whether ``path`` holds a checkpoint whose header and checksum are right (its content not loaded)."""
+    try:
+        _verified_payload(path)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _verified_payload(path: Path) -> bytes:
+    """The serialized state in ``path``; ``ValueError`` (naming the file) unless its header and checksum are right."""
     data = path.read_bytes()
     header, _, payload = data.partition(b"\n")
     fields = header.split(b" ")
@@ -64,6 +74,12 @@ def _read_verified(path: Path) -> dict:
                          f"this capg_rec reads version {CHECKPOINT_VERSION}")
     if hashlib.sha256(payload).hexdigest().encode() != fields[2]:
         raise ValueError(f"checkpoint {path} is corrupt: its content does not match its sha256 checksum")
+    return payload
+
+
+def _read_verified(path: Path) -> dict:
+    """The state in ``path``; ``ValueError`` (naming the file) unless it is an intact checkpoint."""
+    payload = _verified_payload(path)
     try:
         state = torch.load(io.BytesIO(payload), weights_only=True)
     except (pickle.UnpicklingError, RuntimeError) as err:
