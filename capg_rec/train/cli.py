@@ -82,7 +82,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _option(p, "--on-overflow", choices=("stop", "skip"))
     _option(p, "--seed", type=int)
     p.add_argument("--out", default="runs/train")
-    p.add_argument("--checkpoint-every", type=positive_int, default=5000)
+    p.add_argument("--checkpoint-every", type=positive_int, default=5000,
+                   help="steps between checkpoints (default 5000; a setting of this call, not of the run: give it "
+                        "again with --resume)")
     p.add_argument("--resume", action="store_true", help="continue the run saved in OUT/checkpoint.pt")
     g = p.add_argument_group(
         "from logs", "train from Parquet logs (capg-rec log, or a serving job's in capg_rec.logs' schema); K and L "
