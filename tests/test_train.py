@@ -275,6 +275,13 @@ def test_corrupt_checkpoint_falls_back_to_the_previous_one(env, tmp_path):
     restored.save(path)
     assert Trainer.load(path, env).step_count == 6
     assert read_checkpoint(tmp_path / "checkpoint.pt.prev")["step"] == 5
+    # ...but a file it cannot read with no intact .prev beside it (an earlier capg_rec's, say) is kept as .prev, as
+    # any replaced file is (found by the review of that fix: it was deleted)
+    older = tmp_path / "older" / "checkpoint.pt"
+    older.parent.mkdir()
+    torch.save({"step": 1}, older)
+    restored.save(older)
+    assert (older.parent / "checkpoint.pt.prev").read_bytes()[:4] == b"PK\x03\x04"
     _flip_inside(path, restored.model.state_dict()["user"])
     _flip_inside(tmp_path / "checkpoint.pt.prev", good["user"])
     with pytest.raises(ValueError, match=r"checkpoint\.pt is corrupt.*checkpoint\.pt\.prev is corrupt"):

@@ -37,8 +37,8 @@ def _encode(payload: bytes) -> bytes:
 
 def write_checkpoint(state: dict, path: str | os.PathLike) -> None:
     """Write ``state`` to ``path`` atomically (temp file, fsync, ``os.replace``); the file it
-    replaces becomes ``<path>.prev`` if it is intact (a corrupt one, which a resume fell back from, is dropped and
-    ``<path>.prev`` kept). An interrupted write leaves both earlier files intact."""
+    replaces becomes ``<path>.prev``, unless it is unreadable while ``<path>.prev`` is intact (what a resume fell back
+    to): then that one is kept. An interrupted write leaves both earlier files intact."""
     path = Path(path)
     buffer = io.BytesIO()
     torch.save(state, buffer)
@@ -47,8 +47,9 @@ def write_checkpoint(state: dict, path: str | os.PathLike) -> None:
         f.write(_encode(buffer.getvalue()))
         f.flush()
         os.fsync(f.fileno())
-    if path.exists() and _intact(path):
-        os.replace(path, _previous(path))
+    previous = _previous(path)
+    if path.exists() and (not previous.exists() or _intact(path) or not _intact(previous)):
+        os.replace(path, previous)
     os.replace(tmp, path)
 
 
