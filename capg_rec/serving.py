@@ -172,9 +172,11 @@ class ServingRetriever:
             if gone:  # drop what earlier blocks took and the masked ids, and keep the first `count` others, in order
                 fresh &= ~(best.unsqueeze(2) == torch.cat(gone, dim=1).unsqueeze(1)).any(2)
             if bool((fresh.sum(1) < count).any()):
-                raise ValueError(f"the index found fewer than K={num_candidates} items for a request"
-                                 f"{'' if masked is None else ' that it does not mask'} (an approximate index: "
-                                 f"search deeper{'' if masked is None else '; or a request masks too many'})")
+                raise ValueError(f"the index found fewer than K={num_candidates} items for a request (an approximate "
+                                 "index: search deeper)" if masked is None else
+                                 f"fewer than K={num_candidates} items that a request does not mask were found: it "
+                                 f"masks more than N - K = {self.num_items - num_candidates} items, or an approximate "
+                                 "index found too few (search deeper)")
             order = torch.where(fresh, 0, best.shape[1]) + torch.arange(best.shape[1], device=best.device)
             picks.append(best.gather(1, order.argsort(dim=1))[:, :count])
             taken += count

@@ -82,7 +82,8 @@ def test_masked_items_are_never_served_and_the_logs_are_the_masked_policy_s(devi
     torch.testing.assert_close(got.log_candidate_prob, ref.log_candidate_prob)
     with pytest.raises(ValueError, match=r"masked_items must hold ids in \[-1, 60\)"):
         server.retrieve(users, num_candidates=k, masked_items=masked + 60)
-    with pytest.raises(ValueError, match="that it does not mask"):  # all but 3 items masked
+    with pytest.raises(ValueError, match=r"fewer than K=5 items that a request does not mask were found: it masks "
+                                         r"more than N - K = 55"):  # all but 3 items masked
         server.retrieve(users[:1], num_candidates=5, masked_items=torch.arange(57, device=device).view(1, -1))
 
 

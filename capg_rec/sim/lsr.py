@@ -84,7 +84,7 @@ class NoisyLSR:
         self.temperature = check_positive("temperature", temperature)
 
     def __repr__(self) -> str:
-        return f"NoisyLSR(temperature={self.temperature})"
+        return f"{type(self).__name__}(temperature={self.temperature})"
 
     def __call__(self, scores: Tensor, num_outputs: int, generator: torch.Generator | None = None
                  ) -> tuple[Tensor, Tensor]:
@@ -121,7 +121,7 @@ class UniformLSR:
         return q.mean(dim=1)
 
     def __repr__(self) -> str:
-        return "UniformLSR()"
+        return f"{type(self).__name__}()"
 
 
 LSR_NAMES = ("optimal", "noisy", "uniform", "anti")

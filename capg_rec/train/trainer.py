@@ -382,8 +382,8 @@ class Trainer:
         given = {"train_lsr": train_lsr, "eval_lsr": eval_lsr}
         for name, label in state.get("lsrs", {}).items():
             if given[name] is None and label.startswith(_CUSTOM):  # a callable is not saved: it must come again
-                raise ValueError(f"the run trained with a {name} of its own ({label}): pass it again ({name}=...) "
-                                 "to go on")
+                raise ValueError(f"the run trained with a {name} of its own ({label}): pass it again to go on "
+                                 f"(Trainer.load(path, env, {name}=...); the command line cannot)")
             if given[name] is None and label != state["config"][name]:  # another name, given to Trainer
                 given[name] = label
         trainer = cls.__new__(cls)
