@@ -698,8 +698,9 @@ def exact_log_inclusion(summary: HeadTail, runs: Sequence[tuple[int, int]], *,
     terms = []
     for i, (expert, count) in enumerate(runs):
         last = i == len(runs) - 1
-        # Few targets: each one's leave-one-out count directly; many: every slot's at once.
-        direct = last and targets.shape[1] ** 2 <= scores.shape[2]
+        # Few targets: each one's leave-one-out count directly; many: every slot's at once, through a recorded
+        # derivative, which torch.func's forward mode cannot take (jvp: the direct way for any number).
+        direct = last and (targets.shape[1] ** 2 <= scores.shape[2] or torch._C._are_functorch_transforms_active())
         log_h = _block_log_hazard(s_all[:, expert], log_survival, valid_all[:, expert], tail_all[:, expert], count,
                                   targets if direct else None, memory_budget)
         if last and not direct:

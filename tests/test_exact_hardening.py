@@ -487,6 +487,29 @@ def test_forward_mode_with_a_budget_that_recomputes_pieces():
     torch.testing.assert_close(tangent, (grad * v).sum(), rtol=1e-8, atol=1e-12)
 
 
+@pytest.mark.parametrize(("num_items", "num_targets"), [(6, 2), (6, 6), (20, 20), (100, 11)])
+def test_torch_func_jvp_for_one_expert_with_any_number_of_targets(num_items, num_targets):
+    """``torch.func.jvp`` of the one-expert exact method equals the directional derivative from reverse mode (found by
+    review: with more than about sqrt(N) targets every slot's probability was taken through a recorded derivative,
+    and jvp raised torch's "requires_grad_() ... inside of a function being transformed")."""
+    import capg_rec
+
+    gen = torch.Generator().manual_seed(num_items)
+    x = torch.randn(2, num_items, generator=gen, dtype=torch.float64)
+    v = torch.randn(x.shape, generator=gen, dtype=torch.float64)
+    items = torch.stack([torch.randperm(num_items, generator=gen)[:num_targets] for _ in range(2)])
+
+    def value(z):
+        return capg_rec.inclusion_log_prob(z, items, 3, method="exact")
+
+    _, tangent = torch.func.jvp(value, (x,), (v,))
+    leaf = x.clone().requires_grad_()
+    out = value(leaf)
+    rows = [torch.autograd.grad(out[b, j], leaf, retain_graph=True)[0] for b in range(2) for j in range(num_targets)]
+    expected = torch.stack([(g * v).sum() for g in rows]).view(2, num_targets)
+    torch.testing.assert_close(tangent, expected, rtol=1e-8, atol=1e-10)
+
+
 def test_a_tail_alone_needing_gradients_under_a_small_budget():
     """Only the tail's power sums need a gradient, and a row has no tail: under a budget small enough that pieces are
     recomputed in backward, a piece of that row used nothing that needs one, and its backward raised "element 0 of
