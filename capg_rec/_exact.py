@@ -47,13 +47,17 @@ measures c(k).
 
 Memory. The work of a block is split into pieces (rows of the batch, and nodes when one row is
 too large) of at most ``min(memory_budget, 64 MiB)`` of what they keep for backward. When all
-pieces of a block would keep more than ``memory_budget`` bytes and a gradient is needed, every
-piece runs without a graph and is recomputed in backward (:class:`_Recomputed`): what a block keeps
-is then its inputs, its nodes and its output, O(B · (T + Q)), whatever k (at the price of one more
-forward; inside ``torch.func`` transforms, which refuse that Function, and in forward-mode AD, the pieces
-are kept instead). A budget far below 64 MiB costs more than that: the pieces get small (a few rows or
-nodes), and each one's fixed cost of Python and small kernels adds up (a review measured 9x the unbounded
-time at 2^23 bytes and 30x at 2^20 for B = 8, N = 300, K = 10, against 1.3–2.5x at 2^26–2^27).
+pieces of a block would keep more than ``memory_budget`` bytes and a gradient is needed, each chunk of
+rows runs without a graph and is made again in backward (:class:`_Recomputed`), where each of its pieces is
+itself recomputed in the backward of that chunk: what a block keeps is then its inputs, its nodes and its
+output, O(B · (T + Q)), whatever k and the number of pieces (at the price of two more forwards of each piece:
+a review measured +32% at a 16 MiB budget for B = 8, N = 600, K = 40, M = 4; inside ``torch.func``
+transforms, which refuse that Function, and in forward-mode AD, the pieces are kept instead). Before, each
+piece's ``[rows, A]`` output was kept too, so that below a few MiB a smaller budget kept more (11.5 MiB at
+1 MiB against 4.8 MiB at 16 MiB there; 1.8 MiB at any budget now). A budget far below 64 MiB costs more than
+that: the pieces get small (a few rows or nodes), and each one's fixed cost of Python and small kernels adds up
+(a review measured 9x the unbounded time at 2^23 bytes and 30x at 2^20 for B = 8, N = 300, K = 10, against
+1.3–2.5x at 2^26–2^27).
 Everything is differentiable to any order.
 """
 
@@ -61,7 +65,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -618,27 +622,39 @@ def _block_log_hazard(s: Tensor, log_rho: Tensor | None, valid: Tensor, log_z: T
                  and not _has_tangent(s, rho, log_z))
         for i in range(0, n_rows, row_step):
             sub = slice(i, i + row_step)
-            t_sub = None if t_r is None else t_r[sub]
             n_nodes = int(used[sub].max())
-            node_step = max(1, piece // (per_node * g[sub].shape[0]))
-
-            def run(fn, *args: Tensor, t_sub=t_sub, has_tail=has_tail, fft=fft, split=split) -> Tensor:
-                fn = functools.partial(fn, k=k, targets=t_sub, has_tail=has_tail, fft=fft)
-                return _Recomputed.apply(fn, *args) if split else fn(*args)
-
-            terms = [_log_survival(s_a_r[sub], g_hi[sub], low[sub])]
-            for j in range(0, n_nodes, node_step):
-                nodes = slice(j, j + node_step)
-                terms.append(run(_piece, s_r[sub], rho_r[sub], log_z_r[sub], s_a_r[sub], low[sub], g[sub, nodes],
-                                 log_w[sub, nodes]))
-            log_h = torch.logsumexp(torch.stack(terms), dim=0)  # the survival term is finite
-            log_h = torch.where(low[sub], s_a_r[sub], torch.zeros_like(log_h)) + log_h
-            if log_rho is not None:
-                bottom = run(_bottom, s_r[sub], rho_r[sub], log_z_r[sub], s_a_r[sub], g_flat[sub])
-                log_h = torch.logsumexp(torch.stack([log_h, bottom]), dim=0)  # (logaddexp: NaN 2nd derivative at -inf)
-            out.append(log_h)
+            rows_of = functools.partial(_rows, k=k, targets=None if t_r is None else t_r[sub], has_tail=has_tail,
+                                        fft=fft, earlier=log_rho is not None, n_nodes=n_nodes,
+                                        node_step=max(1, piece // (per_node * g[sub].shape[0])), split=split)
+            args = (s_r[sub], rho_r[sub], log_z_r[sub], s_a_r[sub], low[sub], g[sub], log_w[sub], g_hi[sub],
+                    g_flat[sub])
+            # Split: the rows' pieces, and the [pieces, rows, A] of their outputs, are made again in backward, where
+            # each piece is itself recomputed: a block keeps its inputs and output, whatever the number of pieces.
+            out.append(_Recomputed.apply(rows_of, *args) if split else rows_of(*args))
     log_h = torch.cat(out, dim=0)
     return torch.where(valid_a, log_h, torch.full_like(log_h, -math.inf))
+
+
+def _rows(s: Tensor, rho: Tensor, log_z: Tensor, s_a: Tensor, low: Tensor, g: Tensor, log_w: Tensor, g_hi: Tensor,
+          g_flat: Tensor, *, k: int, targets: Tensor | None, has_tail: bool, fft: bool, earlier: bool, n_nodes: int,
+          node_step: int, split: bool) -> Tensor:
+    """:func:`_block_log_hazard` for some rows: the survival term, the nodes' pieces of ``node_step`` nodes and (with
+    ``earlier`` blocks) the bottom term → ``[b, A]``. With ``split``, a piece recorded in a graph (when
+    :class:`_Recomputed` makes these rows again in backward) is itself recomputed in backward."""
+    def run(fn: Callable[..., Tensor], *args: Tensor) -> Tensor:
+        fn = functools.partial(fn, k=k, targets=targets, has_tail=has_tail, fft=fft)
+        return _Recomputed.apply(fn, *args) if split and torch.is_grad_enabled() else fn(*args)
+
+    terms = [_log_survival(s_a, g_hi, low)]
+    for j in range(0, n_nodes, node_step):
+        nodes = slice(j, j + node_step)
+        terms.append(run(_piece, s, rho, log_z, s_a, low, g[:, nodes], log_w[:, nodes]))
+    log_h = torch.logsumexp(torch.stack(terms), dim=0)  # the survival term is finite
+    log_h = torch.where(low, s_a, torch.zeros_like(log_h)) + log_h
+    if earlier:
+        bottom = run(_bottom, s, rho, log_z, s_a, g_flat)
+        log_h = torch.logsumexp(torch.stack([log_h, bottom]), dim=0)  # (logaddexp: NaN 2nd derivative at -inf)
+    return log_h
 
 
 def _check_runs(runs: Sequence[tuple[int, int]], num_experts: int) -> list[tuple[int, int]]:
