@@ -338,7 +338,6 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
         if length > candidates.shape[1]:  # the later stage shows some of the K candidates
             raise ValueError(f"chosen must have at most K = {candidates.shape[1]} columns (the shown items are "
                              f"among the candidates), got {length}")
-        _same_device(catalog.device, candidates=candidates, chosen=chosen)
         rewards = _float("rewards", rewards, ((batch, length),))
         if baseline is not None:
             if isinstance(baseline, (int, float)) and not isinstance(baseline, bool):  # one for every row
@@ -351,7 +350,8 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
         if logged is not None:
             _float(logged_name, log_propensity, ((batch, length),) if per_item else ((batch,),))
             _same_device(catalog.device, **{logged_name: log_propensity})
-        _same_device(catalog.device, rewards=rewards, baseline=baseline, position_weights=position_weights)
+        _same_device(catalog.device, candidates=candidates, chosen=chosen, rewards=rewards, baseline=baseline,
+                     position_weights=position_weights)
     except (TypeError, ValueError) as err:
         if agree is None:  # one process, or no checks: raise here
             raise
@@ -474,11 +474,12 @@ def _drawing_scores(catalog: CatalogScores, candidates: Tensor) -> Tensor:
 def _same_device(device: torch.device | str, **tensors: Tensor | None) -> None:
     """A ``ValueError`` naming the first of ``tensors`` (None: absent) that is not on the catalog's ``device`` (a
     catalog of your own may name it as a string, or without an index: ``"cuda"`` is the current one's)."""
-    device = torch.device(device)
-    if device.index is None and device.type not in ("cpu", "meta"):
+    device = device if type(device) is torch.device else torch.device(device)
+    cpu = device.type == "cpu"
+    if not cpu and device.index is None and device.type != "meta":
         device = torch.empty(0, device=device).device  # the current device of its type, with its index
     for name, x in tensors.items():
-        if x is not None and x.device != device and (x.device.type, device.type) != ("cpu", "cpu"):
+        if x is not None and not (x.is_cpu if cpu else x.device == device):
             raise ValueError(f"{name} must be on the scores' device {device}, got {x.device}")
 
 
