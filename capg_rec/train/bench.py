@@ -40,6 +40,10 @@ def _median_ms(fn: Callable[[], object], repeats: int, warmup: int) -> float:
     return 1e3 * statistics.median(times)
 
 
+_WARMUP = 50
+"""Calls before the timed ones."""
+
+
 def _trainer(estimator: str, num_candidates: int, batch_size: int, capg_method: str | None,
              logit_scale: float) -> tuple:
     """The arguments checked (a ``ValueError`` or ``TypeError`` naming a bad one) → the synthetic problem, the
@@ -54,13 +58,19 @@ def _trainer(estimator: str, num_candidates: int, batch_size: int, capg_method: 
 
 
 def bench_train_step(estimator: str = "capg_swr", *, num_candidates: int = 10, batch_size: int = 128,
-                     repeats: int = 100, warmup: int = 50, capg_method: str | None = None,
+                     repeats: int = 100, warmup: int = _WARMUP, capg_method: str | None = None,
                      logit_scale: float = 1.0) -> dict:
     """Median milliseconds of a trainer step, of its parts and of the core loss step alone.
 
     ``logit_scale`` multiplies the initial logits (both towers by its square root): a confident
     policy, as after training, whose tiny probabilities exercise the underflow paths."""
-    env, config, trainer = _trainer(estimator, num_candidates, batch_size, capg_method, logit_scale)
+    return _bench(*_trainer(estimator, num_candidates, batch_size, capg_method, logit_scale), repeats=repeats,
+                  warmup=warmup, logit_scale=logit_scale)
+
+
+def _bench(env, config: TrainConfig, trainer: Trainer, *, repeats: int, warmup: int, logit_scale: float) -> dict:
+    """:func:`bench_train_step` of a trainer made by :func:`_trainer`."""
+    batch_size, num_candidates = config.batch_size, config.num_candidates
     with torch.no_grad():
         for p in trainer.model.parameters():
             p.mul_(math.sqrt(logit_scale))
@@ -109,14 +119,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     rows = []
+    made = {}
     for est in args.estimators:  # the options checked first: exit 2, as for an option's type
         try:
-            _trainer(est, args.num_candidates, args.batch_size, None, args.logit_scale)
+            made[est] = _trainer(est, args.num_candidates, args.batch_size, None, args.logit_scale)
         except ValueError as err:  # e.g. more candidates than the problem's items
             parser.error(str(err))
     for est in args.estimators:
-        r = bench_train_step(est, num_candidates=args.num_candidates, batch_size=args.batch_size,
-                             repeats=args.repeats, logit_scale=args.logit_scale)
+        r = _bench(*made[est], repeats=args.repeats, warmup=_WARMUP, logit_scale=args.logit_scale)
         label = ESTIMATOR_LABELS[est] + (f" ({DEFAULT_METHOD})" if est == "capg" else "")
         rows.append([label, f"{r['step']:.2f}", f"{r['core loss (fwd+bwd)']:.2f}",
                      f"{r['ratio']:.2f}", f"{r['validated loss (fwd+bwd)']:.2f}", f"{r['ESR forward']:.2f}",
