@@ -51,13 +51,11 @@ pieces of a block would keep more than ``memory_budget`` bytes and a gradient is
 rows runs without a graph and is made again in backward (:class:`_Recomputed`), where each of its pieces is
 itself recomputed in the backward of that chunk: what a block keeps is then its inputs, its nodes and its
 output, O(B · (T + Q)), whatever k and the number of pieces (at the price of two more forwards of each piece:
-a review measured +32% at a 16 MiB budget for B = 8, N = 600, K = 40, M = 4; inside ``torch.func``
-transforms, which refuse that Function, and in forward-mode AD, the pieces are kept instead). Before, each
-piece's ``[rows, A]`` output was kept too, so that below a few MiB a smaller budget kept more (11.5 MiB at
-1 MiB against 4.8 MiB at 16 MiB there; 1.8 MiB at any budget now). A budget far below 64 MiB costs more than
-that: the pieces get small (a few rows or nodes), and each one's fixed cost of Python and small kernels adds up
-(a review measured 9x the unbounded time at 2^23 bytes and 30x at 2^20 for B = 8, N = 300, K = 10, against
-1.3–2.5x at 2^26–2^27).
++32% at a 16 MiB budget for B = 8, N = 600, K = 40, M = 4 in one thread; inside ``torch.func``
+transforms, which refuse that Function, and in forward-mode AD, the pieces are kept instead). A budget far
+below 64 MiB costs more than that: the pieces get small (a few rows or nodes), and each one's fixed cost of
+Python and small kernels adds up (a review measured 9x the unbounded time at 2^23 bytes and 30x at 2^20 for
+B = 8, N = 300, K = 10, against 1.3–2.5x at 2^26–2^27).
 Everything is differentiable to any order.
 """
 
