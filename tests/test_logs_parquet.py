@@ -599,6 +599,12 @@ def test_integer_rewards_and_features_are_read_as_floats(tmp_path):
     with pytest.raises(ValueError, match=r"column 'log_inclusion' must have type list<item: double> \(or another "
                                          r"list layout, or float type read as it\)"):
         LoggedImpressions(tmp_path / "bad.parquet", 6)
+    numbered = table.set_column(table.schema.get_field_index("policy_version"), "policy_version",
+                                pa.array([7] * 6, type=pa.int64()))  # its message named integer types
+    pq.write_table(numbered, tmp_path / "numbered.parquet")
+    with pytest.raises(ValueError, match=r"column 'policy_version' must have type string \(or another string "
+                                         r"\(dictionary-encoded too\) type read as it\), got int64"):
+        LoggedImpressions(tmp_path / "numbered.parquet", 6)
 
 
 def test_file_level_gaps_in_the_schema_are_named(tmp_path):

@@ -71,9 +71,14 @@ def _readable_as(got: pa.DataType, want: pa.DataType, name: str) -> bool:
     return got == want
 
 
-def _element(kind: pa.DataType) -> pa.DataType:
-    """A list type's element type, or ``kind`` itself."""
-    return kind.value_type if pa.types.is_list(kind) else kind
+def _also_readable(name: str) -> str:
+    """What else :func:`_readable_as` reads as column ``name``'s schema type, for messages."""
+    want = LOG_SCHEMA.field(name).type
+    element = want.value_type if pa.types.is_list(want) else want
+    kinds = "integer or float" if name in _NUMBERS_AS_FLOATS else "float" if pa.types.is_floating(element) else \
+        "integer" if pa.types.is_integer(element) else "string (dictionary-encoded too)"
+    return f"or another list layout, or {kinds} type read as it" if pa.types.is_list(want) else \
+        f"or another {kinds} type read as it"
 
 
 _NUMBERS_AS_FLOATS = ("rewards", "features")
@@ -617,11 +622,9 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
                     if name not in schema.names:
                         raise ValueError(f"log file {path}: missing column {name!r}")
                     if not _readable_as(schema.field(name).type, LOG_SCHEMA.field(name).type, name):
-                        also = "integer or float" if name in _NUMBERS_AS_FLOATS else \
-                            "float" if pa.types.is_floating(_element(LOG_SCHEMA.field(name).type)) else "integer"
                         raise ValueError(f"log file {path}: column {name!r} must have type "
-                                         f"{LOG_SCHEMA.field(name).type} (or another list layout, or {also} type "
-                                         f"read as it), got {schema.field(name).type}")
+                                         f"{LOG_SCHEMA.field(name).type} ({_also_readable(name)}), got "
+                                         f"{schema.field(name).type}")
                 if meta is None:
                     meta = here
                 else:
