@@ -136,6 +136,19 @@ def test_a_draw_holding_a_masked_item_has_log_prob_minus_inf_and_finite_gradient
     assert torch.isfinite(torch.autograd.grad(out.sum(), item)[0]).all()
 
 
+def test_embedding_catalog_default_chunk_is_the_cpus_or_a_score_budget_elsewhere():
+    from capg_rec.catalog import chunk_items
+    assert EmbeddingCatalog(torch.randn(3, 2, 4), torch.randn(30, 2, 4)).chunk_size == 8192
+    assert chunk_items(None, 128, torch.device("cpu")) == 8192
+    assert chunk_items(None, 128, torch.device("cuda")) == 2**25 // 128  # read off the device's type only
+    assert chunk_items(None, 10**6, torch.device("cuda", 1)) == 8192  # never below the CPU's
+    assert chunk_items(100, 128, torch.device("cuda")) == 100
+    with pytest.raises(TypeError, match="chunk_size"):
+        EmbeddingCatalog(torch.randn(3, 4), torch.randn(30, 4), chunk_size=8.0)
+    with pytest.raises(ValueError, match="chunk_size"):
+        EmbeddingCatalog(torch.randn(3, 4), torch.randn(30, 4), chunk_size=0)
+
+
 def test_embedding_catalog_masked_items_equal_minus_inf_logits():
     g = torch.Generator().manual_seed(2)
     user = torch.randn(3, 2, 4, generator=g, dtype=torch.float64, requires_grad=True)

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from capg_rec._checks import check_count, check_float_tensor, check_id_tensor, check_positive, resolve_validate_args
 from capg_rec._numerics import no_autocast, safe_logsumexp, top_k
-from capg_rec.catalog import CatalogScores, _chunked_top_k, _ChunkedLogPowerSums, _expert_views, \
+from capg_rec.catalog import CatalogScores, _chunked_top_k, _ChunkedLogPowerSums, _expert_views, chunk_items, \
     available_given_masks
 from capg_rec.torchrec._collective import agree, all_gather_rows, exchange, gather_rows, on_ranks, ranks_where, \
     reduce_rows, stack_ranks
@@ -46,7 +46,8 @@ class ShardedEmbeddingCatalog(CatalogScores):
         masked_items: ``[B_r, E]`` global ids of items outside each of this rank's users' catalog
             (already seen, unavailable), padded with ``-1``: they score ``-inf``, are never drawn and
             are left out of every catalog-wide reduction (each rank drops those among its rows).
-        chunk_size: items scored at once; memory is ``O(W·B_r·M·chunk_size)``.
+        chunk_size: items scored at once; memory is ``O(W·B_r·M·chunk_size)``. None: the default of
+            :func:`capg_rec.catalog.chunk_items` for ``W·B_r·M`` score rows on the user's device.
         process_group: the ranks sharing the catalog; ``None`` means a single process (no collectives).
         validate_args: check the values (finite embeddings, ids in range, the same id widths on
             every rank) collectively: every rank raises the same ``ValueError`` or none. ``None``
@@ -65,7 +66,7 @@ class ShardedEmbeddingCatalog(CatalogScores):
     """
 
     def __init__(self, user: Tensor, item: Tensor, *, num_items: int, row_offset: int = 0,
-                 temperature: float = 1.0, masked_items: Tensor | None = None, chunk_size: int = 8192,
+                 temperature: float = 1.0, masked_items: Tensor | None = None, chunk_size: int | None = None,
                  process_group: dist.ProcessGroup | None = None, validate_args: bool | None = None) -> None:
         self.group = process_group
         self._rank = 0 if process_group is None else dist.get_rank(process_group)
@@ -95,16 +96,18 @@ class ShardedEmbeddingCatalog(CatalogScores):
         del self._user
 
     def _set_up(self, user: Tensor, item: Tensor, num_items: int, row_offset: int, temperature: float,
-                masked_items: Tensor | None, chunk_size: int, validate_args: bool | None) -> list[int | Tensor]:
+                masked_items: Tensor | None, chunk_size: int | None, validate_args: bool | None
+                ) -> list[int | Tensor]:
         """This rank's structural checks and attributes → its entries of the set-up exchange."""
         self.validate = resolve_validate_args(validate_args)
         user = check_float_tensor("user", user, ndims=(2, 3), validate=False)
         item = check_float_tensor("item", item, ndims=(2, 3), validate=False)
         tau = check_positive("temperature", temperature)
         self.num_items = check_count("num_items", num_items)
-        self.chunk_size = check_count("chunk_size", chunk_size)
         self.row_offset = check_count("row_offset", row_offset, low=0)
         user, item, dtype = _expert_views(user, item)
+        world = 1 if self.group is None else dist.get_world_size(self.group)
+        self.chunk_size = chunk_items(chunk_size, world * user.shape[0] * user.shape[1], user.device)
         if self.group is None and (row_offset, item.shape[0]) != (0, num_items):
             raise ValueError(f"without a process_group item must hold the whole catalog: row_offset=0 and "
                              f"{num_items} rows, got row_offset={row_offset} and {item.shape[0]} rows")

@@ -44,7 +44,7 @@ class TwoTowerRetriever(nn.Module):
     dense))`` or, without a tower, the sum of the pooled features. Scores are
     ``s[b, m, n] = <user[b, m], item[n, m]> / τ``.
 
-    The item tower runs on this rank's rows in chunks of ``chunk_size`` under activation
+    The item tower runs on this rank's rows in chunks of ``chunk_size`` (8,192 if None) under activation
     checkpointing: its activations are recomputed in backward, so its memory is bounded by a chunk
     (plus the ``[R, M·D]`` item vectors). Its parameters are replicated like the user tower's (DDP
     averages their gradients, which matches one process over the global batch).
@@ -70,7 +70,8 @@ class TwoTowerRetriever(nn.Module):
             same on any chunking), or None.
         catalog_feature: a feature of the item table, reserved for the catalog rows
             (default: the item table's first feature).
-        chunk_size: items scored at once in the catalog-wide reductions.
+        chunk_size: items scored at once in the catalog-wide reductions (None: the catalog's default,
+            :func:`capg_rec.catalog.chunk_items`), and item rows run through the item tower at once (None: 8,192).
         process_group: the ranks the item table is sharded over (default: the world).
         validate_args: check the inputs' values (the catalog feature, and the catalog's checks);
             ``None`` takes :func:`capg_rec.set_default_validate_args`'s default at each forward.
@@ -84,7 +85,7 @@ class TwoTowerRetriever(nn.Module):
     def __init__(self, embeddings: EmbeddingCollection, *, item_table: str, num_experts: int = 1,
                  temperature: float = 1.0, user_features: Sequence[str] = (),
                  user_tower: nn.Module | None = None, catalog_feature: str | None = None,
-                 chunk_size: int = 8192, process_group: dist.ProcessGroup | None = None,
+                 chunk_size: int | None = None, process_group: dist.ProcessGroup | None = None,
                  validate_args: bool | None = None, user_embeddings: EmbeddingBagCollection | None = None,
                  item_tower: nn.Module | None = None) -> None:
         super().__init__()
@@ -149,7 +150,7 @@ class TwoTowerRetriever(nn.Module):
         self.item_table = item_table
         self.num_items = table.num_embeddings
         self.temperature = check_positive("temperature", temperature)
-        self.chunk_size = check_count("chunk_size", chunk_size)
+        self.chunk_size = None if chunk_size is None else check_count("chunk_size", chunk_size)
         self.process_group = process_group
         self.validate_args = None if validate_args is None else check_flag("validate_args", validate_args)
         self._catalog_group: dist.ProcessGroup | None = None
@@ -340,7 +341,8 @@ class TwoTowerRetriever(nn.Module):
     def _item(self, out: dict[str, JaggedTensor]) -> Tensor:
         """The item side of this rank's rows (the catalog feature's lookup) → ``[R, M·D]``."""
         item = out[self.catalog_feature].values()
-        return item if self.item_tower is None else _chunked_tower(self.item_tower, item, self.chunk_size)
+        return item if self.item_tower is None else _chunked_tower(self.item_tower, item,
+                                                                   self.chunk_size or _TOWER_CHUNK_ROWS)
 
     def _without_users(self, batch: int, device: torch.device) -> KeyedJaggedTensor:
         """Features of ``batch`` samples with every user feature of ``embeddings`` and no ids, in the order of
@@ -722,6 +724,9 @@ def _eval_mode(module: nn.Module) -> Iterator[None]:
     finally:
         for m, training in modes:
             m.training = training
+
+
+_TOWER_CHUNK_ROWS = 8192
 
 
 def _chunked_tower(tower: nn.Module, rows: Tensor, chunk_size: int) -> Tensor:
