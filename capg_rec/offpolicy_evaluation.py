@@ -61,9 +61,10 @@ def off_policy_value(target_log_inclusion: Tensor, logged_log_inclusion: Tensor,
     (``log π_θ(a_l ∈ A^K | x_i)``; ``-inf`` for an item it never retrieves, e.g. a greedy top-K)
     from rows logged with ``logged_log_inclusion [n, L]`` (``log π₀``, finite) and ``rewards [n, L]``.
 
-    ``max_weight`` caps the weights (biased low, lower variance); without it they are still capped below ``sqrt``
-    of the dtype's largest value (1.3e154 in float64), so that their squares stay finite: a weight that large is
-    beyond any unbiased use anyway, and its effective sample size, near 1, leaves the intervals NaN. Needs ``n >= 2``
+    ``max_weight`` caps the weights (biased low, lower variance). Without it, IPS's weights are still capped below
+    ``sqrt`` of the dtype's largest value (1.3e154 in float64), so that their squares stay finite: a weight that
+    large is beyond any unbiased use anyway. SNIPS and the effective sample size take the weights relative to the
+    largest, uncapped (but for ``max_weight``), so rows beyond that cap keep their ratios. Needs ``n >= 2``
     rows. The intervals are NaN (and a warning says so) where the effective sample size is below
     ``min_effective_sample_size``; they are normal intervals, of zero width where every row's weighted reward is
     the same (all rewards 0, say).
@@ -106,8 +107,9 @@ def off_policy_value(target_log_inclusion: Tensor, logged_log_inclusion: Tensor,
     ips = float(y.mean())
     ips_se = _std(y) / math.sqrt(num_samples)
     # SNIPS and the effective sample size do not depend on the weights' scale: relative to the largest, weights
-    # far below 1 (an ESR that the logs rarely match) keep their ratios instead of underflowing to 0
-    unit = _relative_weights(log_weight)
+    # far below 1 (an ESR that the logs rarely match) keep their ratios instead of underflowing to 0, and weights
+    # beyond IPS's cap keep theirs instead of tying at it
+    unit = _relative_weights(target - logged if max_weight is None else log_weight)
     y_unit, w = (unit * rewards).mean(1), unit.mean(1)  # [n]
     w_sum = float(w.sum())
     snips = float(y_unit.sum()) / w_sum if w_sum > 0 else math.nan

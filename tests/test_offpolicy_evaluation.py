@@ -129,7 +129,8 @@ def test_input_checks_name_the_argument():
 def test_weights_at_the_overflow_cap_give_finite_estimates():
     """Regression: log ratios beyond ~354 put the weights at their cap (√ of float64's max), and the
     effective sample size squared their sum as a Python float: OverflowError. Equal capped weights give
-    n effective samples and SNIPS the mean reward; mixed ones match numpy on the weights over their largest."""
+    n effective samples and SNIPS the mean reward; mixed ones match numpy on the weights over their largest (capped
+    for IPS only)."""
     n = 6
     rewards = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0], [1.0, 0.0], [0.5, 0.5]],
                            dtype=torch.float64)
@@ -141,12 +142,13 @@ def test_weights_at_the_overflow_cap_give_finite_estimates():
     assert math.isfinite(est.ips) and math.isfinite(est.ips_ci_high) and est.ips_ci_low <= est.ips <= est.ips_ci_high
     logged = -torch.linspace(300.0, 420.0, 2 * n, dtype=torch.float64).view(n, 2)
     est = off_policy_value(target, logged, rewards, min_effective_sample_size=0)
-    log_w = (target - logged).clamp(max=math.log(math.sqrt(np.finfo(np.float64).max))).numpy()
-    unit = np.exp(log_w - log_w.max())  # the weights over the largest
+    log_raw = (target - logged).numpy()
+    unit = np.exp(log_raw - log_raw.max())  # SNIPS and ESS: the uncapped weights over the largest
     per_row = unit.mean(1)
     assert est.effective_sample_size == pytest.approx(per_row.sum() ** 2 / (per_row ** 2).sum(), rel=1e-12)
-    y = (unit * rewards.numpy()).mean(1)
-    assert est.snips == pytest.approx(y.sum() / per_row.sum(), rel=1e-12)
+    assert est.snips == pytest.approx((unit * rewards.numpy()).mean(1).sum() / per_row.sum(), rel=1e-12)
+    log_w = log_raw.clip(max=math.log(math.sqrt(np.finfo(np.float64).max)))  # IPS: the capped ones
+    y = (np.exp(log_w - log_w.max()) * rewards.numpy()).mean(1)
     assert est.ips == pytest.approx(float(np.exp(log_w.max())) * y.mean(), rel=1e-12)
     se = float(np.exp(log_w.max())) * y.std(ddof=1) / math.sqrt(n)
     assert est.ips_ci_high - est.ips == pytest.approx(statistics.NormalDist().inv_cdf(0.975) * se, rel=1e-9)
@@ -193,6 +195,26 @@ def test_snips_and_effective_sample_size_of_weights_far_below_one():
     assert est.snips == pytest.approx(float((w * rewards[:, 0]).sum() / w.sum()), rel=1e-12)
     assert est.effective_sample_size == pytest.approx(float(w.sum() ** 2 / (w * w).sum()), rel=1e-12)
     assert est.ips == 0.0  # its scale is e^-799: below float64
+
+
+def test_snips_and_effective_sample_size_of_weights_beyond_the_cap_keep_their_ratios():
+    """Regression (found by review): IPS's weights are capped near 1.3e154 (squares finite in float64), and SNIPS
+    and the effective sample size were taken from the capped weights, so rows beyond the cap tied. Twenty rows of
+    weights e^400 .. e^590, the largest alone rewarded: SNIPS came out 0.05 with an effective sample size of 20 and
+    finite intervals, where the last row carries all but e^-10 of the weight."""
+    n = 20
+    logged = -(400.0 + 10 * torch.arange(n, dtype=torch.float64))[:, None]
+    rewards = torch.zeros(n, 1, dtype=torch.float64)
+    rewards[-1] = 1.0
+    with pytest.warns(UserWarning, match="effective sample size"):
+        est = off_policy_value(torch.zeros(n, 1, dtype=torch.float64), logged, rewards)
+    w = torch.exp(-logged[:, 0] + logged[-1, 0])  # relative to the largest
+    assert est.snips == pytest.approx(float(1 / w.sum()), rel=1e-12)
+    assert est.effective_sample_size == pytest.approx(float(w.sum() ** 2 / (w * w).sum()), rel=1e-12)
+    assert math.isnan(est.snips_ci_low) and math.isnan(est.ips_ci_high)
+    capped = off_policy_value(torch.zeros(n, 1, dtype=torch.float64), logged, rewards, max_weight=10.0,
+                              min_effective_sample_size=0.0)  # a cap the user asks for ties them, as IPS's does
+    assert capped.snips == pytest.approx(1 / n) and capped.effective_sample_size == pytest.approx(n)
 
 
 def test_interval_half_widths_follow_their_formulas():
