@@ -35,7 +35,7 @@ import math
 import torch
 from torch import Tensor
 
-from capg_rec._checks import DeferredChecks, check_choice, check_count, check_flag, check_id_tensor, \
+from capg_rec._checks import DeferredChecks, check_choice, check_count, check_flag, check_id_tensor, is_number, \
     check_positive, resolve_validate_args
 from capg_rec.catalog import CatalogScores, DenseCatalog, agreement, as_catalog, check_scaled, narrowest
 from capg_rec.marginals import DEFAULT_METHOD, LOG_PROB_TOLERANCE, InclusionMethod, WithReplacement, \
@@ -340,7 +340,7 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
                              f"among the candidates), got {length}")
         rewards = _float("rewards", rewards, ((batch, length),))
         if baseline is not None:
-            if isinstance(baseline, (int, float)) and not isinstance(baseline, bool):  # one for every row
+            if is_number(baseline):  # one for every row (numpy's numbers too)
                 baseline = torch.tensor(float(baseline), dtype=rewards.dtype, device=rewards.device)
             if isinstance(baseline, Tensor) and baseline.dim() == 0:  # any device's, as torch broadcasts a scalar
                 baseline = baseline.to(rewards.device).expand(batch)

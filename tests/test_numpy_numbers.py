@@ -32,6 +32,11 @@ def _inputs():
 
 def test_losses_and_probabilities_take_numpy_numbers_alike():
     logits, candidates, chosen, rewards = _inputs()
+    for baseline in (np.float32(0.5), np.float16(0.5), np.int64(0)):  # a review: only np.float64 was taken
+        assert torch.equal(CAPGLoss(4)(logits, candidates, chosen, rewards, baseline=baseline),
+                           CAPGLoss(4)(logits, candidates, chosen, rewards, baseline=float(baseline)))
+    with pytest.raises(TypeError, match="baseline"):
+        CAPGLoss(4)(logits, candidates, chosen, rewards, baseline=np.True_)
     assert torch.equal(CAPGLoss(np.int64(4))(logits, candidates, chosen, rewards),
                        CAPGLoss(4)(logits, candidates, chosen, rewards))
     assert torch.equal(VPGLoss(np.int32(4), temperature=np.float32(0.5))(logits, candidates, chosen, rewards),

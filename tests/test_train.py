@@ -8,6 +8,7 @@ import json
 import math
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -323,6 +324,10 @@ def test_load_keeps_the_saved_run_unless_told(env, tmp_path):
     assert Trainer.load(tmp_path / "c.pt", env, steps=5).config.steps == 5
     for steps in (4, 2):
         with pytest.raises(ValueError, match="steps must be an int > the checkpoint's step 4"):
+            Trainer.load(tmp_path / "c.pt", env, steps=steps)
+    assert Trainer.load(tmp_path / "c.pt", env, steps=np.int64(5)).config.steps == 5  # numpy's ints too
+    for steps in (5.0, True):  # a TypeError, as for any count (a ValueError before)
+        with pytest.raises(TypeError, match="steps must be an int"):
             Trainer.load(tmp_path / "c.pt", env, steps=steps)
     other = MatrixEnv(env.q, env.reward_std, env.lsr_scores, name="other")
     with pytest.raises(ValueError, match="env must be the checkpoint's"):

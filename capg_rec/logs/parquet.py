@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 import torch
 from torch import Tensor
 
-from capg_rec._checks import check_count, check_flag, resolve_validate_args
+from capg_rec._checks import check_count, check_flag, is_int, resolve_validate_args
 from capg_rec.logs import _handover
 from capg_rec.logs.schema import IN_BAND_BYTES, LOG_SCHEMA, REQUIRED_COLUMNS, TENSOR_COLUMNS, LogMetadata, \
     LoggedBatch, file_schema
@@ -651,8 +651,9 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
         """The same reader over some of its row groups only (indices into :attr:`row_groups`, in the
         order given), e.g. to hold the last ones out for evaluation."""
         if isinstance(row_groups, (str, bytes)) or not isinstance(row_groups, Sequence) or \
-                not all(isinstance(i, int) and not isinstance(i, bool) for i in row_groups):
+                not all(is_int(i) for i in row_groups):
             raise TypeError(f"row_groups must be a sequence of ints, got {row_groups!r}")
+        row_groups = [int(i) for i in row_groups]  # numpy's too
         bad = [i for i in row_groups if not 0 <= i < len(self.row_groups)]
         if bad or len(set(row_groups)) != len(row_groups):
             raise ValueError(f"row_groups must be distinct indices in [0, {len(self.row_groups)}), "

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from capg_rec._checks import all_finite, check_count, check_items
+from capg_rec._checks import all_finite, check_count, check_items, is_int
 from capg_rec.catalog import DenseCatalog
 from capg_rec.losses import CAPGLoss, VPGLoss
 from capg_rec.marginals import Enumeration
@@ -375,9 +375,12 @@ class Trainer:
                              "capg_rec.train.logged.LogTrainer")
         config = TrainConfig(**state["config"])
         if steps is not None:
-            if isinstance(steps, bool) or not isinstance(steps, int) or steps <= state["step"]:
+            if not is_int(steps):
+                raise TypeError(f"steps must be an int, got {type(steps).__name__} {steps!r}")
+            if steps <= state["step"]:
                 raise ValueError(f"steps must be an int > the checkpoint's step {state['step']} to continue "
                                  f"the run, got {steps!r}")
+            steps = int(steps)
             config = config.replace(steps=steps)
         given = {"train_lsr": train_lsr, "eval_lsr": eval_lsr}
         for name, label in state.get("lsrs", {}).items():
