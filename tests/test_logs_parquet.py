@@ -428,7 +428,7 @@ def test_writer_rejects_bad_batches(tmp_path):
         shown[3, 0] = next(i for i in range(N) if i not in good.candidates[3])
         with pytest.raises(ValueError, match="row 3: column 'shown'.*⊄"):
             writer.write(good._replace(shown=shown))
-        with pytest.raises(ValueError, match=r"batch.shown must have shape \[6, 2\]"):
+        with pytest.raises(ValueError, match=r"batch.shown must have shape \[6, 2\] \(the file's num_shown=2\)"):
             writer.write(good._replace(shown=good.candidates))
         for wrong in (torch.float32, torch.complex64, torch.bool):  # review: complex ids lost their imaginary part
             with pytest.raises(TypeError, match=f"batch.candidates must have an integer dtype, got {wrong}"):
@@ -807,7 +807,9 @@ def test_write_logs_and_writer_arguments_are_checked(tmp_path):
             (good._replace(candidates=good.candidates[:, 0]), ValueError, "batch.candidates must have 2"),
             (good._replace(shown=None), TypeError, "batch.shown must be a torch.Tensor"),
             (good._replace(candidates=good.candidates.tolist()), TypeError, "batch.candidates must be"),
-            (good._replace(features=good.features[:, 0]), ValueError, "batch.features must have 2")):
+            (good._replace(features=good.features[:, 0]), ValueError, "batch.features must have 2"),
+            (good._replace(shown=good.candidates[:, :L + 1]), ValueError,  # says where L came from (a review)
+             rf"batch.rewards must have shape \[4, {L + 1}\] \(the file's num_shown={L + 1}\)")):
         with pytest.raises(error, match=match):
             write_logs(tmp_path / "w.parquet", bad, num_items=N)
     with pytest.raises(TypeError, match=r"write_logs reads \['num_candidates'\] off the batch"):

@@ -374,7 +374,8 @@ class LogWriter:
             width = getattr(self.meta, _LIST_WIDTH[name]) if name in _LIST_WIDTH else None
             shape = (len(batch.context),) if width is None else (len(batch.context), width)
             if tuple(x.shape) != shape:
-                raise ValueError(f"batch.{name} must have shape {list(shape)}, got {list(x.shape)}")
+                rule = "" if width is None else f" (the file's {_LIST_WIDTH[name]}={width})"
+                raise ValueError(f"batch.{name} must have shape {list(shape)}{rule}, got {list(x.shape)}")
             cols[name] = x.to(_DTYPES[name])
         return cols
 
@@ -388,8 +389,8 @@ def _method_name(method: str | InclusionMethod) -> str:
 
 
 def write_logs(path: str | os.PathLike, batch: LoggedBatch, **kwargs: Any) -> None:
-    """Write one :class:`LoggedBatch` to a new file; K, L and F are read off its shapes and
-    ``kwargs`` go to :class:`LogWriter` (``num_items``, ``method``, ``policy_version``, ...)."""
+    """Write one :class:`LoggedBatch` to a new file; K, L and F are read off the shapes of its candidates, shown
+    items and features, and ``kwargs`` go to :class:`LogWriter` (``num_items``, ``method``, ``policy_version``, ...)."""
     if not isinstance(batch, LoggedBatch):
         raise TypeError(f"batch must be a LoggedBatch, got {type(batch).__name__}")
     given = sorted({"num_candidates", "num_shown", "num_features"} & set(kwargs))
