@@ -88,9 +88,18 @@ def unmasked_needs(catalog: CatalogScores, num_candidates: int) -> tuple[list[in
     """For a draw of ``num_candidates``: each expert block's expert, the unmasked items it needs ``[R]`` (as many as
     the positions up to the end of its block, whatever the earlier blocks took) and each row's unmasked items under
     it ``[B, R]``."""
+    index, needed = _block_needs(num_candidates, catalog.num_experts, catalog.device)
     experts = [m for m, _ in expert_runs(num_candidates, catalog.num_experts)]
-    needed = torch.tensor(needed_per_block(num_candidates, catalog.num_experts), device=catalog.device)
-    return experts, needed, catalog.num_available()[:, experts]
+    return experts, needed, catalog.num_available().index_select(1, index)
+
+
+@constant_cache(maxsize=64)
+def _block_needs(num_candidates: int, num_experts: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Each expert block's expert ``[R]`` and the unmasked items it needs ``[R]`` (:func:`unmasked_needs`), made on
+    ``device`` once (a list made into a device tensor, or indexing by it, waits for the device)."""
+    runs = expert_runs(num_candidates, num_experts)
+    return (torch.tensor([m for m, _ in runs], device=device),
+            torch.tensor(needed_per_block(num_candidates, num_experts), device=device))
 
 
 def needed_per_block(num_candidates: int, num_experts: int) -> list[int]:
@@ -115,8 +124,10 @@ def unresolved_draws(catalog: CatalogScores, num_candidates: int, *, ordered: bo
     every = not ordered and num_candidates >= catalog.num_items  # each item drawn: π = 1, whatever the blocks take
     if every or not isinstance(catalog, DenseCatalog) or catalog._within_resolution():
         return torch.zeros(catalog.batch_size, len(runs), dtype=torch.bool, device=catalog.device)
-    experts, needed, available = needs if needs is not None else unmasked_needs(catalog, num_candidates)
-    taken = torch.minimum(needed, available) - catalog._num_resolved()[:, experts]  # items beyond resolution drawn
+    _, needed, available = needs if needs is not None else unmasked_needs(catalog, num_candidates)
+    resolved = catalog._num_resolved().index_select(1, _block_needs(num_candidates, catalog.num_experts,
+                                                                    catalog.device)[0])
+    taken = torch.minimum(needed, available) - resolved  # items beyond resolution drawn
     return (taken > 0) & ((needed < available) | (taken > 1 if ordered else False))
 
 

@@ -5,6 +5,8 @@ probabilities. On a machine without CUDA the comparisons run CPU against CPU and
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -148,6 +150,34 @@ def test_a_cpu_scalar_baseline_broadcasts_onto_the_device(device):
     want = loss_fn(logits, cand, chosen, rewards, baseline=torch.full((5,), 0.3, device=device))
     for scalar in (torch.tensor(0.3), torch.tensor(0.3, dtype=torch.float64), 0.3):
         torch.testing.assert_close(loss_fn(logits, cand, chosen, rewards, baseline=scalar), want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="counts CUDA's host syncs")
+@pytest.mark.parametrize("name", ["vpg", "vpg_swr", "with_replacement", "mean_field", "plugin"])
+@pytest.mark.parametrize("num_experts", [1, 3])
+def test_input_checks_wait_for_cuda_once(name, num_experts):
+    """A loss's input checks read their results back in one sync (a profile on an H200 found 3 to 5: the expert
+    blocks' needs were made from Python lists on the device, and the counts indexed by lists). Mean-field's root
+    solve waits for its own convergence tests, as many with the checks as without."""
+    device = torch.device("cuda")
+    logits, cand, chosen, rewards = (t.to(device) for t in _inputs(num_experts, torch.float32, seed=16))
+    logits.requires_grad_()
+
+    def syncs(validate: bool) -> int:
+        loss_fn = VPGLoss(6, with_replacement=name == "vpg_swr", validate_args=validate) if name.startswith("vpg") \
+            else CAPGLoss(6, method=name, validate_args=validate)
+        loss_fn(logits, cand, chosen, rewards).backward()  # constants made once
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                loss_fn(logits, cand, chosen, rewards).backward()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        return sum("synchroniz" in str(w.message).lower() for w in seen)
+
+    assert syncs(True) - syncs(False) == 1
 
 
 @pytest.mark.parametrize("method", ["exact", "mean_field", "plugin"])
