@@ -210,12 +210,12 @@ _DEVICE_CHUNK_SCORES = 2**25
 def chunk_items(chunk_size: int | None, rows: int, device: torch.device) -> int:
     """``chunk_size`` checked (an int >= 1), or for None the default number of items scored at once for ``rows``
     score rows (``B·M``) on ``device``: 8,192 on the CPU, where a chunk of more than ~10^6 scores leaves the cache
-    (at B = 128, 2.5x slower a pass at 131,072 items); elsewhere as many as make ``2^25`` scores (at least 8,192),
-    as a GPU needs large kernels (on an H200 at B = 128 and N = 10^6, 75 ms a pass at 8,192 against 5.6 ms at
-    524,288). ``benchmarks/chunk_size.py`` measures both."""
+    (at B = 128, 2.5x slower a pass at 131,072 items); on other devices (a GPU) as many as make ``2^25`` scores, at
+    least 8,192, as a GPU needs large kernels (``benchmarks/chunk_size.py`` measures both). Also 8,192 inside
+    ``torch.func`` transforms, where ``rows`` is a sample's and the transform multiplies what a chunk holds."""
     if chunk_size is not None:
         return check_count("chunk_size", chunk_size)
-    if device.type == "cpu":
+    if device.type == "cpu" or torch._C._are_functorch_transforms_active():
         return _CPU_CHUNK_ITEMS
     return max(_CPU_CHUNK_ITEMS, _DEVICE_CHUNK_SCORES // max(rows, 1))
 

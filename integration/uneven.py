@@ -35,6 +35,8 @@ ranks with a collective timeout, so that a hang fails the case instead of the jo
 * ``short_sample``: rank 1's DrawnSample holds 3 of its uniform sampler's ids: refused on both ranks;
 * ``masked/range``, ``masked/float``: rank 1's ``masked_items`` in the sampled mode hold an id outside the catalog, or
   are floats: the error on both;
+* ``chunk_default``, ``chunk_default/empty``: batches of 3 and 1 (or 0) users, the default chunk under a GPU's rule:
+  the same on both ranks, from the 4 (or 3) users every rank scores (found by review: from each rank's own);
 * ``uneven_sum``: batches of 3 and 1 users, the loss summed and scaled by W / B_total: one step updates the tables
   as one process over the 4 users does (the README's recipe for uneven batches);
 * ``ties``: a row-wise item table whose rows are all the same: the greedy draw names the lowest ids, as on one
@@ -351,6 +353,23 @@ def main() -> int:
         if max(errors.values()) > 1e-4:
             raise AssertionError(f"updates differ from one process: {errors}")
 
+    def chunk_default(sizes: tuple[int, int]):
+        def case():  # the default chunk under a GPU's rule (read off the device's type): from every rank's users
+            import capg_rec.torchrec.catalog as sharded
+            rule = sharded.chunk_items
+            sharded.chunk_items = lambda size, rows, device: rule(size, rows, torch.device("cuda"))
+            try:
+                cat = sharded.ShardedEmbeddingCatalog(torch.randn(sizes[rank], 2, 4), torch.randn(5, 2, 4),
+                                                      num_items=10, row_offset=5 * rank, process_group=dist.group.WORLD)
+            finally:
+                sharded.chunk_items = rule
+            every = [0, 0]
+            dist.all_gather_object(every, cat.chunk_size)
+            expected = rule(None, 2 * sum(sizes), torch.device("cuda"))  # 2 experts
+            if every != [expected, expected]:
+                raise AssertionError(f"chunk sizes {every}, expected {expected} on both")
+        return case
+
     def masked(what: str):
         def case():  # rank 1's masks in the sampled mode: an id outside the catalog, or floats
             users, sample, head, listed = batch(rank, PER_RANK)
@@ -442,6 +461,7 @@ def main() -> int:
              "dense_rows": dense(PER_RANK - rank, torch.float32), "dense_dtype": dense(PER_RANK, torch.float64),
              "user_vectors_dense": user_vectors_dense, "user_vectors_catalog": user_vectors_catalog, "ties": ties,
              "uneven_sum": uneven_sum, "masked/range": masked("range"), "masked/float": masked("float"),
+             "chunk_default": chunk_default((3, 1)), "chunk_default/empty": chunk_default((3, 0)),
              **{f"structure/{what}/{where}": structure(what, where == "sampled")
                 for what in ("rewards", "chosen", "rows", "width") for where in ("sampled", "whole")},
              **{f"arguments/{what}/{where}": bad_draw(what, where)

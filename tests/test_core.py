@@ -143,6 +143,9 @@ def test_embedding_catalog_default_chunk_is_the_cpus_or_a_score_budget_elsewhere
     assert chunk_items(None, 128, torch.device("cuda")) == 2**25 // 128  # read off the device's type only
     assert chunk_items(None, 10**6, torch.device("cuda", 1)) == 8192  # never below the CPU's
     assert chunk_items(100, 128, torch.device("cuda")) == 100
+    # inside a transform B·M is a sample's, and the transform multiplies what a chunk holds (a review)
+    per_sample = torch.func.vmap(lambda x: x * chunk_items(None, 1, torch.device("cuda")))(torch.ones(3))
+    assert per_sample.tolist() == [8192] * 3
     with pytest.raises(TypeError, match="chunk_size"):
         EmbeddingCatalog(torch.randn(3, 4), torch.randn(30, 4), chunk_size=8.0)
     with pytest.raises(ValueError, match="chunk_size"):

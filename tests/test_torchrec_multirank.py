@@ -218,7 +218,8 @@ def test_sampled_mode_checks_agree_whatever_each_rank_holds(tmp_path):
     # head, rank 1 raised alone (the draw) or the ranks hung (mean-field: rank 1 took a check that rank 0 skipped)
     for case in ("empty/mean_field", "empty/with_replacement", "wide", "rewritten", "exact/empty", "propensity/empty",
                  "short_pool/empty", "empty/mean_field_small", "empty/draw", "empty/greedy", "head_then_other_k",
-                 "head_then_other_k/whole", "ties", "uneven_sum"):  # ties (found by review): torch.topk merged them
+                 "head_then_other_k/whole", "ties", "uneven_sum", "chunk_default", "chunk_default/empty"):
+        # ties (found by review): torch.topk merged them; chunk_default (a review): each rank sized its own
         assert first[case] == second[case] == "ok", (case, first[case], second[case])
     # raised on one rank alone (the others hung): logged ids out of range, a uniform draw a row cannot fill, a draw
     # that one rank's head and sample cannot fill

@@ -46,8 +46,9 @@ class ShardedEmbeddingCatalog(CatalogScores):
         masked_items: ``[B_r, E]`` global ids of items outside each of this rank's users' catalog
             (already seen, unavailable), padded with ``-1``: they score ``-inf``, are never drawn and
             are left out of every catalog-wide reduction (each rank drops those among its rows).
-        chunk_size: items scored at once; memory is ``O(W·B_r·M·chunk_size)``. None: the default of
-            :func:`capg_rec.catalog.chunk_items` for ``W·B_r·M`` score rows on the user's device.
+        chunk_size: items scored at once; memory is ``O(ΣB_r·M·chunk_size)``. None: the default of
+            :func:`capg_rec.catalog.chunk_items` for the ``ΣB_r·M`` score rows of every rank's users (the same on
+            every rank).
         process_group: the ranks sharing the catalog; ``None`` means a single process (no collectives).
         validate_args: check the values (finite embeddings, ids in range, the same id widths on
             every rank) collectively: every rank raises the same ``ValueError`` or none. ``None``
@@ -82,6 +83,7 @@ class ShardedEmbeddingCatalog(CatalogScores):
             table = exchange(set_up, 12, process_group, device)
             self._agree_on_set_up(table)
         self._sizes = [entries[0] for entries in table]
+        self.chunk_size = chunk_items(chunk_size, sum(self._sizes) * self.num_experts, self.device)  # every user
         self._start = sum(self._sizes[: self._rank])
         widths = [entries[1] for entries in table]
         self._masked_all = None  # [B_tot, E_max]: everyone's masked ids, as local row ids
@@ -106,8 +108,8 @@ class ShardedEmbeddingCatalog(CatalogScores):
         self.num_items = check_count("num_items", num_items)
         self.row_offset = check_count("row_offset", row_offset, low=0)
         user, item, dtype = _expert_views(user, item)
-        world = 1 if self.group is None else dist.get_world_size(self.group)
-        self.chunk_size = chunk_items(chunk_size, world * user.shape[0] * user.shape[1], user.device)
+        if chunk_size is not None:
+            check_count("chunk_size", chunk_size)
         if self.group is None and (row_offset, item.shape[0]) != (0, num_items):
             raise ValueError(f"without a process_group item must hold the whole catalog: row_offset=0 and "
                              f"{num_items} rows, got row_offset={row_offset} and {item.shape[0]} rows")
