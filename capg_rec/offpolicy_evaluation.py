@@ -14,7 +14,9 @@ the ESR to evaluate gives ``log π_θ(a_l ∈ A^K | x)`` of the same items. With
   ``E_x[Σ_a r̄ ρ₀ π_θ] / E_x[Σ_a ρ₀ π_θ]`` (the mean reward of a shown item), which equals the IPS
   target when ``Σ_a ρ₀(x, a) π_θ(a ∈ A^K | x) = L`` (as for π_θ = π₀); lower variance, small bias.
 
-Confidence intervals are normal, from the sample variance (SNIPS: the delta method); the
+IPS's weights are capped below ``sqrt`` of the dtype's largest value (their squares stay finite); SNIPS and the
+effective sample size, which do not depend on the weights' scale, take them uncapped (relative to the largest).
+``max_weight`` caps both. Confidence intervals are normal, from the sample variance (SNIPS: the delta method); the
 effective sample size is ``(Σ_i W_i)² / Σ_i W_i²`` (n for equal weights). Below
 ``min_effective_sample_size`` the intervals are NaN, with a warning: a sample variance over a handful of
 weighted rows claims a certainty the rows do not hold (one row with weight gives SNIPS a zero-width
@@ -65,7 +67,7 @@ def off_policy_value(target_log_inclusion: Tensor, logged_log_inclusion: Tensor,
     ``sqrt`` of the dtype's largest value (1.3e154 in float64), so that their squares stay finite: a weight that
     large is beyond any unbiased use anyway. SNIPS and the effective sample size take the weights relative to the
     largest, uncapped (but for ``max_weight``), so rows beyond that cap keep their ratios. Needs ``n >= 2``
-    rows. The intervals are NaN (and a warning says so) where the effective sample size is below
+    rows. Both estimates' intervals are NaN (and a warning says so) where that effective sample size is below
     ``min_effective_sample_size``; they are normal intervals, of zero width where every row's weighted reward is
     the same (all rewards 0, say).
     """

@@ -216,9 +216,11 @@ def test_persistent_workers_follow_set_epoch(tmp_path):
     held_out = data.subset([0, 1])  # a subset keeps its own epoch
     held_out.set_epoch(7)
     assert data.epoch == 2 and held_out.epoch == 7
-    assert data.subset(list(np.arange(2))).row_groups == held_out.row_groups  # numpy's ints too
-    with pytest.raises(TypeError, match="row_groups"):
-        data.subset([0.0])
+    for numpy_ids in (list(np.arange(2)), np.arange(2)):  # numpy's ints too, and an array of them (a review)
+        assert data.subset(numpy_ids).row_groups == held_out.row_groups
+    for bad in ([0.0], np.zeros(2)):
+        with pytest.raises(TypeError, match="row_groups"):
+            data.subset(bad)
 
 
 def test_seeds_of_any_size_and_no_collisions(tmp_path):

@@ -651,6 +651,8 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
     def subset(self, row_groups: Sequence[int]) -> LoggedImpressions:
         """The same reader over some of its row groups only (indices into :attr:`row_groups`, in the
         order given), e.g. to hold the last ones out for evaluation."""
+        if isinstance(row_groups, np.ndarray) and row_groups.ndim == 1:  # numpy's, e.g. np.arange(n)[-2:]
+            row_groups = row_groups.tolist()
         if isinstance(row_groups, (str, bytes)) or not isinstance(row_groups, Sequence) or \
                 not all(is_int(i) for i in row_groups):
             raise TypeError(f"row_groups must be a sequence of ints, got {row_groups!r}")
