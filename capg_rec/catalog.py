@@ -47,6 +47,16 @@ class CatalogScores(abc.ABC):
     ``[0, num_items)``; an ``exclude`` tensor ``[B, E]`` may be padded with ``-1``. A score of
     ``-inf`` marks an item outside a row's catalog (masked): it is never drawn, has probability
     0 and gets no gradient. ``dtype`` is the compute dtype: float32 for half-precision inputs.
+
+    Shape:
+        - :meth:`gather`, :meth:`log_softmax`: ``items [B, L]`` → ``[B, M, L]``
+        - :meth:`log_power_sums`: ``exclude [B, E]`` (or None) → ``[B, M, P]``; :meth:`log_normalizer` → ``[B, M]``
+        - :meth:`top_items`: ``k`` → ids ``[B, M', k]`` (M' = ``len(experts)``, else M)
+
+    Example:
+        >>> catalog = capg_rec.DenseCatalog(torch.randn(4, 100))      # a CatalogScores: B = 4, M = 1, N = 100
+        >>> catalog.log_power_sums(num_powers=2).shape
+        torch.Size([4, 1, 2])
     """
 
     batch_size: int
@@ -302,6 +312,16 @@ class DenseCatalog(CatalogScores):
         temperature: τ > 0; the scores are ``logits / τ``.
         validate_args: check that the logits hold no NaN or ``+inf`` (a pass and a host sync);
             ``None`` takes :func:`capg_rec.set_default_validate_args`'s default.
+
+    Shape:
+        - logits: ``[B, N]`` (M = 1) or ``[B, M, N]``; scores ``s``: ``[B, M, N]``
+        - :meth:`gather` of ``items [B, L]`` → ``[B, M, L]``; :meth:`top_items` → ``[B, M, k]``
+
+    Example:
+        >>> catalog = DenseCatalog(torch.randn(4, 3, 100), temperature=0.5)   # 3 experts
+        >>> catalog.gather(torch.tensor([[0, 5]] * 4)).shape
+        torch.Size([4, 3, 2])
+        >>> candidates = capg_rec.sample_candidates(catalog, 10)
     """
 
     def __init__(self, logits: Tensor, temperature: float = 1.0, *, validate_args: bool | None = None) -> None:
@@ -598,6 +618,11 @@ class EmbeddingCatalog(CatalogScores):
         chunk_size: items scored at once; None: :func:`chunk_items`'s default for the user's device and ``B·M``.
         validate_args: check that the embeddings are finite, that their scores do not overflow
             and that ``masked_items`` holds ids in ``[-1, N)``; ``None`` takes the module default.
+
+    Shape:
+        - user: ``[B, D]`` or ``[B, M, D]``; item: ``[N, D]`` or ``[N, M, D]``; masked_items: ``[B, E]``
+        - scores ``s``: ``[B, M, N]``, never held whole: :meth:`gather` of ``items [B, L]`` → ``[B, M, L]``,
+          :meth:`log_power_sums` → ``[B, M, P]``, :meth:`top_items` → ``[B, M, k]``
 
     Example:
         >>> catalog = EmbeddingCatalog(torch.randn(4, 8), torch.randn(100, 8), masked_items=torch.tensor([[3, -1]] * 4))

@@ -198,10 +198,24 @@ class OffPolicyCAPGLoss(_OffPolicyLoss):
 class OffPolicyVPGLoss(_OffPolicyLoss):
     """Off-policy V-PG with the whole-set weight ``π_θ(A^K) / π₀(A^K)`` of the ordered draw
     (see :func:`capg_rec.functional.offpolicy_vpg_loss`); unbiased, with a variance that grows
-    with K. Args as :class:`OffPolicyCAPGLoss` (no method; self-normalisation is over the B rows).
+    with K.
+
+    Args:
+        num_candidates, max_weight, self_normalize: as in :class:`OffPolicyCAPGLoss` (no method;
+            self-normalisation is over the B rows).
+        temperature, reduction, validate_args: as in :class:`VPGLoss`.
 
     Shape:
         As :class:`VPGLoss`, plus ``logged_log_prob [B]``: ``log π₀(A^K | x)``.
+
+    Example:
+        >>> loss_fn = OffPolicyVPGLoss(num_candidates=10, max_weight=100.0)
+        >>> logits = torch.randn(4, 100, requires_grad=True)
+        >>> logged = torch.randn(4, 100)                       # the logging ESR's logits
+        >>> candidates = capg_rec.sample_candidates(logged, 10)
+        >>> logged_prob = capg_rec.candidate_log_prob(logged, candidates)
+        >>> loss = loss_fn(logits, candidates, candidates[:, :2], torch.rand(4, 2), logged_prob)
+        >>> loss.backward()
     """
 
     def forward(self, logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor,
@@ -214,11 +228,25 @@ class OffPolicyVPGLoss(_OffPolicyLoss):
 class TopKReinforceLoss(_OffPolicyLoss):
     """Chen et al. (2019)'s top-K off-policy corrected REINFORCE: each shown item weighted by
     ``(π_θ(a) / β(a)) · K (1 - π_θ(a))^{K-1}`` with single-draw probabilities, score
-    ``log π_θ(a)`` (see :func:`capg_rec.functional.topk_reinforce_loss`). Args as
-    :class:`OffPolicyCAPGLoss` (no method; the cap applies to ``π_θ / β``).
+    ``log π_θ(a)`` (see :func:`capg_rec.functional.topk_reinforce_loss`).
+
+    Args:
+        num_candidates, max_weight, self_normalize: as in :class:`OffPolicyCAPGLoss` (no method; the cap
+            applies to ``π_θ / β``).
+        temperature, reduction, validate_args: as in :class:`VPGLoss`.
 
     Shape:
         As :class:`VPGLoss`, plus ``logged_log_item_prob [B, L]``: ``log β(a_l | x)``.
+
+    Example:
+        >>> loss_fn = TopKReinforceLoss(num_candidates=10, max_weight=100.0)
+        >>> logits = torch.randn(4, 100, requires_grad=True)
+        >>> logged = torch.randn(4, 100)                       # the logging (behaviour) policy's logits
+        >>> candidates = capg_rec.sample_candidates(logged, 10)
+        >>> chosen = candidates[:, :2]
+        >>> beta = logged.log_softmax(1).gather(1, chosen)    # log β(a_l | x)
+        >>> loss = loss_fn(logits, candidates, chosen, torch.rand(4, 2), beta)
+        >>> loss.backward()
     """
 
     def forward(self, logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor, rewards: Tensor,

@@ -82,6 +82,15 @@ class InclusionMethod(abc.ABC):
             gives ``log E[times drawn]``); the validator then compares it with counts.
         num_powers: the highest catalog power sum ``Σ e^{p·s}`` the method reads (1: the normaliser).
         uses_top_items: whether it reads the catalog's best items (``CatalogScores.top_items``).
+
+    Shape:
+        - :meth:`log_inclusion`: a catalog (B rows, M experts, N items) and ``items [B, L]`` → ``[B, L]``
+        - :func:`inclusion_log_prob`: ``logits [B, N]`` / ``[B, M, N]`` (or a catalog), ``items [B, L]`` → ``[B, L]``
+
+    Example:
+        >>> method = capg_rec.inclusion_method("mean_field")             # an InclusionMethod by its name
+        >>> capg_rec.inclusion_log_prob(torch.randn(2, 10), torch.tensor([[0, 1], [2, 3]]), 3, method=method).shape
+        torch.Size([2, 2])
     """
 
     is_probability: bool = True
@@ -106,7 +115,17 @@ class InclusionMethod(abc.ABC):
 
 class WithReplacement(InclusionMethod):
     """``log Σ_k π_{m(k)}(a)``: the expected number of times a is drawn when every position draws
-    from the whole catalog (CA-PG-SwR; TOP1-PG for one expert). Costs one softmax."""
+    from the whole catalog (CA-PG-SwR; TOP1-PG for one expert). Costs one softmax.
+
+    Shape:
+        ``logits [B, N]`` / ``[B, M, N]`` and ``items [B, L]`` → ``[B, L]``: log expected counts, at most ``log K``.
+
+    Example:
+        >>> p = capg_rec.inclusion_log_prob(torch.randn(2, 10), torch.tensor([[0, 1], [2, 3]]), 3,
+        ...                                 method=WithReplacement())
+        >>> p.shape, bool((p.exp() <= 3).all())
+        (torch.Size([2, 2]), True)
+    """
 
     is_probability = False
     uses_top_items = False
@@ -116,7 +135,16 @@ class WithReplacement(InclusionMethod):
 
 
 class PlugIn(InclusionMethod):
-    """The paper's plug-in: each position's hazard at the greedy prefix that excludes the target."""
+    """The paper's plug-in: each position's hazard at the greedy prefix that excludes the target.
+
+    Shape:
+        ``logits [B, N]`` / ``[B, M, N]`` and ``items [B, L]`` → ``[B, L]`` log-probabilities.
+
+    Example:
+        >>> p = capg_rec.inclusion_log_prob(torch.randn(2, 10), torch.tensor([[0, 1], [2, 3]]), 3, method=PlugIn())
+        >>> p.shape, bool((p <= 0).all())
+        (torch.Size([2, 2]), True)
+    """
 
     def log_inclusion(self, catalog: CatalogScores, items: Tensor, runs: Runs) -> Tensor:
         return plugin_log_inclusion(catalog, items, runs)
@@ -132,6 +160,14 @@ class MeanField(InclusionMethod):
             expected count misses K by more than 1e-3 of it), and its gradient is the root's, not the value's.
         tol: relative accuracy of the rates at which the solve stops, in (0, 1) (default:
             ``eps^(2/3)`` of the dtype).
+
+    Shape:
+        ``logits [B, N]`` / ``[B, M, N]`` and ``items [B, L]`` → ``[B, L]`` log-probabilities.
+
+    Example:
+        >>> p = capg_rec.inclusion_log_prob(torch.randn(2, 10), torch.tensor([[0, 1], [2, 3]]), 3, method=MeanField())
+        >>> p.shape, bool((p <= 0).all())
+        (torch.Size([2, 2]), True)
     """
 
     num_powers = 3
@@ -155,6 +191,14 @@ class Exact(InclusionMethod):
     Args:
         memory_budget: bytes that one block's autograd state may keep; larger blocks are
             recomputed in backward (default 1 GiB).
+
+    Shape:
+        ``logits [B, N]`` / ``[B, M, N]`` and ``items [B, L]`` → ``[B, L]`` log-probabilities.
+
+    Example:
+        >>> p = capg_rec.inclusion_log_prob(torch.randn(2, 10), torch.tensor([[0, 1], [2, 3]]), 3, method=Exact())
+        >>> p.shape, bool((p <= 0).all())
+        (torch.Size([2, 2]), True)
     """
 
     num_powers = EXACT_NUM_POWERS
@@ -186,7 +230,17 @@ class Exact(InclusionMethod):
 class Enumeration(InclusionMethod):
     """Every ordered draw enumerated, in float64: exact for mixtures too (``"exact"`` is block-exact
     there). The reference of the tests and the validator. It holds ``[B, draws, N]`` (``N!/(N-K)!`` draws),
-    at most :attr:`max_entries` a row: every draw of 8 items, of K ≤ 4 out of 13, of K ≤ 3 out of 24, ..."""
+    at most :attr:`max_entries` a row: every draw of 8 items, of K ≤ 4 out of 13, of K ≤ 3 out of 24, ...
+
+    Shape:
+        ``logits [B, N]`` / ``[B, M, N]`` and ``items [B, L]`` → ``[B, L]`` log-probabilities (in the catalog's dtype).
+
+    Example:
+        >>> logits, items = torch.randn(2, 10), torch.tensor([[0, 1], [2, 3]])
+        >>> p = capg_rec.inclusion_log_prob(logits, items, 3, method=Enumeration())
+        >>> torch.allclose(p, capg_rec.inclusion_log_prob(logits, items, 3, method=Exact()), atol=1e-4)  # one expert
+        True
+    """
 
     max_entries = math.factorial(8) * 8
 

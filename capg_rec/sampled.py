@@ -76,6 +76,16 @@ class NegativeSampler(abc.ABC):
     ``draw`` returns ids ``[S]`` (``-1`` marks an unused slot); ``log_expected_count(ids)`` gives
     ``log E[number of slots holding id]`` for any ids (``-inf`` for an id it can never draw). The
     sampled catalog divides each drawn id's term by that expectation, which makes its sums unbiased.
+
+    Shape:
+        - :meth:`draw`: ``batch_items [B, H]`` (or None) → ids ``[S]`` (int64, ``-1``: unused)
+        - :meth:`log_expected_count`: ``ids [S]`` → ``[S]`` (float64)
+
+    Example:
+        >>> sampler = capg_rec.UniformSampler(64)                      # a NegativeSampler
+        >>> ids = sampler.draw(1000, None, generator=None, device="cpu")
+        >>> ids.shape, sampler.log_expected_count(ids, 1000, None).dtype
+        (torch.Size([64]), torch.float64)
     """
 
     @abc.abstractmethod
@@ -128,7 +138,21 @@ def _checked_state(state: object) -> dict[str, object]:
 
 
 class UniformSampler(NegativeSampler):
-    """``num_samples`` ids uniform over the catalog, with replacement (``E[count] = S / N``)."""
+    """``num_samples`` ids uniform over the catalog, with replacement (``E[count] = S / N``).
+
+    Args:
+        num_samples: S, the ids drawn per batch.
+
+    Shape:
+        - :meth:`draw` → ids ``[S]`` in ``[0, N)``
+        - :meth:`log_expected_count`: ``ids [S]`` → ``[S]`` (float64), each ``log(S / N)``
+
+    Example:
+        >>> sampler = UniformSampler(64)
+        >>> ids = sampler.draw(1000, None, generator=None, device="cpu")
+        >>> sampler.log_expected_count(ids, 1000, None).exp().unique()
+        tensor([0.0640], dtype=torch.float64)
+    """
 
     def __init__(self, num_samples: int) -> None:
         self.num_samples = check_count("num_samples", num_samples)
@@ -173,6 +197,25 @@ class InBatchSampler(NegativeSampler):
     by the expected counts of the other rows' slots: unbiased where the rows are drawn independently,
     each slot holding j with chance ``q_j`` (a fixed set of users whose items differ from the population's
     is not such a draw; pass ``batch_items`` drawn apart to take none of a row's own items).
+
+    Args:
+        frequency: ``[N]`` float32/float64, the chance that one batch slot holds each item (sums to 1);
+            None: estimated online.
+        num_buckets: hash buckets of the online estimate (at most ``2^31 - 1``).
+        num_hashes: hash functions of the online estimate.
+        alpha: the moving averages' rate, in (0, 1].
+        seed: picks the hash functions.
+
+    Shape:
+        - :meth:`draw`: ``batch_items [B, H]`` (required; ``-1`` padded) → ids ``[B·H]``
+        - :meth:`log_expected_count`: ``ids [S]`` → ``[S]`` (float64; ``-inf`` for an item never seen)
+
+    Example:
+        >>> sampler = InBatchSampler()
+        >>> batch = torch.tensor([[1, 2], [2, 3]])
+        >>> ids = sampler.draw(10, batch, generator=None, device="cpu")      # one step: records the batch
+        >>> ids, sampler.log_expected_count(ids, 10, batch).exp()
+        (tensor([1, 2, 2, 3]), tensor([1., 2., 2., 1.], dtype=torch.float64))
     """
 
     def __init__(self, *, frequency: Tensor | None = None, num_buckets: int = 1 << 18, num_hashes: int = 2,
@@ -346,7 +389,20 @@ class InBatchSampler(NegativeSampler):
 
 class MixedSampler(NegativeSampler):
     """Several samplers' draws together (Yang et al. 2020: in-batch plus uniform); an id's expected
-    count is the sum of theirs, so every item any of them can draw is covered without bias."""
+    count is the sum of theirs, so every item any of them can draw is covered without bias.
+
+    Args:
+        *samplers: the :class:`NegativeSampler` objects whose draws are concatenated (at least one).
+
+    Shape:
+        - :meth:`draw` → their ids one after the other, ``[S_1 + S_2 + ...]``
+        - :meth:`log_expected_count`: ``ids [S]`` → ``[S]`` (float64), the logsumexp of theirs
+
+    Example:
+        >>> sampler = MixedSampler(InBatchSampler(), UniformSampler(64))
+        >>> sampler.draw(1000, torch.tensor([[1, 2], [2, 3]]), generator=None, device="cpu").shape
+        torch.Size([68])
+    """
 
     def __init__(self, *samplers: NegativeSampler) -> None:
         if not samplers:
@@ -411,6 +467,17 @@ class DrawnSample(NegativeSampler):
             goes to (the catalog's ``batch_items``, else its ``head_items``, which are taken for it otherwise): the
             expected counts of an :class:`InBatchSampler` with a given ``frequency`` depend on it, and a sample
             drawn from the catalog's own head counts each row's own slots out.
+
+    Shape:
+        - ids: ``[S]``; batch_items: ``[B, H]``
+        - :meth:`draw` → ``ids [S]``; :meth:`log_expected_count`: ``ids [S]`` → ``[S]`` (float64)
+
+    Example:
+        >>> sampler = UniformSampler(64)
+        >>> sample = DrawnSample(sampler.draw(1000, None, generator=None, device="cpu"), sampler)
+        >>> catalog = SampledCatalog(torch.randn(4, 8), torch.randn(1000, 8), sampler=sample)
+        >>> catalog.sample_ids.shape
+        torch.Size([64])
     """
 
     def __init__(self, ids: Tensor, sampler: NegativeSampler, batch_items: Tensor | None = None) -> None:
@@ -599,11 +666,22 @@ class SampledCatalog(CatalogScores):
         generator: the sampler's randomness.
         validate_args: check embeddings are finite and ids in range (host syncs); ``None``: the default.
 
-    Example (a sketch: the names it takes come from your loop)::
+    Shape:
+        - user: ``[B, D]`` or ``[B, M, D]``; item: ``[N, D]`` or ``[N, M, D]``, or a tower ``[...]`` → ``[..., D]``
+          or ``[..., M, D]``
+        - head_items: ``[B, H]``; index_items: ``[B, M, H]``; batch_items: ``[B', H']``; masked_items: ``[B, E]``
+        - :meth:`gather` of ``items [B, L]`` → ``[B, M, L]`` (exact); :meth:`log_power_sums` → ``[B, M, P]``,
+          ``P ≤ 3`` (estimated)
 
-        catalog = SampledCatalog(user, item_table, sampler=UniformSampler(4096), head_items=candidates,
-                                 index=index, head_size=100)
-        loss = CAPGLoss(K, method="with_replacement")(catalog, candidates, chosen, rewards)
+    Example:
+        >>> item_tower = torch.nn.Embedding(1000, 8)       # a callable item side: num_items is required
+        >>> catalog = SampledCatalog(torch.randn(4, 8), item_tower, sampler=UniformSampler(64), num_items=1000)
+        >>> # (index=..., head_size=... would add each expert's best items from an ItemIndex to the head)
+        >>> candidates = capg_rec.sample_candidates(catalog, 10)
+        >>> catalog = catalog.resampled(UniformSampler(64), head_items=candidates)
+        >>> loss_fn = capg_rec.CAPGLoss(10, method="with_replacement")
+        >>> loss = loss_fn(catalog, candidates, candidates[:, :2], torch.rand(4, 2))
+        >>> loss.backward()
     """
 
     def __init__(self, user: Tensor, item: ItemSource, *, sampler: NegativeSampler, temperature: float = 1.0,
