@@ -200,6 +200,7 @@ def count_host_syncs() -> Iterator[list[str]]:
     calls: list[str] = []
     names = ["item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy"]
     saved = {name: getattr(torch.Tensor, name) for name in names}
+    own = {name for name in names if name in vars(torch.Tensor)}  # the others are inherited: deleted afterwards
 
     def counted(name: str):
         def call(self, *args, **kwargs):
@@ -213,4 +214,7 @@ def count_host_syncs() -> Iterator[list[str]]:
         yield calls
     finally:
         for name, method in saved.items():
-            setattr(torch.Tensor, name, method)
+            if name in own:
+                setattr(torch.Tensor, name, method)
+            else:
+                delattr(torch.Tensor, name)

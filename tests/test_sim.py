@@ -305,6 +305,33 @@ def test_lsr_validation():
     assert make_lsr(custom) is custom
 
 
+@pytest.mark.parametrize("lsr", [OptimalLSR(), AntiOptimalLSR(), NoisyLSR(), UniformLSR()])
+def test_expected_values_check_their_arguments(lsr):
+    """Regression (found by review): expected_value took a q of another shape (3 values for 2 rows, or a [B] from
+    broadcasting), L of 0 or above K and NaN scores from UniformLSR; and +inf scores gave NoisyLSR NaN propensities."""
+    scores = torch.randn(2, 5)
+    for q, length, error, match in ((torch.ones(3, 5), 1, ValueError, "q must have the shape of scores"),
+                                    (torch.ones(2, 5, dtype=torch.long), 1, TypeError, "q must be a float tensor"),
+                                    (torch.ones(2, 5), 0, ValueError, "num_outputs"),
+                                    (torch.ones(2, 5), 6, ValueError, "num_outputs")):
+        with pytest.raises(error, match=match):
+            lsr.expected_value(scores, q, length)
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"scores must not hold NaN or \+inf"):
+            lsr.expected_value(scores.index_fill(1, torch.tensor([2]), bad), torch.ones(2, 5), 1)
+        with pytest.raises(ValueError, match=r"scores must not hold NaN or \+inf"):
+            lsr(scores.index_fill(1, torch.tensor([2]), bad), 2)
+    assert lsr.expected_value(scores, torch.ones(2, 5), 2).shape == (2,)
+
+
+def test_noisy_lsr_needs_l_scores_above_minus_inf():
+    scores = torch.tensor([[0.0, 1.0, -torch.inf]])
+    picks, propensities = NoisyLSR()(scores, 2)  # two finite scores: a draw of two
+    assert torch.isfinite(propensities).all()
+    with pytest.raises(ValueError, match="num_outputs=3 entries above -inf"):  # NaN propensities before
+        NoisyLSR()(scores, 3)
+
+
 def test_environments_refuse_what_they_would_answer_wrongly():
     """Regression (found by review): a negative id wrapped around to another user or item, 1-d items or a batch of
     another size broadcast to a [B, B] table, the rankers ranked NaN scores, NoisyLSR named num_candidates for

@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from scipy import stats
@@ -67,6 +68,17 @@ def test_errors():
         OnDemandSyntheticEnv("0")
     with pytest.raises(ValueError, match="num_items"):
         OnDemandSyntheticEnv(0, num_items=2**63)
+    # regressions (found by review): a numpy seed failed in torch's generator, devices and generators gave torch's
+    # errors naming nothing
+    assert OnDemandSyntheticEnv(np.int64(3), num_users=5, num_items=30).name == \
+        OnDemandSyntheticEnv(3, num_users=5, num_items=30).name
+    with pytest.raises(ValueError, match="device must name a torch device"):
+        OnDemandSyntheticEnv(0, device="foo")
+    assert OnDemandSyntheticEnv(0, num_users=5, num_items=30, device=None).device == torch.get_default_device()
+    with pytest.raises(TypeError, match="generator must be a torch.Generator"):
+        env.sample_users(3, generator=5)
+    with pytest.raises(TypeError, match="generator must be a torch.Generator"):
+        env.sample_reward(torch.tensor([1]), torch.tensor([[1]]), generator=5)
 
 
 def test_review_regressions(monkeypatch):

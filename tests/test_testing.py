@@ -126,3 +126,17 @@ def test_logits_stay_within_the_scale_in_their_dtype(dtype):
         assert x.dtype == dtype and x.abs().max() <= 5.02
 
     check()
+
+
+def test_count_host_syncs_counts_and_leaves_torch_tensor_as_it_found_it():
+    """Regression (found by review): the methods torch.Tensor inherits were set on it afterwards, as its own."""
+    names = ["item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy"]
+    before = {name: vars(torch.Tensor).get(name) for name in names}
+    x = torch.ones(2)
+    with pytest.raises(RuntimeError, match="inside"):
+        with testing.count_host_syncs() as calls:
+            x.sum().item()
+            bool(x.all())
+            raise RuntimeError("inside")
+    assert calls == ["item", "__bool__"]
+    assert {name: vars(torch.Tensor).get(name) for name in names} == before

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from capg_rec._checks import check_count, is_number, python_number
+from capg_rec._checks import check_count, check_generator, is_number, python_number
 
 __all__ = ["MatrixEnv"]
 
@@ -93,7 +93,7 @@ class MatrixEnv:
     def sample_users(self, batch_size: int, generator: torch.Generator | None = None) -> Tensor:
         """``batch_size`` users drawn uniformly with replacement → ``LongTensor[B]``."""
         check_count("batch_size", batch_size)
-        return torch.randint(self.num_users, (batch_size,), generator=generator, device=self.q.device)
+        return torch.randint(self.num_users, (batch_size,), generator=check_generator(generator), device=self.q.device)
 
     def expected_reward(self, users: Tensor, items: Tensor) -> Tensor:
         """``q(x_b, a_{b,l})``: ``users [B]``, ``items [B, L]`` → ``[B, L]``."""
@@ -109,7 +109,7 @@ class MatrixEnv:
         """Observed rewards ``r ~ N(q, reward_std²)``: ``users [B]``, ``items [B, L]`` → ``[B, L]``."""
         users, items = check_user_items(users, items, self.num_users, self.num_items)
         idx = (users.unsqueeze(1), items)
-        noise = torch.randn(items.shape, generator=generator, dtype=self.q.dtype, device=self.q.device)
+        noise = torch.randn(items.shape, generator=check_generator(generator), dtype=self.q.dtype, device=self.q.device)
         return self.q[idx] + self.reward_std[idx] * noise
 
     def optimal_value(self, num_outputs: int = 1) -> float:

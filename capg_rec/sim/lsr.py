@@ -27,14 +27,20 @@ __all__ = ["LSRPolicy", "OptimalLSR", "AntiOptimalLSR", "NoisyLSR", "UniformLSR"
 LSRPolicy = Callable[[Tensor, int, torch.Generator | None], tuple[Tensor, Tensor | None]]
 
 
-def _check(scores: Tensor, num_outputs: int) -> None:
+def _check(scores: Tensor, num_outputs: int, q: Tensor | None = None) -> None:
+    """The arguments of a ranker (and of its ``expected_value``, whose ``q`` holds a value per candidate)."""
     if not isinstance(scores, Tensor) or not scores.is_floating_point():
         raise TypeError(f"scores must be a float tensor [B, K], got {getattr(scores, 'dtype', type(scores).__name__)}")
     if scores.dim() != 2:
         raise ValueError(f"scores must have shape [B, K], got {list(scores.shape)}")
     check_count("num_outputs", num_outputs, high=scores.shape[1])
-    if scores.numel() and bool(torch.isnan(scores).any()):  # a ranking of NaN is no ranking
-        raise ValueError("scores must not hold NaN")
+    if scores.numel() and not bool((scores < torch.inf).all()):  # NaN or +inf: no ranking (NaN fails <)
+        raise ValueError("scores must not hold NaN or +inf")
+    if q is not None:
+        if not isinstance(q, Tensor) or not q.is_floating_point():
+            raise TypeError(f"q must be a float tensor [B, K], got {getattr(q, 'dtype', type(q).__name__)}")
+        if q.shape != scores.shape:
+            raise ValueError(f"q must have the shape of scores {list(scores.shape)}, got {list(q.shape)}")
 
 
 def _pl_factors(scores: Tensor, picks: Tensor) -> Tensor:
@@ -61,6 +67,7 @@ class OptimalLSR:
         return picks, torch.ones(picks.shape, dtype=scores.dtype, device=scores.device)
 
     def expected_value(self, scores: Tensor, q: Tensor, num_outputs: int) -> Tensor:
+        _check(scores, num_outputs, q)
         picks, _ = self(scores, num_outputs)
         return q.gather(1, picks).mean(dim=1)
 
@@ -86,16 +93,24 @@ class NoisyLSR:
     def __repr__(self) -> str:
         return f"{type(self).__name__}(temperature={self.temperature})"
 
+    @staticmethod
+    def _check(scores: Tensor, num_outputs: int, q: Tensor | None = None) -> None:
+        """:func:`_check`, and L scores above ``-inf`` in every row: a draw by softmax never reaches the others."""
+        _check(scores, num_outputs, q)
+        if scores.numel() and not bool(((scores > -torch.inf).sum(1) >= num_outputs).all()):
+            raise ValueError(f"scores must hold num_outputs={num_outputs} entries above -inf in every row: "
+                             "NoisyLSR draws by softmax, which never picks a -inf one")
+
     def __call__(self, scores: Tensor, num_outputs: int, generator: torch.Generator | None = None
                  ) -> tuple[Tensor, Tensor]:
-        _check(scores, num_outputs)
+        self._check(scores, num_outputs)
         s = scores / self.temperature
         noise = gumbel_like(tuple(s.shape), generator=generator, dtype=s.dtype, device=s.device)
         picks = (s + noise).topk(num_outputs, dim=1).indices
         return picks, _pl_factors(s, picks).exp()
 
     def expected_value(self, scores: Tensor, q: Tensor, num_outputs: int) -> Tensor:
-        _check(scores, num_outputs)
+        self._check(scores, num_outputs, q)
         s = scores / self.temperature
         if num_outputs == 1:
             return (torch.softmax(s, dim=1) * q).sum(dim=1)
@@ -118,6 +133,7 @@ class UniformLSR:
         return picks, (1.0 / left).expand(scores.shape[0], -1)
 
     def expected_value(self, scores: Tensor, q: Tensor, num_outputs: int) -> Tensor:
+        _check(scores, num_outputs, q)
         return q.mean(dim=1)
 
     def __repr__(self) -> str:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from capg_rec._checks import check_count, check_positive, is_int
+from capg_rec._checks import check_count, check_device, check_generator, check_positive, is_int
 from capg_rec.sim.env import MatrixEnv, check_ids, check_user_items, settings_text
 from capg_rec.sim.synthetic import _unit_rows
 
@@ -67,11 +67,11 @@ class OnDemandSyntheticEnv:
         num_users, num_items: U contexts and N items (each up to 2^32: a vector comes from a 32-bit hash of its
             id, so more ids than that would repeat vectors).
         dim: d; scale: the logit scale of ``q_raw`` (the paper: d = 10, scale 10).
-        device: where vectors and rewards are computed.
+        device: where vectors and rewards are computed (None: torch's default device).
     """
 
     def __init__(self, seed: int = 0, *, num_users: int = 1000, num_items: int = 1_000_000, dim: int = 10,
-                 scale: float = 10.0, device: str | torch.device = "cpu") -> None:
+                 scale: float = 10.0, device: str | torch.device | None = "cpu") -> None:
         if not is_int(seed):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
         if not 0 <= seed < 2**62:
@@ -81,8 +81,8 @@ class OnDemandSyntheticEnv:
         self.num_items = check_count("num_items", num_items, high=2**32)
         self.dim = check_count("dim", dim)
         self.scale = check_positive("scale", scale)
-        self.device = torch.device(device)
-        g = torch.Generator().manual_seed(seed)
+        self.device = check_device("device", torch.get_default_device() if device is None else device)
+        g = torch.Generator().manual_seed(self.seed)  # numpy's ints too
         self.w_user = torch.randn(dim, generator=g, dtype=torch.float64).to(self.device)
         self.w_item = torch.randn(dim, generator=g, dtype=torch.float64).to(self.device)
         self.m_latent = _unit_rows(torch.randn(dim, dim, generator=g, dtype=torch.float64)).to(self.device)
@@ -121,7 +121,7 @@ class OnDemandSyntheticEnv:
     def sample_users(self, batch_size: int, generator: torch.Generator | None = None) -> Tensor:
         """``batch_size`` users drawn uniformly with replacement → ``LongTensor[B]``."""
         check_count("batch_size", batch_size)
-        return torch.randint(self.num_users, (batch_size,), generator=generator, device=self.device)
+        return torch.randint(self.num_users, (batch_size,), generator=check_generator(generator), device=self.device)
 
     def expected_reward(self, users: Tensor, items: Tensor) -> Tensor:
         """``q(x_b, a_{b,l})``: ``users [B]``, ``items [B, L]`` → float32 ``[B, L]``."""
@@ -134,7 +134,7 @@ class OnDemandSyntheticEnv:
     def sample_reward(self, users: Tensor, items: Tensor, generator: torch.Generator | None = None) -> Tensor:
         """``r ~ N(q, reward_std²)`` → float32 ``[B, L]``."""
         _, q, std = self._tables(users, items)
-        noise = torch.randn(items.shape, generator=generator, dtype=torch.float32, device=self.device)
+        noise = torch.randn(items.shape, generator=check_generator(generator), dtype=torch.float32, device=self.device)
         return q.float() + std.float() * noise  # the draws of MatrixEnv.sample_reward
 
     def top_items(self, users: Tensor, k: int, *, chunk_size: int = 65536) -> tuple[Tensor, Tensor]:
