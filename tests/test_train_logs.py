@@ -14,6 +14,7 @@ from capg_rec import CAPGLoss, inclusion_log_prob
 from capg_rec.plackett_luce import expert_of_position
 from capg_rec.cli import main
 from capg_rec.logs import LoggedBatch, LoggedImpressions, LogWriter
+from capg_rec.logs.cli import generate_logs
 from capg_rec.sim.lsr import LSR_NAMES, OptimalLSR
 from capg_rec.sim.synthetic import synthetic_env
 from capg_rec.train import Trainer, policy_value
@@ -408,6 +409,13 @@ def test_train_regressions_from_review(logs, tmp_path, capsys):
         assert "NaN" not in text and "Infinity" not in text
     with pytest.raises(ValueError, match="env must be the environment the logs were written on"):
         LogTrainer(LogTrainConfig((logs,), holdout=0.25), synthetic_env(seed=7))
+    # a review: another environment's file after the first was taken (only the first file's env was compared)
+    other = tmp_path / "other_env.parquet"
+    generate_logs(synthetic_env(seed=7), TwoTowerMoE(1000, 1000, generator=torch.Generator().manual_seed(0)), other,
+                  num_interactions=100, num_candidates=K, num_outputs=L, batch_size=100, progress=False)
+    for order in ((logs, other), (other, logs)):
+        with pytest.raises(ValueError, match="env must be the environment the logs were written on.*other_env"):
+            LogTrainer(LogTrainConfig(order, holdout=0.25), synthetic_env())
     trainer = LogTrainer(LogTrainConfig((logs,), holdout=0.25), synthetic_env())
     rows = (out / "metrics.jsonl").read_text()
     for bad, error in ((0, ValueError), (2.5, TypeError)):

@@ -511,6 +511,11 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
             ``(0, 1]`` and finite); ``False`` skips the checks for speed. Nulls, and list columns with a
             row of another width, raise either way (their checks cost little).
 
+    Attributes:
+        meta: the files' :class:`LogMetadata` (K, L, F, method and N agree across them; the rest, such as
+            ``extra``, is the first file's).
+        file_meta: each file's own, in the order of :attr:`files` (e.g. the environment each records).
+
     Shape:
         Yields :class:`LoggedBatch` with ``context [B]``, ``features [B, F]`` or None, ``candidates
         [B, K]`` and ``shown [B, L]`` (int64), ``rewards [B, L]`` (float32), ``log_inclusion`` and
@@ -546,7 +551,7 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
             num_items = check_count("num_items", num_items)
         # In shared memory: DataLoader workers, persistent ones included, read the epoch set here.
         self._epoch = torch.zeros((), dtype=torch.long, device="cpu").share_memory_()
-        self.meta, self.row_groups = self._inspect(num_items)
+        self.meta, self.row_groups, self.file_meta = self._inspect(num_items)
         self.num_items = num_items if num_items is not None else self.meta.num_items
         present = set(TENSOR_COLUMNS) - ({"features"} if self.meta.num_features is None else set())
         if columns is None:
@@ -605,9 +610,11 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
         state["_parent_rank"] = self._rank()
         return state
 
-    def _inspect(self, num_items: int | None) -> tuple[LogMetadata, list[tuple[int, int, int, int]]]:
-        """Every file's schema and metadata checked; ``[(file, row group, rows, the group's first row)]``."""
-        meta, groups = None, []
+    def _inspect(self, num_items: int | None
+                 ) -> tuple[LogMetadata, list[tuple[int, int, int, int]], tuple[LogMetadata, ...]]:
+        """Every file's schema and metadata checked → the first file's metadata, ``[(file, row group, rows, the
+        group's first row)]`` and every file's metadata."""
+        meta, groups, metas = None, [], []
         for index, path in enumerate(self.files):
             try:
                 pf = pq.ParquetFile(path)
@@ -616,6 +623,7 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
             with pf:
                 schema = pf.schema_arrow
                 here = LogMetadata.from_arrow(schema.metadata, str(path))
+                metas.append(here)
                 twice = sorted({name for name in schema.names if schema.names.count(name) > 1})
                 if twice:
                     raise ValueError(f"log file {path}: column(s) {twice} appear more than once")
@@ -646,7 +654,7 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
                     rows = pf.metadata.row_group(g).num_rows
                     groups.append((index, g, rows, first))
                     first += rows
-        return meta, groups
+        return meta, groups, tuple(metas)
 
     def subset(self, row_groups: Sequence[int]) -> LoggedImpressions:
         """The same reader over some of its row groups only (indices into :attr:`row_groups`, in the

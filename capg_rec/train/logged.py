@@ -249,10 +249,11 @@ class LogTrainer(Trainer):
         if env is not None and meta.num_items != env.num_items:
             raise ValueError(f"logs: their catalog has {meta.num_items} items, the environment {env.name!r} has "
                              f"{env.num_items}: these logs were not written on it")
-        recorded = meta.extra.get("env")  # capg-rec log records it; logs of your own may not
-        if env is not None and isinstance(recorded, str) and recorded != env.name:
-            raise ValueError(f"env must be the environment the logs were written on, {recorded!r}, got {env.name!r}: "
-                             "the true policy value would be measured on another one")
+        for path, here in zip(data.files, data.file_meta):  # every file's: the first one's alone let others in
+            recorded = here.extra.get("env")  # capg-rec log records it; logs of your own may not
+            if env is not None and isinstance(recorded, str) and recorded != env.name:
+                raise ValueError(f"env must be the environment the logs were written on, {recorded!r} (log file "
+                                 f"{path}), got {env.name!r}: the true policy value would be measured on another one")
         for name, value in (("num_candidates", meta.num_candidates), ("num_outputs", meta.num_shown)):
             if getattr(config, name) not in (None, value):
                 raise ValueError(f"{name} = {getattr(config, name)} differs from the logs' {value}")
