@@ -69,7 +69,9 @@ def off_policy_value(target_log_inclusion: Tensor, logged_log_inclusion: Tensor,
     largest, uncapped (but for ``max_weight``), so rows beyond that cap keep their ratios. Needs ``n >= 2``
     rows. Both estimates' intervals are NaN (and a warning says so) where that effective sample size is below
     ``min_effective_sample_size``; they are normal intervals, of zero width where every row's weighted reward is
-    the same (all rewards 0, say).
+    the same (all rewards 0, say). Every item the evaluated ESR can retrieve must be one the logging ESR could
+    (items it masked or never retrieved have no logged rows: the estimates miss their share, and nothing here can
+    tell).
     """
     for name, x in (("target_log_inclusion", target_log_inclusion), ("logged_log_inclusion", logged_log_inclusion),
                     ("rewards", rewards)):
