@@ -330,6 +330,14 @@ def test_noisy_lsr_needs_l_scores_above_minus_inf():
     assert torch.isfinite(propensities).all()
     with pytest.raises(ValueError, match="num_outputs=3 entries above -inf"):  # NaN propensities before
         NoisyLSR()(scores, 3)
+    # a diff review: checked before the division by τ, which a tiny τ overflows to ±inf (NaN propensities again)
+    tiny = NoisyLSR(1e-38)
+    for call in (lambda: tiny(torch.tensor([[10.0, 0.0, -5.0]]), 2),
+                 lambda: tiny.expected_value(torch.tensor([[10.0, 0.0, -5.0]]), torch.ones(1, 3), 1)):
+        with pytest.raises(ValueError, match=r"temperature=1e-38 takes a score to \+inf"):
+            call()
+    with pytest.raises(ValueError, match="num_outputs=3 entries above -inf"):
+        tiny(torch.tensor([[-10.0, -20.0, 1.0]]), 3)
 
 
 def test_environments_refuse_what_they_would_answer_wrongly():

@@ -93,25 +93,29 @@ class NoisyLSR:
     def __repr__(self) -> str:
         return f"{type(self).__name__}(temperature={self.temperature})"
 
-    @staticmethod
-    def _check(scores: Tensor, num_outputs: int, q: Tensor | None = None) -> None:
-        """:func:`_check`, and L scores above ``-inf`` in every row: a draw by softmax never reaches the others."""
+    def _scaled(self, scores: Tensor, num_outputs: int, q: Tensor | None = None) -> Tensor:
+        """:func:`_check`'d ``scores / τ``, which must stay below ``+inf`` and hold L entries above ``-inf`` in every
+        row (a draw by softmax never reaches the others): checked after the division, which a small τ overflows."""
         _check(scores, num_outputs, q)
-        if scores.numel() and not bool(((scores > -torch.inf).sum(1) >= num_outputs).all()):
-            raise ValueError(f"scores must hold num_outputs={num_outputs} entries above -inf in every row: "
-                             "NoisyLSR draws by softmax, which never picks a -inf one")
+        s = scores / self.temperature
+        if s.numel() and not bool((s < torch.inf).all()):
+            raise ValueError(f"scores / temperature must stay finite or -inf, but temperature={self.temperature:g} "
+                             f"takes a score to +inf")
+        if s.numel() and not bool(((s > -torch.inf).sum(1) >= num_outputs).all()):
+            raise ValueError(f"scores / temperature must hold num_outputs={num_outputs} entries above -inf in every "
+                             f"row (temperature={self.temperature:g}): NoisyLSR draws by softmax, which never picks "
+                             "a -inf one")
+        return s
 
     def __call__(self, scores: Tensor, num_outputs: int, generator: torch.Generator | None = None
                  ) -> tuple[Tensor, Tensor]:
-        self._check(scores, num_outputs)
-        s = scores / self.temperature
+        s = self._scaled(scores, num_outputs)
         noise = gumbel_like(tuple(s.shape), generator=generator, dtype=s.dtype, device=s.device)
         picks = (s + noise).topk(num_outputs, dim=1).indices
         return picks, _pl_factors(s, picks).exp()
 
     def expected_value(self, scores: Tensor, q: Tensor, num_outputs: int) -> Tensor:
-        self._check(scores, num_outputs, q)
-        s = scores / self.temperature
+        s = self._scaled(scores, num_outputs, q)
         if num_outputs == 1:
             return (torch.softmax(s, dim=1) * q).sum(dim=1)
         from capg_rec.marginals import inclusion_log_prob  # mean over positions = Σ_a q(a) P(a in top-L) / L
