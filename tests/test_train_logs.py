@@ -474,7 +474,7 @@ def test_logs_with_no_rows_to_train_on_are_refused(tmp_path):
                                                           extra={"num_users": 10.0}))], holdout=0.5)).num_users == 10
     for recorded in ("ten", 0, 2.5, "10"):  # review: int("ten") failed without naming the logs
         path = write_logs(tmp_path / f"users-{recorded}.parquet", [6, 6], extra={"num_users": recorded})
-        with pytest.raises(ValueError, match=f"record num_users = {recorded!r} in their metadata's extra"):
+        with pytest.raises(ValueError, match=f"records num_users = {recorded!r} in its metadata's extra"):
             LogTrainer(LogTrainConfig(logs=[str(path)], holdout=0.5))
 
 
@@ -565,3 +565,19 @@ def test_the_metrics_columns_of_an_estimate_are_its_fields():
                                  snips_ci_high=2.25, effective_sample_size=40.0, num_samples=50, confidence=0.95)
     assert ope_columns(estimate) == {"ope_ips": 1.0, "ope_ips_low": 0.5, "ope_ips_high": 1.5, "ope_snips": 2.0,
                                      "ope_snips_low": 1.75, "ope_snips_high": 2.25, "ope_ess": 40.0}
+
+
+def test_files_of_several_loggers_size_the_users_and_pick_the_lsr_from_every_file(tmp_path):
+    """A diff review: without an environment the user table took the first file's recorded num_users (a later
+    file's larger keys failed mid-training) and the evaluation LSR the first file's (another file's LSR ignored)."""
+    paths = []
+    for name, users, lsr in (("small", 20, "optimal"), ("large", 50, "optimal"), ("noisy", 50, "noisy")):
+        paths.append(tmp_path / f"{name}.parquet")
+        env = synthetic_env(num_users=users, num_items=40)
+        generate_logs(env, TwoTowerMoE(users, 40, generator=torch.Generator().manual_seed(0)), paths[-1],
+                      num_interactions=40, num_candidates=K, num_outputs=L, batch_size=10, lsr=lsr, progress=False)
+    trainer = LogTrainer(LogTrainConfig(tuple(paths[:2]), holdout=0.25), None)
+    assert trainer.num_users == 50 and trainer.eval_lsr_name == "optimal"
+    with pytest.raises(ValueError, match=r"eval_lsr must be given: the log files record different LSRs"):
+        LogTrainer(LogTrainConfig(tuple(paths), holdout=0.25), None)
+    assert LogTrainer(LogTrainConfig(tuple(paths), holdout=0.25, eval_lsr="noisy"), None).eval_lsr_name == "noisy"

@@ -294,7 +294,7 @@ def _train_logs(args: argparse.Namespace, given: dict, out: Path) -> int:
             if state.get("kind") != "logs":
                 _fail(f"--resume: the run saved in {path} trained online; drop --logs to continue it")
             saved = dict(state["config"])  # a run given no eval LSR took the logs' own
-            saved["eval_lsr"] = eval_lsr_name(saved.get("eval_lsr"), LoggedImpressions(args.logs, 1).meta)
+            saved["eval_lsr"] = eval_lsr_name(saved.get("eval_lsr"), LoggedImpressions(args.logs, 1).file_meta)
             _check_unchanged(path, saved, given, "epochs", LogTrainConfig(**state["config"]).base_lr)
             trainer = LogTrainer.from_state(state, env, epochs=given.get("epochs"))
         else:

@@ -16,7 +16,7 @@ import dataclasses
 import math
 import os
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -200,9 +200,15 @@ def _estimator_loss(estimator: str, num_candidates: int, num_outputs: int, *, nu
     return loss
 
 
-def eval_lsr_name(eval_lsr: str | None, meta: LogMetadata) -> str:
-    """The LSR that scores a log-trained ESR: ``eval_lsr``, else the one the logs record, else optimal."""
-    return eval_lsr or meta.extra.get("lsr", "optimal")
+def eval_lsr_name(eval_lsr: str | None, metas: Sequence[LogMetadata]) -> str:
+    """The LSR that scores a log-trained ESR: ``eval_lsr``, else the one the log files (``metas``, each file's)
+    record, else optimal; files that record different ones need ``eval_lsr``."""
+    if eval_lsr:
+        return eval_lsr
+    recorded = sorted({str(meta.extra.get("lsr", "optimal")) for meta in metas})
+    if len(recorded) > 1:
+        raise ValueError(f"eval_lsr must be given: the log files record different LSRs, {recorded}")
+    return recorded[0] if recorded else "optimal"
 
 
 OPE_COLUMNS = ("ope_ips", "ope_ips_low", "ope_ips_high", "ope_snips", "ope_snips_low", "ope_snips_high", "ope_ess")
@@ -288,20 +294,26 @@ class LogTrainer(Trainer):
             self.train_data.set_epoch(epoch)
             self.epoch_batches.append(self.train_data.num_batches(config.workers))
         self.eval_candidates = config.num_candidates
-        self.eval_lsr_name = eval_lsr_name(config.eval_lsr, meta)
+        self.eval_lsr_name = eval_lsr_name(config.eval_lsr, data.file_meta)
         self.eval_lsr = make_lsr(self.eval_lsr_name)
         self.loss_fn = logged_loss(config, config.num_candidates, config.num_outputs)
         self._batches: Iterator | None = None
 
     @staticmethod
     def _count_users(data) -> int:
-        """Context keys index the user table: ``extra["num_users"]`` if the logs record it, else 1 + the largest."""
-        if "num_users" in data.meta.extra:
-            recorded = data.meta.extra["num_users"]  # a whole number (another tool may write 1000.0)
+        """Context keys index the user table: the largest ``extra["num_users"]`` the files record, if every one
+        records it, else 1 + the largest key."""
+        counts = []
+        for path, here in zip(data.files, data.file_meta):
+            if "num_users" not in here.extra:
+                break
+            recorded = here.extra["num_users"]  # a whole number (another tool may write 1000.0)
             if not (is_number(recorded) and math.isfinite(recorded) and float(recorded).is_integer()) or recorded < 1:
-                raise ValueError(f"logs: {data.files[0]} record num_users = {recorded!r} in their metadata's extra, "
+                raise ValueError(f"logs: {path} records num_users = {recorded!r} in its metadata's extra, "
                                  "not a number of users (an int >= 1)")
-            return int(recorded)
+            counts.append(int(recorded))
+        else:
+            return max(counts)
         keys = data.subset(range(len(data.row_groups)))
         keys.columns, keys.shuffle_row_groups = ["context"], False
         largest = max(int(batch.context.max()) for batch in keys)
