@@ -62,8 +62,13 @@ def float16_gradient() -> bool:
 
 
 def extreme_logits() -> bool:
+    """Fixed either way: a probability of ~0, or (since the checks of scores beyond resolution) a ValueError, as the
+    second draw must choose among 0, 1 and -1e30, which float32 cannot tell apart 1e30 below the best."""
     x = torch.tensor([[1e30, -1e30, 0.0, 1.0]])
-    return float(inclusion_log_prob(x, torch.tensor([[1]]), 2).exp()) < 1e-6
+    try:
+        return float(inclusion_log_prob(x, torch.tensor([[1]]), 2).exp()) < 1e-6
+    except ValueError as err:
+        return "beyond" in str(err) or "resolution" in str(err) or "among" in str(err)
 
 
 def embedding_overflow_is_an_error() -> bool:

@@ -16,6 +16,7 @@ Writes ``ab.json`` and ``ab.csv`` (old ms, new ms, new/old) to ``--out``.
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
 import re
 import shutil
@@ -37,8 +38,10 @@ CELLS = [(10, 1), (50, 1), (20, 2), (200, 5)]
 
 
 def import_renamed(checkout: Path, alias: str = "capg_rec_old") -> ModuleType:
-    """The ``capg_rec`` package of ``checkout``, importable next to this one as ``alias``."""
+    """The ``capg_rec`` package of ``checkout``, importable next to this one as ``alias`` (from a temporary copy,
+    removed when the process exits: some modules import others lazily)."""
     folder = Path(tempfile.mkdtemp())
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
     shutil.copytree(checkout / "capg_rec", folder / alias)
     for path in (folder / alias).rglob("*.py"):
         path.write_text(re.sub(r"\bcapg_rec\b", alias, path.read_text()))

@@ -31,13 +31,14 @@ LARGE = [(100_000, 10, 1), (100_000, 200, 5), (1_000_000, 10, 1)]  # (N, K, M) t
 
 
 def _median_times(steps: dict[str, Callable[[], None]], reps: int, run: int = 5) -> dict[str, float]:
-    """Median seconds of each step over ``reps`` repetitions, taken round-robin in runs of ``run``
-    (after one warm-up each): a run lets the allocator settle on the step's own buffers, which
+    """Median seconds of each step over ``reps`` repetitions (rounded up to whole runs), taken round-robin in runs
+    of ``run`` (after one warm-up each): a run lets the allocator settle on the step's own buffers, which
     another step's would otherwise evict (page faults, several times the arithmetic at N = 1000)."""
     for step in steps.values():
         step()
     times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(max(reps // run, 1)):
+    run = min(run, reps)
+    for _ in range(-(-reps // run)):
         for name, step in steps.items():
             for _ in range(run):
                 start = time.process_time()
@@ -74,12 +75,12 @@ def _large_steps(batch: int, num_items: int, k: int, experts: int, dim: int) -> 
     items = torch.randint(0, num_items, (batch, 1), generator=gen)
     runs = expert_runs(k, experts)
 
-    def bare() -> None:
-        EmbeddingCatalog(user, item).log_normalizer().sum().backward()
+    def bare() -> None:  # unvalidated, as in the dense rows and loss_speed.py
+        EmbeddingCatalog(user, item, validate_args=False).log_normalizer().sum().backward()
         user.grad = item.grad = None
 
     def direct() -> None:
-        mean_field_log_inclusion(EmbeddingCatalog(user, item), items, runs).sum().backward()
+        mean_field_log_inclusion(EmbeddingCatalog(user, item, validate_args=False), items, runs).sum().backward()
         user.grad = item.grad = None
 
     def public() -> None:
@@ -104,6 +105,8 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=16, help="embedding width of the EmbeddingCatalog rows")
     parser.add_argument("--skip-large", action="store_true")
     args = parser.parse_args()
+    if args.items < max(k for k, _ in DENSE):
+        parser.error(f"--items must be at least the dense rows' largest K, {max(k for k, _ in DENSE)}")
     torch.set_num_threads(1)
     print(f"{'case':<24} {'bare':>12}  {'direct (x bare)':>22}  {'public (x bare)':>22}   (B={args.batch}, 1 thread)")
     for k, experts in DENSE:

@@ -130,14 +130,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000])
     p.add_argument("--negatives", type=int, nargs="+", default=[256, 1024, 4096, 16384])
     p.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.3, 0.1])
-    p.add_argument("--seeds", type=int, default=20)
+    p.add_argument("--seeds", type=int, default=20, help="sampler seeds per cell (at least 2: a standard deviation)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--head", type=int, default=100, help="index head size per row")
     p.add_argument("--k", type=int, default=10, help="candidates K")
     p.add_argument("--dim", type=int, default=32)
     p.add_argument("--ann-size", type=int, default=100_000, help="items for the ANN recall (0: skip)")
-    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("out/sampled_accuracy"))
+    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/sampled_accuracy"))
     args = p.parse_args(argv)
+    if args.seeds < 2:
+        p.error(f"--seeds must be at least 2 (a standard deviation over them), got {args.seeds}")
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
     rows = accuracy(args.sizes, args.negatives, args.temperatures, args.seeds, args.batch, args.head, args.k,

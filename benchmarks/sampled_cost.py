@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sizes", type=positive_int, nargs="+", default=[100_000, 1_000_000, 10_000_000])
     p.add_argument("--ann-sizes", type=int, nargs="*", default=[100_000])
     p.add_argument("--reps", type=positive_int, default=10)
-    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("out/sampled_cost"))
+    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/sampled_cost"))
     p.add_argument("--one", nargs=2, metavar=("N", "CONFIG"),
                    help="time one configuration in this process and print its JSON; CONFIG one of "
                         f"{', '.join(_configs(100_000, [100_000]))} (full_* and *_hnsw: N = 10^5)")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import statistics
 
 import torch
 from tqdm import tqdm
@@ -142,7 +143,7 @@ def _plot(small_rows: list[dict], large_rows: list[dict], path: pathlib.Path) ->
         for head in (0, 3):
             sel = [r for r in small_rows if r["tau"] == tau and r["head"] == head]
             xs = sorted({r["negatives"] for r in sel})
-            axes[0].plot(xs, [sum(r["tv"] for r in sel if r["negatives"] == x) / 3 for x in xs], marker="o",
+            axes[0].plot(xs, [statistics.mean(r["tv"] for r in sel if r["negatives"] == x) for x in xs], marker="o",
                          label=f"τ={tau}, head={head}")
     axes[0].set(xscale="log", xlabel="uniform negatives S", ylabel="TV over K-subsets", title="N=10, K=3")
     axes[0].legend(fontsize=7)
@@ -159,13 +160,15 @@ def _plot(small_rows: list[dict], large_rows: list[dict], path: pathlib.Path) ->
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seeds", type=int, default=300)
+    p.add_argument("--seeds", type=int, default=300, help="at least 2 (the Monte-Carlo noise is a standard deviation)")
     p.add_argument("--draws", type=int, default=500)
     p.add_argument("--large-size", type=int, default=100_000)
     p.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.3])
     p.add_argument("--large-temperatures", type=float, nargs="+", default=[1.0, 0.3, 0.1])
-    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("out/sampled_draw"))
+    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/sampled_draw"))
     args = p.parse_args(argv)
+    if args.seeds < 2:
+        p.error(f"--seeds must be at least 2 (a standard deviation over them), got {args.seeds}")
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
     small_rows = small(args.seeds, args.temperatures)

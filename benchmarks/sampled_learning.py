@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="inclusion methods (exact and enumerate do not run on a sampled catalog)")
     p.add_argument("--env", choices=("synthetic", "movielens"), default="synthetic")
     p.add_argument("--env-seed", type=int, default=0)
-    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("out/sampled_learning"))
+    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/sampled_learning"))
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -1,10 +1,12 @@
 """Rows per second of ``capg-rec train --logs``'s training steps, next to the Parquet reader's rate on the same logs.
 
-Uses the logs at ``--logs`` or writes them there first (``capg-rec log``'s generator: a fresh ESR on the
-synthetic problem at τ = 2, ε = 0.05). Times ``--steps`` steps of :class:`~capg_rec.train.logged.LogTrainer`
-(read, forward, off-policy loss, backward, Adagrad; no evaluation) at ``--batch-size`` rows, then one read of
-the same rows by :class:`~capg_rec.logs.LoggedImpressions` through a DataLoader with ``--workers`` workers, in
-wall-clock and CPU seconds (a shared machine's wall clock depends on its load, recorded as ``load_average``).
+Uses the logs at ``--logs`` (their K and L; ``--rows``, ``-K`` and ``-L`` are not used), or else writes ``--rows``
+rows of K candidates and L shown items to OUT/logs.parquet for the run and deletes them after it (``capg-rec log``'s
+generator: a fresh ESR on the synthetic problem at τ = 2, ε = 0.05). Times ``--steps`` steps of
+:class:`~capg_rec.train.logged.LogTrainer` (read, forward, off-policy loss, backward, Adagrad; no evaluation) at
+``--batch-size`` rows, then one read of the same rows by :class:`~capg_rec.logs.LoggedImpressions` through a
+DataLoader with ``--workers`` workers, in wall-clock and CPU seconds (a shared machine's wall clock depends on its
+load, recorded as ``load_average``).
 Writes ``train_logs_speed.json`` to ``--out``.
 
     OMP_NUM_THREADS=1 python benchmarks/train_logs_speed.py --rows 100000 -K 50 -L 5 --out runs/train_logs_speed
@@ -33,8 +35,8 @@ def _clock() -> tuple[float, float]:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--logs", default=None, help="a log file of the synthetic problem (default: OUT/logs.parquet)")
-    p.add_argument("--rows", type=int, default=100_000, help="rows to write when the logs do not exist")
+    p.add_argument("--logs", default=None, help="a log file of the synthetic problem (default: written for the run)")
+    p.add_argument("--rows", type=int, default=100_000, help="rows to write (without --logs)")
     p.add_argument("-K", type=int, default=50)
     p.add_argument("-L", type=int, default=5)
     p.add_argument("--estimator", default="capg")
@@ -47,7 +49,7 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     logs = Path(args.logs) if args.logs is not None else out / "logs.parquet"
     env = synthetic_env()
-    if not logs.exists():
+    if args.logs is None:  # generated data is not kept
         model = TwoTowerMoE(env.num_users, env.num_items, generator=torch.Generator().manual_seed(0))
         generate_logs(env, model, logs, num_interactions=args.rows, num_candidates=args.K, num_outputs=args.L,
                       temperature=2.0, epsilon=0.05, batch_size=8192)
@@ -80,6 +82,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.workers == 0:
         result["reader"]["rows_per_cpu_second"] = read_rows / read_cpu
     result["reader_over_trainer"] = result["reader"]["rows_per_second"] / result["trainer"]["rows_per_second"]
+    if args.logs is None:
+        logs.unlink()
+        result["logs"] = f"{args.rows} rows written for the run (deleted)"
     (out / "train_logs_speed.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
     print(json.dumps(result, indent=1))
     return result

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from typing import Any
 
@@ -141,7 +142,8 @@ def main() -> None:
     parser.add_argument("--alpha", type=float, default=1e-3)
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--sizes", default="20:5,200:10,1000:50", help="N:K pairs, comma separated")
-    parser.add_argument("--out", default="planted_bugs.json")
+    parser.add_argument("--out", default="runs/planted_bugs/planted_bugs.json", help="the JSON file to write (its "
+                        "folder is made)")
     args = parser.parse_args()
     sizes = [tuple(int(v) for v in pair.split(":")) for pair in args.sizes.split(",")]
     rows = []
@@ -166,6 +168,7 @@ def main() -> None:
                              "check": check.name, "deterministic": check.p_value is None, "smallest_n": n})
                 print(f"{name:18s} {n_items:5d} {esr.num_candidates:3d} {check.name:15s} {shown:>14s} "
                       f"{time.perf_counter() - start:7.1f}")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"alpha": args.alpha, "seeds": args.seeds, "grid": GRID, "rows": rows}, f, indent=1)
     print(f"wrote {args.out}")
