@@ -37,6 +37,19 @@ class ItemIndex(abc.ABC):
     are ``(scores, ids)`` of shape ``[B, k]`` or ``[B, M, k]``, best first, ids int64 in ``[0, N)`` (an
     approximate index that finds fewer than k pads with id ``-1``, scored ``-inf``). No gradient flows through
     an index.
+
+    Args:
+        item_vectors: ``[N, D]`` (one expert) or ``[N, M, D]`` (one index per expert); the index holds a snapshot.
+
+    Shape:
+        - item_vectors: ``[N, D]`` or ``[N, M, D]``; queries: ``[B, D]`` or ``[B, M, D]`` to match
+        - :meth:`search` → ``(scores, ids)``: ``[B, k]`` or ``[B, M, k]`` (ids int64)
+
+    Example:
+        >>> index = ExactIndex(torch.randn(100, 4, 8))              # an ItemIndex: M = 4 experts
+        >>> scores, ids = index.search(torch.randn(2, 4, 8), k=5)
+        >>> ids.shape, ids.dtype, index.num_experts
+        (torch.Size([2, 4, 5]), torch.int64, 4)
     """
 
     num_items: int
@@ -87,9 +100,18 @@ class ItemIndex(abc.ABC):
 class ExactIndex(ItemIndex):
     """Exact top-k by a matmul over ``chunk_size`` items at a time (memory ``O(B·chunk)``), any device.
 
+    Args:
+        item_vectors: ``[N, D]`` or ``[N, M, D]``.
+        chunk_size: items scored at once (default 65,536).
+
+    Shape:
+        As :class:`ItemIndex`: ``queries [B, D] | [B, M, D]`` → ``(scores, ids)`` ``[B, k] | [B, M, k]``.
+
     Example:
         >>> index = ExactIndex(torch.randn(1000, 16))
         >>> scores, ids = index.search(torch.randn(4, 16), k=10)
+        >>> scores.shape, bool((scores[:, :-1] >= scores[:, 1:]).all())    # best first
+        (torch.Size([4, 10]), True)
     """
 
     def __init__(self, item_vectors: Tensor, *, chunk_size: int = 65536) -> None:
@@ -123,6 +145,19 @@ class FaissIndex(ItemIndex):
         num_threads: faiss's OpenMP threads while it builds and searches (``None``: the process's setting). They
             are set around each call and restored after it: faiss and torch share one OpenMP runtime here, and
             the index must not change torch's thread count.
+
+    Shape:
+        As :class:`ItemIndex`: ``queries [B, D] | [B, M, D]`` → ``(scores, ids)`` ``[B, k] | [B, M, k]``
+        (ids ``-1``, scored ``-inf``, where an approximate kind found fewer than k).
+
+    Example:
+        >>> items = torch.randn(500, 16)
+        >>> index = FaissIndex(items, kind="hnsw", ef_search=32)     # needs faiss-cpu
+        >>> queries = torch.randn(8, 16)
+        >>> _, ids = index.search(queries, k=10)
+        >>> _, exact = ExactIndex(items).search(queries, k=10)
+        >>> ids.shape, 0.0 <= recall_at_k(ids, exact) <= 1.0
+        (torch.Size([8, 10]), True)
     """
 
     def __init__(self, item_vectors: Tensor, *, kind: str = "flat", hnsw_m: int = 32, ef_search: int = 64,

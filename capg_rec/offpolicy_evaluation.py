@@ -40,7 +40,22 @@ __all__ = ["OffPolicyEstimate", "off_policy_value"]
 
 @dataclass(frozen=True)
 class OffPolicyEstimate:
-    """Estimates of an ESR's value from logs, with ``confidence``-level normal intervals."""
+    """Estimates of an ESR's value from logs, with ``confidence``-level normal intervals (all floats: no tensors).
+
+    Attributes:
+        ips, ips_ci_low, ips_ci_high: the marginal-IPS estimate and its interval.
+        snips, snips_ci_low, snips_ci_high: the self-normalised estimate and its interval (delta method).
+        effective_sample_size: ``(Σ_i W_i)² / Σ_i W_i²`` (n for equal weights); intervals are NaN below
+            ``min_effective_sample_size``.
+        num_samples: n, the logged rows.
+        confidence: the intervals' level.
+
+    Example:
+        >>> logged = torch.rand(20, 2).log()                   # evaluating the logging ESR itself: weights 1
+        >>> est = off_policy_value(logged, logged, torch.ones(20, 2))
+        >>> est.ips, est.snips, est.effective_sample_size, est.num_samples
+        (1.0, 1.0, 20.0, 20)
+    """
 
     ips: float
     ips_ci_low: float

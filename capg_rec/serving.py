@@ -32,7 +32,29 @@ class Retrieved(NamedTuple):
     """What :meth:`ServingRetriever.retrieve` returns: ``candidates [B, K]`` in draw order and, for a
     sampled draw, the serving policy's ``log_inclusion [B, K]``, ``log_expected_count [B, K]`` (of
     each candidate) and ``log_candidate_prob [B]`` (of the ordered draw); ``None`` for the greedy top-K,
-    a deterministic choice that off-policy learning cannot reweight."""
+    a deterministic choice that off-policy learning cannot reweight.
+
+    Attributes:
+        candidates: the K candidate ids of each request, in draw order.
+        log_inclusion: ``log π0(a_k ∈ A^K)`` of each candidate (None: greedy).
+        log_expected_count: ``log Σ_k π0_{m(k)}(a_k)`` of each candidate (None: greedy).
+        log_candidate_prob: ``log π0(A^K)`` of the ordered draw (None: greedy).
+
+    Shape:
+        - candidates, log_inclusion, log_expected_count: ``[B, K]``; log_candidate_prob: ``[B]``
+        - :meth:`at`: ``picks [B, L]`` → three ``[B, L]`` tensors
+
+    Example:
+        >>> from capg_rec.ann import ExactIndex
+        >>> items = torch.randn(50, 8)
+        >>> server = ServingRetriever(torch.nn.Identity(), items, index=ExactIndex(items))
+        >>> got = server.retrieve(torch.randn(3, 8), num_candidates=5, sample=True)
+        >>> shown, log_inclusion, log_count = got.at(torch.tensor([[0, 2]] * 3))   # the later stage's picks
+        >>> got.candidates.shape, got.log_candidate_prob.shape, shown.shape
+        (torch.Size([3, 5]), torch.Size([3]), torch.Size([3, 2]))
+        >>> server.retrieve(torch.randn(3, 8), num_candidates=5).log_inclusion is None     # greedy top-K
+        True
+    """
 
     candidates: Tensor
     log_inclusion: Tensor | None = None

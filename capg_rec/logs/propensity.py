@@ -53,6 +53,16 @@ class LoggedPropensities(NamedTuple):
         log_candidate_prob: ``[B]`` ``log π0(A^K | x)`` of the ordered draw.
 
     The dtype is the catalog's compute dtype (float32 for float32/half logits, float64 for float64).
+
+    Shape:
+        log_inclusion, log_expected_count: ``[B, L]``; log_candidate_prob: ``[B]``.
+
+    Example:
+        >>> logits = torch.randn(4, 20, dtype=torch.float64)
+        >>> candidates = explore_candidates(logits, 5, epsilon=0.1)
+        >>> logged = log_propensities(logits, candidates, candidates[:, :2], epsilon=0.1)   # a LoggedPropensities
+        >>> [tuple(x.shape) for x in logged], logged.log_candidate_prob.dtype
+        ([(4, 2), (4, 2), (4,)], torch.float64)
     """
 
     log_inclusion: Tensor

@@ -72,7 +72,22 @@ _METADATA_KEY = b"capg_rec"
 
 @dataclass(frozen=True)
 class LogMetadata:
-    """File-level facts of a log: K, L, F, the catalog size N, the inclusion method's name, ``extra``."""
+    """File-level facts of a log: K, L, F, the catalog size N, the inclusion method's name, ``extra``.
+
+    Attributes:
+        num_candidates: K, the logging ESR's draw size.
+        num_shown: L ≤ K, the items the later stage showed.
+        method: the name of the inclusion method behind ``log_inclusion``.
+        num_items: N, the catalog size the ids index (default None: not recorded).
+        num_features: F (default None: no ``features`` column).
+        schema_version: default :data:`SCHEMA_VERSION`; a reader refuses another.
+        extra: free-form JSON fields (the generating environment, temperature, ε, ...; default empty).
+
+    Example:
+        >>> meta = LogMetadata(num_candidates=10, num_shown=2, method="mean_field", num_items=1000)
+        >>> LogMetadata.from_arrow(meta.to_arrow(), "logs.parquet") == meta   # stored in the file's schema metadata
+        True
+    """
 
     num_candidates: int
     num_shown: int
@@ -141,6 +156,20 @@ class LoggedBatch(NamedTuple):
     The log-propensities stay float64: ``log π0(A^K)`` reaches thousands of nats at K = 200, where
     float32 keeps only ~1e-4 of absolute accuracy, and an importance weight is the exponential of a
     difference of such numbers. A field the reader was told not to read is None.
+
+    Shape:
+        context, log_candidate_prob, request_id: ``[B]``; candidates: ``[B, K]``; shown, rewards, log_inclusion,
+        log_expected_count: ``[B, L]``; features: ``[B, F]``.
+
+    Example:
+        >>> from capg_rec.logs import log_propensities
+        >>> logits = torch.randn(4, 20, dtype=torch.float64)
+        >>> candidates = capg_rec.sample_candidates(logits, 5)
+        >>> shown = candidates[:, :2]
+        >>> batch = LoggedBatch(torch.arange(4), candidates, shown, torch.rand(4, 2),
+        ...                     *log_propensities(logits, candidates, shown))
+        >>> batch.shown.shape, batch.log_candidate_prob.dtype, batch.features is None
+        (torch.Size([4, 2]), torch.float64, True)
     """
 
     context: Tensor | None

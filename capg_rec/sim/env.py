@@ -59,6 +59,23 @@ class MatrixEnv:
 
     ``q``, ``reward_std`` and ``lsr_scores`` are float tensors of one shape ``[U, N]``;
     ``reward_std`` must be ``>= 0``. Observed rewards are ``r ~ N(q, reward_std²)``.
+
+    Attributes:
+        q: the expected rewards ``E[r | x, a]``, finite.
+        reward_std: the observed rewards' standard deviations, finite and ``>= 0``.
+        lsr_scores: what the oracle LSRs rank candidates by (a monotone transform of ``q``).
+        name: the environment's name (default ``"matrix"``), by which checkpoints, runs and logs are matched.
+
+    Shape:
+        - q, reward_std, lsr_scores: ``[U, N]``
+        - :meth:`sample_users` → ``[B]``; :meth:`expected_reward`, :meth:`sample_reward`: ``users [B]``,
+          ``items [B, L]`` → ``[B, L]``
+
+    Example:
+        >>> env = MatrixEnv.from_table(torch.rand(4, 20))      # relative_noise=0.3; LSRs rank by q
+        >>> users = env.sample_users(3)
+        >>> env.sample_reward(users, torch.tensor([[0, 1]] * 3)).shape, env.num_users, env.num_items
+        (torch.Size([3, 2]), 4, 20)
     """
 
     q: Tensor

@@ -56,7 +56,17 @@ def _pl_factors(scores: Tensor, picks: Tensor) -> Tensor:
 
 
 class OptimalLSR:
-    """The oracle ranker: the top-L candidates by score (propensities 1)."""
+    """The oracle ranker: the top-L candidates by score (propensities 1).
+
+    Shape:
+        ``scores [B, K]`` → ``picks [B, L]`` (positions in ``0..K-1``), ``propensities [B, L]``;
+        :meth:`expected_value`: ``scores, q [B, K]`` → ``[B]``.
+
+    Example:
+        >>> picks, propensities = OptimalLSR()(torch.tensor([[0.1, 0.9, 0.5, 0.3]]), 2)
+        >>> picks, propensities
+        (tensor([[1, 2]]), tensor([[1., 1.]]))
+    """
 
     sign = 1.0
 
@@ -76,7 +86,17 @@ class OptimalLSR:
 
 
 class AntiOptimalLSR(OptimalLSR):
-    """The anti-oracle: the bottom-L candidates by score (propensities 1)."""
+    """The anti-oracle: the bottom-L candidates by score (propensities 1).
+
+    Shape:
+        ``scores [B, K]`` → ``picks [B, L]`` (positions in ``0..K-1``), ``propensities [B, L]``;
+        :meth:`expected_value`: ``scores, q [B, K]`` → ``[B]``.
+
+    Example:
+        >>> picks, propensities = AntiOptimalLSR()(torch.tensor([[0.1, 0.9, 0.5, 0.3]]), 2)
+        >>> picks, propensities
+        (tensor([[0, 3]]), tensor([[1., 1.]]))
+    """
 
     sign = -1.0
 
@@ -85,6 +105,21 @@ class NoisyLSR:
     """Plackett-Luce over the candidates with ``softmax(scores / τ)``, without replacement.
 
     The paper's "noisy-optimal" ranker is ``τ = 1`` on the synthetic ``q_raw``.
+
+    Args:
+        temperature: τ > 0 (default 1.0); propensities are the Plackett-Luce factors ``π(pick_l | earlier picks)``.
+
+    Shape:
+        ``scores [B, K]`` → ``picks [B, L]`` (positions in ``0..K-1``), ``propensities [B, L]``;
+        :meth:`expected_value`: ``scores, q [B, K]`` → ``[B]``.
+
+    Example:
+        >>> scores = torch.randn(3, 10)
+        >>> picks, propensities = NoisyLSR(temperature=0.5)(scores, 2)
+        >>> picks.shape, bool(((propensities > 0) & (propensities <= 1)).all())
+        (torch.Size([3, 2]), True)
+        >>> NoisyLSR().expected_value(scores, torch.rand(3, 10), 2).shape
+        torch.Size([3])
     """
 
     def __init__(self, temperature: float = 1.0) -> None:
@@ -126,7 +161,18 @@ class NoisyLSR:
 
 
 class UniformLSR:
-    """A uniformly random ranking of L candidates (propensities ``1 / (K - l + 1)``)."""
+    """A uniformly random ranking of L candidates (propensities ``1 / (K - l + 1)``).
+
+    Shape:
+        ``scores [B, K]`` → ``picks [B, L]`` (positions in ``0..K-1``), ``propensities [B, L]``;
+        :meth:`expected_value`: ``scores, q [B, K]`` → ``[B]``.
+
+    Example:
+        >>> picks, propensities = UniformLSR()(torch.randn(2, 4), 2)
+        >>> picks.shape, propensities
+        (torch.Size([2, 2]), tensor([[0.2500, 0.3333],
+                [0.2500, 0.3333]]))
+    """
 
     def __call__(self, scores: Tensor, num_outputs: int, generator: torch.Generator | None = None
                  ) -> tuple[Tensor, Tensor]:

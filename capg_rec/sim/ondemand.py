@@ -63,11 +63,22 @@ class OnDemandSyntheticEnv:
     """The synthetic bandit of :mod:`capg_rec.sim.synthetic` with vectors computed on demand.
 
     Args:
-        seed: determines every component.
-        num_users, num_items: U contexts and N items (each up to 2^32: a vector comes from a 32-bit hash of its
-            id, so more ids than that would repeat vectors).
-        dim: d; scale: the logit scale of ``q_raw`` (the paper: d = 10, scale 10).
-        device: where vectors and rewards are computed (None: torch's default device).
+        seed: determines every component (default 0, in ``[0, 2^62)``).
+        num_users, num_items: U contexts and N items (default 1000 and 10^6; each up to 2^32: a vector comes
+            from a 32-bit hash of its id, so more ids than that would repeat vectors).
+        dim: d; scale: the logit scale of ``q_raw`` (the paper's and the defaults: d = 10, scale 10).
+        device: where vectors and rewards are computed (default ``"cpu"``; None: torch's default device).
+
+    Shape:
+        - :meth:`sample_users` → ``[B]``; :meth:`expected_reward`, :meth:`sample_reward`: ``users [B]``,
+          ``items [B, L]`` → float32 ``[B, L]``
+        - :meth:`user_vectors`, :meth:`item_vectors`: ids ``[...]`` → float64 ``[..., d]``
+
+    Example:
+        >>> env = OnDemandSyntheticEnv(num_users=8, num_items=10**7)      # nothing of size N is stored
+        >>> users = env.sample_users(4)
+        >>> env.expected_reward(users, torch.randint(10**7, (4, 3))).shape, env.item_vectors(torch.tensor([7])).shape
+        (torch.Size([4, 3]), torch.Size([1, 10]))
     """
 
     def __init__(self, seed: int = 0, *, num_users: int = 1000, num_items: int = 1_000_000, dim: int = 10,

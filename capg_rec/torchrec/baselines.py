@@ -94,10 +94,23 @@ class ContextBaseline(nn.Module):
 
     Args:
         num_contexts: contexts are ids in ``[0, num_contexts)``.
-        decay: weight of the past, in ``[0, 1)``.
-        process_group: the ranks sharing the global batch (``dist.group.WORLD`` for all).
+        decay: weight of the past, in ``[0, 1)`` (default 0.9).
+        process_group: the ranks sharing the global batch (``dist.group.WORLD`` for all; default None: this
+            process only).
         validate_args: check the rewards (finite) and contexts (in range) collectively at each call
             (one host sync); ``None`` takes :func:`capg_rec.set_default_validate_args`'s default.
+
+    Shape:
+        - contexts: ``[B_r]`` ids; rewards: ``[B_r, L]`` → baseline ``[B_r]`` (the rewards' dtype)
+        - buffers: ``average [num_contexts]`` (torch's default float dtype), ``seen [num_contexts]`` (bool)
+
+    Example:
+        >>> baseline = ContextBaseline(num_contexts=10)            # one process: process_group=None
+        >>> contexts = torch.tensor([0, 3])
+        >>> baseline(contexts, torch.tensor([[1.0, 3.0], [0.0, 0.0]]))   # never seen: this step's mean, 1
+        tensor([1., 1.])
+        >>> baseline(contexts, torch.tensor([[2.0, 2.0], [1.0, 1.0]]))   # seen: their averages so far
+        tensor([2., 0.])
     """
 
     def __init__(self, num_contexts: int, *, decay: float = 0.9,

@@ -41,8 +41,8 @@ class ShardedEmbeddingCatalog(CatalogScores):
             Scored in the wider of the user's and item's dtypes, at least float32, as by
             :class:`capg_rec.EmbeddingCatalog`.
         num_items: N, the size of the whole catalog.
-        row_offset: global id of the first local row.
-        temperature: τ > 0.
+        row_offset: global id of the first local row (default 0).
+        temperature: τ > 0 (default 1.0).
         masked_items: ``[B_r, E]`` global ids of items outside each of this rank's users' catalog
             (already seen, unavailable), padded with ``-1``: they score ``-inf``, are never drawn and
             are left out of every catalog-wide reduction (each rank drops those among its rows).
@@ -64,6 +64,18 @@ class ShardedEmbeddingCatalog(CatalogScores):
     drawn by a generator seeded from (seed, block, expert), with the seed drawn from rank 0's
     generator, so a seed gives the same candidates at any world size. The global user index is
     the position in the batch concatenated over ranks in rank order.
+
+    Shape:
+        - user: ``[B_r, D]`` or ``[B_r, M, D]``; item: ``[R, D]`` or ``[R, M, D]``; masked_items: ``[B_r, E]``
+        - scores ``s``: ``[B_r, M, N]`` for this rank's users, never held whole: :meth:`gather` of
+          ``items [B_r, L]`` → ``[B_r, M, L]``, :meth:`log_power_sums` → ``[B_r, M, P]``, :meth:`top_items` →
+          ``[B_r, M, k]``
+
+    Example:
+        >>> catalog = ShardedEmbeddingCatalog(torch.randn(4, 8), torch.randn(100, 8), num_items=100)  # one process
+        >>> candidates = capg_rec.sample_candidates(catalog, 10)
+        >>> catalog.gather(candidates).shape
+        torch.Size([4, 1, 10])
     """
 
     def __init__(self, user: Tensor, item: Tensor, *, num_items: int, row_offset: int = 0,

@@ -76,10 +76,23 @@ class TwoTowerRetriever(nn.Module):
         validate_args: check the inputs' values (the catalog feature, and the catalog's checks);
             ``None`` takes :func:`capg_rec.set_default_validate_args`'s default at each forward.
 
-    Example (a sketch: the names it takes come from your loop)::
+    Shape:
+        - forward: ``features`` of B users (a KJT of stride B + 1: :meth:`with_catalog`), ``dense [B, F]``,
+          ``masked_items [B, E]`` → a :class:`ShardedEmbeddingCatalog` of scores ``[B, M, N]`` (this rank's users;
+          with ``sample``, a :class:`~capg_rec.SampledCatalog`)
+        - :meth:`user_vectors` → ``[B, M, D]``; :meth:`item_vectors` → ``[N, M, D]``
 
-        catalog = retriever(retriever.with_catalog(user_features), masked_items=seen)  # seen [B, E], -1 pads
-        candidates = capg_rec.sample_candidates(catalog, 10)
+    Example:
+        >>> from torchrec import EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
+        >>> tables = [EmbeddingConfig(name="item_table", embedding_dim=8, num_embeddings=100, feature_names=["item"]),
+        ...           EmbeddingConfig(name="user_table", embedding_dim=8, num_embeddings=10, feature_names=["user_id"])]
+        >>> retriever = TwoTowerRetriever(EmbeddingCollection(tables=tables), item_table="item_table", num_experts=2,
+        ...                               user_features=["user_id"])            # unsharded: one process
+        >>> users = KeyedJaggedTensor.from_lengths_sync(["user_id"], torch.tensor([0, 3, 7]), torch.tensor([1, 1, 1]))
+        >>> seen = torch.tensor([[5, -1], [6, 7], [-1, -1]])                   # masked_items [B, E], -1 pads
+        >>> catalog = retriever(retriever.with_catalog(users), masked_items=seen)
+        >>> capg_rec.sample_candidates(catalog, 10).shape, retriever.item_vectors().shape
+        (torch.Size([3, 10]), torch.Size([100, 2, 4]))
     """
 
     def __init__(self, embeddings: EmbeddingCollection, *, item_table: str, num_experts: int = 1,

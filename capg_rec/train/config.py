@@ -61,21 +61,30 @@ def _choice(name: str, value: object, choices: tuple) -> None:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """One online training run (the paper's defaults unless noted).
+    """One online training run (the paper's defaults unless noted), validated on creation (no tensors).
 
-    * ``estimator``: ``vpg`` | ``vpg_swr`` | ``capg`` | ``capg_swr``; ``capg_method`` picks CA-PG's
-      inclusion probability (``None`` = the library default).
-    * ``num_candidates`` K, ``num_outputs`` L, ``num_experts`` M, ``temperature`` τ of the ESR.
-    * ``lr``: ``None`` = the paper's (1e-1 for V-PGs, 1e-2 for CA-PGs); ``adaptive_lr`` scales it by
-      the inverse mean LSR propensity, estimated once at the start (the paper's appendix).
-    * ``position_weights``: ``mean`` (1/L, the paper's code), ``sum`` (1) or ``dcg``: the weights of the
-      trained objective. The reported policy value is the mean of q over the L picks whatever they are (the
-      value the paper's tables report).
-    * ``group_size`` G > 1 with ``group_offset`` c: GRPO — each user is served G times and rewards
-      are normalised within the group, plus c. ``baseline="context"``: subtract a per-user moving
-      average of past rewards (decay ``baseline_decay``).
-    * ``on_overflow``: on a non-finite loss or gradient, ``stop`` (as the paper) or ``skip``.
-    * ``eval_every`` steps, the greedy ESR with ``eval_candidates`` (default K) under ``eval_lsr``.
+    Attributes:
+        estimator: ``"vpg"`` | ``"vpg_swr"`` | ``"capg"`` | ``"capg_swr"`` (default); ``capg_method`` picks
+            CA-PG's inclusion probability (``None`` = the library default).
+        num_candidates, num_outputs, num_experts, temperature: K (10), L (1), M (1) and τ (1.0) of the ESR.
+        steps, batch_size, embedding_dim, seed: 50,000 steps of B = 128 users, D = 10, seed 0.
+        optimizer, lr: ``"adagrad"`` (or ``"adam"``, ``"sgd"``); lr ``None`` = the paper's (1e-1 for V-PGs,
+            1e-2 for CA-PGs). ``adaptive_lr`` (False) scales it by the inverse mean LSR propensity, estimated
+            once at the start over ``adaptive_lr_batches`` (20) batches (the paper's appendix).
+        train_lsr, eval_lsr: LSR names (``"optimal"``, ``"noisy"``, ``"uniform"``, ``"anti"``; default optimal).
+        eval_every, eval_candidates: every 1000 steps the greedy ESR with ``eval_candidates`` (None: K) is scored.
+        position_weights: ``"mean"`` (1/L, the paper's code; default), ``"sum"`` (1) or ``"dcg"``: the weights
+            of the trained objective; the reported value is the mean of q over the L picks whatever they are.
+        group_size, group_offset: G > 1 with c: GRPO, each user served G times and rewards normalised within the
+            group, plus c (default 1, 0.0: off).
+        baseline, baseline_decay: ``"context"`` subtracts a per-user moving average of past rewards with that
+            decay in ``[0, 1)`` (default ``"none"``, 0.9).
+        on_overflow: on a non-finite loss or gradient, ``"stop"`` (as the paper; default) or ``"skip"``.
+
+    Example:
+        >>> config = TrainConfig(estimator="capg", num_candidates=20, num_outputs=2)
+        >>> config.base_lr, config.label, config.replace(estimator="vpg").base_lr
+        (0.01, 'CA-PG', 0.1)
     """
 
     estimator: str = "capg_swr"

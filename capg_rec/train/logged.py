@@ -58,21 +58,30 @@ _ON_OVERFLOW = ("stop", "skip")
 
 @dataclass(frozen=True)
 class LogTrainConfig:
-    """One run of training from logs.
+    """One run of training from logs, validated on creation (no tensors).
 
-    * ``logs``: the Parquet files or directories (resolved paths); ``estimator`` one of :data:`LOG_ESTIMATORS`,
-      ``capg_method`` the inclusion method of the CA-PG estimators (``None``: the logs' method, that of their
-      ``log_inclusion``, when it is a built-in or registered one, else the library default; another one than
-      the logs' warns: each weight would be a ratio of two approximations; ``capg_swr`` is ``capg`` with
-      ``"with_replacement"``, weighted by the logged expected count); ``max_weight`` caps the
-      importance weights (``None``: only the overflow cap).
-    * ``num_candidates`` K and ``num_outputs`` L: the logs' (``None`` until read from them).
-    * The model: ``num_experts`` M, ``embedding_dim``, scored at ``temperature``, initialised from ``seed``.
-    * ``epochs`` passes over the training row groups in batches of ``batch_size`` rows read by ``workers``
-      DataLoader workers (0: in this process), shuffled by row group with ``seed``; ``optimizer`` and ``lr``
-      (``None``: 1e-2, 1e-1 for ``vpg_ips``).
-    * ``holdout``: the share of the row groups (the last ones) held out for OPE; ``eval_every`` steps;
-      ``eval_lsr`` scores the true value (``None``: the LSR recorded in the logs, else optimal).
+    Attributes:
+        logs: the Parquet files or directories (a list; stored as resolved paths).
+        estimator: one of :data:`LOG_ESTIMATORS` (default ``"capg"``).
+        capg_method: the inclusion method of the CA-PG estimators (``None``: the logs' method, that of their
+            ``log_inclusion``, when it is a built-in or registered one, else the library default; another one than
+            the logs' warns: each weight would be a ratio of two approximations; ``capg_swr`` is ``capg`` with
+            ``"with_replacement"``, weighted by the logged expected count).
+        max_weight: caps the importance weights (default 100.0; ``None``: only the overflow cap).
+        num_candidates, num_outputs: K and L, the logs' (``None`` until read from them).
+        num_experts, embedding_dim, temperature, seed: the model's M (1), D (10), τ (1.0) and initial seed (0).
+        epochs, batch_size, workers: passes (1) over the training row groups, shuffled by row group with ``seed``,
+            in batches of 512 rows read by that many DataLoader workers (0: in this process).
+        optimizer, lr: ``"adagrad"`` (or ``"adam"``, ``"sgd"``); lr ``None``: 1e-2, 1e-1 for ``vpg_ips``.
+        holdout, eval_every: the share in ``[0, 1)`` of the row groups (the last ones) held out for OPE (0.1);
+            evaluate every 100 steps.
+        eval_lsr: the LSR that scores the true value (``None``: the LSR recorded in the logs, else optimal).
+        on_overflow: ``"stop"`` (default) or ``"skip"``, as :class:`~capg_rec.train.TrainConfig`'s.
+
+    Example:
+        >>> config = LogTrainConfig(["logs/"], estimator="vpg_ips")      # paths are not opened here
+        >>> config.base_lr, config.label, config.num_candidates
+        (0.1, 'IPS V-PG', None)
     """
 
     logs: tuple[str, ...]
@@ -224,8 +233,30 @@ def ope_columns(est: OffPolicyEstimate) -> dict[str, float]:
 class LogTrainer(Trainer):
     """Train a :class:`TwoTowerMoE` from Parquet logs with an off-policy estimator (see the module docstring).
 
-    ``env``: the environment the logs were generated on (its catalog must be the logs'), or None (OPE only).
     ``run``, ``save`` and the checkpoint file are :class:`Trainer`'s; :meth:`load` resumes a saved run.
+
+    Args:
+        config: the :class:`LogTrainConfig`; K and L are filled in from the logs, which must record their catalog
+            size N (``num_items``).
+        env: the environment the logs were generated on (its catalog must be the logs'), or None (OPE only).
+
+    Shape:
+        ``model(users [B]) → logits [B, M, N]``, users being the logs' context keys.
+
+    Example:
+        >>> import os, tempfile
+        >>> from capg_rec.logs import LoggedBatch, log_propensities, write_logs
+        >>> logits = torch.randn(8, 20, dtype=torch.float64)
+        >>> candidates = capg_rec.sample_candidates(logits, 5)
+        >>> shown = candidates[:, :2]
+        >>> folder = tempfile.TemporaryDirectory()
+        >>> path = os.path.join(folder.name, "logs.parquet")
+        >>> write_logs(path, LoggedBatch(torch.arange(8), candidates, shown, torch.rand(8, 2),
+        ...                              *log_propensities(logits, candidates, shown)), num_items=20)
+        >>> trainer = LogTrainer(LogTrainConfig([path], batch_size=4, holdout=0.0))
+        >>> trainer.num_steps, trainer.config.num_candidates, trainer.config.num_outputs   # trainer.run() trains
+        (2, 5, 2)
+        >>> folder.cleanup()
     """
 
     def __init__(self, config: LogTrainConfig, env: MatrixEnv | None = None) -> None:

@@ -15,6 +15,21 @@ class TwoTowerMoE(nn.Module):
 
     Embeddings start ``N(0, 1)`` (``nn.Embedding``'s default, as in the paper's code), drawn
     through ``generator``. ``forward(users [B]) → logits [B, M, N]`` over the whole catalog.
+
+    Args:
+        num_users, num_items: U and N, the rows of the user and item tables.
+        num_experts: M (default 1).
+        dim: D (default 10).
+        generator: the initial embeddings' randomness (None: torch's default generator).
+
+    Shape:
+        - parameters: ``user [M, U, D]``, ``item [M, N, D]``
+        - forward: ``users [B]`` (ids) → logits ``[B, M, N]``
+
+    Example:
+        >>> model = TwoTowerMoE(num_users=4, num_items=20, num_experts=2, dim=8)
+        >>> model(torch.tensor([0, 3])).shape
+        torch.Size([2, 2, 20])
     """
 
     def __init__(self, num_users: int, num_items: int, *, num_experts: int = 1, dim: int = 10,

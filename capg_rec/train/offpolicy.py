@@ -56,7 +56,25 @@ _CHUNK = 4096
 
 @dataclass(frozen=True)
 class OffPolicyStudy:
-    """The study's grid and knobs (defaults: the full grid)."""
+    """The study's grid and knobs (defaults: the full grid), validated on creation; no tensors.
+
+    Attributes:
+        env: ``"synthetic"`` (default) or ``"movielens"``.
+        ks, sizes, seeds: the grid: K values (10, 50, 200), logged rows n each learner trains on (10^4, 10^5,
+            10^6; each at least ``batch_size``) and seeds (0, 1, 2).
+        learners: keys of :data:`LEARNERS` (default all).
+        num_outputs: L (default 1, at most every K).
+        logging_steps, logging_temperature: the logging ESR's online CA-PG-SwR steps (1000) and serving τ₀ (2.0).
+        batch_size, lr, epochs: B (128); the off-policy learners' learning rate (1e-2; ``vpg_ips`` takes 1e-1);
+            passes over the logs at most (1).
+        max_weight: the importance weights' cap (default 100.0; None: the losses' overflow cap only).
+        eval_rows: held-out logged rows of the off-policy estimates (default 20,000).
+
+    Example:
+        >>> study = OffPolicyStudy(ks=(10,), sizes=(1000,), seeds=(0,), learners=("capg_clip", "capg_onpolicy"))
+        >>> study.env, study.max_weight, study.epochs                    # run_offpolicy_study(study, out) runs it
+        ('synthetic', 100.0, 1)
+    """
 
     env: str = "synthetic"
     ks: tuple[int, ...] = (10, 50, 200)

@@ -58,7 +58,19 @@ _GRPO_GROUP, _GRPO_OFFSET = 4, 1.0
 @dataclass(frozen=True)
 class Cell:
     """One (method, setting) of a target; ``scale`` converts our per-position mean to the
-    paper's unit (L for its sum-over-positions values)."""
+    paper's unit (L for its sum-over-positions values). No tensors.
+
+    Attributes:
+        setting: the table column, e.g. ``"K=10"`` or ``"noisy"``.
+        config: the run's :class:`~capg_rec.train.config.TrainConfig` (its estimator is the row, :attr:`method`).
+        paper: the paper's values at 50K and 500K steps (None where it reports none; default both None).
+        scale: default 1.0.
+
+    Example:
+        >>> factory, cells = build_target("table2", steps=1000)          # factory() builds the environment
+        >>> cells[0].setting, cells[0].method, cells[0].paper
+        ('K=5', 'V-PG-SwR', (7.68, 8.33))
+    """
 
     setting: str
     config: TrainConfig

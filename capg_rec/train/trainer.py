@@ -80,7 +80,21 @@ def policy_value(model: torch.nn.Module, env: MatrixEnv, lsr: LSRPolicy, num_can
 
 @dataclass
 class TrainResult:
-    """What a run produced: the learning curve and the overflow record."""
+    """What a run produced: the learning curve and the overflow record (no tensors).
+
+    Attributes:
+        config: the run's config as a dict (with the LSRs it used).
+        history: one row per evaluation: ``step``, ``policy_value``, the mean ``loss`` since the last, ``overflows``
+            (a run from logs adds its off-policy estimates).
+        overflow_steps: the steps whose loss or gradient was not finite.
+        stopped_at: the step an overflow stopped the run at (``on_overflow="stop"``), or None.
+        steps_done, lr, seconds: steps taken, the learning rate used, seconds spent training.
+
+    Example:
+        >>> result = TrainResult(config={}, history=[{"step": 0, "policy_value": 1.5}], overflow_steps=[7])
+        >>> result.final_value, result.overflow_count, result.stopped_at
+        (1.5, 1, None)
+    """
 
     config: dict
     history: list[dict] = field(default_factory=list)
@@ -111,6 +125,20 @@ class Trainer:
     ``train_lsr`` / ``eval_lsr`` override the config's named rankers with any LSR callable (or another name). The
     run's files and checkpoint record what was used (a callable as ``"custom: <its repr>"``), and a checkpoint of a
     run with a callable is loaded only with a callable passed again (it cannot be saved).
+
+    Args:
+        env: the :class:`MatrixEnv` (K and the evaluation's K at most its N items).
+        config: the :class:`TrainConfig`; its ``seed`` seeds the one generator of the run (model, draws, rewards).
+        train_lsr, eval_lsr: LSR callables or names in place of the config's (None: the config's).
+
+    Shape:
+        ``model(users [B]) → logits [B, M, N]``; ``baseline_table``, ``baseline_seen``: ``[U]``.
+
+    Example:
+        >>> from capg_rec.sim import synthetic_env
+        >>> trainer = Trainer(synthetic_env(num_users=4, num_items=20), TrainConfig(num_candidates=5, steps=10))
+        >>> trainer.model(torch.arange(4)).shape, trainer.result.lr        # trainer.run() trains (10 steps)
+        (torch.Size([4, 1, 20]), 0.01)
     """
 
     def __init__(self, env: MatrixEnv, config: TrainConfig, *, train_lsr: LSRPolicy | None = None,

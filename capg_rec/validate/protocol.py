@@ -42,6 +42,15 @@ class ESR(Protocol):
       is what the CA-PG-SwR score ``log Σ_k π_{m(k)}(a)`` means.
     * ``candidate_log_prob(contexts, candidates [B, C, K])`` → ``[B, C]``: the claimed
       log-probability of each ordered draw; checked exactly on tiny catalogs.
+
+    Shape:
+        ``sample`` → ``[B, S, K]`` (int64); ``inclusion_log_prob`` → ``[B, N]``; ``candidate_log_prob``:
+        ``[B, C, K]`` → ``[B, C]``.
+
+    Example:
+        >>> esr = CatalogESR(torch.randn(2, 10), num_candidates=3)      # or a class of your own
+        >>> isinstance(esr, ESR), esr.sample(None, 5, torch.Generator().manual_seed(0)).shape
+        (True, torch.Size([2, 5, 3]))
     """
 
     num_candidates: int
@@ -65,17 +74,32 @@ def _replicate(catalog: CatalogScores, copies: int) -> CatalogScores:
 class CatalogESR:
     """capg_rec's PL(-MoE) ESR over ``scores`` as an :class:`ESR`.
 
-    ``scores`` is logits ``[B, N]`` / ``[B, M, N]``, a :class:`CatalogScores`, or a callable
-    (e.g. a ``torch.nn.Module`` such as a two-tower retriever) mapping contexts to either; a
-    tensor or catalog ignores the contexts. Sampling is :func:`~capg_rec.sample_candidates`
-    (or, for a method that is not a probability such as ``WithReplacement``, one independent
-    softmax draw per position); claims come from :func:`~capg_rec.inclusion_log_prob` with
-    ``method`` (an :class:`~capg_rec.InclusionMethod`, yours included, or a registered name; by default
-    ``"enumerate"`` for a draw of more than one expert block where it is affordable
-    (:meth:`~capg_rec.Enumeration.affordable`), else ``"exact"``, which is exact for one block and block-exact,
-    an approximation, for more: a correct mixture ESR may then fail its inclusion checks) and
-    :func:`~capg_rec.candidate_log_prob`. ``max_elements`` bounds the ``B·copies·M·N`` scores
-    held at once while sampling.
+    Sampling is :func:`~capg_rec.sample_candidates` (or, for a method that is not a probability such as
+    ``WithReplacement``, one independent softmax draw per position); claims come from
+    :func:`~capg_rec.inclusion_log_prob` with ``method`` and :func:`~capg_rec.candidate_log_prob`.
+
+    Args:
+        scores: logits ``[B, N]`` / ``[B, M, N]``, a :class:`CatalogScores`, or a callable (e.g. a
+            ``torch.nn.Module`` such as a two-tower retriever) mapping contexts to either; a tensor or catalog
+            ignores the contexts.
+        num_candidates: K.
+        temperature: τ > 0 (default 1.0).
+        method: an :class:`~capg_rec.InclusionMethod`, yours included, or a registered name; None (default):
+            ``"enumerate"`` for a draw of more than one expert block where it is affordable
+            (:meth:`~capg_rec.Enumeration.affordable`), else ``"exact"``, which is exact for one block and
+            block-exact, an approximation, for more: a correct mixture ESR may then fail its inclusion checks.
+        max_elements: bounds the ``B·copies·M·N`` scores held at once while sampling (default ``2^22``).
+
+    Shape:
+        As :class:`ESR`: :meth:`sample` → ``[B, S, K]``; :meth:`inclusion_log_prob` → ``[B, N]``;
+        :meth:`candidate_log_prob`: ``[B, C, K]`` → ``[B, C]``.
+
+    Example:
+        >>> from capg_rec.validate import validate_esr
+        >>> _ = torch.manual_seed(0)
+        >>> esr = CatalogESR(torch.randn(2, 10), num_candidates=3)
+        >>> validate_esr(esr, num_samples=500, max_enumerated_draws=0).passed
+        True
     """
 
     def __init__(self, scores: ScoresSource, num_candidates: int, *, temperature: float = 1.0,

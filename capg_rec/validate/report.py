@@ -17,7 +17,21 @@ __all__ = ["Check", "ItemResult", "ValidationReport"]
 class Check:
     """One check. Statistical checks carry their Bonferroni-adjusted family p-value and the share
     ``level`` of α they were run at (fail when ``p_value <= level``); deterministic checks have
-    ``None`` for both."""
+    ``None`` for both. No tensors.
+
+    Attributes:
+        name: e.g. ``"claims"``, ``"distinct"``, ``"inclusion"`` (``"expected_count"`` with replacement),
+            ``"draw_claims"``, ``"ordered_draws"``.
+        passed: whether it passed.
+        detail: what was tested, in words.
+        p_value, level: the family p-value and its level (default None: a deterministic check).
+
+    Example:
+        >>> from capg_rec.validate import CatalogESR, validate_esr
+        >>> report = validate_esr(CatalogESR(torch.randn(2, 10), 3), num_samples=500, max_enumerated_draws=0)
+        >>> [check.name for check in report.checks], report.check("claims").p_value
+        (['claims', 'distinct', 'inclusion'], None)
+    """
 
     name: str
     passed: bool
@@ -29,7 +43,21 @@ class Check:
 @dataclass(frozen=True)
 class ItemResult:
     """One (context, item) pair: claimed and empirical inclusion probability (expected count for a
-    with-replacement ESR), the z-score and the Bonferroni-adjusted p-value."""
+    with-replacement ESR), the z-score and the Bonferroni-adjusted p-value. No tensors.
+
+    Attributes:
+        context, item: the row b and the item id a.
+        claimed, empirical: the ESR's claim and the share of its draws that held a (mean count with replacement).
+        z: ``(empirical - claimed) / stderr``.
+        p_value: the exact binomial test's p-value, Bonferroni-adjusted over the B·N pairs (at most 1).
+
+    Example:
+        >>> from capg_rec.validate import CatalogESR, validate_esr
+        >>> report = validate_esr(CatalogESR(torch.randn(2, 10), 3), num_samples=500, max_enumerated_draws=0)
+        >>> worst = report.worst[0]                                 # the smallest p-value first
+        >>> len(report.worst), 0 <= worst.claimed <= 1, worst.p_value <= report.worst[-1].p_value
+        (10, True, True)
+    """
 
     context: int
     item: int
@@ -51,6 +79,26 @@ class ValidationReport:
     least likely of the items each context usually retrieves (``reference_claim``: the smallest
     K-th largest claim over contexts); ``detectable_rel_error`` is that relative error at the
     sample size used.
+
+    Attributes:
+        passed, alpha, checks: every check passed; the false-alarm rate α; the :class:`Check` s (see :meth:`check`).
+        num_samples, num_contexts, num_items, num_candidates, with_replacement, tolerance: n, B, N, K, the
+            ESR's kind and the inclusion test's absolute tolerance.
+        worst: the ``num_worst`` :class:`ItemResult` s with the smallest p-values; max_abs_z: the largest ``|z|``.
+        calibration_error, calibration_noise: the binned calibration error and its noise floor.
+        rel_error, power, reference_claim, samples_needed, detectable_rel_error: the sample-size estimate above.
+        claimed, empirical, stderr: the per-pair arrays; critical_z: the Bonferroni critical z of :meth:`plot`'s
+            error bars.
+
+    Shape:
+        claimed, empirical, stderr: ``[B, N]`` numpy arrays (left out of :meth:`to_dict`).
+
+    Example:
+        >>> from capg_rec.validate import CatalogESR, validate_esr
+        >>> _ = torch.manual_seed(0)
+        >>> report = validate_esr(CatalogESR(torch.randn(2, 10), 3), num_samples=500, max_enumerated_draws=0)
+        >>> report.passed, report.claimed.shape, "claimed" in report.to_dict()    # print(report): a summary
+        (True, (2, 10), False)
     """
 
     passed: bool
