@@ -24,19 +24,8 @@ import torch
 from tqdm.auto import tqdm
 
 from capg_rec import EmbeddingCatalog
-from capg_rec._checks import positive_int
+from capg_rec._checks import positive_int, positive_int_pair
 from capg_rec.catalog import chunk_items
-
-
-def _shape(text: str) -> tuple[int, int]:
-    """An argparse ``type``: ``B,M``."""
-    try:
-        batch, experts = (int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be B,M (two integers), got {text!r}") from None
-    if batch < 1 or experts < 1:
-        raise argparse.ArgumentTypeError(f"B and M must be >= 1, got {text!r}")
-    return batch, experts
 
 
 def time_pass(user: torch.Tensor, item: torch.Tensor, chunk: int | None, reps: int) -> float:
@@ -60,7 +49,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--items", type=positive_int, nargs="+", default=[100_000, 1_000_000])
-    parser.add_argument("--shapes", type=_shape, nargs="+", default=[(128, 1), (1024, 1), (128, 5)],
+    parser.add_argument("--shapes", type=positive_int_pair("B,M"), nargs="+", default=[(128, 1), (1024, 1), (128, 5)],
                         help="B,M pairs")
     parser.add_argument("--chunks", type=positive_int, nargs="+",
                         default=[4096, 8192, 32768, 131072, 524288, 2097152])

@@ -48,7 +48,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from capg_rec import CAPGLoss, EmbeddingCatalog, VPGLoss, sample_candidates
-from capg_rec._checks import positive_int
+from capg_rec._checks import positive_int, positive_int_pair
 
 LABELS = {"vpg": "V-PG", "vpg_swr": "V-PG-SwR", "capg_mean_field": "CA-PG mean-field (default)",
           "capg_plugin": "CA-PG plug-in", "capg_swr": "CA-PG-SwR / TOP1", "capg_exact": "CA-PG exact"}
@@ -59,17 +59,6 @@ PAPER_FLAGS = {"vpg": {}, "vpg_swr": {"is_vanilla_replacement": True},
                "capg_plugin": {"is_credit_assigned": True}, "capg_swr": {"is_top1": True}}
 """capg_rec estimator → the paper code's ``calc_prob_given_actions`` flags for the same loss."""
 NUM_SHOWN = 1
-
-
-def _config(text: str) -> tuple[int, int]:
-    """An argparse ``type``: ``K,M`` as two integers >= 1."""
-    try:
-        k, m = (int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be K,M (two integers), got {text!r}") from None
-    if k < 1 or m < 1:
-        raise argparse.ArgumentTypeError(f"K and M must be >= 1, got {text!r}")
-    return k, m
 
 
 def make_loss(name: str, k: int, validate: bool | None) -> torch.nn.Module:
@@ -375,8 +364,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--batch", type=positive_int, default=128)
     parser.add_argument("--items", type=positive_int, default=1000)
-    parser.add_argument("--configs", nargs="+", type=_config, default=[(10, 1), (50, 1), (20, 2), (200, 5)],
-                        help="K,M pairs")
+    parser.add_argument("--configs", nargs="+", type=positive_int_pair("K,M"),
+                        default=[(10, 1), (50, 1), (20, 2), (200, 5)], help="K,M pairs")
     parser.add_argument("--estimators", nargs="+", default=[n for n in LABELS if n != "capg_exact"],
                         choices=[n for n in LABELS if n != "capg_exact"])
     parser.add_argument("--exact", action="store_true", help="also the exact method (slow; N = --items only)")

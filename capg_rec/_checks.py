@@ -151,6 +151,19 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_int_pair(names: str) -> Callable[[str], tuple[int, int]]:
+    """An argparse ``type`` for two integers >= 1 written ``a,b``, named ``names`` (e.g. ``"K,M"``) in its errors."""
+    def parse(text: str) -> tuple[int, int]:
+        try:
+            first, second = (int(part) for part in text.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {names} (two integers), got {text!r}") from None
+        if first < 1 or second < 1:
+            raise argparse.ArgumentTypeError(f"{' and '.join(names.split(','))} must be >= 1, got {text!r}")
+        return first, second
+    return parse
+
+
 def positive_float(text: str) -> float:
     """An argparse ``type``: a finite number > 0 (argparse then exits 2 naming the option)."""
     try:
