@@ -581,3 +581,10 @@ def test_files_of_several_loggers_size_the_users_and_pick_the_lsr_from_every_fil
     with pytest.raises(ValueError, match=r"eval_lsr must be given: the log files record different LSRs"):
         LogTrainer(LogTrainConfig(tuple(paths), holdout=0.25), None)
     assert LogTrainer(LogTrainConfig(tuple(paths), holdout=0.25, eval_lsr="noisy"), None).eval_lsr_name == "noisy"
+    # a later review: a file recording neither num_users nor an LSR threw away what the others record
+    from tests.logs import write_logs
+
+    bare = write_logs(tmp_path / "bare.parquet", [10, 10], num_candidates=K, num_shown=L, num_items=40)  # keys < 10
+    for order in ((paths[2], bare), (bare, paths[2])):
+        trainer = LogTrainer(LogTrainConfig(order, holdout=0.25), None)
+        assert trainer.num_users == 50 and trainer.eval_lsr_name == "noisy"

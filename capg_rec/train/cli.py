@@ -255,10 +255,11 @@ def _check_unchanged(path: Path, saved: dict, given: dict, extendable: str, base
 
 
 def _log_env(paths: list[str], data: str | None):
-    """The simulated environment the logs record (``extra["env"]``, as ``capg-rec log`` writes), or None."""
+    """The simulated environment the logs record (``extra["env"]``, as ``capg-rec log`` writes: the first file's that
+    records one; the trainer refuses files of another), or None."""
     from capg_rec.logs.parquet import LoggedImpressions
 
-    name = LoggedImpressions(paths, 1).meta.extra.get("env")
+    name = next((meta.extra["env"] for meta in LoggedImpressions(paths, 1).file_meta if "env" in meta.extra), None)
     if data is not None and (not isinstance(name, str) or name.partition("(")[0] != "kuairec"):
         raise ValueError(f"--data: the KuaiRec file of logs written on kuairec, not used by logs of env {name!r}")
     if not isinstance(name, str) or name.partition("(")[0] not in _ENVS:

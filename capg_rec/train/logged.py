@@ -61,7 +61,7 @@ class LogTrainConfig:
     """One run of training from logs, validated on creation (no tensors).
 
     Attributes:
-        logs: the Parquet files or directories (a list; stored as resolved paths).
+        logs: the Parquet files or directories (a list or tuple; stored as a tuple of resolved paths).
         estimator: one of :data:`LOG_ESTIMATORS` (default ``"capg"``).
         capg_method: the inclusion method of the CA-PG estimators (``None``: the logs' method, that of their
             ``log_inclusion``, when it is a built-in or registered one, else the library default; another one than
@@ -214,7 +214,7 @@ def eval_lsr_name(eval_lsr: str | None, metas: Sequence[LogMetadata]) -> str:
     record, else optimal; files that record different ones need ``eval_lsr``."""
     if eval_lsr:
         return eval_lsr
-    recorded = sorted({str(meta.extra.get("lsr", "optimal")) for meta in metas})
+    recorded = sorted({str(meta.extra["lsr"]) for meta in metas if "lsr" in meta.extra})  # files that record one
     if len(recorded) > 1:
         raise ValueError(f"eval_lsr must be given: the log files record different LSRs, {recorded}")
     return recorded[0] if recorded else "optimal"
@@ -332,23 +332,23 @@ class LogTrainer(Trainer):
 
     @staticmethod
     def _count_users(data) -> int:
-        """Context keys index the user table: the largest ``extra["num_users"]`` the files record, if every one
-        records it, else 1 + the largest key."""
+        """Context keys index the user table: the largest ``extra["num_users"]`` the files record, and where a file
+        records none, at least 1 + the largest key."""
         counts = []
         for path, here in zip(data.files, data.file_meta):
             if "num_users" not in here.extra:
-                break
+                continue
             recorded = here.extra["num_users"]  # a whole number (another tool may write 1000.0)
             if not (is_number(recorded) and math.isfinite(recorded) and float(recorded).is_integer()) or recorded < 1:
                 raise ValueError(f"logs: {path} records num_users = {recorded!r} in its metadata's extra, "
                                  "not a number of users (an int >= 1)")
             counts.append(int(recorded))
-        else:
+        if len(counts) == len(data.files):
             return max(counts)
         keys = data.subset(range(len(data.row_groups)))
         keys.columns, keys.shuffle_row_groups = ["context"], False
         largest = max(int(batch.context.max()) for batch in keys)
-        return largest + 1
+        return max([largest + 1, *counts])
 
     @property
     def num_steps(self) -> int:
@@ -458,8 +458,9 @@ class LogTrainer(Trainer):
         if epochs is not None and trainer.num_steps <= state["step"]:
             raise ValueError(f"epochs = {epochs} ends at step {trainer.num_steps}, the saved run is at step "
                              f"{state['step']}; give more epochs to go on")
-        trainer.model = TwoTowerMoE(trainer.num_users, trainer.num_items, num_experts=config.num_experts,
-                                    dim=config.embedding_dim)
+        trainer.num_users = state["model"]["user"].shape[1]  # the run's own table (an earlier capg_rec sized it
+        trainer.model = TwoTowerMoE(trainer.num_users, trainer.num_items,  # from the first log file alone)
+                                    num_experts=config.num_experts, dim=config.embedding_dim)
         trainer.model.load_state_dict(state["model"])
         trainer.step_count, trainer.epoch, trainer.epoch_step = state["step"], state["epoch"], state["epoch_step"]
         trainer.interval_losses = state["interval_losses"]
