@@ -1,7 +1,7 @@
 """Rows per second of ``capg-rec train --logs``'s training steps, next to the Parquet reader's rate on the same logs.
 
 Uses the logs at ``--logs`` (their K and L; ``--rows``, ``-K`` and ``-L`` are not used), or else writes ``--rows``
-rows of K candidates and L shown items to OUT/logs.parquet for the run and deletes them after it (``capg-rec log``'s
+rows of K candidates and L shown items to a file of its own in OUT for the run and deletes it after (``capg-rec log``'s
 generator: a fresh ESR on the synthetic problem at τ = 2, ε = 0.05). Times ``--steps`` steps of
 :class:`~capg_rec.train.logged.LogTrainer` (read, forward, off-policy loss, backward, Adagrad; no evaluation) at
 ``--batch-size`` rows, then one read of the same rows by :class:`~capg_rec.logs.LoggedImpressions` through a
@@ -47,12 +47,23 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    logs = Path(args.logs) if args.logs is not None else out / "logs.parquet"
-    env = synthetic_env()
-    if args.logs is None:  # generated data is not kept
+    if args.logs is not None:
+        return _measure(p, args, out, Path(args.logs))
+    logs = out / f"logs-{os.getpid()}.parquet"  # generated data is not kept, and no file of the user's is touched
+    try:
+        env = synthetic_env()
         model = TwoTowerMoE(env.num_users, env.num_items, generator=torch.Generator().manual_seed(0))
         generate_logs(env, model, logs, num_interactions=args.rows, num_candidates=args.K, num_outputs=args.L,
                       temperature=2.0, epsilon=0.05, batch_size=8192)
+        result = _measure(p, args, out, logs)
+    finally:
+        logs.unlink(missing_ok=True)
+    return result
+
+
+def _measure(p: argparse.ArgumentParser, args: argparse.Namespace, out: Path, logs: Path) -> dict:
+    """Times the trainer and the reader on ``logs``; writes and returns the result."""
+    env = synthetic_env()
     config = LogTrainConfig((logs,), estimator=args.estimator, batch_size=args.batch_size, workers=args.workers,
                             holdout=0.0)
     trainer = LogTrainer(config, env)
@@ -83,7 +94,6 @@ def main(argv: list[str] | None = None) -> dict:
         result["reader"]["rows_per_cpu_second"] = read_rows / read_cpu
     result["reader_over_trainer"] = result["reader"]["rows_per_second"] / result["trainer"]["rows_per_second"]
     if args.logs is None:
-        logs.unlink()
         result["logs"] = f"{args.rows} rows written for the run (deleted)"
     (out / "train_logs_speed.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
     print(json.dumps(result, indent=1))

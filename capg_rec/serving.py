@@ -90,7 +90,8 @@ class ServingRetriever:
             :func:`capg_rec.greedy_candidates` does.
         temperature: the serving policy's τ > 0 (a softened ESR explores).
         epsilon: the share ε in ``[0, 1]`` of requests answered by K uniform items.
-        method: the inclusion method of the logged ``log_inclusion`` (``"exact"`` where affordable).
+        method: the inclusion method of the logged ``log_inclusion`` (default: the library's, ``"mean_field"``;
+            pass ``"exact"`` where it is affordable).
 
     Shape:
         ``retrieve(*inputs, num_candidates=K, masked_items=None)`` (``masked_items [B, E]``) → :class:`Retrieved` of

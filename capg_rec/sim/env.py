@@ -63,7 +63,8 @@ class MatrixEnv:
     Attributes:
         q: the expected rewards ``E[r | x, a]``, finite.
         reward_std: the observed rewards' standard deviations, finite and ``>= 0``.
-        lsr_scores: what the oracle LSRs rank candidates by (a monotone transform of ``q``).
+        lsr_scores: what the LSRs rank candidates by (in the built environments, ``from_table`` and the synthetic
+            one, a monotone transform of ``q``; not checked here).
         name: the environment's name (default ``"matrix"``), by which checkpoints, runs and logs are matched.
 
     Shape:
