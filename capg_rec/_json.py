@@ -7,10 +7,24 @@ import json
 import math
 from collections.abc import Mapping
 
+import numpy as np
+
 
 def json_text(obj: object, indent: int | None = None) -> str:
     """``obj`` as strict JSON, its non-finite floats (at any depth) as ``null``."""
     return json.dumps(finite(obj), indent=indent, allow_nan=False)
+
+
+def plain(obj: object) -> object:
+    """``obj`` with numpy's numbers and bools (``np.float32(1.5)``, ``np.int64(3)``), in nested mappings and sequences
+    too, as Python's, which ``json`` writes; everything else as is."""
+    if isinstance(obj, np.generic) and isinstance(obj, (np.number, np.bool_)):
+        return obj.item()
+    if isinstance(obj, Mapping):
+        return {k: plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [plain(v) for v in obj]
+    return obj
 
 
 def finite(obj: object) -> object:

@@ -222,8 +222,9 @@ def recall_at_k(found: Tensor, exact: Tensor) -> float:
         if not isinstance(ids, Tensor) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
             raise TypeError(f"{name} must be an integer tensor of ids, got "
                             f"{ids.dtype if isinstance(ids, Tensor) else type(ids).__name__}")
-    if found.shape != exact.shape:
-        raise ValueError(f"found and exact must have one shape, got {tuple(found.shape)} and {tuple(exact.shape)}")
+    if found.shape != exact.shape or exact.dim() == 0:
+        raise ValueError(f"found and exact must have one shape [..., k], got {tuple(found.shape)} and "
+                         f"{tuple(exact.shape)}")
     if not exact.numel():
         raise ValueError(f"found and exact must hold at least one id, got shape {tuple(exact.shape)}")
     hits = (found.unsqueeze(-1) == exact.unsqueeze(-2)).any(-2)

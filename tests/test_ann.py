@@ -141,3 +141,11 @@ def test_faiss_indexes_of_fewer_items_than_their_defaults():
     assert torch.equal(ids.sort(1).values, torch.arange(10).expand(3, -1))
     _, ivf = FaissIndex(items, kind="ivf").search(queries, 3)
     assert ivf.shape == (3, 3) and bool(((ivf >= 0) & (ivf < 10)).all())
+
+
+def test_recall_of_zero_dim_ids_is_a_value_error():
+    """A review's sweep: 0-d ids gave torch's IndexError."""
+    from capg_rec.ann import recall_at_k
+
+    with pytest.raises(ValueError, match=r"found and exact must have one shape \[\.\.\., k\]"):
+        recall_at_k(torch.tensor(1), torch.tensor(1))

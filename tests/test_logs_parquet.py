@@ -455,7 +455,7 @@ def test_writer_rejects_bad_batches(tmp_path):
 @pytest.mark.parametrize("options, error, match", [
     (dict(compression="bogus"), ValueError, "compression must be 'none' or a Parquet codec"),
     (dict(compression=None), TypeError, "compression must be a codec name"),
-    (dict(extra={"eps": np.float32(0.05)}), TypeError, "extra must hold JSON values"),
+    (dict(extra={"eps": torch.tensor(0.05)}), TypeError, "extra must hold JSON values"),  # numpy's numbers are taken
     (dict(extra=[1]), TypeError, "extra must be a dict"),
 ])
 def test_writer_options_are_checked_before_a_file_is_made(tmp_path, options, error, match):
@@ -934,3 +934,17 @@ def test_a_batch_of_negative_views_goes_between_processes():
     x = torch._neg_view(torch.arange(3.0))
     batch = ForkingPickler.loads(ForkingPickler.dumps(LoggedBatch(x, None, None, None, None, None, None)))
     assert torch.equal(batch.context, -torch.arange(3.0))
+
+
+def test_writer_takes_numpy_numbers_in_extra_and_names_a_bad_path(tmp_path):
+    """A review's sweep: numpy numbers in extra (or in a LogMetadata) failed JSON's encoder; a path of another type
+    gave Python's error naming nothing."""
+    from capg_rec.logs import LogMetadata
+
+    with LogWriter(tmp_path / "n.parquet", num_candidates=K, num_shown=L, num_items=N, num_features=F,
+                   extra={"a": np.float32(1.5), "b": [np.int64(3)], "c": np.bool_(True)}) as writer:
+        writer.write(_batch(4, 0))
+    assert LoggedImpressions(tmp_path / "n.parquet", 2).meta.extra == {"a": 1.5, "b": [3], "c": True}
+    assert LogMetadata(num_candidates=np.int64(10), num_shown=2, method="exact").to_arrow()
+    with pytest.raises(TypeError, match="path must be a str or os.PathLike"):
+        LogWriter(5, num_candidates=K, num_shown=L)

@@ -288,9 +288,9 @@ def test_expected_values_match_enumeration():
 
 
 def test_lsr_validation():
-    with pytest.raises(ValueError, match="lsr"):
+    with pytest.raises(ValueError, match="name must be one of"):
         make_lsr("greedy")
-    with pytest.raises(TypeError, match="lsr must be a name in .* or a callable, got int"):  # found by review
+    with pytest.raises(TypeError, match="name must be an LSR name in .* or a callable, got int"):  # found by review
         make_lsr(3)
     with pytest.raises(ValueError, match="num_outputs"):
         OptimalLSR()(SCORES, 5)
@@ -376,3 +376,21 @@ def test_environments_refuse_what_they_would_answer_wrongly():
 def test_relative_noise_must_be_finite():
     with pytest.raises(ValueError, match="relative_noise must be a finite number"):
         MatrixEnv.from_table(torch.ones(2, 2), relative_noise=math.inf)
+
+
+def test_tables_names_values_and_paths_are_checked(tmp_path):
+    """A review's sweep of bad input: an empty table was taken (then torch's error at the first draw), a name that
+    is no str too (runs are matched by it), a q of NaN gave NaN values, a path of another type Python's error."""
+    table = torch.rand(3, 5)
+    for shape in ((0, 5), (3, 0)):
+        with pytest.raises(ValueError, match=r"q must be a 2-d float tensor \[U, N\] of U, N >= 1"):
+            MatrixEnv(torch.rand(shape), torch.rand(shape), torch.rand(shape))
+    with pytest.raises(TypeError, match="name must be a str"):
+        MatrixEnv(table, table, table, name=5)
+    for lsr in (OptimalLSR(), NoisyLSR(), UniformLSR(), AntiOptimalLSR()):
+        with pytest.raises(ValueError, match=r"q must be finite"):
+            lsr.expected_value(table, table.index_fill(1, torch.tensor([1]), float("nan")), 2)
+    with pytest.raises(TypeError, match="path must be a str or os.PathLike"):
+        load_kuairec(5)
+    with pytest.raises(ValueError, match="name must be one of"):
+        make_lsr("x")

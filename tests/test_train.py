@@ -972,3 +972,35 @@ def test_a_checkpoint_of_another_version_is_refused(tmp_path):
     path.write_bytes(b"capg_rec-checkpoint 1 " + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload)
     with pytest.raises(ValueError, match="has version 1, this capg_rec reads version 2"):
         read_checkpoint(path)
+
+
+def test_policy_value_model_and_trainer_arguments_are_checked():
+    """A review's sweep of bad input: numpy seeds failed in torch's generator, a float or bool seed gave torch's
+    RuntimeError, a model of 20 items was scored on an environment of 30 (4.51, silently), a wrong model, env or
+    lsr failed deep inside; a config dict, user ids out of range or of floats gave torch's errors; a bad train_lsr
+    or eval_lsr was blamed on "lsr"."""
+    from capg_rec.sim import OptimalLSR
+
+    env = synthetic_env(0, num_users=8, num_items=30)
+    model = TwoTowerMoE(8, 30, dim=3, generator=torch.Generator().manual_seed(0))
+    lsr = OptimalLSR()
+    assert policy_value(model, env, lsr, 5, 1, seed=np.int64(1)) == policy_value(model, env, lsr, 5, 1, seed=1)
+    for kwargs, error, match in (({"seed": 1.0}, TypeError, "seed"), ({"seed": True}, TypeError, "seed"),
+                                 ({"seed": -1}, ValueError, "seed")):
+        with pytest.raises(error, match=match):
+            policy_value(model, env, lsr, 5, 1, **kwargs)
+    with pytest.raises(ValueError, match="model must score the environment's 30 items, its logits have 20"):
+        policy_value(TwoTowerMoE(8, 20, dim=3), env, lsr, 5, 1)
+    for args, match in ((("m", env, lsr), "model"), ((model, "e", lsr), "env"), ((model, env, 3), "lsr")):
+        with pytest.raises(TypeError, match=match):
+            policy_value(*args, 5, 1)
+    with pytest.raises(TypeError, match="config must be a TrainConfig"):
+        make_loss({"estimator": "capg"})
+    with pytest.raises(ValueError, match=r"users must hold ids in \[0, 8\)"):
+        model(torch.tensor([8]))
+    with pytest.raises(TypeError, match="users must be an integer tensor"):
+        model(torch.tensor([1.0]))
+    with pytest.raises(TypeError, match="train_lsr must be an LSR name"):
+        Trainer(env, TrainConfig(steps=3), train_lsr=5)
+    with pytest.raises(ValueError, match="eval_lsr must be one of"):
+        Trainer(env, TrainConfig(steps=3), eval_lsr="zzz")

@@ -924,3 +924,16 @@ def test_a_draw_that_repeats_an_item_fails_distinct_at_any_k():
 def test_a_claim_above_one_fails_even_when_the_claims_sum_to_k():
     report = validate_esr(_Fixed(None, [1.5, 0.5, 0.0]), num_samples=100)
     assert not {c.name: c.passed for c in report.checks}["claims"]
+
+
+def test_numpy_seed_and_bad_sample_counts():
+    """A review's sweep of bad input: a numpy seed failed in torch's generator; CatalogESR.sample of 0 or 5.0 draws
+    gave torch's or Python's errors naming nothing."""
+    logits = torch.randn(2, 10, generator=torch.Generator().manual_seed(0))
+    esr = CatalogESR(logits, 3)
+    reports = [validate_esr(esr, num_samples=300, seed=seed, max_enumerated_draws=0) for seed in (1, np.int64(1))]
+    assert [c.p_value for c in reports[0].checks] == [c.p_value for c in reports[1].checks]
+    with pytest.raises(ValueError, match="num_samples"):
+        esr.sample(None, 0, torch.Generator())
+    with pytest.raises(TypeError, match="num_samples"):
+        esr.sample(None, 5.0, torch.Generator())

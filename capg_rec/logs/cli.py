@@ -148,7 +148,7 @@ def generate_logs(env, model: torch.nn.Module, out: str | Path, *, num_interacti
     # checked here, as Python numbers: they go into the file's metadata (JSON) before anything reads them
     temperature, epsilon = check_positive("temperature", temperature), _check_epsilon(epsilon)
     seed = check_count("seed", seed, low=0, high=2**63 - 1)
-    ranker = make_lsr(lsr)
+    ranker = make_lsr(lsr, argument="lsr")
     g = torch.Generator().manual_seed(seed)
     extra = dict(extra or {}, env=env.name, lsr=lsr, temperature=temperature, epsilon=epsilon, seed=seed,
                  num_users=env.num_users)

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from capg_rec._checks import check_count, check_flag, is_int, resolve_validate_args
+from capg_rec._json import plain
 from capg_rec.logs import _handover
 from capg_rec.logs.schema import IN_BAND_BYTES, LOG_SCHEMA, REQUIRED_COLUMNS, TENSOR_COLUMNS, LogMetadata, \
     LoggedBatch, file_schema
@@ -222,6 +223,8 @@ class LogWriter:
                  method: str | InclusionMethod = DEFAULT_METHOD, num_features: int | None = None,
                  policy_version: str = "", extra: dict[str, Any] | None = None, row_group_size: int | None = None,
                  compression: str = "snappy", validate_args: bool | None = None) -> None:
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
         num_candidates = check_count("num_candidates", num_candidates)
         num_shown = check_count("num_shown", num_shown, high=num_candidates)
         if num_items is not None:
@@ -241,6 +244,7 @@ class LogWriter:
                              f"lz4, zstd), got {compression!r}")
         if extra is not None and not isinstance(extra, dict):
             raise TypeError(f"extra must be a dict, got {type(extra).__name__}")
+        extra = plain(extra)  # numpy's numbers as Python's
         try:
             json.dumps(extra)
         except (TypeError, ValueError) as err:

@@ -40,6 +40,7 @@ import pyarrow as pa
 import torch
 from torch import Tensor
 
+from capg_rec._json import plain
 from capg_rec.logs import _handover
 
 __all__ = ["LOG_SCHEMA", "SCHEMA_VERSION", "REQUIRED_COLUMNS", "TENSOR_COLUMNS", "LogMetadata", "LoggedBatch",
@@ -98,7 +99,7 @@ class LogMetadata:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_arrow(self) -> dict[bytes, bytes]:
-        return {_METADATA_KEY: json.dumps(dataclasses.asdict(self)).encode()}
+        return {_METADATA_KEY: json.dumps(plain(dataclasses.asdict(self))).encode()}
 
     @classmethod
     def from_arrow(cls, metadata: dict[bytes, bytes] | None, path: str) -> LogMetadata:

@@ -90,8 +90,9 @@ class MatrixEnv:
             if not isinstance(value, Tensor) or not value.is_floating_point():
                 raise TypeError(f"{field} must be a 2-d float tensor [U, N], got {type(value).__name__} "
                                 f"{getattr(value, 'dtype', '')}")
-            if value.dim() != 2:
-                raise ValueError(f"{field} must be a 2-d float tensor [U, N], got shape {list(value.shape)}")
+            if value.dim() != 2 or 0 in value.shape:  # no user to draw, or no item to retrieve
+                raise ValueError(f"{field} must be a 2-d float tensor [U, N] of U, N >= 1, got shape "
+                                 f"{list(value.shape)}")
             if value.shape != self.q.shape:
                 raise ValueError(f"{field} must have the shape of q {tuple(self.q.shape)}, "
                                  f"got {tuple(value.shape)}")
@@ -99,6 +100,8 @@ class MatrixEnv:
                 raise ValueError(f"{field} must be finite (no NaN or inf)")
         if bool((self.reward_std < 0).any()):
             raise ValueError(f"reward_std must be >= 0, got min {float(self.reward_std.min())}")
+        if not isinstance(self.name, str):  # runs and checkpoints are matched by it
+            raise TypeError(f"name must be a str, got {type(self.name).__name__} {self.name!r}")
 
     @property
     def num_users(self) -> int:

@@ -47,6 +47,8 @@ def load_kuairec(path: str | os.PathLike, *, relative_noise: float = 0.3) -> Mat
     digest of the table, so that checkpoints and reused runs of other data are refused. Raises
     ``ValueError`` on a malformed file.
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ValueError(f"path must be an existing KuaiRec small_matrix.csv file, got {path!r}")

@@ -41,6 +41,8 @@ def _check(scores: Tensor, num_outputs: int, q: Tensor | None = None) -> None:
             raise TypeError(f"q must be a float tensor [B, K], got {getattr(q, 'dtype', type(q).__name__)}")
         if q.shape != scores.shape:
             raise ValueError(f"q must have the shape of scores {list(scores.shape)}, got {list(q.shape)}")
+        if q.numel() and not bool(torch.isfinite(q).all()):  # a value, not a ranking: -inf is no value either
+            raise ValueError("q must be finite (no NaN or inf)")
 
 
 def _pl_factors(scores: Tensor, picks: Tensor) -> Tensor:
@@ -193,13 +195,15 @@ class UniformLSR:
 LSR_NAMES = ("optimal", "noisy", "uniform", "anti")
 
 
-def make_lsr(name: str | LSRPolicy) -> LSRPolicy:
-    """An LSR by name (``"optimal"``, ``"noisy"`` (τ = 1), ``"uniform"``, ``"anti"``) or a callable."""
+def make_lsr(name: str | LSRPolicy, *, argument: str = "name") -> LSRPolicy:
+    """An LSR by name (``"optimal"``, ``"noisy"`` (τ = 1), ``"uniform"``, ``"anti"``) or a callable; errors name
+    ``argument`` (the caller's own argument, e.g. ``"train_lsr"``)."""
     if callable(name):
         return name
     table = {"optimal": OptimalLSR, "noisy": NoisyLSR, "uniform": UniformLSR, "anti": AntiOptimalLSR}
     if not isinstance(name, str):
-        raise TypeError(f"lsr must be a name in {LSR_NAMES} or a callable, got {type(name).__name__} {name!r}")
+        raise TypeError(f"{argument} must be an LSR name in {LSR_NAMES} or a callable, got {type(name).__name__} "
+                        f"{name!r}")
     if name not in table:
-        raise ValueError(f"lsr must be one of {LSR_NAMES} or a callable, got {name!r}")
+        raise ValueError(f"{argument} must be one of {LSR_NAMES} or a callable, got {name!r}")
     return table[name]()

@@ -40,6 +40,8 @@ _EVAL_CHUNK = 256
 
 def make_loss(config: TrainConfig, *, validate_args: bool = True) -> torch.nn.Module:
     """The loss module of ``config.estimator``."""
+    if not isinstance(config, TrainConfig):
+        raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
     k = config.num_candidates
     common = dict(temperature=config.temperature, validate_args=validate_args)
     if config.estimator == "vpg":
@@ -59,11 +61,20 @@ def policy_value(model: torch.nn.Module, env: MatrixEnv, lsr: LSRPolicy, num_can
     expected mean ``q`` of the L picks. Uses ``lsr.expected_value`` when the ranker has it,
     otherwise one draw of ``lsr`` with a generator seeded by ``seed`` (exact if deterministic). NaN when the
     model's logits are not finite (an optimizer step that overflowed the parameters)."""
-    generator = torch.Generator().manual_seed(seed)
+    if not callable(model):
+        raise TypeError(f"model must be a callable of user ids (a torch.nn.Module), got {type(model).__name__}")
+    if not all(hasattr(env, name) for name in ("num_users", "num_items", "ranking_scores", "expected_reward")):
+        raise TypeError(f"env must be an environment (a MatrixEnv, an OnDemandSyntheticEnv), got {type(env).__name__}")
+    if not callable(lsr):
+        raise TypeError(f"lsr must be an LSR (a callable), got {type(lsr).__name__}")
+    generator = torch.Generator().manual_seed(check_count("seed", seed, low=0))
     total = 0.0
     for start in range(0, env.num_users, _EVAL_CHUNK):
         users = torch.arange(start, min(start + _EVAL_CHUNK, env.num_users))
         logits = model(users)
+        if logits.shape[-1] != env.num_items:  # a model of another catalog never retrieves the rest
+            raise ValueError(f"model must score the environment's {env.num_items} items, its logits have "
+                             f"{logits.shape[-1]}")
         if not all_finite(logits):
             return math.nan
         candidates = greedy_candidates(logits, num_candidates, temperature=temperature)
@@ -167,8 +178,8 @@ class Trainer:
             raise ValueError(f"num_candidates/eval_candidates must be <= env.num_items={env.num_items}, "
                              f"got {config.num_candidates}/{eval_k}")
         self.env, self.config = env, config
-        self.train_lsr = make_lsr(train_lsr if train_lsr is not None else config.train_lsr)
-        self.eval_lsr = make_lsr(eval_lsr if eval_lsr is not None else config.eval_lsr)
+        self.train_lsr = make_lsr(train_lsr if train_lsr is not None else config.train_lsr, argument="train_lsr")
+        self.eval_lsr = make_lsr(eval_lsr if eval_lsr is not None else config.eval_lsr, argument="eval_lsr")
         self.lsr_labels = {"train_lsr": _lsr_label(train_lsr, config.train_lsr),
                            "eval_lsr": _lsr_label(eval_lsr, config.eval_lsr)}
         self.eval_candidates = eval_k

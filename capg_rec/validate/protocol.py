@@ -140,6 +140,7 @@ class CatalogESR:
 
     def sample(self, contexts: Any, num_samples: int, generator: torch.Generator) -> Tensor:
         """``num_samples`` draws per context → ``LongTensor[B, S, K]``."""
+        num_samples = check_count("num_samples", num_samples)
         catalog = self.catalog(contexts)
         k = self.num_candidates
         if self.with_replacement:

@@ -101,7 +101,7 @@ def validate_esr(esr: ESR, contexts: Any = None, *, num_samples: int = 20_000, a
     n = check_count("num_samples", num_samples)
     alpha = _check_fraction("alpha", alpha)
     power = _check_fraction("power", power)
-    check_count("seed", seed, low=0, high=2**63 - 1)  # a torch.Generator seed
+    seed = check_count("seed", seed, low=0, high=2**63 - 1)  # a torch.Generator seed, as Python's int
     progress = check_flag("progress", progress)
     num_worst = check_count("num_worst", num_worst, low=0)
     max_enumerated_draws = check_count("max_enumerated_draws", max_enumerated_draws, low=0)
