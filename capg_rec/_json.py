@@ -16,12 +16,14 @@ def json_text(obj: object, indent: int | None = None) -> str:
 
 
 def plain(obj: object) -> object:
-    """``obj`` with numpy's numbers and bools (``np.float32(1.5)``, ``np.int64(3)``), in nested mappings and sequences
-    too, as Python's, which ``json`` writes; everything else as is."""
-    if isinstance(obj, np.generic) and isinstance(obj, (np.number, np.bool_)):
+    """``obj`` with numpy's numbers and bools (``np.float32(1.5)``, ``np.int64(3)``) and arrays of them, in nested
+    mappings (keys too) and sequences, as Python's, which ``json`` writes; everything else as is."""
+    if isinstance(obj, (np.number, np.bool_)):
         return obj.item()
+    if isinstance(obj, np.ndarray) and obj.dtype.kind in "biuf":
+        return obj.tolist()
     if isinstance(obj, Mapping):
-        return {k: plain(v) for k, v in obj.items()}
+        return {plain(k): plain(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [plain(v) for v in obj]
     return obj

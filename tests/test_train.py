@@ -979,14 +979,18 @@ def test_policy_value_model_and_trainer_arguments_are_checked():
     RuntimeError, a model of 20 items was scored on an environment of 30 (4.51, silently), a wrong model, env or
     lsr failed deep inside; a config dict, user ids out of range or of floats gave torch's errors; a bad train_lsr
     or eval_lsr was blamed on "lsr"."""
-    from capg_rec.sim import OptimalLSR
+    from capg_rec.sim import NoisyLSR, OptimalLSR
 
     env = synthetic_env(0, num_users=8, num_items=30)
     model = TwoTowerMoE(8, 30, dim=3, generator=torch.Generator().manual_seed(0))
     lsr = OptimalLSR()
-    assert policy_value(model, env, lsr, 5, 1, seed=np.int64(1)) == policy_value(model, env, lsr, 5, 1, seed=1)
+
+    def drawn(scores, length, generator):  # no expected_value: the seed draws its picks
+        return NoisyLSR()(scores, length, generator)
+
+    assert policy_value(model, env, drawn, 5, 1, seed=np.int64(1)) == policy_value(model, env, drawn, 5, 1, seed=1)
     for kwargs, error, match in (({"seed": 1.0}, TypeError, "seed"), ({"seed": True}, TypeError, "seed"),
-                                 ({"seed": -1}, ValueError, "seed")):
+                                 ({"seed": -1}, ValueError, "seed"), ({"seed": 2**64}, ValueError, "seed")):
         with pytest.raises(error, match=match):
             policy_value(model, env, lsr, 5, 1, **kwargs)
     with pytest.raises(ValueError, match="model must score the environment's 30 items, its logits have 20"):
@@ -1000,6 +1004,12 @@ def test_policy_value_model_and_trainer_arguments_are_checked():
         model(torch.tensor([8]))
     with pytest.raises(TypeError, match="users must be an integer tensor"):
         model(torch.tensor([1.0]))
+    assert torch.jit.script(model)(torch.tensor([0, 1])).shape == (2, 1, 30)  # a diff review: the checks broke it
+
+    class Valued:  # no __call__: policy_value reads expected_value only
+        expected_value = staticmethod(OptimalLSR().expected_value)
+
+    assert policy_value(model, env, Valued(), 5, 1) == policy_value(model, env, lsr, 5, 1)
     with pytest.raises(TypeError, match="train_lsr must be an LSR name"):
         Trainer(env, TrainConfig(steps=3), train_lsr=5)
     with pytest.raises(ValueError, match="eval_lsr must be one of"):

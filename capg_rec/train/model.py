@@ -47,14 +47,19 @@ class TwoTowerMoE(nn.Module):
         return self.user.shape[0]
 
     def forward(self, users: Tensor) -> Tensor:
+        if not torch.jit.is_scripting() and not torch.compiler.is_compiling():
+            self._check_users(users)
+        return torch.bmm(self.user.index_select(1, users), self.item.mT).transpose(0, 1)  # [M, B, N] → [B, M, N]
+
+    @torch.jit.unused
+    def _check_users(self, users: Tensor) -> None:
+        """Eager calls only: integer ids in ``[0, U)`` (one host read; scripted and compiled calls get torch's own
+        errors)."""
         if not isinstance(users, Tensor) or users.is_floating_point() or users.is_complex() or \
                 users.dtype == torch.bool:
             raise TypeError(f"users must be an integer tensor of ids, got "
                             f"{users.dtype if isinstance(users, Tensor) else type(users).__name__}")
-        try:
-            rows = self.user.index_select(1, users)
-        except (IndexError, RuntimeError) as error:  # torch's "out of ... bounds", found only when it happens
-            if "bounds" not in str(error) and "out of range" not in str(error):
-                raise
-            raise ValueError(f"users must hold ids in [0, {self.user.shape[1]})") from error
-        return torch.bmm(rows, self.item.mT).transpose(0, 1)  # [M, B, N] → [B, M, N]
+        if users.numel() and not torch._C._are_functorch_transforms_active():
+            low, high = torch.aminmax(users)
+            if int(low) < 0 or int(high) >= self.user.shape[1]:
+                raise ValueError(f"users must hold ids in [0, {self.user.shape[1]})")
