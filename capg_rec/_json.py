@@ -20,10 +20,10 @@ def plain(obj: object) -> object:
     mappings (keys too) and sequences, as Python's, which ``json`` writes; everything else as is."""
     if isinstance(obj, (np.number, np.bool_)):
         return obj.item()
-    if isinstance(obj, np.ndarray) and obj.dtype.kind in "biuf":
+    if isinstance(obj, np.ndarray) and obj.dtype.kind in "biufU":
         return obj.tolist()
     if isinstance(obj, Mapping):
-        return {plain(k): plain(v) for k, v in obj.items()}
+        return {k.item() if isinstance(k, (np.number, np.bool_)) else k: plain(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [plain(v) for v in obj]
     return obj

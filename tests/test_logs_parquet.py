@@ -943,9 +943,12 @@ def test_writer_takes_numpy_numbers_in_extra_and_names_a_bad_path(tmp_path):
 
     with LogWriter(tmp_path / "n.parquet", num_candidates=K, num_shown=L, num_items=N, num_features=F,
                    extra={"a": np.float32(1.5), "b": [np.int64(3)], "c": np.bool_(True),
-                          "d": np.array([1.0, 2.0])}) as writer:
+                          "d": np.array([1.0, 2.0]), "e": np.array(["x", "y"])}) as writer:
         writer.write(_batch(4, 0))
-    assert LoggedImpressions(tmp_path / "n.parquet", 2).meta.extra == {"a": 1.5, "b": [3], "c": True, "d": [1.0, 2.0]}
+    assert LoggedImpressions(tmp_path / "n.parquet", 2).meta.extra == {"a": 1.5, "b": [3], "c": True, "d": [1.0, 2.0],
+                                                                       "e": ["x", "y"]}
+    with pytest.raises(TypeError, match="extra must hold JSON values"):  # a tuple key: JSON's error, not plain()'s
+        LogWriter(tmp_path / "t.parquet", num_candidates=K, num_shown=L, extra={(1, 2): 3})
     assert LogMetadata(num_candidates=np.int64(10), num_shown=2, method="exact").to_arrow()
     with pytest.raises(TypeError, match="path must be a str or os.PathLike"):
         LogWriter(5, num_candidates=K, num_shown=L)

@@ -1002,8 +1002,11 @@ def test_policy_value_model_and_trainer_arguments_are_checked():
         make_loss({"estimator": "capg"})
     with pytest.raises(ValueError, match=r"users must hold ids in \[0, 8\)"):
         model(torch.tensor([8]))
-    with pytest.raises(TypeError, match="users must be an integer tensor"):
-        model(torch.tensor([1.0]))
+    for bad in (torch.tensor([1.0]), torch.tensor([1], dtype=torch.int8)):
+        with pytest.raises(TypeError, match="users must be an int32 or int64 tensor"):
+            model(bad)
+    with torch.device("meta"):  # a diff review: the eager check read a meta tensor's values
+        assert TwoTowerMoE(8, 30)(torch.tensor([1], device="meta")).shape == (1, 1, 30)
     assert torch.jit.script(model)(torch.tensor([0, 1])).shape == (2, 1, 30)  # a diff review: the checks broke it
 
     class Valued:  # no __call__: policy_value reads expected_value only

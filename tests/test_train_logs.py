@@ -590,5 +590,5 @@ def test_files_of_several_loggers_size_the_users_and_pick_the_lsr_from_every_fil
         assert trainer.num_users == 50 and trainer.eval_lsr_name == "noisy"
     custom = write_logs(tmp_path / "custom.parquet", [10, 10], num_candidates=K, num_shown=L, num_items=40,
                         extra={"lsr": "my_ranker"})  # a ranker of the user's own: the message says where it is from
-    with pytest.raises(ValueError, match=r"the LSR the logs record \(extra\['lsr'\]; pass eval_lsr"):
+    with pytest.raises(ValueError, match=r"the logs record lsr 'my_ranker' \(their extra\['lsr'\]\), not one of"):
         LogTrainer(LogTrainConfig((custom,), holdout=0.5), None)

@@ -326,8 +326,10 @@ class LogTrainer(Trainer):
             self.epoch_batches.append(self.train_data.num_batches(config.workers))
         self.eval_candidates = config.num_candidates
         self.eval_lsr_name = eval_lsr_name(config.eval_lsr, data.file_meta)
-        self.eval_lsr = make_lsr(self.eval_lsr_name, argument="eval_lsr" if config.eval_lsr else
-                                 "the LSR the logs record (extra['lsr']; pass eval_lsr for a built-in one)")
+        if not config.eval_lsr and self.eval_lsr_name not in LSR_NAMES:  # a ranker of the logging system's own
+            raise ValueError(f"the logs record lsr {self.eval_lsr_name!r} (their extra['lsr']), not one of "
+                             f"{LSR_NAMES}: pass eval_lsr (--eval-lsr) to score the ESR under a built-in one")
+        self.eval_lsr = make_lsr(self.eval_lsr_name, argument="eval_lsr")
         self.loss_fn = logged_loss(config, config.num_candidates, config.num_outputs)
         self._batches: Iterator | None = None
 

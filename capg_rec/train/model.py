@@ -47,19 +47,19 @@ class TwoTowerMoE(nn.Module):
         return self.user.shape[0]
 
     def forward(self, users: Tensor) -> Tensor:
-        if not torch.jit.is_scripting() and not torch.compiler.is_compiling():
+        if not torch.jit.is_scripting() and not torch.jit.is_tracing() and not torch.compiler.is_compiling():
             self._check_users(users)
         return torch.bmm(self.user.index_select(1, users), self.item.mT).transpose(0, 1)  # [M, B, N] → [B, M, N]
 
     @torch.jit.unused
     def _check_users(self, users: Tensor) -> None:
-        """Eager calls only: integer ids in ``[0, U)`` (one host read; scripted and compiled calls get torch's own
-        errors)."""
-        if not isinstance(users, Tensor) or users.is_floating_point() or users.is_complex() or \
-                users.dtype == torch.bool:
-            raise TypeError(f"users must be an integer tensor of ids, got "
+        """Eager calls only: int32 or int64 ids, in ``[0, U)`` when they are a plain CPU tensor (one read of host
+        memory; on other devices, and scripted, traced or compiled, torch's own errors: no device sync)."""
+        if not isinstance(users, Tensor) or users.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"users must be an int32 or int64 tensor of ids, got "
                             f"{users.dtype if isinstance(users, Tensor) else type(users).__name__}")
-        if users.numel() and not torch._C._are_functorch_transforms_active():
-            low, high = torch.aminmax(users)
-            if int(low) < 0 or int(high) >= self.user.shape[1]:
+        if users.numel() and users.is_cpu and type(users) is Tensor and \
+                not torch._C._are_functorch_transforms_active():
+            low, high = torch.stack(torch.aminmax(users)).tolist()
+            if low < 0 or high >= self.user.shape[1]:
                 raise ValueError(f"users must hold ids in [0, {self.user.shape[1]})")

@@ -67,7 +67,7 @@ def policy_value(model: torch.nn.Module, env: MatrixEnv, lsr: LSRPolicy, num_can
         raise TypeError(f"env must be an environment (a MatrixEnv, an OnDemandSyntheticEnv), got {type(env).__name__}")
     if not (callable(lsr) or hasattr(lsr, "expected_value")):
         raise TypeError(f"lsr must be an LSR (a callable, or one with expected_value), got {type(lsr).__name__}")
-    generator = torch.Generator().manual_seed(check_count("seed", seed, low=0, high=2**63 - 1))
+    generator = torch.Generator().manual_seed(check_count("seed", seed, low=0, high=2**64 - 1))
     total = 0.0
     for start in range(0, env.num_users, _EVAL_CHUNK):
         users = torch.arange(start, min(start + _EVAL_CHUNK, env.num_users))
