@@ -131,7 +131,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--quick", action="store_true", help="a small setting: K=10, n=10^4, 1 seed, 200 logging steps")
     p.set_defaults(func=_reproduce)
 
-    p = subparsers.add_parser("demo", help="a short V-PG-SwR vs CA-PG-SwR run (about a minute on 2 CPU cores)")
+    p = subparsers.add_parser("demo", help="a short V-PG-SwR vs CA-PG-SwR run (one to two minutes on 2 CPU cores)")
     p.add_argument("--steps", type=positive_int, default=3000)
     p.add_argument("-K", "--num-candidates", type=positive_int, default=20)
     p.add_argument("--seeds", type=positive_int, default=1)
