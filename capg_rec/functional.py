@@ -393,8 +393,9 @@ def _check_values(catalog: CatalogScores, candidates: Tensor, chosen: Tensor, re
     malformed; they are placeholders here, and the agreement fails)."""
     num_items = catalog.num_items
     checks = DeferredChecks()
-    if failed is not None:
-        checks.require(False, str(failed))
+    # Every process takes this check first: when one failed on its inputs' types or shapes (and its placeholders take
+    # as many checks as the others do), the checks still line up, and the others name that failure, not their own.
+    checks.require(failed is None, _MALFORMED_ELSEWHERE if failed is None else str(failed))
     masked = far = True  # -inf scores, scores beyond resolution; other catalogs: a catalog call on every process
     if isinstance(catalog, DenseCatalog):
         masked, far = _check_logits(checks, catalog)
@@ -436,6 +437,10 @@ def _check_values(catalog: CatalogScores, candidates: Tensor, chosen: Tensor, re
                        f"{logged_name} must be <= {bound:.6g} (a logged log-propensity: a probability is at "
                        f"most 1, an expected count at most K)")
     checks.run(agreement(catalog))
+
+
+_MALFORMED_ELSEWHERE = "an input of the loss had the wrong type or shape"
+"""What the other processes say (with " (in another process)") when one process's loss inputs were malformed."""
 
 
 def _check_logits(checks: DeferredChecks, catalog: DenseCatalog) -> tuple[bool, bool]:

@@ -30,8 +30,9 @@ ranks with a collective timeout, so that a hang fails the case instead of the jo
   rank 1, or another dtype than the tower's: the error on both; ``user_vectors_dense``: the same row too few in
   the export's ``user_vectors``; ``user_vectors_catalog``: the catalog feature in rank 1's ``user_vectors``;
 * ``structure/*``: rank 1 passes a loss malformed input (rewards of the wrong shape, float ``chosen``, candidates
-  with a row too few, or a column fewer than the loss module's K), in the sampled mode and on the whole catalog: its
-  own error there, a ``ValueError`` on rank 0;
+  with a row too few, or a column fewer than the loss module's K), in the sampled mode and on the whole catalog (with
+  masked items too: ``/masked``): its own error there, a ``ValueError`` on rank 0 that says so (found by review: with
+  as many checks on both ranks, rank 0 named a check of its own that had passed);
 * ``short_sample``: rank 1's DrawnSample holds 3 of its uniform sampler's ids: refused on both ranks;
 * ``masked/range``, ``masked/float``: rank 1's ``masked_items`` in the sampled mode hold an id outside the catalog, or
   are floats: the error on both;
@@ -292,10 +293,11 @@ def main() -> int:
             towered(kjt, torch.zeros(rows, 0, dtype=dtype if rank == 1 else torch.float32, device=h.device()))
         return case
 
-    def structure(what: str, sampled: bool):
+    def structure(what: str, sampled: bool, masked: bool = False):
         def case():
             users, sample, head, listed = batch(rank, PER_RANK)
-            cat = catalog(model, users, sample, head, listed) if sampled else full(users)
+            masks = torch.tensor([[7, -1]] * PER_RANK) if masked else None
+            cat = catalog(model, users, sample, head, listed) if sampled else full(users, masks)
             g = torch.Generator().manual_seed(3)
             cand = head[:, :K].clone() if sampled else sample_candidates(cat, K, generator=g)
             chosen, rewards = cand[:, :2], ones(PER_RANK)
@@ -368,6 +370,20 @@ def main() -> int:
             expected = rule(None, 2 * sum(sizes), torch.device("cuda"))  # 2 experts
             if every != [expected, expected]:
                 raise AssertionError(f"chunk sizes {every}, expected {expected} on both")
+        return case
+
+    def structure_one_expert(what: str):
+        def case():  # as ``structure``, on a one-expert whole catalog with masked items (a review's set-up)
+            setup = h.Setup(num_items=40, num_experts=1, dim=4, num_users=16)
+            net = h.shard(setup, lr=0.1)
+            users = torch.arange(3) + 3 * rank
+            cat = net(net.module.with_catalog(h.user_batch(users.to(h.device()))),
+                      masked_items=torch.tensor([[5, -1]] * 3).to(h.device()))
+            cand = sample_candidates(cat, 6, generator=torch.Generator().manual_seed(3))
+            chosen, rewards = cand[:, :2], torch.ones(3, 2, device=cand.device)
+            if rank == 1:
+                rewards = rewards[:, :1] if what == "rewards" else rewards[:-1]
+            CAPGLoss(6)(cat, cand, chosen, rewards).backward()
         return case
 
     def masked(what: str):
@@ -462,8 +478,9 @@ def main() -> int:
              "user_vectors_dense": user_vectors_dense, "user_vectors_catalog": user_vectors_catalog, "ties": ties,
              "uneven_sum": uneven_sum, "masked/range": masked("range"), "masked/float": masked("float"),
              "chunk_default": chunk_default((3, 1)), "chunk_default/empty": chunk_default((3, 0)),
-             **{f"structure/{what}/{where}": structure(what, where == "sampled")
-                for what in ("rewards", "chosen", "rows", "width") for where in ("sampled", "whole")},
+             **{f"structure/{what}/{where}": structure(what, where == "sampled", where == "masked")
+                for what in ("rewards", "chosen", "rows", "width") for where in ("sampled", "whole", "masked")},
+             **{f"structure/{what}/one_expert": structure_one_expert(what) for what in ("rewards", "rewrows")},
              **{f"arguments/{what}/{where}": bad_draw(what, where)
                 for what in ("k_zero", "k_above_n", "k_float", "generator") for where in ("sampled", "whole")},
              "arguments/greedy": bad_draw("k_above_n", "greedy"), "arguments/explore": bad_draw("k_zero", "explore"),

@@ -348,3 +348,30 @@ def test_argument_errors_found_by_review():
     assert CAPGLoss(5, validate_args=np.False_).validate_args is False
     with pytest.raises(TypeError, match="validate_args must be True or False, got numpy.int64"):
         CAPGLoss(5, validate_args=np.int64(1))
+
+
+def test_every_process_takes_the_malformed_input_check_first(monkeypatch):
+    """Regression (a TorchRec review on 2 ranks): a process whose loss inputs had the wrong shape put its error as
+    an extra first check, the others did not, and where its placeholders then took as many checks as theirs, the
+    agreement compared them one position off: a healthy rank blamed a check of its own that had passed ("candidates
+    must not repeat an item within a row (in another process)"). Every process now takes that check first: the
+    healthy ones pass it, under a message that names the failure in another process."""
+    import capg_rec.functional
+
+    seen = []
+    real = capg_rec._checks.DeferredChecks.run
+
+    def run(self, agree=None):
+        seen.append([(ok, message) for ok, message in self._checks][:1])
+        return real(self, agree)
+
+    monkeypatch.setattr(capg_rec._checks.DeferredChecks, "run", run)
+    logits, cand, chosen, rewards = _inputs()
+    CAPGLoss(5)(logits, cand, chosen, rewards)
+    assert seen[-1] == [(True, "an input of the loss had the wrong type or shape")]
+    failed = ValueError("rewards must have shape [4, 2], got [4, 1]")
+    catalog = DenseCatalog(logits)
+    with pytest.raises(ValueError, match=r"rewards must have shape \[4, 2\]"):
+        capg_rec.functional._check_values(catalog, cand, chosen, rewards, None, None, None, failed, distinct=True,
+                                          inclusion=True, ordered=False)
+    assert seen[-1] == [(False, "rewards must have shape [4, 2], got [4, 1]")]
