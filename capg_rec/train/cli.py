@@ -397,7 +397,8 @@ def _reproduce_target(args: argparse.Namespace) -> int:
         ignored += [name for name in ("seeds", "first_seed") if getattr(args, name) is not None]
     if ignored:
         raise ValueError(f"{', '.join('--' + name.replace('_', '-') for name in ignored)}: not used by the "
-                         f"{args.target} target{' with --quick' if args.quick else ''} (it reads "
+                         f"{args.target} target{' with --quick' if args.quick and 'quick' not in ignored else ''} "
+                         f"(it reads "
                          f"{', '.join('--' + o.replace('_', '-') for o in _REPRODUCE_OPTIONS[args.target])})")
     for name, value in _REPRODUCE_DEFAULTS.items():
         if getattr(args, name) is None:

@@ -75,8 +75,8 @@ class TrainConfig:
         eval_every, eval_candidates: every 1000 steps the greedy ESR with ``eval_candidates`` (None: K) is scored.
         position_weights: ``"mean"`` (1/L, the paper's code; default), ``"sum"`` (1) or ``"dcg"``: the weights
             of the trained objective; the reported value is the mean of q over the L picks whatever they are.
-        group_size, group_offset: G > 1 with c: GRPO, each user served G times and rewards normalised within the
-            group, plus c (default 1, 0.0: off).
+        group_size, group_offset: G > 1 with c >= 0: GRPO, each user served G times and rewards normalised within
+            the group, plus c (defaults: G = 1, off; c = 0.0; ``reproduce grpo`` takes c = 1 for CA-PG).
         baseline, baseline_decay: ``"context"`` subtracts a per-user moving average of past rewards with that
             decay in ``[0, 1)`` (default ``"none"``, 0.9).
         on_overflow: on a non-finite loss or gradient, ``"stop"`` (as the paper; default) or ``"skip"``.
