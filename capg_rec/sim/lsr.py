@@ -75,13 +75,16 @@ class OptimalLSR:
     def __call__(self, scores: Tensor, num_outputs: int, generator: torch.Generator | None = None
                  ) -> tuple[Tensor, Tensor]:
         _check(scores, num_outputs)
-        picks = (self.sign * scores).topk(num_outputs, dim=1).indices
+        picks = self._picks(scores, num_outputs)
         return picks, torch.ones(picks.shape, dtype=scores.dtype, device=scores.device)
 
     def expected_value(self, scores: Tensor, q: Tensor, num_outputs: int) -> Tensor:
         _check(scores, num_outputs, q)
-        picks, _ = self(scores, num_outputs)
-        return q.gather(1, picks).mean(dim=1)
+        return q.gather(1, self._picks(scores, num_outputs)).mean(dim=1)
+
+    def _picks(self, scores: Tensor, num_outputs: int) -> Tensor:
+        """The L candidates it ranks first (checked arguments)."""
+        return (self.sign * scores).topk(num_outputs, dim=1).indices
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
