@@ -15,8 +15,9 @@
   size of 4) against the two-level draw with groups of ``int(√(n/k))`` (its default before) and, last
   column, one Gumbel per item.
 
-Times are medians of ``--reps`` calls after a tenth as many; the table also gives each baseline over
-capg_rec's time.
+Times are medians of ``--reps`` calls after a tenth as many; the top-k, group-maximum and Gumbel rows take
+``--reps`` times ``128 · 1000`` over their shape's number of entries instead (at least 3 calls: fewer for the
+large shapes). The table also gives each baseline over capg_rec's time.
 """
 
 from __future__ import annotations
