@@ -114,6 +114,18 @@ def check_device(name: str, value: object) -> torch.device:
         raise ValueError(f"{name} must name a torch device, got {value!r} ({error})") from None
 
 
+def check_same_device(device: torch.device | str, **tensors: Tensor | None) -> None:
+    """A ``ValueError`` naming the first of ``tensors`` (None: absent) that is not on the scores' ``device`` (a
+    catalog of your own may name it as a string, or without an index: ``"cuda"`` is the current one's)."""
+    device = device if type(device) is torch.device else torch.device(device)
+    cpu = device.type == "cpu"
+    if not cpu and device.index is None and device.type != "meta":
+        device = torch.empty(0, device=device).device  # the current device of its type, with its index
+    for name, x in tensors.items():
+        if x is not None and not (x.is_cpu if cpu else x.device == device):
+            raise ValueError(f"{name} must be on the scores' device {device}, got {x.device}")
+
+
 def check_generator(generator: object) -> torch.Generator | None:
     """``generator`` itself: a ``torch.Generator`` or None (a ``TypeError`` naming it otherwise)."""
     if generator is not None and not isinstance(generator, torch.Generator):
@@ -205,6 +217,7 @@ def check_float_tensor(name: str, x: object, *, ndims: tuple[int, ...], validate
         raise ValueError(f"{name} must have {' or '.join(map(str, ndims))} dims, got shape {tuple(x.shape)}")
     if not validate or not x.numel():
         return x
+    check_readable(name, x)
     if allow_masked:
         if not float(_memory_order(x.detach()).amax()) < math.inf:  # amax propagates NaN
             raise ValueError(f"{name} must be finite or -inf (masked): no NaN or +inf")
@@ -212,6 +225,12 @@ def check_float_tensor(name: str, x: object, *, ndims: tuple[int, ...], validate
         lo, hi = value_range(x)
         raise ValueError(f"{name} must be finite: no NaN or inf, got values in [{lo}, {hi}]")
     return x
+
+
+def check_readable(name: str, x: Tensor) -> None:
+    """A ``ValueError`` naming ``x`` if it lies on the meta device, whose tensors hold no values to check."""
+    if x.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device, whose tensors hold no values to check")
 
 
 def value_range(x: Tensor) -> tuple[float, float]:
@@ -251,12 +270,16 @@ def check_id_tensor(name: str, items: object, *, batch_size: int, width: int | N
 
 
 def check_items(name: str, items: object, *, batch_size: int, num_items: int, unique: bool = True,
-                width: int | None = None, validate: bool = True, low: int = 0, columns: str = "L") -> Tensor:
-    """An id tensor ``[B, L]``; with ``validate``, ids in ``[low, num_items)`` (``low = -1`` admits
-    padding) and, with ``unique``, no id twice in a row. Returns it as int64."""
+                width: int | None = None, validate: bool = True, low: int = 0, columns: str = "L",
+                device: torch.device | str | None = None) -> Tensor:
+    """An id tensor ``[B, L]`` (on ``device``, if given: the scores'); with ``validate``, ids in ``[low, num_items)``
+    (``low = -1`` admits padding) and, with ``unique``, no id twice in a row. Returns it as int64."""
     items = check_id_tensor(name, items, batch_size=batch_size, width=width, allow_empty=low < 0, columns=columns)
+    if device is not None:
+        check_same_device(device, **{name: items})
     if not validate or items.numel() == 0:
         return items
+    check_readable(name, items)
     host = _host_view(items)
     lo, hi = (int(host.min()), int(host.max())) if host is not None else (int(v) for v in torch.aminmax(items))
     if lo < low or hi >= num_items:

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from capg_rec._checks import _memory_order, all_finite, check_count, check_float_tensor, check_id_tensor, check_items, \
-    check_positive, resolve_validate_args
+    check_positive, check_same_device, resolve_validate_args
 from capg_rec._numerics import (bound_once, eager_cpu, exp_floored, filled_logsumexp, gather_with_rest, gumbel_like,
                                gumbel_top_k, log_softmax_at, no_autocast, scaled_terms, select_experts, top_k)
 
@@ -137,6 +137,7 @@ class CatalogScores(abc.ABC):
         off the CPU (an index out of range is a device-side assert there); on the CPU :func:`ids_in_range` turns the
         lookup's own error into a ``ValueError``."""
         items = check_id_tensor(name, items, batch_size=self.batch_size, allow_empty=True)
+        check_same_device(self.device, **{name: items})  # a CPU gather reads ids on the meta device as garbage
         free = self._lookup_refuses_bad_ids and self.device.type == "cpu"  # where the lookup runs
         if self.validate and not self._trusted and not free and items.numel():
             check_items(name, items, batch_size=self.batch_size, num_items=self.num_items, unique=False)

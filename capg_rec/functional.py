@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from capg_rec._checks import DeferredChecks, check_choice, check_count, check_flag, check_id_tensor, is_number, \
-    check_positive, resolve_validate_args
+    check_positive, check_readable, check_same_device, resolve_validate_args
 from capg_rec.catalog import CatalogScores, DenseCatalog, agreement, as_catalog, check_scaled, narrowest
 from capg_rec.marginals import DEFAULT_METHOD, LOG_PROB_TOLERANCE, InclusionMethod, WithReplacement, \
     _inclusion_log_prob, _known_lookups, inclusion_method
@@ -349,8 +349,8 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
             position_weights = _float("position_weights", position_weights, ((length,),)).detach()
         if logged is not None:
             _float(logged_name, log_propensity, ((batch, length),) if per_item else ((batch,),))
-            _same_device(catalog.device, **{logged_name: log_propensity})
-        _same_device(catalog.device, candidates=candidates, chosen=chosen, rewards=rewards, baseline=baseline,
+            check_same_device(catalog.device, **{logged_name: log_propensity})
+        check_same_device(catalog.device, candidates=candidates, chosen=chosen, rewards=rewards, baseline=baseline,
                      position_weights=position_weights)
     except (TypeError, ValueError) as err:
         if agree is None:  # one process, or no checks: raise here
@@ -371,6 +371,8 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
     if position_weights is not None:
         advantage = advantage * position_weights
     if validate:
+        if failed is None and isinstance(catalog, DenseCatalog):  # one process's
+            check_readable("logits", catalog.scores)
         if isinstance(catalog, DenseCatalog) and temperature < 1.0 and catalog.scores.numel() and failed is None:
             check_scaled(logits, catalog.scores, temperature)  # a dense catalog is one process's: raise here
         try:
@@ -474,18 +476,6 @@ def _drawing_scores(catalog: CatalogScores, candidates: Tensor) -> Tensor:
         return catalog.scores.flatten(1).gather(1, experts * catalog.num_items + candidates)
     index = experts.view(1, 1, -1).expand(candidates.shape[0], 1, -1)
     return catalog.gather(candidates).gather(1, index)[:, 0]
-
-
-def _same_device(device: torch.device | str, **tensors: Tensor | None) -> None:
-    """A ``ValueError`` naming the first of ``tensors`` (None: absent) that is not on the catalog's ``device`` (a
-    catalog of your own may name it as a string, or without an index: ``"cuda"`` is the current one's)."""
-    device = device if type(device) is torch.device else torch.device(device)
-    cpu = device.type == "cpu"
-    if not cpu and device.index is None and device.type != "meta":
-        device = torch.empty(0, device=device).device  # the current device of its type, with its index
-    for name, x in tensors.items():
-        if x is not None and not (x.is_cpu if cpu else x.device == device):
-            raise ValueError(f"{name} must be on the scores' device {device}, got {x.device}")
 
 
 def _float(name: str, x: object, shapes: tuple[tuple[int, ...], ...]) -> Tensor:

@@ -349,7 +349,7 @@ def inclusion_log_prob(logits: Tensor | CatalogScores, items: Tensor, num_candid
     catalog = as_catalog(logits, temperature, validate_args=validate)
     check_count("num_candidates", num_candidates, high=catalog.num_items if method.is_probability else None)
     items = check_items("items", items, batch_size=catalog.batch_size, num_items=catalog.num_items,
-                        unique=False, validate=validate)
+                        unique=False, validate=validate, device=catalog.device)
     if validate and method.is_probability:
         check_enough_items(catalog, num_candidates)
     return _inclusion_log_prob(catalog, items, num_candidates, method, validate)

@@ -220,7 +220,7 @@ def candidate_log_prob(logits: Tensor | CatalogScores, candidates: Tensor, *, te
     catalog = as_catalog(logits, temperature, validate_args=validate)
     candidates = check_items("candidates", candidates, batch_size=catalog.batch_size, num_items=catalog.num_items,
                              unique=not check_flag("with_replacement", with_replacement), validate=validate,
-                             columns="K")
+                             columns="K", device=catalog.device)
     if validate and not with_replacement and candidates.shape[1]:
         num_candidates = candidates.shape[1]
         raise_where_short(catalog.agree, unresolved_draws(catalog, num_candidates, ordered=True),

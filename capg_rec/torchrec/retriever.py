@@ -17,7 +17,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 from capg_rec._checks import check_count, check_flag, check_id_tensor, check_items, check_positive, \
-    resolve_validate_args
+    check_same_device, resolve_validate_args
 from capg_rec.ann import ItemIndex
 from capg_rec.marginals import DEFAULT_METHOD, InclusionMethod
 from capg_rec.catalog import unpadded
@@ -635,8 +635,11 @@ class _RankSampledCatalog(SampledCatalog):
         return self._tower.trusting(trust)
 
     def _named(self, items: Tensor, name: str = "items") -> Tensor:
-        # Type and shape only: the ids are the tower's to check, alike on every rank (a rank alone must not raise).
-        return check_id_tensor(name, items, batch_size=self.batch_size, allow_empty=True)
+        # Type, shape and device only: the ids are the tower's to check, alike on every rank (a rank alone must not
+        # raise).
+        items = check_id_tensor(name, items, batch_size=self.batch_size, allow_empty=True)
+        check_same_device(self.device, **{name: items})
+        return items
 
     def resampled(self, sampler: DrawnSample, *, head_items: Tensor | None = None, **kwargs: object) -> SampledCatalog:
         """:meth:`SampledCatalog.resampled` with a :class:`DrawnSample` whose ids the batch listed, as ``head_items``
