@@ -34,9 +34,9 @@ class ItemIndex(abc.ABC):
     """Top-k inner-product search over a fixed set of item vectors (abstract).
 
     ``item_vectors [N, D]`` or ``[N, M, D]``; queries ``[B, D]`` or ``[B, M, D]`` to match. Results
-    are ``(scores, ids)`` of shape ``[B, k]`` or ``[B, M, k]``, best first, ids int64 in ``[0, N)`` (an
-    approximate index that finds fewer than k pads with id ``-1``, scored ``-inf``). No gradient flows through
-    an index.
+    are ``(scores, ids)`` of shape ``[B, k]`` or ``[B, M, k]``, best first, scores in the queries' dtype but at least
+    float32 (half-precision products overflow), ids int64 in ``[0, N)`` (an approximate index that finds fewer than
+    k pads with id ``-1``, scored ``-inf``). No gradient flows through an index.
 
     Args:
         item_vectors: ``[N, D]`` (one expert) or ``[N, M, D]`` (one index per expert); the index holds a snapshot.
@@ -126,7 +126,7 @@ class ExactIndex(ItemIndex):
         items = self._vectors[expert].to(device=queries.device, dtype=dtype)
         scores, ids = _chunked_top_k(queries.to(dtype).unsqueeze(1), items.unsqueeze(1), k, None, None,
                                      self.chunk_size)
-        return scores[:, 0].to(queries.dtype), ids[:, 0]
+        return scores[:, 0], ids[:, 0]
 
 
 FAISS_KINDS = ("flat", "hnsw", "ivf")
@@ -185,8 +185,9 @@ class FaissIndex(ItemIndex):
             self._faiss.omp_set_num_threads(before)
 
     def _build(self, per_expert: list[Tensor]) -> None:
+        vectors = [_float32("item_vectors", v) for v in per_expert]
         with self._threads():
-            self._indexes = [self._build_one(v.to("cpu", torch.float32).contiguous().numpy()) for v in per_expert]
+            self._indexes = [self._build_one(v.contiguous().numpy()) for v in vectors]
 
     def _build_one(self, vectors):  # numpy [N, D] float32
         faiss = self._faiss
@@ -207,17 +208,29 @@ class FaissIndex(ItemIndex):
         return index
 
     def _search_one(self, expert: int, queries: Tensor, k: int) -> tuple[Tensor, Tensor]:
-        q = queries.to("cpu", torch.float32).contiguous().numpy()
+        q = _float32("queries", queries).contiguous().numpy()
         with self._threads():
             scores, ids = self._indexes[expert].search(q, k)
         ids = torch.from_numpy(ids)
         # An approximate index may find fewer than k: -1 ids, which faiss scores -FLT_MAX; -inf says "none".
         scores = torch.from_numpy(scores).masked_fill_(ids < 0, -math.inf)
-        return scores.to(device=queries.device, dtype=queries.dtype), ids.to(device=queries.device, dtype=torch.long)
+        return (scores.to(device=queries.device, dtype=compute_dtype(queries.dtype)),
+                ids.to(device=queries.device, dtype=torch.long))
+
+
+def _float32(name: str, x: Tensor) -> Tensor:
+    """``x`` in float32 on the host, where faiss works: a ``ValueError`` naming ``name`` when a finite value leaves
+    float32's range there (faiss would take inf and NaN scores; checked with the index's other checks)."""
+    y = x.to("cpu", torch.float32)
+    if x.dtype == torch.float64 and resolve_validate_args(None) and not bool(y.isfinite().all()):
+        raise ValueError(f"{name} must be within float32's range (faiss scores in float32), got values up to "
+                         f"{float(x.abs().max()):.3g}")
+    return y
 
 
 def recall_at_k(found: Tensor, exact: Tensor) -> float:
-    """Mean fraction of the exact top-k ids ``exact [..., k]`` that ``found [..., k]`` also holds."""
+    """Mean fraction of the exact top-k ids ``exact [..., k]`` that ``found [..., k]`` also holds; ``-1`` (an
+    index's padding, for an id not found) is no id: it matches nothing, and ``-1`` in ``exact`` are not counted."""
     for name, ids in (("found", found), ("exact", exact)):
         if not isinstance(ids, Tensor) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
             raise TypeError(f"{name} must be an integer tensor of ids, got "
@@ -225,10 +238,12 @@ def recall_at_k(found: Tensor, exact: Tensor) -> float:
     if found.shape != exact.shape or exact.dim() == 0:
         raise ValueError(f"found and exact must have one shape [..., k], got {tuple(found.shape)} and "
                          f"{tuple(exact.shape)}")
-    if not exact.numel():
-        raise ValueError(f"found and exact must hold at least one id, got shape {tuple(exact.shape)}")
-    hits = (found.unsqueeze(-1) == exact.unsqueeze(-2)).any(-2)
-    return float(hits.float().mean())
+    named = exact >= 0
+    if not bool(named.any()):
+        raise ValueError(f"found and exact must hold at least one id (exact: not -1), got shape {tuple(exact.shape)} "
+                         f"{'of -1 ids' if exact.numel() else ''}")
+    hits = ((found.unsqueeze(-1) == exact.unsqueeze(-2)) & named.unsqueeze(-2)).any(-2)
+    return float(hits.sum() / named.sum())
 
 
 def _import_faiss():

@@ -31,8 +31,8 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
-from capg_rec._checks import _memory_order, all_finite, check_count, check_float_tensor, check_id_tensor, check_items, \
-    check_positive, check_same_device, resolve_validate_args
+from capg_rec._checks import _memory_order, all_finite, check_count, check_flag, check_float_tensor, check_id_tensor, \
+    check_items, check_positive, check_same_device, resolve_validate_args
 from capg_rec._numerics import (bound_once, eager_cpu, exp_floored, filled_logsumexp, gather_with_rest, gumbel_like,
                                gumbel_top_k, log_softmax_at, no_autocast, scaled_terms, select_experts, top_k)
 
@@ -425,6 +425,7 @@ class DenseCatalog(CatalogScores):
     def top_items(self, k: int, *, experts: Sequence[int] | None = None, exclude: Tensor | None = None,
                   generator: torch.Generator | None = None, perturb: bool = False) -> Tensor:
         check_count("k", k, high=self.num_items)
+        perturb = check_flag("perturb", perturb)
         with torch.no_grad():
             s = self._drop(self.scores if experts is None else select_experts(self.scores, experts), exclude, -math.inf)
             if perturb:
@@ -675,6 +676,7 @@ class EmbeddingCatalog(CatalogScores):
     def top_items(self, k: int, *, experts: Sequence[int] | None = None, exclude: Tensor | None = None,
                   generator: torch.Generator | None = None, perturb: bool = False) -> Tensor:
         check_count("k", k, high=self.num_items)
+        perturb = check_flag("perturb", perturb)
         user = self.user if experts is None else select_experts(self.user, experts)
         item = self.item if experts is None else select_experts(self.item, experts)
         noise = None

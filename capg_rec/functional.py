@@ -219,7 +219,9 @@ def _weights(catalog: CatalogScores | None, log_ratio: Tensor, max_weight: float
     overflow float16)."""
     gradient_dtype = None if catalog is None else catalog._gradient_dtype
     if not self_normalize:
-        return torch.exp(_capped_log_weights(log_ratio, max_weight, gradient_dtype))
+        weight = torch.exp(_capped_log_weights(log_ratio, max_weight, gradient_dtype))
+        # exp of log(max_weight) may round a step above it (100.00000762939453 in float32)
+        return weight if max_weight is None else weight.clamp(max=max_weight)
     log_weight = log_ratio.detach()
     if max_weight is not None:
         log_weight = log_weight.clamp(max=math.log(max_weight))

@@ -247,13 +247,17 @@ class Enumeration(InclusionMethod):
     @classmethod
     def affordable(cls, num_items: int, num_candidates: int) -> bool:
         """Whether a catalog of ``num_items`` has at most :attr:`max_entries` draws of ``num_candidates`` times
-        items."""
-        return math.perm(num_items, min(num_candidates, num_items)) * num_items <= cls.max_entries
+        items (none for K > N: there is no such draw)."""
+        num_items, num_candidates = check_count("num_items", num_items), check_count("num_candidates", num_candidates)
+        return num_candidates <= num_items and math.perm(num_items, num_candidates) * num_items <= cls.max_entries
 
     @classmethod
     def check_affordable(cls, num_items: int, num_candidates: int) -> None:
         """``ValueError`` unless :meth:`affordable`, naming the size."""
         if not cls.affordable(num_items, num_candidates):
+            if num_candidates > num_items:
+                raise ValueError(f"num_candidates must be at most num_items = {num_items} (a draw without "
+                                 f"replacement), got {num_candidates}")
             entries = math.perm(num_items, num_candidates) * num_items
             raise ValueError(f"Enumeration holds every ordered draw times every item, N!/(N-K)! × N entries a row, at "
                              f"most {cls.max_entries} (those of 8 items), got "

@@ -55,8 +55,8 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from capg_rec._checks import FAILED_ELSEWHERE, all_finite, check_count, check_float_tensor, check_generator, \
-    check_items, check_positive, is_int, raise_where_short, resolve_validate_args
+from capg_rec._checks import FAILED_ELSEWHERE, all_finite, check_count, check_device, check_flag, check_float_tensor, \
+    check_generator, check_items, check_positive, is_int, raise_where_short, resolve_validate_args
 from capg_rec._numerics import (exp_floor, gumbel_group_size, gumbel_top_k, no_autocast, safe_logsumexp,
                                 select_experts, top_k)
 from capg_rec.ann import ItemIndex
@@ -137,6 +137,28 @@ def _checked_state(state: object) -> dict[str, object]:
     return state
 
 
+def _integer_ids(name: str, x: object, shape: str, dims: int | None = None) -> Tensor:
+    """``x`` itself: an integer tensor (of ``dims`` dims, if given), else a ``TypeError`` (``ValueError`` for its dims)
+    naming ``name``, whose expected ``shape`` it states."""
+    if not isinstance(x, Tensor) or x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor {shape}, got {getattr(x, 'dtype', type(x).__name__)}")
+    if dims is not None and x.dim() != dims:
+        raise ValueError(f"{name} must be {dims}-d {shape}, got shape {list(x.shape)}")
+    return x
+
+
+def _batch_ids(batch_items: object, num_items: int | None = None) -> Tensor:
+    """``batch_items [B, H]``: 2-d integer ids; on the host (no read of a device's memory), ids in ``[-1, num_items)``
+    (``-1``: padding; no upper bound without ``num_items``)."""
+    batch_items = _integer_ids("batch_items", batch_items, "[B, H]", 2)
+    if batch_items.is_cpu and batch_items.numel():
+        low, high = (int(v) for v in torch.aminmax(batch_items))
+        if low < -1 or (num_items is not None and high >= num_items):
+            raise ValueError(f"batch_items must hold ids in [-1, {num_items if num_items is not None else 'N'}) "
+                             f"(-1: padding), got values in [{low}, {high}]")
+    return batch_items
+
+
 class UniformSampler(NegativeSampler):
     """``num_samples`` ids uniform over the catalog, with replacement (``E[count] = S / N``).
 
@@ -159,12 +181,15 @@ class UniformSampler(NegativeSampler):
 
     def draw(self, num_items: int, batch_items: Tensor | None, *, generator: torch.Generator | None,
              device: torch.device) -> Tensor:
-        return torch.randint(num_items, (self.num_samples,), generator=generator, device=device)
+        return torch.randint(check_count("num_items", num_items), (self.num_samples,),
+                             generator=check_generator(generator), device=check_device("device", device))
 
     def _draw_size(self, batch_items: Tensor | None) -> int | Tensor | None:
         return self.num_samples
 
     def log_expected_count(self, ids: Tensor, num_items: int, batch_items: Tensor | None) -> Tensor:
+        ids = _integer_ids("ids", ids, "[S]")
+        num_items = check_count("num_items", num_items)
         return torch.full(ids.shape, math.log(self.num_samples / num_items), dtype=torch.float64, device=ids.device)
 
     def __repr__(self) -> str:
@@ -244,6 +269,8 @@ class InBatchSampler(NegativeSampler):
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         if not is_int(seed):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        if not 0 <= seed < 2**64:  # a torch.Generator's seed
+            raise ValueError(f"seed must be in [0, 2^64), got {seed}")
         self.seed = seed = int(seed)
         g = torch.Generator().manual_seed(seed)
         self._mult = torch.randint(1, _PRIME, (num_hashes, 1), generator=g, device="cpu")  # whatever the default
@@ -269,7 +296,7 @@ class InBatchSampler(NegativeSampler):
 
     def observe(self, batch_items: Tensor) -> None:
         """Record one step's named items ``[B, H]`` (``-1`` padded) in the frequency estimate."""
-        ids = batch_items.reshape(-1)
+        ids = _batch_ids(batch_items).reshape(-1)
         if self._last is None:  # the last column: padding's spare bucket
             zeros = torch.zeros(self.num_hashes, self.num_buckets + 1, dtype=torch.float64, device=ids.device)
             self._last, self._interval, self._copies, self._sightings = (zeros.clone() for _ in range(4))
@@ -325,6 +352,8 @@ class InBatchSampler(NegativeSampler):
                 raise ValueError(f"state[{key!r}] must be a float64 tensor of shape {shape} (num_hashes, num_buckets "
                                  f"+ 1), got {t.dtype if isinstance(t, Tensor) else type(t).__name__} "
                                  f"{tuple(t.shape) if isinstance(t, Tensor) else ''}")
+            if not bool(((t >= 0) & (t < math.inf)).all()):  # steps, gaps, copies, counts
+                raise ValueError(f"state[{key!r}] must hold finite values >= 0 (an estimate's tables)")
         self.step = int(step)
         loaded = [state[k].clone() for k in tables] or [None] * 4  # type: ignore[union-attr]
         self._last, self._interval, self._copies, self._sightings = loaded
@@ -334,11 +363,14 @@ class InBatchSampler(NegativeSampler):
         if batch_items is None:
             raise ValueError("InBatchSampler needs the batch's named items: pass head_items (or batch_items) "
                              "to the SampledCatalog")
+        batch_items = _batch_ids(batch_items, check_count("num_items", num_items))
+        device = check_device("device", device)
         if self.frequency is None:
             self.observe(batch_items)
         return batch_items.reshape(-1).to(device)
 
     def log_expected_count(self, ids: Tensor, num_items: int, batch_items: Tensor | None) -> Tensor:
+        ids = _integer_ids("ids", ids, "[S]")
         if self.frequency is not None:
             if self.frequency.shape[0] != num_items:
                 raise ValueError(f"frequency must have num_items={num_items} entries, got {self.frequency.shape[0]}")
@@ -483,16 +515,9 @@ class DrawnSample(NegativeSampler):
     def __init__(self, ids: Tensor, sampler: NegativeSampler, batch_items: Tensor | None = None) -> None:
         if not isinstance(sampler, NegativeSampler) or isinstance(sampler, DrawnSample):
             raise TypeError(f"sampler must be the NegativeSampler that drew ids, got {type(sampler).__name__}")
-        if not isinstance(ids, Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
-            raise TypeError(f"ids must be an integer tensor [S], got {getattr(ids, 'dtype', type(ids).__name__)}")
-        if ids.dim() != 1:
-            raise ValueError(f"ids must be 1-d [S], got shape {list(ids.shape)}")
-        if batch_items is not None and (not isinstance(batch_items, Tensor) or batch_items.is_floating_point()
-                                        or batch_items.is_complex() or batch_items.dtype == torch.bool):
-            raise TypeError(f"batch_items must be an integer tensor [B, H], got "
-                            f"{getattr(batch_items, 'dtype', type(batch_items).__name__)}")
-        if batch_items is not None and batch_items.dim() != 2:
-            raise ValueError(f"batch_items must be 2-d [B, H], got shape {list(batch_items.shape)}")
+        _integer_ids("ids", ids, "[S]", 1)
+        if batch_items is not None:
+            _integer_ids("batch_items", batch_items, "[B, H]", 2)
         self.ids, self.sampler = ids.long(), sampler._frozen(ids)
         self.batch_items = None if batch_items is None else batch_items.long()
 
@@ -515,6 +540,7 @@ class DrawnSample(NegativeSampler):
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> DrawnSample:
         """The same sample (and batch) on ``device``."""
+        device = check_device("device", device)
         moved = [None if x is None else x.to(device, non_blocking=non_blocking) for x in (self.ids, self.batch_items)]
         return DrawnSample(moved[0], self.sampler, batch_items=moved[1])
 
@@ -1042,6 +1068,7 @@ class SampledCatalog(CatalogScores):
         ``perturb=True`` a Gumbel top-k over head ∪ sample whose sample keys carry their logQ
         weights (exact when the head is the whole catalog; see the module doc)."""
         check_count("k", k)
+        perturb = check_flag("perturb", perturb)
         size = self.head_ids.shape[1]
         pool = size + self.sample_ids.shape[0]
         # Every process decides alike whether this call checks its rows' room (one agreement): not when a draw or

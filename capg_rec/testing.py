@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from capg_rec._checks import check_count, check_positive
+from capg_rec._checks import check_count, check_flag, check_positive
 from capg_rec.validate import ESR, ValidationReport, validate_esr
 
 __all__ = ["count_host_syncs", "EXTREME_LOGIT", "logits", "num_candidates", "num_experts", "temperatures", "seeds",
@@ -61,7 +61,8 @@ def logits(*, max_batch: int = 3, max_experts: int = 1, min_items: int = 1, max_
     check_count("min_items", min_items)
     check_count("max_items", max_items, low=min_items)
     check_positive("scale", scale)
-    bound = _at_most(scale, dtype)
+    extreme, ties, masked = (check_flag(n, v) for n, v in (("extreme", extreme), ("ties", ties), ("masked", masked)))
+    bound = _at_most(scale, _floating_dtype(dtype))
 
     @st.composite
     def build(draw) -> Tensor:
@@ -88,6 +89,13 @@ def logits(*, max_batch: int = 3, max_experts: int = 1, min_items: int = 1, max_
         return out.reshape(shape)
 
     return build()
+
+
+def _floating_dtype(dtype: object) -> torch.dtype:
+    """``dtype`` itself: a floating ``torch.dtype`` (a ``TypeError`` naming ``dtype`` otherwise)."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    return dtype
 
 
 def _float32_at_most(value: float) -> float:
@@ -139,6 +147,7 @@ def contexts(*, max_batch: int = 4, dim: int = 8, scale: float = 1.0, dtype: tor
     check_count("max_batch", max_batch)
     check_count("dim", dim)
     check_positive("scale", scale)
+    dtype = _floating_dtype(dtype)
 
     @st.composite
     def build(draw) -> Tensor:
@@ -155,14 +164,15 @@ def esr_cases(*, max_batch: int = 3, max_experts: int = 1, min_items: int = 1, m
     problem to test against, whose draw of K need not tell apart scores ``logits / τ`` beyond float32's
     resolution (:func:`~capg_rec.plackett_luce.unresolved_draws`: the checks refuse such draws)."""
     st = _st()
+    cases = logits(max_batch=max_batch, max_experts=max_experts, min_items=min_items, max_items=max_items,
+                   extreme=extreme, ties=ties, masked=masked)  # its arguments checked here, not at the first draw
 
     @st.composite
     def build(draw) -> tuple[Tensor, int, float, int]:
         from capg_rec.catalog import DenseCatalog
         from capg_rec.plackett_luce import unresolved_draws
 
-        x = draw(logits(max_batch=max_batch, max_experts=max_experts, min_items=min_items, max_items=max_items,
-                        extreme=extreme, ties=ties, masked=masked))
+        x = draw(cases)
         tau = draw(temperatures())
         available = int((x > -torch.inf).sum(-1).min())
         scores = DenseCatalog(x, tau, validate_args=False)

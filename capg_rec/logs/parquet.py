@@ -508,7 +508,8 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
         seed: the shuffling seed, the same on every rank.
         drop_last: drop each worker's last batch when it is smaller than ``batch_size``.
         rank, world_size: this process's shard; default: ``torch.distributed``'s when it is
-            initialised, else one process.
+            initialised, else the ``RANK`` and ``WORLD_SIZE`` environment variables a launcher such as torchrun
+            sets (those ``init_process_group`` reads), else one process.
         num_items: the catalog size N that ids must index (default: the file's, if it recorded one);
             pass the new catalog's size to catch logged items it no longer has.
         validate_args: check every value (lengths, ids, ``shown ⊆ candidates``, propensities in
@@ -693,13 +694,13 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
 
     def _rank(self) -> tuple[int, int]:
         """``(rank, world_size)``: the ones given, else ``torch.distributed``'s, else (in a DataLoader worker without
-        a process group) that of the process that made the worker, else one process."""
+        a process group) that of the process that made the worker, else the launcher's, else one process."""
         if self.rank is not None:
             return self.rank, self.world_size
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized():
             return dist.get_rank(), dist.get_world_size()
-        return self._parent_rank or (0, 1)
+        return self._parent_rank or _launcher_rank() or (0, 1)
 
     def _shard(self) -> tuple[int, int]:
         """``(shard, num_shards)`` of this process and DataLoader worker."""
@@ -780,6 +781,23 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
         if self.validate:
             _raise_first(cols, self.meta, self.num_items, where, row0, file_row0)
         return cols
+
+
+def _launcher_rank() -> tuple[int, int] | None:
+    """``(RANK, WORLD_SIZE)`` from the environment, as a launcher such as torchrun sets them (a process of a multi-rank
+    job that made no process group must still read its own shard, not every row), or None where they are not set."""
+    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    if rank is None or world is None:
+        return None
+    try:
+        rank, world = int(rank), int(world)
+    except ValueError:
+        raise ValueError(f"the environment's RANK={rank!r} and WORLD_SIZE={world!r} must be integers (a launcher's "
+                         "ranks), or pass rank= and world_size=") from None
+    if not 0 <= rank < world:
+        raise ValueError(f"the environment's RANK={rank} must be in [0, WORLD_SIZE={world}), or pass rank= and "
+                         "world_size=")
+    return rank, world
 
 
 def _split(pending: list[dict[str, np.ndarray]], size: int

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from capg_rec._checks import check_count, check_float_tensor, check_id_tensor, check_positive, resolve_validate_args
+from capg_rec._checks import check_count, check_flag, check_float_tensor, check_id_tensor, check_positive, \
+    resolve_validate_args
 from capg_rec._numerics import no_autocast, safe_logsumexp, top_k
 from capg_rec.catalog import CatalogScores, _chunked_top_k, _ChunkedLogPowerSums, _expert_views, chunk_items, \
     available_given_masks
@@ -260,6 +261,7 @@ class ShardedEmbeddingCatalog(CatalogScores):
                   generator: torch.Generator | None = None, perturb: bool = False) -> Tensor:
         def arguments() -> list[int]:
             check_count("k", k, high=self.num_items)
+            check_flag("perturb", perturb)
             chosen = list(range(self.num_experts)) if experts is None else [int(m) for m in experts]
             if any(m < 0 or m >= self.num_experts for m in chosen):
                 raise ValueError(f"experts must be in [0, {self.num_experts}), got {chosen}")
