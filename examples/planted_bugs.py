@@ -4,7 +4,8 @@ Each buggy ESR samples from one distribution and claims another, the way a real 
 goes wrong (none of these bugs is in capg_rec itself):
 
 * ``shared_noise``: a mixture-of-experts sampler that draws one Gumbel vector and reuses it for
-  every expert block (the paper's appendix), with exact (enumerated) claims.
+  every expert block (the paper's appendix), with exact (enumerated) claims: on its own catalog of 6 items
+  at K = 4, whatever ``--sizes`` asks (the enumeration's size), at the first size only.
 * ``swapped_prefix``: the paper's arg-top-(k-1) plug-in inclusion probability, computed with a
   shortcut prefix that swaps the target for the K-th item in place instead of shifting the list.
 * ``temperature_twice``: the claims divide the logits by τ and then pass τ again (τ²), the sampler
