@@ -136,6 +136,9 @@ def test_reader_benchmark_runs(tmp_path):
                           "--workers", "0", "--trainer-steps", "1", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "reader_speed.json").read_text())
     assert saved["rows"] == result["rows"] == 3000 and saved["reader_checked"]["rows_per_second"] > 0
+    for reader in ("reader_checked", "reader_unchecked"):  # from the first batch on: after it, 3000 - 256 rows
+        assert saved[reader]["rows_per_second_sustained"] > 0 and saved[reader]["seconds_to_first_batch"] > 0
+        assert saved[f"ratio_sustained_{reader.split('_')[1]}"] > 0
     assert not (tmp_path / "synthetic_logs.parquet").exists()
 
 
