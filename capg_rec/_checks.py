@@ -34,6 +34,12 @@ def set_default_validate_args(value: bool) -> None:
     _validate_default = check_flag("value", value)
 
 
+def validating_by_default() -> bool:
+    """Whether the checks are on by default (:func:`set_default_validate_args`), for code that has no argument of
+    its own to turn them off and runs its checks only where they read host memory (no error under compile)."""
+    return _validate_default
+
+
 def resolve_validate_args(value: bool | None) -> bool:
     """An entry point's ``validate_args``: the module default when ``None``. The value checks read tensors'
     values, which ``torch.func.vmap`` and a graph of ``torch.compile`` cannot: there they must be off (a clear error
@@ -104,10 +110,10 @@ def check_flag(name: str, value: bool) -> bool:
 
 
 def check_device(name: str, value: object) -> torch.device:
-    """``value`` (a ``torch.device`` or a device string) as a ``torch.device``: a ``TypeError`` naming ``name`` for
-    another type, a ``ValueError`` for a string that names no device torch knows."""
-    if not isinstance(value, (torch.device, str)):
-        raise TypeError(f"{name} must be a torch.device, a str or None, got {type(value).__name__} {value!r}")
+    """``value`` (a ``torch.device``, a device string or an index, as torch takes them) as a ``torch.device``: a
+    ``TypeError`` naming ``name`` for another type, a ``ValueError`` for one that names no device torch knows."""
+    if not isinstance(value, (torch.device, str)) and not is_int(value):
+        raise TypeError(f"{name} must be a torch.device, a str or an int, got {type(value).__name__} {value!r}")
     try:
         return torch.device(value)
     except RuntimeError as error:

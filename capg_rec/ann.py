@@ -188,6 +188,7 @@ class FaissIndex(ItemIndex):
         vectors = [_float32("item_vectors", v) for v in per_expert]
         with self._threads():
             self._indexes = [self._build_one(v.contiguous().numpy()) for v in vectors]
+        self._longest = [float(v.double().norm(dim=1).max()) for v in vectors]  # bounds |score| with the query's
 
     def _build_one(self, vectors):  # numpy [N, D] float32
         faiss = self._faiss
@@ -208,7 +209,13 @@ class FaissIndex(ItemIndex):
         return index
 
     def _search_one(self, expert: int, queries: Tensor, k: int) -> tuple[Tensor, Tensor]:
-        q = _float32("queries", queries).contiguous().numpy()
+        q = _float32("queries", queries)
+        if resolve_validate_args(None) and q.numel():  # Cauchy-Schwarz: every score within float32's range
+            reach = float(q.double().norm(dim=1).max()) * self._longest[expert]
+            if not reach < torch.finfo(torch.float32).max:
+                raise ValueError(f"queries and item_vectors must have inner products within float32's range (faiss "
+                                 f"scores in float32), but their norms multiply to {reach:.3g}")
+        q = q.contiguous().numpy()
         with self._threads():
             scores, ids = self._indexes[expert].search(q, k)
         ids = torch.from_numpy(ids)
@@ -229,8 +236,9 @@ def _float32(name: str, x: Tensor) -> Tensor:
 
 
 def recall_at_k(found: Tensor, exact: Tensor) -> float:
-    """Mean fraction of the exact top-k ids ``exact [..., k]`` that ``found [..., k]`` also holds; ``-1`` (an
-    index's padding, for an id not found) is no id: it matches nothing, and ``-1`` in ``exact`` are not counted."""
+    """The fraction of the exact top-k ids ``exact [..., k]`` that ``found [..., k]`` also holds in the same row, over
+    every row's (the mean over rows when each names k ids); ``-1`` (an index's padding, for an id not found) is no
+    id: it matches nothing, and ``-1`` in ``exact`` are not counted."""
     for name, ids in (("found", found), ("exact", exact)):
         if not isinstance(ids, Tensor) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
             raise TypeError(f"{name} must be an integer tensor of ids, got "
@@ -240,8 +248,8 @@ def recall_at_k(found: Tensor, exact: Tensor) -> float:
                          f"{tuple(exact.shape)}")
     named = exact >= 0
     if not bool(named.any()):
-        raise ValueError(f"found and exact must hold at least one id (exact: not -1), got shape {tuple(exact.shape)} "
-                         f"{'of -1 ids' if exact.numel() else ''}")
+        raise ValueError(f"found and exact must hold at least one id (exact: not -1), got shape {tuple(exact.shape)}"
+                         f"{' of -1 ids' if exact.numel() else ''}")
     hits = ((found.unsqueeze(-1) == exact.unsqueeze(-2)) & named.unsqueeze(-2)).any(-2)
     return float(hits.sum() / named.sum())
 

@@ -221,7 +221,7 @@ def _weights(catalog: CatalogScores | None, log_ratio: Tensor, max_weight: float
     if not self_normalize:
         weight = torch.exp(_capped_log_weights(log_ratio, max_weight, gradient_dtype))
         # exp of log(max_weight) may round a step above it (100.00000762939453 in float32)
-        return weight if max_weight is None else weight.clamp(max=max_weight)
+        return weight if max_weight is None else weight.clamp(max=_at_most(max_weight, weight.dtype))
     log_weight = log_ratio.detach()
     if max_weight is not None:
         log_weight = log_weight.clamp(max=math.log(max_weight))
@@ -261,6 +261,15 @@ def _relative_weights(log_weight: Tensor) -> Tensor:
     top = log_weight.amax() if log_weight.numel() else log_weight.new_zeros(())
     relative = torch.exp(log_weight - torch.where(top.isfinite(), top, 0.0))
     return torch.where(top == math.inf, (log_weight == math.inf).to(relative.dtype), relative)
+
+
+def _at_most(value: float, dtype: torch.dtype) -> float:
+    """The largest number of ``dtype`` at most ``value`` (its largest finite number, for a ``value`` beyond it)."""
+    finfo = torch.finfo(dtype)
+    if value >= finfo.max:
+        return finfo.max
+    bound = torch.tensor(value, dtype=dtype)
+    return float(bound if float(bound) <= value else torch.nextafter(bound, bound.new_tensor(-math.inf)))
 
 
 def _capped_log_weights(log_ratio: Tensor, max_weight: float | None, also: torch.dtype | None = None) -> Tensor:

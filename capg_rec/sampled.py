@@ -55,8 +55,9 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from capg_rec._checks import FAILED_ELSEWHERE, all_finite, check_count, check_device, check_flag, check_float_tensor, \
-    check_generator, check_items, check_positive, is_int, raise_where_short, resolve_validate_args
+from capg_rec._checks import FAILED_ELSEWHERE, _host_view, all_finite, check_count, check_device, check_flag, \
+    check_float_tensor, check_generator, check_items, check_positive, is_int, raise_where_short, \
+    resolve_validate_args, validating_by_default
 from capg_rec._numerics import (exp_floor, gumbel_group_size, gumbel_top_k, no_autocast, safe_logsumexp,
                                 select_experts, top_k)
 from capg_rec.ann import ItemIndex
@@ -147,12 +148,18 @@ def _integer_ids(name: str, x: object, shape: str, dims: int | None = None) -> T
     return x
 
 
+def _device(device: object) -> torch.device | None:
+    """A sampler's ``device`` argument: a ``torch.device``, a device string or index, or None (torch's default)."""
+    return None if device is None else check_device("device", device)
+
+
 def _batch_ids(batch_items: object, num_items: int | None = None) -> Tensor:
-    """``batch_items [B, H]``: 2-d integer ids; on the host (no read of a device's memory), ids in ``[-1, num_items)``
-    (``-1``: padding; no upper bound without ``num_items``)."""
+    """``batch_items [B, H]``: 2-d integer ids; with the checks on, ids in ``[-1, num_items)`` (``-1``: padding; no
+    upper bound without ``num_items``) where they are plain host tensors (read through numpy: no host sync)."""
     batch_items = _integer_ids("batch_items", batch_items, "[B, H]", 2)
-    if batch_items.is_cpu and batch_items.numel():
-        low, high = (int(v) for v in torch.aminmax(batch_items))
+    host = _host_view(batch_items) if batch_items.numel() and validating_by_default() else None  # None: compiled
+    if host is not None:
+        low, high = int(host.min()), int(host.max())
         if low < -1 or (num_items is not None and high >= num_items):
             raise ValueError(f"batch_items must hold ids in [-1, {num_items if num_items is not None else 'N'}) "
                              f"(-1: padding), got values in [{low}, {high}]")
@@ -182,7 +189,7 @@ class UniformSampler(NegativeSampler):
     def draw(self, num_items: int, batch_items: Tensor | None, *, generator: torch.Generator | None,
              device: torch.device) -> Tensor:
         return torch.randint(check_count("num_items", num_items), (self.num_samples,),
-                             generator=check_generator(generator), device=check_device("device", device))
+                             generator=check_generator(generator), device=_device(device))
 
     def _draw_size(self, batch_items: Tensor | None) -> int | Tensor | None:
         return self.num_samples
@@ -269,8 +276,8 @@ class InBatchSampler(NegativeSampler):
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         if not is_int(seed):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-        if not 0 <= seed < 2**64:  # a torch.Generator's seed
-            raise ValueError(f"seed must be in [0, 2^64), got {seed}")
+        if not -2**63 <= seed < 2**64:  # a torch.Generator's seeds
+            raise ValueError(f"seed must be in [-2^63, 2^64) (a torch.Generator's seeds), got {seed}")
         self.seed = seed = int(seed)
         g = torch.Generator().manual_seed(seed)
         self._mult = torch.randint(1, _PRIME, (num_hashes, 1), generator=g, device="cpu")  # whatever the default
@@ -364,7 +371,7 @@ class InBatchSampler(NegativeSampler):
             raise ValueError("InBatchSampler needs the batch's named items: pass head_items (or batch_items) "
                              "to the SampledCatalog")
         batch_items = _batch_ids(batch_items, check_count("num_items", num_items))
-        device = check_device("device", device)
+        device = _device(device)
         if self.frequency is None:
             self.observe(batch_items)
         return batch_items.reshape(-1).to(device)
@@ -540,7 +547,7 @@ class DrawnSample(NegativeSampler):
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> DrawnSample:
         """The same sample (and batch) on ``device``."""
-        device = check_device("device", device)
+        device = _device(device)
         moved = [None if x is None else x.to(device, non_blocking=non_blocking) for x in (self.ids, self.batch_items)]
         return DrawnSample(moved[0], self.sampler, batch_items=moved[1])
 

@@ -11,6 +11,7 @@ import torch
 import capg_rec
 from capg_rec import DenseCatalog, EmbeddingCatalog, candidate_log_prob, inclusion_log_prob, sample_candidates
 from capg_rec import functional as F
+from capg_rec.testing import count_host_syncs
 
 
 def _problem(batch: int = 4, num_items: int = 8, k: int = 3):
@@ -102,13 +103,35 @@ def test_samplers_check_the_arguments_of_their_public_methods():
     with pytest.raises(TypeError, match=r"ids must be an integer tensor \[S\], got torch.float32"):
         in_batch.log_expected_count(torch.ones(3), 20, None)
     assert in_batch.draw(20, batch, generator=None, device="cpu").tolist() == [1, 2, 2, 3]  # valid: as before
+    for device in (None, torch.device("cpu"), "cpu"):  # None (torch's default) as before (a diff review)
+        assert uniform.draw(8, None, generator=None, device=device).shape == (8,)
+        assert in_batch.draw(20, batch, generator=None, device=device).shape == (4,)
+    with pytest.raises(TypeError, match="device must be a torch.device, a str or an int, got float 1.5"):
+        uniform.draw(8, None, generator=None, device=1.5)
+
+
+def test_in_batch_draws_read_no_value_back_with_the_checks_off():
+    """Its ids' range check read two values back with int() on every draw, checks off too (a diff review)."""
+    sampler, batch = capg_rec.InBatchSampler(), torch.tensor([[1, 2], [2, 3]])
+    capg_rec.set_default_validate_args(False)
+    try:
+        with count_host_syncs() as calls:
+            sampler.draw(20, batch, generator=None, device="cpu")
+    finally:
+        capg_rec.set_default_validate_args(True)
+    assert calls == []
+    with count_host_syncs() as calls:  # checks on: through numpy, on the host
+        sampler.draw(20, batch, generator=None, device="cpu")
+    assert "__int__" not in calls and "item" not in calls
 
 
 def test_in_batch_sampler_refuses_a_seed_out_of_range_and_tables_that_are_not_counts():
-    with pytest.raises(ValueError, match=r"seed must be in \[0, 2\^64\), got 1180591620717411303424"):
+    with pytest.raises(ValueError, match=r"seed must be in \[-2\^63, 2\^64\) \(a torch.Generator's seeds\), got "
+                                         r"1180591620717411303424"):
         capg_rec.InBatchSampler(seed=2**70)
     with pytest.raises(ValueError, match="seed must be in"):
-        capg_rec.InBatchSampler(seed=-1)
+        capg_rec.InBatchSampler(seed=-2**63 - 1)
+    assert capg_rec.InBatchSampler(seed=-1).seed == -1  # torch takes it (a diff review: refused at first)
     sampler = capg_rec.InBatchSampler(num_buckets=16)
     sampler.observe(torch.tensor([[1, 2], [2, 3]]))
     for bad in (math.nan, math.inf, -1.0):
@@ -139,6 +162,8 @@ def test_faiss_index_refuses_float64_vectors_beyond_float32():
         FaissIndex(items * 1e200)
     with pytest.raises(ValueError, match="queries must be within float32's range"):
         FaissIndex(items).search(torch.randn(3, 4, generator=gen, dtype=torch.float64) * 1e200, 3)
+    with pytest.raises(ValueError, match="must have inner products within float32's range"):  # a diff review
+        FaissIndex(items.float() * 1e30).search(torch.randn(3, 4, generator=gen) * 1e10, 3)
 
 
 @pytest.mark.parametrize("kind", ["exact", "faiss"])
@@ -193,9 +218,19 @@ def test_testing_strategies_check_their_options_when_made():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_importance_weights_stay_at_most_max_weight(dtype):
-    """exp(log 100) rounded to 100.00000762939453 in float32 (a review)."""
-    weights = F.importance_weights(torch.tensor([10.0, 4.6052, -1e4, 1e4], dtype=dtype), max_weight=100.0)
+    """exp(log 100) rounded to 100.00000762939453 in float32 (a review); a cap beyond the dtype's range, or one it
+    cannot hold, is taken as the dtype's largest number at most the cap (the first fix raised torch's overflow
+    error at max_weight=1e5 in float16: a diff review)."""
+    log_ratio = torch.tensor([10.0, 4.6052, -1e4, 1e4], dtype=dtype)
+    weights = F.importance_weights(log_ratio, max_weight=100.0)
     assert bool((weights <= 100.0).all()) and float(weights[0]) >= 99.0
+    assert bool((F.importance_weights(log_ratio, max_weight=100.3) <= 100.3).all())
+    for cap in (1e5, 1e39, 1e300):
+        assert bool(F.importance_weights(log_ratio, max_weight=cap).isfinite().all())
+    logits, candidates, chosen, rewards = _problem()
+    loss = F.offpolicy_vpg_loss(logits.to(dtype), candidates, chosen, rewards.to(dtype), rewards[:, 0].to(dtype) - 5,
+                                max_weight=1e39)
+    assert loss.isfinite()
 
 
 def test_log_reader_takes_the_launchers_ranks_without_a_process_group(tmp_path, monkeypatch):

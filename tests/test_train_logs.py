@@ -592,3 +592,17 @@ def test_files_of_several_loggers_size_the_users_and_pick_the_lsr_from_every_fil
                         extra={"lsr": "my_ranker"})  # a ranker of the user's own: the message says where it is from
     with pytest.raises(ValueError, match=r"the logs record lsr 'my_ranker' \(their extra\['lsr'\]\), not one of"):
         LogTrainer(LogTrainConfig((custom,), holdout=0.5), None)
+
+
+def test_a_launchers_ranks_do_not_shard_the_log_trainer(logs, monkeypatch):
+    """LogTrainer is one process, which reads every row: under a launcher's RANK and WORLD_SIZE (torchrun, with no
+    process group) its reader took that rank's share, counted the users of that share alone and evaluated on it
+    (a review of the change that made the reader take them)."""
+    config = LogTrainConfig((logs,), batch_size=50, holdout=0.25)
+    alone = LogTrainer(config, synthetic_env())
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    launched = LogTrainer(config, synthetic_env())
+    assert launched.num_steps == alone.num_steps == 6  # 300 training rows of 400, in batches of 50
+    for part in ("train_data", "eval_data"):
+        assert getattr(launched, part).num_batches() == getattr(alone, part).num_batches() > 0

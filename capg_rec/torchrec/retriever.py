@@ -636,7 +636,7 @@ class _RankSampledCatalog(SampledCatalog):
 
     def _named(self, items: Tensor, name: str = "items") -> Tensor:
         # Type, shape and device only: the ids are the tower's to check, alike on every rank (a rank alone must not
-        # raise).
+        # raise; ids on another device fail here on their rank alone, as the lookup itself would).
         items = check_id_tensor(name, items, batch_size=self.batch_size, allow_empty=True)
         check_same_device(self.device, **{name: items})
         return items

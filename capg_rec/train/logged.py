@@ -277,7 +277,9 @@ class LogTrainer(Trainer):
             raise TypeError(f"config must be a LogTrainConfig, got {type(config).__name__}")
         if env is not None and not isinstance(env, MatrixEnv):
             raise TypeError(f"env must be a MatrixEnv or None, got {type(env).__name__}")
-        data = LoggedImpressions(list(config.logs), config.batch_size, shuffle_row_groups=True, seed=config.seed)
+        # one process reads every row: not a launcher's or process group's shard of them
+        data = LoggedImpressions(list(config.logs), config.batch_size, shuffle_row_groups=True, seed=config.seed,
+                                 rank=0, world_size=1)
         meta = data.meta
         if not data.num_rows:
             raise ValueError(f"logs: {', '.join(map(str, config.logs))} hold no rows to train on")
