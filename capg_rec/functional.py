@@ -264,12 +264,14 @@ def _relative_weights(log_weight: Tensor) -> Tensor:
 
 
 def _at_most(value: float, dtype: torch.dtype) -> float:
-    """The largest number of ``dtype`` at most ``value`` (its largest finite number, for a ``value`` beyond it)."""
+    """The largest number of ``dtype`` at most ``value > 0`` (its largest finite number, for a ``value`` beyond it), in
+    Python's arithmetic (exact: powers of two; no tensor, which torch.compile would trace)."""
     finfo = torch.finfo(dtype)
     if value >= finfo.max:
         return finfo.max
-    bound = torch.tensor(value, dtype=dtype)
-    return float(bound if float(bound) <= value else torch.nextafter(bound, bound.new_tensor(-math.inf)))
+    _, exponent = math.frexp(value)  # value in [2^(exponent - 1), 2^exponent)
+    step = max(math.ldexp(finfo.eps, exponent - 1), finfo.tiny * finfo.eps)  # the dtype's spacing there
+    return math.floor(value / step) * step
 
 
 def _capped_log_weights(log_ratio: Tensor, max_weight: float | None, also: torch.dtype | None = None) -> Tensor:
@@ -362,7 +364,7 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
             _float(logged_name, log_propensity, ((batch, length),) if per_item else ((batch,),))
             check_same_device(catalog.device, **{logged_name: log_propensity})
         check_same_device(catalog.device, candidates=candidates, chosen=chosen, rewards=rewards, baseline=baseline,
-                     position_weights=position_weights)
+                          position_weights=position_weights)
     except (TypeError, ValueError) as err:
         if agree is None:  # one process, or no checks: raise here
             raise
