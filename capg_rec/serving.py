@@ -67,6 +67,9 @@ class Retrieved(NamedTuple):
         if self.log_inclusion is None or self.log_expected_count is None:
             raise ValueError("a greedy retrieval has no propensities to log: retrieve with sample=True")
         picks = check_id_tensor("picks", picks, batch_size=self.candidates.shape[0])
+        if picks.shape[1] > self.candidates.shape[1]:
+            raise ValueError(f"picks must have at most K={self.candidates.shape[1]} columns (the later stage shows "
+                             f"some of the K candidates), got {picks.shape[1]}")
         if picks.numel() and (int(picks.min()) < 0 or int(picks.max()) >= self.candidates.shape[1]):
             raise ValueError(f"picks must be positions in [0, K={self.candidates.shape[1]})")
         ordered = picks.sort(dim=1).values
@@ -74,6 +77,16 @@ class Retrieved(NamedTuple):
             raise ValueError("picks must not repeat a position within a row (the later stage shows distinct items)")
         return (self.candidates.gather(1, picks), self.log_inclusion.gather(1, picks),
                 self.log_expected_count.gather(1, picks))
+
+
+def _members(ids: Tensor, among: Tensor) -> Tensor:
+    """Whether each of ``ids [B, W]`` is in its row of ``among [B, E]`` → bool ``[B, W]``: a binary search in the
+    sorted row (``W·log E``, not the ``W·E`` of a comparison of every pair: a request may mask thousands)."""
+    if not among.shape[1]:
+        return torch.zeros_like(ids, dtype=torch.bool)
+    ordered = among.sort(dim=1).values
+    at = torch.searchsorted(ordered, ids).clamp_(max=ordered.shape[1] - 1)
+    return ordered.gather(1, at) == ids
 
 
 class ServingRetriever:
@@ -189,18 +202,25 @@ class ServingRetriever:
         picks: list[Tensor] = []
         taken = 0
         for expert, count in expert_runs(num_candidates, user.shape[1]):
-            best = found[:, expert, :taken + count + extra]  # enough: at most `taken + E` of them are gone
+            best = found[:, expert, :taken + count + extra].contiguous()  # enough: at most `taken + E` of them are gone
             gone = [*picks, *([] if masked is None else [masked])]
             fresh = best >= 0  # -1: an approximate index found no more
             if gone:  # drop what earlier blocks took and the masked ids, and keep the first `count` others, in order
-                fresh &= ~(best.unsqueeze(2) == torch.cat(gone, dim=1).unsqueeze(1)).any(2)
-            if bool((fresh.sum(1) < count).any()):
-                raise ValueError(f"the index found fewer than K={num_candidates} items for a request (an approximate "
-                                 "index: search deeper)" if masked is None else
-                                 f"fewer than K={num_candidates} items that a request does not mask were found: it "
-                                 f"masks more than N - K = {self.num_items - num_candidates} items, or an approximate "
-                                 "index found too few (search deeper)")
+                fresh &= ~_members(best, torch.cat(gone, dim=1))
+            short = fresh.sum(1) < count
+            if bool(short.any()):
+                raise ValueError(self._short_message(num_candidates, masked, int(short.nonzero()[0, 0])))
             order = torch.where(fresh, 0, best.shape[1]) + torch.arange(best.shape[1], device=best.device)
             picks.append(best.gather(1, order.argsort(dim=1))[:, :count])
             taken += count
         return torch.cat(picks, dim=1)
+
+    def _short_message(self, num_candidates: int, masked: Tensor | None, row: int) -> str:
+        """Why a request's greedy draw found fewer than K items: it masks more than N - K, or the index found too
+        few."""
+        room = self.num_items - num_candidates
+        if masked is not None and int(masked[row][masked[row] >= 0].unique().numel()) > room:
+            return (f"request {row} masks more than N - K = {room} items: fewer than K={num_candidates} items are left "
+                    "to retrieve")
+        return (f"the index found fewer than K={num_candidates} items that request {row} does not mask (an approximate "
+                "index: search deeper)")

@@ -82,9 +82,49 @@ def test_masked_items_are_never_served_and_the_logs_are_the_masked_policy_s(devi
     torch.testing.assert_close(got.log_candidate_prob, ref.log_candidate_prob)
     with pytest.raises(ValueError, match=r"masked_items must hold ids in \[-1, 60\)"):
         server.retrieve(users, num_candidates=k, masked_items=masked + 60)
-    with pytest.raises(ValueError, match=r"fewer than K=5 items that a request does not mask were found: it masks "
-                                         r"more than N - K = 55"):  # all but 3 items masked
+    with pytest.raises(ValueError, match=r"request 0 masks more than N - K = 55 items: fewer than K=5 items are left "
+                                         r"to retrieve"):  # all but 3 items masked
         server.retrieve(users[:1], num_candidates=5, masked_items=torch.arange(57, device=device).view(1, -1))
+
+
+@pytest.mark.parametrize("num_experts", [1, 2])
+def test_greedy_serving_with_thousands_of_masked_items(device, num_experts):
+    """Regression (found by review): the masked ids were compared with every found id, a [B, K + E, E] tensor (565 MB
+    and 1 s at E = 3,000, slower than scoring the catalog); a binary search gives the same draw."""
+    tower, items = _towers(2000, num_experts, 4, seed=3, device=device)
+    users = torch.randn(5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2)).to(device)
+    gen = torch.Generator().manual_seed(4)
+    masked = torch.stack([torch.randperm(2000, generator=gen)[:1500] for _ in range(5)]).to(device)
+    masked[0, :700] = -1  # padding, and repeats
+    masked[1, 700:900] = masked[1, :200]
+    server = ServingRetriever(tower, items, index=ExactIndex(items))
+    got = server.retrieve(users, num_candidates=20, masked_items=masked)
+    torch.testing.assert_close(got.candidates, greedy_candidates(EmbeddingCatalog(tower(users), items,
+                                                                                  masked_items=masked), 20))
+
+
+def test_a_short_greedy_draw_names_its_cause():
+    """It said "it masks more than N - K items, or an approximate index found too few" whichever it was; and picks
+    of more positions than K were called repeats (a review)."""
+    tower, items = _towers(200, 1, 4, seed=5)
+    users = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+
+    class Shallow(ExactIndex):  # an approximate index that finds 30 items at most
+        def _search_one(self, expert, queries, k):
+            scores, ids = super()._search_one(expert, queries, k)
+            return scores.masked_fill(torch.arange(k) >= 30, -math.inf), ids.masked_fill(torch.arange(k) >= 30, -1)
+
+    server = ServingRetriever(tower, items, index=Shallow(items))
+    masked = greedy_candidates(EmbeddingCatalog(tower(users), items), 20)  # the best 20: 10 of the 30 found left
+    with pytest.raises(ValueError, match=r"the index found fewer than K=15 items that request 0 does not mask \(an "
+                                         r"approximate index: search deeper\)"):
+        server.retrieve(users, num_candidates=15, masked_items=masked)
+    too_many = torch.cat([torch.full((1, 190), -1), torch.arange(190)[None], torch.full((1, 190), -1)])
+    with pytest.raises(ValueError, match=r"request 1 masks more than N - K = 185 items"):
+        ServingRetriever(tower, items).retrieve(users, num_candidates=15, masked_items=too_many)
+    got = ServingRetriever(tower, items).retrieve(users, num_candidates=4, sample=True)
+    with pytest.raises(ValueError, match="picks must have at most K=4 columns"):
+        got.at(torch.tensor([[0, 1, 2, 3, 0]] * 3))
 
 
 def test_the_user_side_runs_before_any_argument_check():
