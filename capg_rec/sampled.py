@@ -149,7 +149,8 @@ def _integer_ids(name: str, x: object, shape: str, dims: int | None = None) -> T
 
 
 def _device(device: object) -> torch.device | None:
-    """A sampler's ``device`` argument: a ``torch.device``, a device string or index, or None (torch's default)."""
+    """A sampler's ``device`` argument: a ``torch.device``, a device string or index, or None (torch's default device
+    for a draw of its own, the batch's for a draw of the batch's items)."""
     return None if device is None else check_device("device", device)
 
 
@@ -453,6 +454,8 @@ class MixedSampler(NegativeSampler):
 
     def draw(self, num_items: int, batch_items: Tensor | None, *, generator: torch.Generator | None,
              device: torch.device) -> Tensor:
+        if device is None and isinstance(batch_items, Tensor):  # one device for every part: the batch's
+            device = batch_items.device
         return torch.cat([s.draw(num_items, batch_items, generator=generator, device=device) for s in self.samplers])
 
     def log_expected_count(self, ids: Tensor, num_items: int, batch_items: Tensor | None) -> Tensor:

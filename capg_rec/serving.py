@@ -224,5 +224,6 @@ class ServingRetriever:
         if masked is not None and int(masked[row][masked[row] >= 0].unique().numel()) > room:
             return (f"request {row} masks more than N - K = {room} items: fewer than K={num_candidates} items are left "
                     "to retrieve")
-        return (f"the index found fewer than K={num_candidates} items that request {row} does not mask (an approximate "
+        unmasked = "" if masked is None else " that it does not mask"
+        return (f"the index found fewer than K={num_candidates} items for request {row}{unmasked} (an approximate "
                 "index: search deeper)")

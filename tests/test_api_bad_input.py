@@ -106,6 +106,12 @@ def test_samplers_check_the_arguments_of_their_public_methods():
     for device in (None, torch.device("cpu"), "cpu"):  # None (torch's default) as before (a diff review)
         assert uniform.draw(8, None, generator=None, device=device).shape == (8,)
         assert in_batch.draw(20, batch, generator=None, device=device).shape == (4,)
+    mixed = capg_rec.MixedSampler(in_batch, uniform)  # None: the batch's device for both parts (a diff review)
+    torch.set_default_device("meta")
+    try:
+        assert mixed.draw(20, batch, generator=None, device=None).device.type == "cpu"
+    finally:
+        torch.set_default_device(None)
     with pytest.raises(TypeError, match="device must be a torch.device, a str or an int, got float 1.5"):
         uniform.draw(8, None, generator=None, device=1.5)
 

@@ -116,9 +116,11 @@ def test_a_short_greedy_draw_names_its_cause():
 
     server = ServingRetriever(tower, items, index=Shallow(items))
     masked = greedy_candidates(EmbeddingCatalog(tower(users), items), 20)  # the best 20: 10 of the 30 found left
-    with pytest.raises(ValueError, match=r"the index found fewer than K=15 items that request 0 does not mask \(an "
-                                         r"approximate index: search deeper\)"):
+    with pytest.raises(ValueError, match=r"the index found fewer than K=15 items for request 0 that it does not mask "
+                                         r"\(an approximate index: search deeper\)"):
         server.retrieve(users, num_candidates=15, masked_items=masked)
+    with pytest.raises(ValueError, match=r"the index found fewer than K=35 items for request 0 \(an approximate"):
+        server.retrieve(users, num_candidates=35)
     too_many = torch.cat([torch.full((1, 190), -1), torch.arange(190)[None], torch.full((1, 190), -1)])
     with pytest.raises(ValueError, match=r"request 1 masks more than N - K = 185 items"):
         ServingRetriever(tower, items).retrieve(users, num_candidates=15, masked_items=too_many)
