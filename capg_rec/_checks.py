@@ -110,10 +110,11 @@ def check_flag(name: str, value: bool) -> bool:
 
 
 def check_device(name: str, value: object) -> torch.device:
-    """``value`` (a ``torch.device``, a device string or an index, as torch takes them) as a ``torch.device``: a
-    ``TypeError`` naming ``name`` for another type, a ``ValueError`` for one that names no device torch knows."""
-    if not isinstance(value, (torch.device, str)) and not is_int(value):
-        raise TypeError(f"{name} must be a torch.device, a str or an int, got {type(value).__name__} {value!r}")
+    """``value`` (a ``torch.device`` or a device string) as a ``torch.device``: a ``TypeError`` naming ``name`` for
+    another type (a bare index too: ``3`` is ``"cuda:3"`` to torch, which a CPU user rarely means), a ``ValueError``
+    for a string that names no device torch knows."""
+    if not isinstance(value, (torch.device, str)):
+        raise TypeError(f"{name} must be a torch.device, a str or None, got {type(value).__name__} {value!r}")
     try:
         return torch.device(value)
     except RuntimeError as error:

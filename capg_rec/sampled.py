@@ -149,8 +149,8 @@ def _integer_ids(name: str, x: object, shape: str, dims: int | None = None) -> T
 
 
 def _device(device: object) -> torch.device | None:
-    """A sampler's ``device`` argument: a ``torch.device``, a device string or index, or None (torch's default device
-    for a draw of its own, the batch's for a draw of the batch's items)."""
+    """A sampler's ``device`` argument: a ``torch.device``, a device string, or None (torch's default device for a
+    draw of its own, the batch's for a draw of the batch's items)."""
     return None if device is None else check_device("device", device)
 
 

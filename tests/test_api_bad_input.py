@@ -112,7 +112,7 @@ def test_samplers_check_the_arguments_of_their_public_methods():
         assert mixed.draw(20, batch, generator=None, device=None).device.type == "cpu"
     finally:
         torch.set_default_device(None)
-    with pytest.raises(TypeError, match="device must be a torch.device, a str or an int, got float 1.5"):
+    with pytest.raises(TypeError, match="device must be a torch.device, a str or None, got float 1.5"):
         uniform.draw(8, None, generator=None, device=1.5)
 
 
