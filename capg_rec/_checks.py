@@ -13,6 +13,7 @@ import argparse
 import collections
 import math
 import numbers
+import re
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -168,6 +169,20 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
     return value
+
+
+def flagged(message: str, args: argparse.Namespace, **renamed: str) -> str:
+    """An error raised by code that a command called with its parsed ``args``, in the command line's words: each
+    option's name (``num_outputs``) as its flag (``--num-outputs``) where the name has an underscore or leads the
+    message (a plain name such as ``seed`` is also a word of the text); ``renamed``: the callee's own name for an
+    option's value (``path="--data"``)."""
+    flags = {name: "--" + name.replace("_", "-") for name in vars(args) if name != "func"}
+    for name, flag in {**flags, **renamed}.items():
+        if "_" in name:
+            message = re.sub(rf"(?<![\w.-]){name}(?![\w-])", flag, message)
+        elif message.startswith(name + " "):
+            message = flag + message[len(name):]
+    return message
 
 
 def positive_int_pair(names: str) -> Callable[[str], tuple[int, int]]:

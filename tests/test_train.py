@@ -624,7 +624,7 @@ def test_demo_and_bench_run(tmp_path, capsys):
     for argv, message in ((["-K", "0"], "-K/--num-candidates: must be an integer >= 1"),
                           (["--repeats", "0"], "--repeats: must be an integer >= 1"),
                           (["--logit-scale", "-1"], "--logit-scale: must be a finite number > 0"),
-                          (["-K", "2000"], "must be <= env.num_items=1000")):
+                          (["-K", "2000"], "--num-candidates must be at most the environment's 1000 items")):
         with pytest.raises(SystemExit) as exit_info:
             bench_main(["--estimators", "capg_swr", *argv])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
@@ -781,7 +781,7 @@ def test_demo_and_bench_refuse_bad_arguments_up_front(argv, tmp_path, capsys, mo
     (["reproduce", "table2", "--ks", "5", "0"], "--ks: must be an integer >= 1"),
     (["reproduce", "offpolicy", "--sizes", "0"], "--sizes: must be an integer >= 1"),
     (["reproduce", "offpolicy", "--logging-temperature", "0"], "--logging-temperature: must be a finite number > 0"),
-    (["reproduce", "offpolicy", "--first-seed", "-1"], "seeds entries must be in [0, 9223372036854775807], got -1"),
+    (["reproduce", "offpolicy", "--first-seed", "-1"], "--first-seed must be >= 0, got -1"),
 ])
 def test_reproduce_refuses_options_its_target_does_not_read(tmp_path, capsys, argv, named):
     """Regression (found by review): options of another target were ignored (table3 ran K = 10 with --ks 3, the
@@ -793,6 +793,31 @@ def test_reproduce_refuses_options_its_target_does_not_read(tmp_path, capsys, ar
         main([*argv, "--out", str(tmp_path / "out")])
     assert exit_info.value.code == 2 and named in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--group-offset", "nan"], "--group-offset must be a finite number >= 0, got nan"),
+    (["train", "--seed", "-1"], "--seed must be an int in [0, 9223372036854775807], got -1"),
+    (["train", "-K", "5", "-L", "6"], "--num-outputs must be <= --num-candidates=5, got 6"),
+    (["train", "-K", "100000"], "--num-candidates must be at most the environment's 1000 items, got 100000"),
+    (["train", "--estimator", "capg", "--capg-method", "bogus"], "--capg-method must be one of"),
+    (["train", "--env", "kuairec", "--data", "."], "--data: path must be an existing KuaiRec small_matrix.csv"),
+    (["reproduce", "table2", "--ks", "100000"], "--ks must be at most the environment's 1000 items"),
+    (["reproduce", "table2", "--ks", "5", "5"], "--ks must not repeat a value"),
+    (["reproduce", "table2", "--capg-method", "exact", "--estimators", "vpg"], "--capg-method applies to"),
+    (["reproduce", "kuairec", "--data", "."], "--data must be an existing KuaiRec small_matrix.csv file"),
+    (["reproduce", "variance", "--ks", "100000"], "--ks must be in [1, 1000], got 100000"),
+    (["log", "-n", "20", "--method", "bogus"], "--method must be an InclusionMethod or one of"),
+])
+def test_bad_options_are_named_as_typed(tmp_path, capsys, argv, message):
+    """Regression (found by review): 14 errors of the command line named the config's field (num_outputs,
+    group_offset, capg_method, path, K) or nothing, not the option typed."""
+    from capg_rec.cli import main
+
+    out = tmp_path / ("logs.parquet" if argv[0] == "log" else "out")
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, *(["--steps", "2"] if argv[0] != "log" and "variance" not in argv else []), "--out", str(out)])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", ["train", "reproduce", "demo"])

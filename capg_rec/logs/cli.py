@@ -20,7 +20,7 @@ from typing import NoReturn
 
 import torch
 
-from capg_rec._checks import fraction, positive_float, positive_int
+from capg_rec._checks import flagged, fraction, positive_float, positive_int
 from capg_rec.marginals import DEFAULT_METHOD, inclusion_method, inclusion_methods
 from capg_rec.sim.lsr import LSR_NAMES
 from capg_rec.train.cli import _ENVS
@@ -223,7 +223,7 @@ def _log(args: argparse.Namespace) -> int:
                                 lsr=args.lsr, batch_size=args.batch_size, seed=args.seed, policy_version=version,
                                 extra=facts, progress=not args.no_progress)
     except (ValueError, TypeError, FileNotFoundError) as err:
-        _fail(str(err))
+        _fail(flagged(str(err), args, path="--out"))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(summary, indent=1), encoding="utf-8")
     print(json.dumps(summary, indent=1))

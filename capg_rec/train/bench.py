@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from capg_rec._checks import check_positive, positive_float, positive_int
+from capg_rec._checks import check_positive, flagged, positive_float, positive_int
 from capg_rec.catalog import DenseCatalog
 from capg_rec.marginals import DEFAULT_METHOD
 from capg_rec.plackett_luce import sample_candidates
@@ -124,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             made[est] = _trainer(est, args.num_candidates, args.batch_size, None, args.logit_scale)
         except ValueError as err:  # e.g. more candidates than the problem's items
-            parser.error(str(err))
+            parser.error(flagged(str(err), args))
     for est in args.estimators:
         r = _bench(*made[est], repeats=args.repeats, warmup=_WARMUP, logit_scale=args.logit_scale)
         label = ESTIMATOR_LABELS[est] + (f" ({DEFAULT_METHOD})" if est == "capg" else "")

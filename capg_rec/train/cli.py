@@ -10,7 +10,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from capg_rec._checks import positive_float, positive_int
+from capg_rec._checks import flagged, positive_float, positive_int
 from capg_rec.marginals import DEFAULT_METHOD, inclusion_methods
 from capg_rec.sim.lsr import LSR_NAMES
 from capg_rec.train.config import ESTIMATORS, TrainConfig
@@ -152,7 +152,10 @@ def _make_env(name: str, data: str | None):
         raise ValueError("--data must give the path of KuaiRec's small_matrix.csv for --env kuairec")
     from capg_rec.sim.kuairec import load_kuairec
 
-    return load_kuairec(data)
+    try:
+        return load_kuairec(data)
+    except (ValueError, OSError) as err:  # the loader names its path argument, or the file alone
+        raise ValueError(f"--data: {err}") from None
 
 
 def _original_message(err: Exception) -> str:
@@ -239,7 +242,7 @@ def _saved_logs(out: Path) -> list[str] | None:
     except FileNotFoundError:
         _fail(f"--resume: no checkpoint {path} to continue (is --out right?)")
     except (OSError, ValueError) as err:
-        _fail(str(err))
+        _fail(f"--resume: {err}")
     return list(state["config"]["logs"]) if state.get("kind") == "logs" else None
 
 
@@ -302,7 +305,7 @@ def _train_logs(args: argparse.Namespace, given: dict, out: Path) -> int:
             trainer = LogTrainer(LogTrainConfig(**given), env)
         result = trainer.run(out_dir=out, checkpoint_every=args.checkpoint_every)
     except (ValueError, TypeError) as err:
-        _fail(_original_message(err))
+        _fail(flagged(_original_message(err), args))
     written = write_log_reports(trainer, out)
     cfg, last = trainer.config, result.history[-1]
     value = "no environment" if env is None else f"policy value {last['policy_value']:.4f} under the " \
@@ -352,12 +355,12 @@ def _train(args: argparse.Namespace) -> int:
         else:
             trainer = Trainer(_make_env(args.env or "synthetic", args.data), TrainConfig(**given))
     except ValueError as err:
-        _fail(str(err))
+        _fail(flagged(str(err), args))
     env = trainer.env
     try:
         result = trainer.run(out_dir=out, checkpoint_every=args.checkpoint_every)
     except (ValueError, TypeError) as err:  # e.g. a method that cannot score this catalog
-        _fail(str(err))
+        _fail(flagged(str(err), args))
     cfg, best = trainer.config, env.optimal_value(trainer.config.num_outputs)
     write_csv(out / "metrics.csv", result.history)
     plot_curves({f"{cfg.label} on {env.name}, K={cfg.num_candidates}": {cfg.label: [result.history]}},
@@ -375,7 +378,7 @@ def _reproduce(args: argparse.Namespace) -> int:
     try:
         return _reproduce_target(args)
     except ValueError as err:
-        _fail(str(err), "reproduce")
+        _fail(flagged(str(err), args, K="--ks", num_candidates="--ks", path="--data"), "reproduce")
 
 
 _TRAINING = ("steps", "seeds", "estimators", "ks", "eval_every", "capg_method")
@@ -431,6 +434,8 @@ def _offpolicy(args: argparse.Namespace, out: Path) -> int:
     if args.quick:
         options.update(ks=(10,), sizes=(10_000,), seeds=(0,), logging_steps=200, eval_rows=10_000)
     else:
+        if args.first_seed < 0:  # the study's message would name its seeds, not this option
+            raise ValueError(f"--first-seed must be >= 0, got {args.first_seed}")
         options["seeds"] = tuple(range(args.first_seed, args.first_seed + args.seeds))
     for name in ("ks", "sizes", "learners"):
         if getattr(args, name) is not None:

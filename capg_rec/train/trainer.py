@@ -173,16 +173,16 @@ class Trainer:
             raise TypeError(f"env must be a MatrixEnv, got {type(env).__name__}")
         if not isinstance(config, TrainConfig):
             raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
-        eval_k = config.eval_candidates or config.num_candidates
-        if max(config.num_candidates, eval_k) > env.num_items:
-            raise ValueError(f"num_candidates/eval_candidates must be <= env.num_items={env.num_items}, "
-                             f"got {config.num_candidates}/{eval_k}")
+        for name in ("num_candidates", "eval_candidates"):
+            if (getattr(config, name) or 0) > env.num_items:
+                raise ValueError(f"{name} must be at most the environment's {env.num_items} items, got "
+                                 f"{getattr(config, name)}")
         self.env, self.config = env, config
         self.train_lsr = make_lsr(train_lsr if train_lsr is not None else config.train_lsr, argument="train_lsr")
         self.eval_lsr = make_lsr(eval_lsr if eval_lsr is not None else config.eval_lsr, argument="eval_lsr")
         self.lsr_labels = {"train_lsr": _lsr_label(train_lsr, config.train_lsr),
                            "eval_lsr": _lsr_label(eval_lsr, config.eval_lsr)}
-        self.eval_candidates = eval_k
+        self.eval_candidates = config.eval_candidates or config.num_candidates
         self.loss_fn = make_loss(config, validate_args=False)  # the step checks what it does not build itself
         method = getattr(self.loss_fn, "method", None)
         if isinstance(method, Enumeration):  # before any file is written: not at step 1
