@@ -774,6 +774,7 @@ def test_demo_and_bench_refuse_bad_arguments_up_front(argv, tmp_path, capsys, mo
                                                                          "offpolicy target"),
     (["reproduce", "offpolicy", "--quick", "--seeds", "2"], "--seeds: not used by the offpolicy target with --quick"),
     (["reproduce", "table2", "--quick"], "--quick: not used by the table2 target (it reads"),  # not "with --quick"
+    (["reproduce", "offpolicy", "--quick", "--steps", "2"], "--steps: not used by the offpolicy target (it reads"),
     (["reproduce", "variance", "--seeds", "2"], "--seeds: not used by the variance target"),
     (["reproduce", "table2", "--seeds", "0"], "--seeds: must be an integer >= 1"),
     (["reproduce", "table2", "--seeds", "-1"], "--seeds: must be an integer >= 1"),

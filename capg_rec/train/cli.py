@@ -396,13 +396,14 @@ def _reproduce_target(args: argparse.Namespace) -> int:
     names = {name for options in _REPRODUCE_OPTIONS.values() for name in options}
     ignored = sorted(name for name in names - set(_REPRODUCE_OPTIONS[args.target])
                      if getattr(args, name) not in (None, False))
-    if args.quick:  # it sets the seeds
-        ignored += [name for name in ("seeds", "first_seed") if getattr(args, name) is not None]
     if ignored:
         raise ValueError(f"{', '.join('--' + name.replace('_', '-') for name in ignored)}: not used by the "
-                         f"{args.target} target{' with --quick' if args.quick and 'quick' not in ignored else ''} "
-                         f"(it reads "
+                         f"{args.target} target (it reads "
                          f"{', '.join('--' + o.replace('_', '-') for o in _REPRODUCE_OPTIONS[args.target])})")
+    quick_set = [name for name in ("seeds", "first_seed") if args.quick and getattr(args, name) is not None]
+    if quick_set:
+        raise ValueError(f"{', '.join('--' + name.replace('_', '-') for name in quick_set)}: not used by the "
+                         f"{args.target} target with --quick, which sets the seeds")
     for name, value in _REPRODUCE_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
