@@ -173,15 +173,17 @@ def positive_int(text: str) -> int:
 
 def flagged(message: str, args: argparse.Namespace, **renamed: str) -> str:
     """An error raised by code that a command called with its parsed ``args``, in the command line's words: each
-    option's name (``num_outputs``) as its flag (``--num-outputs``) where the name has an underscore or leads the
-    message (a plain name such as ``seed`` is also a word of the text); ``renamed``: the callee's own name for an
-    option's value (``path="--data"``)."""
+    option's name (``num_outputs``) as its flag (``--num-outputs``) where it leads the message, or, for a name with an
+    underscore, stands before ``=`` as a word of its own (``<= num_candidates=5``, ``got capg_method='exact'``): not in
+    a path or a value the user typed (``got the folder runs/batch_size``, ``got 'eval_every'``); ``renamed``: the
+    callee's own name for an option's value (``path="--data"``), or an option's name kept as it is where it is not
+    the option (``env="env"``)."""
     flags = {name: "--" + name.replace("_", "-") for name in vars(args) if name != "func"}
     for name, flag in {**flags, **renamed}.items():
-        if "_" in name:
-            message = re.sub(rf"(?<![\w.-]){name}(?![\w-])", flag, message)
-        elif message.startswith(name + " "):
+        if message.startswith(name + " "):
             message = flag + message[len(name):]
+        if "_" in name:
+            message = re.sub(rf"(?<![\w.\-/'\"]){name}(?==)", flag, message)
     return message
 
 

@@ -782,7 +782,8 @@ def test_demo_and_bench_refuse_bad_arguments_up_front(argv, tmp_path, capsys, mo
     (["reproduce", "table2", "--ks", "5", "0"], "--ks: must be an integer >= 1"),
     (["reproduce", "offpolicy", "--sizes", "0"], "--sizes: must be an integer >= 1"),
     (["reproduce", "offpolicy", "--logging-temperature", "0"], "--logging-temperature: must be a finite number > 0"),
-    (["reproduce", "offpolicy", "--first-seed", "-1"], "--first-seed must be >= 0, got -1"),
+    (["reproduce", "offpolicy", "--first-seed", "-1"], "--first-seed must be in [0, 2^63 - --seeds]"),
+    (["reproduce", "offpolicy", "--first-seed", str(2**63 - 1), "--seeds", "2"], "--first-seed must be in"),
 ])
 def test_reproduce_refuses_options_its_target_does_not_read(tmp_path, capsys, argv, named):
     """Regression (found by review): options of another target were ignored (table3 ran K = 10 with --ks 3, the
@@ -819,6 +820,31 @@ def test_bad_options_are_named_as_typed(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
         main([*argv, *(["--steps", "2"] if argv[0] != "log" and "variance" not in argv else []), "--out", str(out)])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_option_names_in_paths_and_typed_values_stay_as_they_are(tmp_path, capsys):
+    """Regression (found by a review of the change that names the options): names of options inside a path or a
+    value the user typed were rewritten too ('/t/--num-candidates.csv', "got '--batch-size'")."""
+    from capg_rec.cli import main
+
+    folder = tmp_path / "batch_size"
+    folder.mkdir()
+    for argv, kept in ((["train", "--env", "kuairec", "--data", str(tmp_path / "num_candidates.csv")],
+                        "num_candidates.csv"),
+                       (["train", "--estimator", "capg", "--capg-method", "batch_size"], "got 'batch_size'"),
+                       (["log", "-n", "10", "--no-progress"], f"got the folder {folder}")):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*argv, "--out", str(folder if argv[0] == "log" else tmp_path / "out")])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and kept in err and "--num-candidates" not in err and \
+            "--batch-size" not in err, err
+
+
+def test_grpo_takes_estimators_the_paper_did_not_run(tmp_path):
+    """Regression (found by review): reproduce grpo --estimators vpg ended in a KeyError (the paper's GRPO table has
+    only the with-replacement estimators)."""
+    _, cells = build_target("grpo", steps=2, estimators=("vpg",), ks=(5,))
+    assert [cell.config.estimator for cell in cells] == ["vpg"] and cells[0].paper == (None, None)
 
 
 @pytest.mark.parametrize("command", ["train", "reproduce", "demo"])

@@ -606,3 +606,14 @@ def test_a_launchers_ranks_do_not_shard_the_log_trainer(logs, monkeypatch):
     assert launched.num_steps == alone.num_steps == 6  # 300 training rows of 400, in batches of 50
     for part in ("train_data", "eval_data"):
         assert getattr(launched, part).num_batches() == getattr(alone, part).num_batches() > 0
+
+
+def test_resuming_from_logs_onto_a_corrupt_checkpoint_names_resume(logs, tmp_path, capsys):
+    """Regression (found by review): online training said '--resume: checkpoint ... is not ...', training from logs
+    the bare message (with the option names in its path rewritten as flags)."""
+    out = tmp_path / "eval_every"
+    out.mkdir()
+    (out / "checkpoint.pt").write_bytes(b"not a checkpoint")
+    assert _run(["train", "--logs", str(logs), "--resume", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"error: --resume: checkpoint {out / 'checkpoint.pt'}" in err and "--eval-every" not in err

@@ -295,6 +295,8 @@ def _train_logs(args: argparse.Namespace, given: dict, out: Path) -> int:
                 state = read_checkpoint(path)
             except FileNotFoundError:
                 _fail(f"--resume: no checkpoint {path} to continue (is --out right?)")
+            except (OSError, ValueError) as err:
+                _fail(f"--resume: {err}")
             if state.get("kind") != "logs":
                 _fail(f"--resume: the run saved in {path} trained online; drop --logs to continue it")
             saved = dict(state["config"])  # a run given no eval LSR took the logs' own
@@ -305,7 +307,7 @@ def _train_logs(args: argparse.Namespace, given: dict, out: Path) -> int:
             trainer = LogTrainer(LogTrainConfig(**given), env)
         result = trainer.run(out_dir=out, checkpoint_every=args.checkpoint_every)
     except (ValueError, TypeError) as err:
-        _fail(flagged(_original_message(err), args))
+        _fail(flagged(_original_message(err), args, env="env"))  # --env is not an option of training from logs
     written = write_log_reports(trainer, out)
     cfg, last = trainer.config, result.history[-1]
     value = "no environment" if env is None else f"policy value {last['policy_value']:.4f} under the " \
@@ -435,8 +437,8 @@ def _offpolicy(args: argparse.Namespace, out: Path) -> int:
     if args.quick:
         options.update(ks=(10,), sizes=(10_000,), seeds=(0,), logging_steps=200, eval_rows=10_000)
     else:
-        if args.first_seed < 0:  # the study's message would name its seeds, not this option
-            raise ValueError(f"--first-seed must be >= 0, got {args.first_seed}")
+        if not 0 <= args.first_seed <= 2**63 - args.seeds:  # the study's message would name its seeds
+            raise ValueError(f"--first-seed must be in [0, 2^63 - --seeds] (seeds are int64), got {args.first_seed}")
         options["seeds"] = tuple(range(args.first_seed, args.first_seed + args.seeds))
     for name in ("ks", "sizes", "learners"):
         if getattr(args, name) is not None:

@@ -149,7 +149,7 @@ def _target_cells(target: str, *, steps: int, estimators: Sequence[str] | None,
             for k in ks or (20, 50, 100, 200):
                 cfg = base.replace(estimator=est, num_candidates=k, num_experts=5, group_size=_GRPO_GROUP,
                                    group_offset=offset)
-                cells.append(Cell(f"K={k}", cfg, _PAPER_GRPO[est].get(f"K={k}", (None, None))))
+                cells.append(Cell(f"K={k}", cfg, _PAPER_GRPO.get(est, {}).get(f"K={k}", (None, None))))
         return synthetic_env, cells
     if target in ("movielens", "kuairec"):
         if target == "kuairec":
