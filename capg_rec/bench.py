@@ -163,12 +163,17 @@ def accuracy_table(num_samples: int, seed: int = 0) -> list[dict]:
     return rows
 
 
+_COST_CASES = ((10, 1), (200, 5))
+"""The cost table's (K, M)."""
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="cost and accuracy tables of every estimator",
                               description="The cost of every estimator's forward+backward as a ratio to bare scoring, "
                                           "and the inclusion methods' accuracy against the exact method (and a "
                                           "Monte-Carlo estimate), written as one JSON file (--out).")
-    p.add_argument("--sizes", type=positive_int, nargs="+", default=[1_000, 100_000, 1_000_000])
+    p.add_argument("--sizes", type=positive_int, nargs="+", default=[1_000, 100_000, 1_000_000],
+                   help=f"catalog sizes N of the cost table (each at least its largest K, {_COST_CASES[-1][0]})")
     p.add_argument("--batch", type=positive_int, default=128)
     p.add_argument("--dim", type=positive_int, default=16)
     p.add_argument("--reps", type=positive_int, default=3)
@@ -187,7 +192,14 @@ def _main(args: argparse.Namespace) -> None:
 
     out = pathlib.Path(args.out)
     problem = None  # found before the tables are computed, not after
-    if out.is_dir():
+    largest = max(k for k, _ in _COST_CASES)
+    if args.skip_cost and args.skip_accuracy:
+        problem = "--skip-cost and --skip-accuracy together leave nothing to run"
+    elif not args.skip_cost and min(args.sizes) < largest:
+        problem = f"--sizes must be at least the cost table's largest K = {largest}, got {min(args.sizes)}"
+    elif not args.skip_cost and len(set(args.sizes)) < len(args.sizes):
+        problem = f"--sizes must not repeat a value, got {args.sizes}"
+    elif out.is_dir():
         problem = f"--out must be a file path, got the folder {out}"
     else:
         try:  # its folder, made now: a file on the way is an error before the work
@@ -200,7 +212,7 @@ def _main(args: argparse.Namespace) -> None:
     result = {}
     if not args.skip_cost:
         print("(a) cost: forward+backward of each loss, ratio to bare scoring (chunked logits + logsumexp)")
-        result["cost"] = cost_table(args.sizes, [(10, 1), (200, 5)], args.batch, args.dim, args.reps,
+        result["cost"] = cost_table(args.sizes, list(_COST_CASES), args.batch, args.dim, args.reps,
                                     args.case_timeout, args.memory_limit)
     if not args.skip_accuracy:
         print("(b) accuracy: mean relative error of inclusion probabilities vs Monte-Carlo "

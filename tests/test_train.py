@@ -750,10 +750,14 @@ def test_gradient_variance_signal_is_unbiased_against_enumeration():
                                   ["demo", "-K", "2000"], ["bench", "--reps", "0"], ["bench", "--mc-samples", "0"],
                                   ["bench", "--sizes", "300", "0"], ["bench", "--out", "."],
                                   ["bench", "--case-timeout", "-1"], ["bench", "--memory-limit", "-1"],
-                                  ["bench", "--case-timeout", "nan"], ["bench", "--out", "afile/x.json"]])
+                                  ["bench", "--case-timeout", "nan"], ["bench", "--out", "afile/x.json"],
+                                  ["bench", "--skip-cost", "--skip-accuracy"], ["bench", "--sizes", "5"],
+                                  ["bench", "--sizes", "500", "500"]])
 def test_demo_and_bench_refuse_bad_arguments_up_front(argv, tmp_path, capsys, monkeypatch):
     """They raised tracebacks (demo), wrote empty tables before a KeyError (demo --seeds 0), ran every case to
-    NaN or 'no median' and exited 0 (bench), or failed on --out only after computing everything."""
+    NaN or 'no median' and exited 0 (bench), or failed on --out only after computing everything; bench also ran
+    nothing and exited 0 with both parts skipped, printed a table of errors for sizes below its K and ran repeated
+    sizes twice (a later review)."""
     from capg_rec.cli import main
 
     monkeypatch.chdir(tmp_path)
