@@ -180,7 +180,7 @@ def flagged(message: str, args: argparse.Namespace, **renamed: str) -> str:
     the option (``env="env"``)."""
     flags = {name: "--" + name.replace("_", "-") for name in vars(args) if name != "func"}
     for name, flag in {**flags, **renamed}.items():
-        if message.startswith(name + " "):
+        if re.match(rf"{name}(?=[ :])", message):
             message = flag + message[len(name):]
         if "_" in name:
             message = re.sub(rf"(?<![\w.\-/'\"]){name}(?==)", flag, message)

@@ -617,3 +617,15 @@ def test_resuming_from_logs_onto_a_corrupt_checkpoint_names_resume(logs, tmp_pat
     assert _run(["train", "--logs", str(logs), "--resume", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert f"error: --resume: checkpoint {out / 'checkpoint.pt'}" in err and "--eval-every" not in err
+
+
+def test_bad_log_files_are_named_as_the_logs_option(logs, tmp_path, capsys):
+    """Regression (found by review): the reader's errors reached the command line as its own ('path_or_paths: no
+    .parquet file', 'log file X: ...'), naming no option."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "zero.parquet").touch()
+    for paths, message in (([tmp_path / "empty"], "error: --logs: no .parquet file in"),
+                           ([logs, logs], "error: --logs names the log file"),
+                           ([tmp_path / "zero.parquet"], "error: --logs: log file")):
+        assert _run(["train", "--logs", *map(str, paths), "--out", str(tmp_path / "run")]) == 2
+        assert message in capsys.readouterr().err

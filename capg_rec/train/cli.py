@@ -307,7 +307,9 @@ def _train_logs(args: argparse.Namespace, given: dict, out: Path) -> int:
             trainer = LogTrainer(LogTrainConfig(**given), env)
         result = trainer.run(out_dir=out, checkpoint_every=args.checkpoint_every)
     except (ValueError, TypeError) as err:
-        _fail(flagged(_original_message(err), args, env="env"))  # --env is not an option of training from logs
+        # --env is not an option of training from logs; what names no option is about the logs (a file, its rows)
+        message = flagged(_original_message(err), args, env="env", path_or_paths="--logs")
+        _fail(message if message.startswith("--") else f"--logs: {message}")
     written = write_log_reports(trainer, out)
     cfg, last = trainer.config, result.history[-1]
     value = "no environment" if env is None else f"policy value {last['policy_value']:.4f} under the " \
