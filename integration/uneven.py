@@ -43,7 +43,7 @@ ranks with a collective timeout, so that a hang fails the case instead of the jo
 * ``ties``: a row-wise item table whose rows are all the same: the greedy draw names the lowest ids, as on one
   process;
 * ``catalog_arguments/*``: rank 1 passes the whole sharded catalog's ``top_items`` a K above N, another K than
-  rank 0's or an expert it does not have, or ``log_power_sums`` no powers: the error on both;
+  rank 0's, another ``perturb`` or an expert it does not have, or ``log_power_sums`` no powers: the error on both;
 * ``key_order/*``: a batch whose keys come in another order than the first batch's (TorchRec's sharded lookup
   would read it in the first order), on rank 1 alone or on both: a ``ValueError`` on both;
 * ``baseline_dtype``: the baselines over float32 rewards on rank 0 and float64 ones on rank 1: one mean on both;
@@ -438,6 +438,8 @@ def main() -> int:
                 cat.top_items(SETUP.num_items + 1 if other else 3)
             elif what == "other_k":
                 cat.top_items(3 + rank)
+            elif what == "other_perturb":  # found by review: a perturbed draw's seed exchange met the other's gathers
+                cat.top_items(3, perturb=other, generator=torch.Generator().manual_seed(1))
             elif what == "experts":
                 cat.top_items(3, experts=[5] if other else [0])
             else:
@@ -485,7 +487,8 @@ def main() -> int:
                 for what in ("k_zero", "k_above_n", "k_float", "generator") for where in ("sampled", "whole")},
              "arguments/greedy": bad_draw("k_above_n", "greedy"), "arguments/explore": bad_draw("k_zero", "explore"),
              "user_method_shape": user_method_shape,
-             **{f"catalog_arguments/{what}": catalog_arguments(what) for what in ("k", "other_k", "experts", "powers")},
+             **{f"catalog_arguments/{what}": catalog_arguments(what)
+                for what in ("k", "other_k", "other_perturb", "experts", "powers")},
              "key_order/one_rank": key_order(True), "key_order/both": key_order(False),
              "baseline_dtype": baseline_dtype, "baseline_contexts": baseline_contexts}
     outcomes = {name: outcome(case) for name, case in cases.items()}

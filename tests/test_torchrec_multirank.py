@@ -294,8 +294,10 @@ def test_sampled_mode_checks_agree_whatever_each_rank_holds(tmp_path):
     for what, message in (("k", "k must be in [1, 3001], got 3002"), ("experts", "experts must be in [0, 2), got [5]"),
                           ("powers", "num_powers must be >= 1, got 0"),
                           ("other_k", "every rank must draw alike (the same K in sample_candidates) and ask "
-                                      "top_items for the same k and experts (a draw of K from a mixture asks each "
-                                      "expert block for its share of K), got top_items' k = [3, 4] by rank")):
+                                      "top_items for the same k, experts and perturb (a draw of K from a mixture asks "
+                                      "each expert block for its share of K), got top_items' k = [3, 4] by rank"),
+                          ("other_perturb", "every rank must draw alike (the same K in sample_candidates) and ask "
+                                            "top_items for the same k, experts and perturb")):
         case = f"catalog_arguments/{what}"
         assert first[case] == second[case] and first[case].startswith(f"ValueError: {message}"), (case, first[case])
     for case in ("key_order/one_rank", "key_order/both"):

@@ -261,17 +261,18 @@ class ShardedEmbeddingCatalog(CatalogScores):
                   generator: torch.Generator | None = None, perturb: bool = False) -> Tensor:
         def arguments() -> list[int]:
             check_count("k", k, high=self.num_items)
-            check_flag("perturb", perturb)
+            perturbed = check_flag("perturb", perturb)
             chosen = list(range(self.num_experts)) if experts is None else [int(m) for m in experts]
             if any(m < 0 or m >= self.num_experts for m in chosen):
                 raise ValueError(f"experts must be in [0, {self.num_experts}), got {chosen}")
             sel.extend(chosen)
-            return [k, len(chosen), hash(tuple(chosen)) >> 2]  # int hashes are the same in every process
+            # int hashes are the same in every process; a perturbed draw takes a collective of its own (its seed)
+            return [k, len(chosen), hash(tuple(chosen)) >> 2, int(perturbed)]
 
         sel: list[int] = []
         self._arguments("every rank must draw alike (the same K in sample_candidates) and ask top_items for the "
-                        "same k and experts (a draw of K from a mixture asks each expert block for its share of K)",
-                        3, arguments, shown="top_items' k = ")
+                        "same k, experts and perturb (a draw of K from a mixture asks each expert block for its share "
+                        "of K)", 4, arguments, shown="top_items' k = ")
         with torch.no_grad():
             user = self.user_all.detach()[:, sel]
             item = self.item.detach()[:, sel]
