@@ -24,6 +24,7 @@ from capg_rec.catalog import EmbeddingCatalog
 from capg_rec.logs.propensity import explore_candidates, log_propensities
 from capg_rec.marginals import DEFAULT_METHOD, InclusionMethod, inclusion_method
 from capg_rec.plackett_luce import expert_runs
+from capg_rec.sampled import _found
 
 __all__ = ["ServingRetriever", "Retrieved"]
 
@@ -77,16 +78,6 @@ class Retrieved(NamedTuple):
             raise ValueError("picks must not repeat a position within a row (the later stage shows distinct items)")
         return (self.candidates.gather(1, picks), self.log_inclusion.gather(1, picks),
                 self.log_expected_count.gather(1, picks))
-
-
-def _members(ids: Tensor, among: Tensor) -> Tensor:
-    """Whether each of ``ids [B, W]`` is in its row of ``among [B, E]`` → bool ``[B, W]``: a binary search in the
-    sorted row (``W·log E``, not the ``W·E`` of a comparison of every pair: a request may mask thousands)."""
-    if not among.shape[1]:
-        return torch.zeros_like(ids, dtype=torch.bool)
-    ordered = among.sort(dim=1).values
-    at = torch.searchsorted(ordered, ids).clamp_(max=ordered.shape[1] - 1)
-    return ordered.gather(1, at) == ids
 
 
 class ServingRetriever:
@@ -204,11 +195,12 @@ class ServingRetriever:
         picks: list[Tensor] = []
         taken = 0
         for expert, count in expert_runs(num_candidates, user.shape[1]):
-            best = found[:, expert, :taken + count + extra].contiguous()  # enough: at most `taken + E` of them are gone
+            best = found[:, expert, :taken + count + extra]  # enough: at most `taken + E` of them are gone
             gone = [*picks, *([] if masked is None else [masked])]
             fresh = best >= 0  # -1: an approximate index found no more
             if gone:  # drop what earlier blocks took and the masked ids, and keep the first `count` others, in order
-                fresh &= ~_members(best, torch.cat(gone, dim=1))
+                among = torch.cat(gone, dim=1).sort(dim=1).values  # searched, not compared pairwise: E may be 1000s
+                fresh &= _found(among, best) == among.shape[1]
             short = fresh.sum(1) < count
             if bool(short.any()):
                 raise ValueError(self._short_message(num_candidates, masked, int(short.nonzero()[0, 0])))
