@@ -276,13 +276,18 @@ def all_finite(x: Tensor) -> bool:
     return math.isfinite(lo) and math.isfinite(hi)
 
 
+def is_id_tensor(x: object) -> bool:
+    """Whether ``x`` is a tensor of an integer dtype (not bool, floating or complex): what ids may be."""
+    return isinstance(x, Tensor) and not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
+
+
 def check_id_tensor(name: str, items: object, *, batch_size: int, width: int | None = None,
                     allow_empty: bool = False, columns: str = "L") -> Tensor:
     """Structural checks of an id tensor ``[B, L]`` (integer dtype, shape; ``columns`` names its width in
     messages, e.g. ``"K"`` for a draw); returns it as int64."""
     if not isinstance(items, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of item ids, got {type(items).__name__}")
-    if items.dtype.is_floating_point or items.dtype.is_complex or items.dtype == torch.bool:
+    if not is_id_tensor(items):
         raise TypeError(f"{name} must have an integer dtype, got {items.dtype}")
     if items.dim() != 2 or items.shape[0] != batch_size:
         raise ValueError(f"{name} must have shape [B={batch_size}, {columns}], got {tuple(items.shape)}")

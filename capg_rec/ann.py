@@ -24,7 +24,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from capg_rec._checks import check_choice, check_count, check_float_tensor, resolve_validate_args
+from capg_rec._checks import check_choice, check_count, check_float_tensor, is_id_tensor, resolve_validate_args
 from capg_rec.catalog import _chunked_top_k, compute_dtype
 
 __all__ = ["ItemIndex", "ExactIndex", "FaissIndex", "recall_at_k"]
@@ -240,7 +240,7 @@ def recall_at_k(found: Tensor, exact: Tensor) -> float:
     every row's (the mean over rows when each names k ids); ``-1`` (an index's padding, for an id not found) is no
     id: it matches nothing, and ``-1`` in ``exact`` are not counted."""
     for name, ids in (("found", found), ("exact", exact)):
-        if not isinstance(ids, Tensor) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        if not is_id_tensor(ids):
             raise TypeError(f"{name} must be an integer tensor of ids, got "
                             f"{ids.dtype if isinstance(ids, Tensor) else type(ids).__name__}")
     if found.shape != exact.shape or exact.dim() == 0:

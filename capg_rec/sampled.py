@@ -56,7 +56,7 @@ import torch
 from torch import Tensor
 
 from capg_rec._checks import FAILED_ELSEWHERE, _host_view, all_finite, check_count, check_device, check_flag, \
-    check_float_tensor, check_generator, check_items, check_positive, is_int, raise_where_short, \
+    check_float_tensor, check_generator, check_items, check_positive, is_id_tensor, is_int, raise_where_short, \
     resolve_validate_args, validating_by_default
 from capg_rec._numerics import (exp_floor, gumbel_group_size, gumbel_top_k, no_autocast, safe_logsumexp,
                                 select_experts, top_k)
@@ -141,7 +141,7 @@ def _checked_state(state: object) -> dict[str, object]:
 def _integer_ids(name: str, x: object, shape: str, dims: int | None = None) -> Tensor:
     """``x`` itself: an integer tensor (of ``dims`` dims, if given), else a ``TypeError`` (``ValueError`` for its dims)
     naming ``name``, whose expected ``shape`` it states."""
-    if not isinstance(x, Tensor) or x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+    if not is_id_tensor(x):
         raise TypeError(f"{name} must be an integer tensor {shape}, got {getattr(x, 'dtype', type(x).__name__)}")
     if dims is not None and x.dim() != dims:
         raise ValueError(f"{name} must be {dims}-d {shape}, got shape {list(x.shape)}")

@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 import torch
 from torch import Tensor
 
-from capg_rec._checks import check_count, check_flag, is_int, resolve_validate_args
+from capg_rec._checks import check_count, check_flag, is_id_tensor, is_int, resolve_validate_args
 from capg_rec._json import plain
 from capg_rec.logs import _handover
 from capg_rec.logs.schema import IN_BAND_BYTES, LOG_SCHEMA, REQUIRED_COLUMNS, TENSOR_COLUMNS, LogMetadata, \
@@ -371,8 +371,7 @@ class LogWriter:
             if not isinstance(x, Tensor):
                 raise TypeError(f"batch.{name} must be a torch.Tensor, got {type(x).__name__}")
             integer = _DTYPES[name] == torch.long
-            is_integer = not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
-            if not (is_integer if integer else x.is_floating_point()):  # bools and complex numbers are neither
+            if not (is_id_tensor(x) if integer else x.is_floating_point()):  # bools and complex numbers are neither
                 raise TypeError(f"batch.{name} must have {'an integer' if integer else 'a floating'} dtype, "
                                 f"got {x.dtype}")
             width = getattr(self.meta, _LIST_WIDTH[name]) if name in _LIST_WIDTH else None

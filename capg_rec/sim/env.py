@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from capg_rec._checks import check_count, check_generator, is_number, python_number
+from capg_rec._checks import check_count, check_generator, is_id_tensor, is_number, python_number
 
 __all__ = ["MatrixEnv"]
 
@@ -27,7 +27,7 @@ __all__ = ["MatrixEnv"]
 def check_ids(name: str, ids: object, count: int) -> Tensor:
     """``ids``: an integer tensor (a ``TypeError`` otherwise) of ids in ``[0, count)`` (a ``ValueError`` otherwise: a
     negative id would wrap around to another user or item) → as int64 (one host read of its range)."""
-    if not isinstance(ids, Tensor) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+    if not is_id_tensor(ids):
         raise TypeError(f"{name} must be an integer tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
     low, high = (int(v) for v in torch.aminmax(ids)) if ids.numel() else (0, 0)
     if low < 0 or high >= count:

@@ -17,7 +17,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 from capg_rec._checks import check_count, check_flag, check_id_tensor, check_items, check_positive, \
-    check_same_device, resolve_validate_args
+    check_same_device, is_id_tensor, resolve_validate_args
 from capg_rec.ann import ItemIndex
 from capg_rec.marginals import DEFAULT_METHOD, InclusionMethod
 from capg_rec.catalog import unpadded
@@ -557,8 +557,7 @@ class TwoTowerRetriever(nn.Module):
         if not isinstance(sample, DrawnSample):
             raise TypeError(f"sample must be a DrawnSample (head_items and index_items need one), got "
                             f"{type(sample).__name__}")
-        if head_items is not None and (not isinstance(head_items, Tensor) or head_items.dtype == torch.bool
-                                       or head_items.is_floating_point() or head_items.is_complex()):
+        if head_items is not None and not is_id_tensor(head_items):
             raise TypeError(f"head_items must be an integer tensor of item ids, got "
                             f"{getattr(head_items, 'dtype', type(head_items).__name__)}")
         if head_items is not None and (head_items.dim() != 2 or head_items.shape[0] != batch):
