@@ -786,10 +786,10 @@ def safe_logsumexp(x: Tensor, dim: int) -> Tensor:
     """``torch.logsumexp`` whose value and gradients (all orders) stay NaN-free when every entry
     along ``dim`` is ``-inf`` (a masked item's terms): then ``-inf`` with zero gradient. (``-inf`` is
     held at the lowest finite value, whose terms vanish next to any finite one and whose clamp passes
-    no gradient.)"""
+    no gradient.) A NaN entry gives NaN, as in ``torch.logsumexp``."""
     lowest = torch.finfo(x.dtype).min
     out = torch.logsumexp(x.clamp_min(lowest), dim=dim)
-    return torch.where(out > lowest / 2, out, -math.inf)
+    return torch.where(out <= lowest / 2, -math.inf, out)
 
 
 def _log_total(total: Tensor, top: Tensor) -> Tensor:

@@ -9,7 +9,8 @@ import torch
 from capg_rec import CAPGLoss, DenseCatalog, EmbeddingCatalog, VPGLoss, sample_candidates
 from capg_rec.plackett_luce import expert_runs
 from capg_rec._numerics import (_top_k_numpy, _top_k_torch, _truncated_keys, exp_floor, expm1, filled_logsumexp,
-                               gather_with_rest, log1mexp, log_softmax_at, masked_logsumexp, scaled_terms, top_k)
+                               gather_with_rest, log1mexp, log_softmax_at, masked_logsumexp, safe_logsumexp,
+                               scaled_terms, top_k)
 from capg_rec.catalog import _chunked_top_k, _ChunkedLogPowerSums
 
 
@@ -612,3 +613,18 @@ def test_truncated_gumbel_keys_match_their_formula():
         tol = 64 * torch.finfo(dtype).eps * (1 + top.abs().max().item())
         torch.testing.assert_close(got, want, rtol=0.0, atol=tol)
     assert (got[:5, 3] == -math.inf).all()
+
+
+def test_safe_logsumexp_propagates_nan_as_torch_does():
+    """A NaN entry gives NaN, as in ``torch.logsumexp``, not ``-inf`` (a masked row's value): with the checks off,
+    CA-PG-SwR over two experts turned a NaN logit into a loss of ``+inf``, which reads as an overflow."""
+    x = torch.tensor([[math.nan, 1.0], [-math.inf, -math.inf], [math.inf, 1.0], [0.0, 1.0]], dtype=torch.float64)
+    out = safe_logsumexp(x, 1)
+    assert math.isnan(out[0]) and out[1] == -math.inf and out[2] == math.inf
+    torch.testing.assert_close(out[3], torch.logsumexp(x[3], 0))
+    logits = torch.randn(3, 2, 20, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    logits[1, 0, 7] = math.nan
+    candidates = torch.arange(6).repeat(3, 1)
+    loss = CAPGLoss(6, method="with_replacement", reduction="none", validate_args=False)(
+        logits, candidates, candidates[:, :2], torch.ones(3, 2, dtype=torch.float64))
+    assert math.isnan(loss[1]) and bool(loss[[0, 2]].isfinite().all())
