@@ -20,7 +20,9 @@ effective sample size, which do not depend on the weights' scale, take them unca
 effective sample size is ``(Σ_i W_i)² / Σ_i W_i²`` (n for equal weights). Below
 ``min_effective_sample_size`` the intervals are NaN, with a warning: a sample variance over a handful of
 weighted rows claims a certainty the rows do not hold (one row with weight gives SNIPS a zero-width
-interval; none gives IPS one at 0).
+interval; none gives IPS one at 0). Above it they are still asymptotic: with skewed weights at an effective sample
+size of a few tens, a nominal 95% IPS interval was seen to cover 86–91% of the time (SNIPS: 91%); raise
+``min_effective_sample_size`` (to 100, say) where coverage matters more than having an interval.
 """
 
 from __future__ import annotations
