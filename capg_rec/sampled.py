@@ -148,6 +148,21 @@ def _integer_ids(name: str, x: object, shape: str, dims: int | None = None) -> T
     return x
 
 
+def _checked_log_count(sampler: NegativeSampler, log_count: object, shape: tuple[int, ...], validate: bool) -> Tensor:
+    """A sampler's log expected counts of the sample's ids (a sampler of your own may give anything): a floating tensor
+    of ``shape`` (a ``TypeError`` / ``ValueError`` naming the sampler's method otherwise); with ``validate``, no NaN
+    or ``+inf`` (a NaN term reads as ``-inf`` in the sums, an infinite count as a term of 0: both silently)."""
+    name = f"{type(sampler).__name__}.log_expected_count"
+    if not isinstance(log_count, Tensor) or not log_count.is_floating_point():
+        raise TypeError(f"{name} must give a floating tensor {list(shape)}, got "
+                        f"{getattr(log_count, 'dtype', type(log_count).__name__)}")
+    if tuple(log_count.shape) != shape:
+        raise ValueError(f"{name} must give shape {list(shape)} (one per sample slot), got {list(log_count.shape)}")
+    if validate and log_count.numel() and not bool((log_count < math.inf).all()):  # NaN fails too
+        raise ValueError(f"{name} must give finite values or -inf (an id it never draws), got NaN or +inf")
+    return log_count
+
+
 def _device(device: object) -> torch.device | None:
     """A sampler's ``device`` argument: a ``torch.device``, a device string, or None (torch's default device for a
     draw of its own, the batch's for a draw of the batch's items)."""
@@ -221,7 +236,10 @@ class InBatchSampler(NegativeSampler):
     so that a rare item's ``1/δ`` does not rest on its first gap (which a fixed rate keeps at weight
     ``(1 - alpha)^n``: an item seen 30 times at ``alpha = 0.01`` had its count overestimated by 40–90%, as
     ``1/δ`` of a few gaps is biased upwards). Each :meth:`draw` is one step: it records the batch first. The
-    estimate follows the batches to their device, and :meth:`state_dict` carries it into a checkpoint.
+    estimate follows the batches to their device, and :meth:`state_dict` carries it into a checkpoint. The
+    online estimate counts per step, not per slot: it holds for batches of one size (a step of 8 slots after
+    steps of 64 had its counts estimated 8 times too high), so drop an epoch's last, smaller batch
+    (``drop_last=True``) or pass ``frequency``, with which the counts follow each batch's slots.
 
     In-batch negatives never reach items that are never named: the estimate is biased towards
     popular items unless the batch covers the catalog. :class:`MixedSampler` adds uniform negatives.
@@ -362,6 +380,9 @@ class InBatchSampler(NegativeSampler):
                                  f"{tuple(t.shape) if isinstance(t, Tensor) else ''}")
             if not bool(((t >= 0) & (t < math.inf)).all()):  # steps, gaps, copies, counts
                 raise ValueError(f"state[{key!r}] must hold finite values >= 0 (an estimate's tables)")
+        if tables and step < float(state["last"].max()):
+            raise ValueError(f"state['step'] must be at least the last step its tables saw an item at, "
+                             f"{float(state['last'].max()):g}, got {step} (the tables of a later step?)")
         self.step = int(step)
         loaded = [state[k].clone() for k in tables] or [None] * 4  # type: ignore[union-attr]
         self._last, self._interval, self._copies, self._sightings = loaded
@@ -796,7 +817,8 @@ class SampledCatalog(CatalogScores):
                                                                  device=self.device)
             # [B, T] (-1: a later copy or unused) and the same sorted with its copies, for lookups
             self.head_ids, self._head_sorted = _distinct(head.to(self.device)) if head.shape[1] else (head, head)
-            sample = sampler.draw(self.num_items, batch_items, generator=generator, device=self.device)
+            sample = _integer_ids(f"{type(sampler).__name__}.draw's ids", sampler.draw(
+                self.num_items, batch_items, generator=generator, device=self.device), "[S]", 1)
             low, high = (int(v) for v in torch.aminmax(sample)) if self.validate and sample.numel() else (0, 0)
             if low < -1 or high >= self.num_items:
                 raise ValueError(f"sampler must draw ids in [0, {self.num_items}) (-1: an unused slot), got ids in "
@@ -809,8 +831,9 @@ class SampledCatalog(CatalogScores):
             if own_batch and sampler.draws_batch:
                 # A row's own head items are in the sample but scored exactly (their terms dropped): its sums
                 # take the other rows' draws, whose expected counts are those of the other rows' slots.
-                log_count = sampler.log_expected_count_from_others(self.sample_ids, self.num_items,
-                                                                   batch_items).unsqueeze(1)  # [B, 1, S]
+                log_count = _checked_log_count(sampler, sampler.log_expected_count_from_others(
+                    self.sample_ids, self.num_items, batch_items), (self.batch_size, len(self.sample_ids)),
+                    self.validate).unsqueeze(1)  # [B, 1, S]
                 if self.validate and log_count.shape[2]:
                     # A row that no other row's slot can give an item (a batch of one row) has no estimate of
                     # the catalog outside its head: its sums would silently be its head's alone.
@@ -820,7 +843,8 @@ class SampledCatalog(CatalogScores):
                                          f"{int(alone.nonzero()[0, 0])} has no other row to draw from (a batch of "
                                          "one row?): mix in a UniformSampler (MixedSampler), or batch more rows")
             else:
-                log_count = sampler.log_expected_count(self.sample_ids, self.num_items, batch_items)  # [S]
+                log_count = _checked_log_count(sampler, sampler.log_expected_count(
+                    self.sample_ids, self.num_items, batch_items), (len(self.sample_ids),), self.validate)  # [S]
             never = (self.sample_ids >= 0) & (log_count == -math.inf)  # drawn, yet of expected count 0
             if self.validate and bool(never.any()):
                 item = int(self.sample_ids[never.nonzero()[0, -1]])

@@ -1048,6 +1048,12 @@ def test_sampler_state_dict_refuses_what_does_not_fit():
         sampler.load_state_dict({**InBatchSampler(num_buckets=16).state_dict(), "last": state["last"],
                                  "interval": state["interval"], "copies": torch.zeros(2, 17, dtype=torch.float64),
                                  "sightings": state["sightings"]})
+    later = InBatchSampler(num_buckets=8)
+    for _ in range(5):
+        later.observe(torch.tensor([[1, 2]]))
+    with pytest.raises(ValueError, match=r"state\['step'\] must be at least the last step its tables saw an item at, "
+                       "5, got 0"):  # the estimate then came out 21 times too large (found by review)
+        sampler.load_state_dict({**later.state_dict(), "step": 0})
     with pytest.raises(ValueError, match="keeps no state"):
         UniformSampler(3).load_state_dict({"step": 1})
     with pytest.raises(ValueError, match="one entry per sampler"):
@@ -1223,3 +1229,54 @@ def test_a_padded_slot_is_not_another_rows_draw():
                          sampler=InBatchSampler(frequency=q), head_items=torch.tensor([[1, 2, -1], [3, 4, 5]]),
                          validate_args=True)
     assert torch.isfinite(cat.log_power_sums()).all()
+
+
+class _OwnSampler(capg_rec.NegativeSampler):
+    """A sampler of a user's own, drawing ``ids`` and giving ``counts(ids)`` as their log expected counts."""
+
+    def __init__(self, ids, counts):
+        self.ids, self.counts = ids, counts
+
+    def draw(self, num_items, batch_items, *, generator, device):
+        return self.ids
+
+    def log_expected_count(self, ids, num_items, batch_items):
+        return self.counts(ids)
+
+
+def _uniform_log_counts(ids):
+    return torch.full(ids.shape, math.log(3 / 100), dtype=torch.float64)
+
+
+def _with_first(value):
+    def counts(ids):
+        out = _uniform_log_counts(ids)
+        out[0] = value
+        return out
+    return counts
+
+
+@pytest.mark.parametrize("sampler, error, message", [
+    (_OwnSampler(torch.tensor([3, 4, 5]), _with_first(math.nan)), ValueError, "got NaN or \\+inf"),
+    (_OwnSampler(torch.tensor([3, 4, 5]), _with_first(math.inf)), ValueError, "got NaN or \\+inf"),
+    (_OwnSampler(torch.tensor([3, 4, 5]), lambda ids: _uniform_log_counts(ids)[:, None]), ValueError,
+     r"must give shape \[3\] \(one per sample slot\), got \[3, 1\]"),
+    (_OwnSampler(torch.tensor([3, 4, 5]), lambda ids: _uniform_log_counts(ids)[:1]), ValueError,
+     r"must give shape \[3\]"),
+    (_OwnSampler(torch.tensor([3, 4, 5]), lambda ids: torch.zeros_like(ids)), TypeError,
+     r"log_expected_count must give a floating tensor \[3\], got torch.int64"),
+    (_OwnSampler(torch.tensor([3.0, 4.0, 5.0]), _uniform_log_counts), TypeError,
+     r"draw's ids must be an integer tensor \[S\], got torch.float32"),
+    (_OwnSampler(torch.tensor([[3, 4, 5]]), _uniform_log_counts), ValueError, r"draw's ids must be 1-d \[S\]"),
+])
+def test_what_a_sampler_of_your_own_gives_is_checked(sampler, error, message):
+    """A NaN log expected count gave a log normaliser of -inf, a loss of -inf and a draw that always took the item;
+    +inf dropped the item's term; a count of shape [S, 1] gave a normaliser [B, S]; float ids were truncated (found by
+    review): a TypeError or ValueError naming the sampler's method."""
+    gen = torch.Generator().manual_seed(0)
+    user, item, head = torch.randn(2, 4, generator=gen), torch.randn(100, 4, generator=gen), torch.tensor([[0, 1, 2],
+                                                                                                         [7, 8, 9]])
+    with pytest.raises(error, match=f"_OwnSampler.*{message}"):
+        SampledCatalog(user, item, sampler=sampler, head_items=head)
+    good = _OwnSampler(torch.tensor([3, 4, 5]), _uniform_log_counts)
+    assert SampledCatalog(user, item, sampler=good, head_items=head).log_normalizer().shape == (2, 1)
