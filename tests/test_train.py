@@ -416,6 +416,24 @@ def test_reproduce_refuses_to_overwrite_a_longer_run(env, tmp_path):
     assert result.steps_done == 10
 
 
+def test_reproduce_refuses_to_overwrite_a_run_of_another_configuration(env, tmp_path):
+    """Found by review: a run whose configuration differs from the one in its folder but for what the folder's
+    name says (another --eval-every, say) was trained into it, replacing the earlier run's results."""
+    run_cells(env, [Cell("K=5", _config(steps=20, eval_every=10))], [0], tmp_path, checkpoint_every=10,
+              progress=False)
+    run_dir = next((tmp_path / "runs").iterdir())
+    saved = {path.name: path.read_bytes() for path in run_dir.iterdir()}
+    other = Cell("K=5", _config(steps=20, eval_every=5))
+    message = "holds a run of another configuration \\(eval_every=10 there, 5 here\\): a run here would overwrite it"
+    with pytest.raises(ValueError, match=message):
+        run_cells(env, [other], [0], tmp_path, checkpoint_every=10, progress=False)
+    (run_dir / "result.json").unlink()  # an interrupted run: only its checkpoint is left
+    with pytest.raises(ValueError, match=message):
+        run_cells(env, [other], [0], tmp_path, checkpoint_every=10, progress=False)
+    assert {path.name: path.read_bytes() for path in run_dir.iterdir()} == {
+        name: data for name, data in saved.items() if name != "result.json"}
+
+
 def test_reproduce_reuses_a_diverged_run(env, tmp_path):
     """Regression (found by review): a run whose value went NaN saved it as null, and reusing the run read None
     back (a TypeError in the summary's arithmetic); it is NaN again, in the table as in the first call."""

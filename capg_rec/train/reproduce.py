@@ -195,6 +195,8 @@ def run_cells(env: MatrixEnv, cells: Sequence[Cell], seeds: Sequence[int], out: 
                 raise ValueError(f"{run_dir} holds a run on {saved['env']}, not on {env.name}: give each "
                                  "environment (and data file) its own output folder")
             same_cell = saved["config"] == config.replace(steps=saved["config"]["steps"]).to_dict()  # any length
+            if not same_cell:
+                raise _other_run(run_dir, saved["config"], config)
             # the run asked for, or one of another length that stopped on an overflow within this one's steps: the
             # run asked for would stop there too (runs are deterministic)
             stopped_alike = same_cell and saved["stopped_at"] is not None and saved["stopped_at"] <= config.steps
@@ -222,9 +224,21 @@ def _resumable(path: Path, env: MatrixEnv, config: TrainConfig) -> Trainer | Non
     except FileNotFoundError:
         return None
     same = state["config"] == config.replace(steps=state["config"]["steps"]).to_dict() and state["env"] == env.name
+    if not same and state["env"] == env.name:
+        raise _other_run(path.parent, state["config"], config)
     if same and state["step"] >= config.steps and state["config"]["steps"] != config.steps:
         raise _longer_run(path.parent, state["step"], state["config"]["steps"], config.steps)
     return Trainer.from_state(state, env, steps=config.steps) if same and state["step"] < config.steps else None
+
+
+def _other_run(run_dir: Path, saved: dict, config: TrainConfig) -> ValueError:
+    """What a run of ``config`` raises where ``run_dir`` holds a run of another configuration (``saved``, beyond its
+    length): it would overwrite that run."""
+    wanted = config.to_dict()
+    keys = [key for key in sorted(set(saved) | set(wanted)) if key != "steps" and saved.get(key) != wanted.get(key)]
+    differ = ", ".join(f"{key}={saved.get(key)!r} there, {wanted.get(key)!r} here" for key in keys)
+    return ValueError(f"{run_dir} holds a run of another configuration ({differ}): a run here would overwrite it; "
+                      "give another output folder")
 
 
 def _longer_run(run_dir: Path, step: int, target: int, steps: int) -> ValueError:
