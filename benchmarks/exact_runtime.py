@@ -11,10 +11,11 @@ limit; a configuration that exceeds it is reported as "out of memory". Per confi
 * Q, the quadrature nodes per row (mean over rows and expert blocks), and the time per unit of
   the cost model's work ``W = Σ_blocks B · Q · T`` (T head slots), ``ns/unit``: the model's c(k),
   which grows with the draws k of a block (``--cost-model`` sweeps k at one configuration);
-* peak RSS;
+* peak RSS: the process's (``ru_maxrss``), the interpreter, torch and the inputs included (some 350 MB
+  at B = 8), not the method's alone;
 * another estimator's call after the exact ones: median ms of ``torch.logsumexp`` forward +
-  backward on a ``[128, 1000]`` leaf (50 calls) before and after them, and their ratio (1.0: the
-  exact method left the process as fast as it found it).
+  backward on a ``[128, 1000]`` leaf (50 calls, CPU time) before and after them, and their ratio (1.0: the
+  exact method left the process as fast as it found it; calls of 0.4 ms vary by some 10% from run to run).
 """
 
 from __future__ import annotations
@@ -43,14 +44,14 @@ COST_MODEL_DRAWS = (1, 2, 5, 10, 12, 20, 50, 100, 200)  # at N=1000, M=1, B=64
 
 
 def _bare_ms(torch, calls: int = 50) -> float:
-    """Median ms of logsumexp forward + backward on a [128, 1000] leaf."""
+    """Median ms (CPU time) of logsumexp forward + backward on a [128, 1000] leaf."""
     x0 = torch.randn(128, 1000, generator=torch.Generator().manual_seed(1))
     times = []
     for _ in range(calls):
         x = x0.clone().requires_grad_()
-        start = time.perf_counter()
+        start = time.process_time()
         torch.logsumexp(x, 1).sum().backward()
-        times.append(time.perf_counter() - start)
+        times.append(time.process_time() - start)
     return 1000 * statistics.median(times)
 
 

@@ -10,8 +10,9 @@ leaves: logits ``[B, N]`` / ``[B, M, N]`` at N = 1000, and with ``--large`` embe
 ``--warmup`` calls (fewer at large N and for the exact method), in CPU time on the CPU. "bare" is the normaliser
 alone, ``torch.logsumexp(logits).sum()`` or ``EmbeddingCatalog.log_normalizer().sum()``, forward + backward: the
 reference that the targets are set against (not a strict floor: at M > 1 capg_rec's own one-node log-softmax,
-which the with-replacement estimators use, beats ``torch.logsumexp``'s backward on the CPU, so they come out
-below 1x). The scores are standard normal; ``--scale S`` spreads them S times
+which the with-replacement estimators use, beats ``torch.logsumexp``'s backward on the CPU, so they can come out
+below 1x: at K = 200, M = 5; at K = 20, M = 2 they came out at 0.7–1.5x in a review's runs, with the allocator's
+state). The scores are standard normal; ``--scale S`` spreads them S times
 wider, as a trained (confident) ESR's are: mean-field's root solve then takes more Newton steps.
 
 Columns: capg_rec with its default input checks; with ``validate_args=False``; ``torch.compile`` (inductor,

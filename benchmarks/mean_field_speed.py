@@ -2,14 +2,13 @@
 
     OMP_NUM_THREADS=1 python benchmarks/mean_field_speed.py [--reps 50] [--large-reps 3]
 
-"bare" is logsumexp over the catalog, forward and backward, from a leaf (the logits, or for the
-large catalogs the user and item embeddings of an ``EmbeddingCatalog``): the floor of any
-estimator that normalises over the catalog. "direct" is ``mean_field_log_inclusion`` on an
-unvalidated catalog; "public" is ``inclusion_log_prob(..., method="mean_field")`` with its input
-checks (whichever implementation it dispatches to). All columns of a row are timed in the same
-process, round-robin in short runs of each, as CPU time of this process (one thread), and the
-median is reported, so that the ratios hold on a busy machine. B = 128, L = 1 target per row,
-standard-normal logits.
+"bare" is logsumexp over the catalog, forward and backward, from a leaf (the logits, or for the large catalogs
+the user and item embeddings of an ``EmbeddingCatalog``): the reference of any estimator that normalises over
+the catalog (not a strict floor: see ``loss_speed.py``). "direct" is ``mean_field_log_inclusion`` on an
+unvalidated catalog; "public" is ``inclusion_log_prob(..., method="mean_field")`` with its input checks
+(whichever implementation it dispatches to). All columns of a row are timed in the same process, round-robin in
+short runs of each, as CPU time of this process (one thread), and the median is reported, so that the ratios
+hold on a busy machine. B = 128, L = 1 target per row, standard-normal logits.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ temperature τ (τ = 1: a flat policy; τ = 0.1: a confident one). Per (N, τ), 
 targets are its exact top-2 items and 2 uniform items. The exact values come from
 :class:`~capg_rec.EmbeddingCatalog` (chunked over the whole catalog). For each number of uniform
 negatives S and sampler seed, a :class:`~capg_rec.SampledCatalog` with a head of the user's
-``--head`` best items (exact index, searched once) plus the targets estimates
+``--head`` best items (exact index, searched by each catalog: a scan of N counted in its time) plus the
+targets estimates
 
 * the log normaliser ``log Σ_n exp(s_n)``,
 * ``log π(a ∈ A^K)`` of each target by CA-PG-SwR (``with_replacement``), ``mean_field`` and ``plugin``.

@@ -6,8 +6,8 @@ One two-tower model (user and item ``nn.Embedding`` tables, D = 32, sparse gradi
 users per step, K = 10 candidates, L = 2 shown items, one thread. Each configuration runs in its own
 process: the tables are built, then ``--reps`` steps (after 2 warm-ups) are timed as CPU time of the
 process; the median is reported, with the peak resident memory beyond the tables (``ru_maxrss``
-after the steps minus after building the tables) and the process's resident memory once the tables are
-built ("RSS MB": the interpreter, torch and the tables). Steps:
+after the steps minus after building the tables) and the process's peak resident memory once the tables are
+built ("RSS MB", ``ru_maxrss``: the interpreter, torch and the tables). Steps:
 
 * ``in_batch``: logits of each user against the batch's positives ``[B, B]``, cross-entropy,
   backward, SGD step (the reference: what two-tower retrievers train with).

@@ -10,7 +10,8 @@ Two tables, measured in one run:
     after the warm-up). A memory ratio to a bare peak below 8 MiB is not given: that is page noise.
 (b) accuracy: mean relative error of every method's inclusion probabilities against a
     Monte-Carlo estimate and against the exact method (N = 1000 standard-normal logits, as in
-    the paper's table).
+    the paper's table). The with-replacement method gives an expected count ``c``, not a probability: its rows
+    compare ``1 - (1 - c/K)^K``, the chance of being drawn at least once in K draws with replacement.
 """
 
 from __future__ import annotations
