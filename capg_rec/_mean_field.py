@@ -77,7 +77,7 @@ def mean_field_log_inclusion(catalog: CatalogScores, items: Tensor, runs: Runs, 
         return catalog.gather(items)[:, 0] * 0.0
     if len(runs) == 1 and runs[0][1] == 1:  # one draw: its inclusion probability is the softmax itself, exactly
         (expert, _), = runs                  # (Rosén's equation would give 1 - exp(-e^{s - κ}), off by up to 10%)
-        if read_whole(catalog):  # a small catalog that estimates its sums: read whole, as for any K
+        if read_whole(catalog):  # a small catalog that estimates its sums, or cheap to score whole: as for any K
             catalog = DenseCatalog(every_score(catalog), validate_args=False)
         return catalog.log_softmax(items)[:, expert]
     head = _head_size(catalog.num_items, runs)

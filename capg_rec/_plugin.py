@@ -32,7 +32,7 @@ def plugin_log_inclusion(catalog: CatalogScores, items: Tensor, runs: Runs) -> T
     read once, in one node, for the pool's and the targets' scores and the mass outside the pool; the rest
     works on ``[B, L, K]``- and ``[B, L, R, P]``-sized tensors (R blocks, pool size P ≤ R·K)."""
     experts = [e for e, _ in runs]
-    if read_whole(catalog):  # a small catalog whose sums are estimated: read it whole, exactly
+    if read_whole(catalog):  # a small catalog whose sums are estimated, or cheap to score whole: read it whole
         catalog = DenseCatalog(every_score(catalog), validate_args=False)
     num_candidates = sum(n for _, n in runs)
     if catalog.exact_top < num_candidates < catalog.num_items:  # the greedy prefixes read through top_items

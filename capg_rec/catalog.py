@@ -125,6 +125,7 @@ class CatalogScores(abc.ABC):
 
     validate = False  # whether the value checks are on (each placement sets its own)
     _trusted = False  # inside :meth:`_trusting`
+    _whole_in_one_product = False  # :meth:`_every_score` is one product (small catalogs are then read whole)
     _lookup_refuses_bad_ids = True  # on the CPU, torch's lookup (gather, index_select) raises for an id out of range
 
     @contextlib.contextmanager
@@ -674,12 +675,14 @@ class EmbeddingCatalog(CatalogScores):
             scores = torch.einsum("bmd,blmd->bml", self.user, named.view(*items.shape, *self.item.shape[1:]))
         return masked_named_scores(scores, items, self.masked_items, check=self.validate)
 
+    _whole_in_one_product = True
+
     def _every_score(self) -> Tensor:
         """One ``[B, M, D] × [N, M, D]`` product rather than :meth:`gather`'s lookup of every item for every row
         (a ``[B, N, D]`` copy, and its scatter back in backward: mean-field at N = 1000 took 13x the time it takes
         on the same scores as logits)."""
         with no_autocast(self.device):
-            scores = torch.einsum("bmd,nmd->bmn", self.user, self.item)
+            scores = torch.einsum("bmd,nmd->bmn", self.user, self.item)  # hence _whole_in_one_product
         masked = _exclusion_mask(self.masked_items, self.batch_size, 0, self.num_items, self.device)
         masked = None if masked is None else masked.unsqueeze(1)  # [B, 1, N]
         if self.validate and scores.numel():  # an unmasked item's score overflowed: as gather checks
