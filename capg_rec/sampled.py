@@ -128,7 +128,8 @@ class NegativeSampler(abc.ABC):
         where the batch is the catalog's own head, a row's own items are scored exactly and their sample terms
         dropped, so its sums take the other rows' draws alone. The default: a sample that does not come from the
         batch's rows, whose counts are the same for every row."""
-        return self.log_expected_count(ids, num_items, batch_items).expand(batch_items.shape[0], -1)
+        return _checked_log_count(self, "log_expected_count", self.log_expected_count(ids, num_items, batch_items),
+                                  tuple(ids.shape)).expand(batch_items.shape[0], -1)
 
 
 def _checked_state(state: object) -> dict[str, object]:
@@ -148,17 +149,20 @@ def _integer_ids(name: str, x: object, shape: str, dims: int | None = None) -> T
     return x
 
 
-def _checked_log_count(sampler: NegativeSampler, log_count: object, shape: tuple[int, ...], validate: bool) -> Tensor:
-    """A sampler's log expected counts of the sample's ids (a sampler of your own may give anything): a floating tensor
-    of ``shape`` (a ``TypeError`` / ``ValueError`` naming the sampler's method otherwise); with ``validate``, no NaN
-    or ``+inf`` (a NaN term reads as ``-inf`` in the sums, an infinite count as a term of 0: both silently)."""
-    name = f"{type(sampler).__name__}.log_expected_count"
+def _checked_log_count(sampler: NegativeSampler, method: str, log_count: object, shape: tuple[int, ...],
+                       used: Tensor | None = None) -> Tensor:
+    """What ``sampler.<method>`` gave for the sample's ids (a sampler of your own may give anything): a floating tensor
+    of ``shape`` (a ``TypeError`` / ``ValueError`` naming the sampler's method otherwise); with ``used`` (bool, the
+    slots that enter the sums: not ``-1``), no NaN or ``+inf`` there (a NaN term reads as ``-inf`` in the sums, an
+    infinite count as a term of 0: both silently)."""
+    owner = sampler.sampler if isinstance(sampler, DrawnSample) else sampler  # the class its user wrote
+    name = f"{type(owner).__name__}.{method}"
     if not isinstance(log_count, Tensor) or not log_count.is_floating_point():
         raise TypeError(f"{name} must give a floating tensor {list(shape)}, got "
                         f"{getattr(log_count, 'dtype', type(log_count).__name__)}")
     if tuple(log_count.shape) != shape:
-        raise ValueError(f"{name} must give shape {list(shape)} (one per sample slot), got {list(log_count.shape)}")
-    if validate and log_count.numel() and not bool((log_count < math.inf).all()):  # NaN fails too
+        raise ValueError(f"{name} must give shape {list(shape)} (one per id), got {list(log_count.shape)}")
+    if used is not None and log_count.numel() and not bool((log_count[..., used] < math.inf).all()):  # NaN fails too
         raise ValueError(f"{name} must give finite values or -inf (an id it never draws), got NaN or +inf")
     return log_count
 
@@ -569,6 +573,14 @@ class DrawnSample(NegativeSampler):
                 f"{f' from batch_items of shape {list(drawn_with.shape)}' if self.sampler.draws_batch else ''}"
                 f" (-1: unused slots, not counted), got {used}")
 
+    def _check_counts(self, num_items: int) -> None:
+        """A ``TypeError`` / ``ValueError`` where the sampler's log expected counts of the sample's ids are not a
+        floating tensor of one per id, or NaN or ``+inf`` (what a validating :class:`SampledCatalog` checks, for the
+        TorchRec retriever's collective checks, whose sampled catalogs are built unchecked)."""
+        ids = self.ids[self.ids >= 0]
+        _checked_log_count(self, "log_expected_count", self.log_expected_count(ids, num_items, None), tuple(ids.shape),
+                           torch.ones_like(ids, dtype=torch.bool))
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> DrawnSample:
         """The same sample (and batch) on ``device``."""
         device = _device(device)
@@ -831,9 +843,11 @@ class SampledCatalog(CatalogScores):
             if own_batch and sampler.draws_batch:
                 # A row's own head items are in the sample but scored exactly (their terms dropped): its sums
                 # take the other rows' draws, whose expected counts are those of the other rows' slots.
-                log_count = _checked_log_count(sampler, sampler.log_expected_count_from_others(
-                    self.sample_ids, self.num_items, batch_items), (self.batch_size, len(self.sample_ids)),
-                    self.validate).unsqueeze(1)  # [B, 1, S]
+                log_count = _checked_log_count(sampler, "log_expected_count_from_others",
+                                               sampler.log_expected_count_from_others(
+                                                   self.sample_ids, self.num_items, batch_items),
+                                               (self.batch_size, len(self.sample_ids)),
+                                               self.sample_ids >= 0 if self.validate else None).unsqueeze(1)
                 if self.validate and log_count.shape[2]:
                     # A row that no other row's slot can give an item (a batch of one row) has no estimate of
                     # the catalog outside its head: its sums would silently be its head's alone.
@@ -843,8 +857,9 @@ class SampledCatalog(CatalogScores):
                                          f"{int(alone.nonzero()[0, 0])} has no other row to draw from (a batch of "
                                          "one row?): mix in a UniformSampler (MixedSampler), or batch more rows")
             else:
-                log_count = _checked_log_count(sampler, sampler.log_expected_count(
-                    self.sample_ids, self.num_items, batch_items), (len(self.sample_ids),), self.validate)  # [S]
+                log_count = _checked_log_count(sampler, "log_expected_count", sampler.log_expected_count(
+                    self.sample_ids, self.num_items, batch_items), (len(self.sample_ids),),
+                    self.sample_ids >= 0 if self.validate else None)  # [S]
             never = (self.sample_ids >= 0) & (log_count == -math.inf)  # drawn, yet of expected count 0
             if self.validate and bool(never.any()):
                 item = int(self.sample_ids[never.nonzero()[0, -1]])

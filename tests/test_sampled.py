@@ -1260,7 +1260,7 @@ def _with_first(value):
     (_OwnSampler(torch.tensor([3, 4, 5]), _with_first(math.nan)), ValueError, "got NaN or \\+inf"),
     (_OwnSampler(torch.tensor([3, 4, 5]), _with_first(math.inf)), ValueError, "got NaN or \\+inf"),
     (_OwnSampler(torch.tensor([3, 4, 5]), lambda ids: _uniform_log_counts(ids)[:, None]), ValueError,
-     r"must give shape \[3\] \(one per sample slot\), got \[3, 1\]"),
+     r"log_expected_count must give shape \[3\] \(one per id\), got \[3, 1\]"),
     (_OwnSampler(torch.tensor([3, 4, 5]), lambda ids: _uniform_log_counts(ids)[:1]), ValueError,
      r"must give shape \[3\]"),
     (_OwnSampler(torch.tensor([3, 4, 5]), lambda ids: torch.zeros_like(ids)), TypeError,
@@ -1280,3 +1280,48 @@ def test_what_a_sampler_of_your_own_gives_is_checked(sampler, error, message):
         SampledCatalog(user, item, sampler=sampler, head_items=head)
     good = _OwnSampler(torch.tensor([3, 4, 5]), _uniform_log_counts)
     assert SampledCatalog(user, item, sampler=good, head_items=head).log_normalizer().shape == (2, 1)
+
+
+class _OwnInBatch(capg_rec.NegativeSampler):
+    """A sampler of your own that draws the batch's items, with ``counts(ids)`` as their log expected counts."""
+
+    def __init__(self, counts):
+        self.counts = counts
+
+    @property
+    def draws_batch(self):
+        return True
+
+    def draw(self, num_items, batch_items, *, generator, device):
+        return batch_items.reshape(-1)
+
+    def log_expected_count(self, ids, num_items, batch_items):
+        return self.counts(ids)
+
+
+def test_what_a_sampler_of_your_own_gives_is_named_on_every_path():
+    """The per-row path (a sampler that draws the batch's items, the batch being the head) named the per-row shape
+    [B, S] after log_expected_count, whose shape is [S]; a count of shape [S, 1] met torch's expand error there; a
+    DrawnSample was named instead of the sampler inside it; NaN at a later copy of an id (-1: outside every sum) was
+    refused (found by review)."""
+    gen = torch.Generator().manual_seed(0)
+    user, item, head = torch.randn(2, 4, generator=gen), torch.randn(100, 4, generator=gen), torch.tensor([[0, 1, 2],
+                                                                                                         [7, 8, 9]])
+    for counts, message in ((lambda ids: _uniform_log_counts(ids)[:-1], r"_OwnInBatch\.log_expected_count must give "
+                             r"shape \[6\] \(one per id\), got \[5\]"),
+                            (lambda ids: _uniform_log_counts(ids)[:, None], r"_OwnInBatch\.log_expected_count must "
+                             r"give shape \[6\] \(one per id\), got \[6, 1\]"),
+                            (_with_first(math.nan), r"_OwnInBatch\.log_expected_count_from_others must give finite")):
+        with pytest.raises(ValueError, match=message):
+            SampledCatalog(user, item, sampler=_OwnInBatch(counts), head_items=head)
+    own = _OwnSampler(torch.tensor([3, 4, 5]), _with_first(math.nan))
+    with pytest.raises(ValueError, match=r"_OwnSampler\.log_expected_count must give finite"):
+        SampledCatalog(user, item, sampler=DrawnSample(own.ids, own), head_items=head)
+
+    def nan_past_first_copies(ids):  # NaN at the -1 slots (later copies and unused): outside every sum
+        return torch.where(ids >= 0, _uniform_log_counts(ids), math.nan)
+
+    repeats = _OwnSampler(torch.tensor([3, 4, 5, 5, -1]), nan_past_first_copies)
+    clean = _OwnSampler(torch.tensor([3, 4, 5, 5, -1]), _uniform_log_counts)
+    torch.testing.assert_close(SampledCatalog(user, item, sampler=repeats, head_items=head).log_normalizer(),
+                               SampledCatalog(user, item, sampler=clean, head_items=head).log_normalizer())

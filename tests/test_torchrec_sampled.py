@@ -504,3 +504,25 @@ def test_towers_and_exports_regressions_from_review():
     assert int(user_tower[1].num_batches_tracked) == tracked and towered.training and item_tower[1].training
     towered.eval()
     assert torch.equal(towered.user_vectors(users, dense), first[0])
+
+
+def test_sampled_mode_checks_what_a_sampler_of_your_own_gives():
+    """The retriever builds its sampled catalogs unchecked (its checks are collective): a NaN log expected count of a
+    sampler of your own gave a normaliser of -inf there while a SampledCatalog refused it (found by review). Its
+    collective checks now ask the sample, naming the sampler's class."""
+    class Own(capg_rec.NegativeSampler):
+        def draw(self, num_items, batch_items, *, generator, device):
+            return torch.tensor([3, 4, 5])
+
+        def log_expected_count(self, ids, num_items, batch_items):
+            out = torch.full(ids.shape, math.log(3 / num_items), dtype=torch.float64)
+            out[0] = math.nan
+            return out
+
+    retriever = _retriever()
+    sample, head = DrawnSample(torch.tensor([3, 4, 5]), Own()), torch.tensor([[10, 11], [12, 13]])
+    kjt = retriever.with_catalog(_users([3, 1]), items=torch.cat([sample.ids, head.flatten()]).unique())
+    with pytest.raises(ValueError, match=r"Own\.log_expected_count must give finite values or -inf"):
+        retriever(kjt, sample=sample, head_items=head)
+    retriever.validate_args = False  # unchecked, as asked
+    assert retriever(kjt, sample=sample, head_items=head).log_normalizer().shape == (2, M)
