@@ -7,7 +7,8 @@ Two tables, measured in one run:
     embeddings. Every case runs in a fresh process so that its peak memory is its own; its time is CPU time
     (one thread: another process's load on a shared machine does not enter it), its memory the peak resident
     memory of its timed steps beyond what the process held before them (the kernel's high-water mark, reset
-    after the warm-up). A memory ratio to a bare peak below 8 MiB is not given: that is page noise.
+    after the warm-up; on Linux only: elsewhere none is given). A memory ratio to a bare peak below 8 MiB is not
+    given: that is page noise.
 (b) accuracy: mean relative error of every method's inclusion probabilities against a
     Monte-Carlo estimate and against the exact method (N = 1000 standard-normal logits, as in
     the paper's table). The with-replacement method gives an expected count ``c``, not a probability: its rows
@@ -81,19 +82,14 @@ def run_case(name: str, batch: int, num_items: int, k: int, experts: int, dim: i
         user.grad = item.grad = None
 
     step()  # warm-up
-    base = _reset_peak()
-    if base is None:  # the lifetime peak (ru_maxrss, KiB on Linux) beyond the resident memory now
-        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    base = _reset_peak()  # None: not measured (the lifetime peak would hold the warm-up's, and the setup's)
     times = []
     for _ in range(reps):
         start = time.process_time()
         step()
         times.append(time.process_time() - start)
-    try:
-        peak = _status_mib("VmHWM")
-    except OSError:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"seconds": statistics.median(times), "peak_mib": max(peak - base, 0.0)}
+    peak = None if base is None else max(_status_mib("VmHWM") - base, 0.0)
+    return {"seconds": statistics.median(times), "peak_mib": peak}
 
 
 def _limit_memory(gib: float):
@@ -131,8 +127,8 @@ def cost_table(sizes: list[int], configs: list[tuple[int, int]], batch: int, dim
                     row["error"] = r.get("error", f"bare: {bare.get('error')}")
                 else:
                     row.update(seconds=r["seconds"], time_ratio=r["seconds"] / bare["seconds"], peak_mib=r["peak_mib"],
-                               memory_ratio=r["peak_mib"] / bare["peak_mib"]
-                               if bare["peak_mib"] >= _MEMORY_FLOOR_MIB else None)
+                               memory_ratio=r["peak_mib"] / bare["peak_mib"] if r["peak_mib"] is not None
+                               and bare["peak_mib"] is not None and bare["peak_mib"] >= _MEMORY_FLOOR_MIB else None)
                 rows.append(row)
                 print(_format_cost(row), flush=True)
     return rows
@@ -143,8 +139,8 @@ def _format_cost(row: dict) -> str:
     if "error" in row:
         return f"{head} ERROR {row['error']}"
     memory = "     — memory" if row["memory_ratio"] is None else f"x{row['memory_ratio']:5.2f} memory"
-    return f"{head} {row['seconds'] * 1e3:9.1f} ms  x{row['time_ratio']:5.2f} time   {row['peak_mib']:8.1f} MiB  " \
-        + memory
+    peak = "       —" if row["peak_mib"] is None else f"{row['peak_mib']:8.1f}"
+    return f"{head} {row['seconds'] * 1e3:9.1f} ms  x{row['time_ratio']:5.2f} time   {peak} MiB  {memory}"
 
 
 def _mean_or_none(x: np.ndarray) -> float | None:

@@ -278,6 +278,8 @@ def test_bench_case_times_cpu_and_takes_the_peak_of_its_own_steps(monkeypatch):
     assert result["seconds"] == 0.5
     if bench._reset_peak() is not None:  # Linux: the high-water mark of the steps alone
         assert result["peak_mib"] < 64
+    monkeypatch.setattr(bench, "_reset_peak", lambda: None)  # elsewhere: none, not the lifetime peak's remainder
+    assert bench.run_case("capg_swr", batch=2, num_items=50, k=2, experts=1, dim=4, reps=1)["peak_mib"] is None
 
     def small(cmd, **kwargs):  # a bare peak of 3 MiB: page noise, no ratio to it
         bare = cmd[cmd.index("--case") + 1] == "bare"
@@ -288,3 +290,10 @@ def test_bench_case_times_cpu_and_takes_the_peak_of_its_own_steps(monkeypatch):
     rows = bench.cost_table([100], [(10, 1)], batch=2, dim=4, reps=1, case_timeout=1.0, memory_limit_gib=1.0)
     assert all(row["memory_ratio"] is None for row in rows)
     assert all(bench._format_cost(row).endswith("— memory") for row in rows)
+
+    def unmeasured(cmd, **kwargs):  # no high-water mark to reset: no peak, and no ratio
+        return SimpleNamespace(returncode=0, stdout=json.dumps({"seconds": 0.01, "peak_mib": None}), stderr="")
+
+    monkeypatch.setattr(bench.subprocess, "run", unmeasured)
+    rows = bench.cost_table([100], [(10, 1)], batch=2, dim=4, reps=1, case_timeout=1.0, memory_limit_gib=1.0)
+    assert all(row["memory_ratio"] is None and "— MiB" in bench._format_cost(row) for row in rows)

@@ -430,6 +430,10 @@ def test_reproduce_refuses_to_overwrite_a_run_of_another_configuration(env, tmp_
     (run_dir / "result.json").unlink()  # an interrupted run: only its checkpoint is left
     with pytest.raises(ValueError, match=message):
         run_cells(env, [other], [0], tmp_path, checkpoint_every=10, progress=False)
+    # an interrupted run on another environment, refused as a finished one is (it was trained over: the diff review)
+    another = MatrixEnv(env.q, env.reward_std, env.lsr_scores, name="another")
+    with pytest.raises(ValueError, match=f"holds a run on {re.escape(env.name)}, not on another"):
+        run_cells(another, [Cell("K=5", _config(steps=20, eval_every=10))], [0], tmp_path, progress=False)
     assert {path.name: path.read_bytes() for path in run_dir.iterdir()} == {
         name: data for name, data in saved.items() if name != "result.json"}
 

@@ -192,8 +192,7 @@ def run_cells(env: MatrixEnv, cells: Sequence[Cell], seeds: Sequence[int], out: 
         if done.exists():
             saved = json.loads(done.read_text(encoding="utf-8"))
             if saved.get("env", env.name) != env.name:
-                raise ValueError(f"{run_dir} holds a run on {saved['env']}, not on {env.name}: give each "
-                                 "environment (and data file) its own output folder")
+                raise _other_env(run_dir, saved["env"], env)
             same_cell = saved["config"] == config.replace(steps=saved["config"]["steps"]).to_dict()  # any length
             if not same_cell:
                 raise _other_run(run_dir, saved["config"], config)
@@ -223,12 +222,20 @@ def _resumable(path: Path, env: MatrixEnv, config: TrainConfig) -> Trainer | Non
         state = read_checkpoint(path)
     except FileNotFoundError:
         return None
-    same = state["config"] == config.replace(steps=state["config"]["steps"]).to_dict() and state["env"] == env.name
-    if not same and state["env"] == env.name:
+    if state["env"] != env.name:  # an interrupted run, as a finished one
+        raise _other_env(path.parent, state["env"], env)
+    same = state["config"] == config.replace(steps=state["config"]["steps"]).to_dict()
+    if not same:
         raise _other_run(path.parent, state["config"], config)
     if same and state["step"] >= config.steps and state["config"]["steps"] != config.steps:
         raise _longer_run(path.parent, state["step"], state["config"]["steps"], config.steps)
     return Trainer.from_state(state, env, steps=config.steps) if same and state["step"] < config.steps else None
+
+
+def _other_env(run_dir: Path, saved: str, env: MatrixEnv) -> ValueError:
+    """What a run on ``env`` raises where ``run_dir`` holds one on the environment named ``saved``."""
+    return ValueError(f"{run_dir} holds a run on {saved}, not on {env.name}: give each environment (and data file) "
+                      "its own output folder")
 
 
 def _other_run(run_dir: Path, saved: dict, config: TrainConfig) -> ValueError:
