@@ -354,7 +354,8 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
         rewards = _float("rewards", rewards, ((batch, length),))
         if baseline is not None:
             if is_number(baseline):  # one for every row (numpy's numbers too)
-                baseline = torch.tensor(float(baseline), dtype=rewards.dtype, device=rewards.device)
+                baseline = torch.tensor(float(baseline), dtype=torch.promote_types(rewards.dtype, catalog.dtype),
+                                        device=rewards.device)  # as wide as the advantage (below)
             if isinstance(baseline, Tensor) and baseline.dim() == 0:  # any device's, as torch broadcasts a scalar
                 baseline = baseline.to(rewards.device).expand(batch)
             baseline = _float("baseline", baseline, ((batch,), (batch, 1), (batch, length))).detach()
@@ -378,11 +379,14 @@ def _prepare(logits: Tensor | CatalogScores, candidates: Tensor, chosen: Tensor,
         baseline = position_weights = None
         if logged is not None:
             logged = (logged_name, rewards if per_item else rewards[:, 0], per_item, bound)
-    advantage = rewards.detach()
+    # In the wider of the rewards' dtype and the scores' (not the rewards' alone: half-precision rewards times
+    # weights, or less a baseline, overflowed to inf, or rounded a float64 loss to their precision), then the scores'.
+    wide = torch.promote_types(rewards.dtype, catalog.dtype)
+    advantage = rewards.detach().to(wide)
     if baseline is not None:
-        advantage = advantage - (baseline.unsqueeze(1) if baseline.dim() == 1 else baseline)
+        advantage = advantage - (baseline.unsqueeze(1) if baseline.dim() == 1 else baseline).to(wide)
     if position_weights is not None:
-        advantage = advantage * position_weights
+        advantage = advantage * position_weights.to(wide)
     if validate:
         if failed is None and isinstance(catalog, DenseCatalog):  # one process's
             check_readable("logits", catalog.scores)

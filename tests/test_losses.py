@@ -299,3 +299,30 @@ def test_a_loss_module_checks_the_width_of_candidates_among_its_input_checks():
     with pytest.raises(ValueError, match="num_candidates=3 columns"):
         capg_rec.functional.capg_loss(logits, candidates, chosen, rewards, num_candidates=3)
     assert torch.isfinite(capg_rec.functional.capg_loss(logits, candidates, chosen, rewards, num_candidates=2))
+
+
+@pytest.mark.parametrize("loss_fn", [capg_rec.functional.capg_loss, capg_rec.functional.vpg_loss])
+def test_the_advantage_is_computed_as_wide_as_the_scores(loss_fn):
+    """Rewards of a narrower dtype than the scores: the advantage (rewards less the baseline, times the position
+    weights) was computed in the rewards' dtype, so float16 rewards of 40,000 times a weight of 2 gave a loss of inf
+    and non-finite gradients with the checks on, a Python baseline was rounded to the rewards' dtype (a float64 loss
+    off by 0.4% for bfloat16 rewards and baseline=0.3) or refused as non-finite (70,000 for float16 rewards) (found by
+    review). It is computed in the wider of the two dtypes."""
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.float64):
+        logits = torch.randn(2, 10, generator=gen, dtype=dtype, requires_grad=True)
+        candidates = capg_rec.sample_candidates(logits, 3, generator=gen)
+        chosen = candidates[:, :2]
+        for rewards, weights, baseline in ((torch.tensor([[40960.0, 1.0], [2.0, 3.0]]), torch.tensor([2.0, 1.0]), None),
+                                           (torch.tensor([[1.0, 0.0], [0.0, 1.0]]), None, 0.3),
+                                           (torch.tensor([[1.0, 0.0], [0.0, 1.0]]), None, 70000.0)):
+            want = loss_fn(logits, candidates, chosen, rewards.to(dtype), baseline=baseline,
+                           position_weights=None if weights is None else weights.to(dtype))
+            (want_grad,) = torch.autograd.grad(want, logits)
+            for narrow in (torch.float16, torch.bfloat16):  # the rewards and weights are exact in both
+                got = loss_fn(logits, candidates, chosen, rewards.to(narrow), baseline=baseline,
+                              position_weights=None if weights is None else weights.to(narrow))
+                (grad,) = torch.autograd.grad(got, logits)
+                assert got.dtype == dtype
+                torch.testing.assert_close(got, want, rtol=0, atol=0)
+                torch.testing.assert_close(grad, want_grad, rtol=0, atol=0)
