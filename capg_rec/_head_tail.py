@@ -36,8 +36,8 @@ WHOLE_UP_TO = 2048
 
 
 def read_whole(catalog: CatalogScores) -> bool:
-    """Whether a method that reads the best items should score every item of ``catalog`` one by one: a small
-    catalog that estimates its sums (names fewer best items exactly than it has), or one that scores the whole of
+    """Whether a method that reads the best items should score every item of ``catalog`` (:func:`every_score`): a
+    small catalog that estimates its sums (names fewer best items exactly than it has), or one that scores the whole of
     itself in one product (:attr:`~capg_rec.CatalogScores._whole_in_one_product`: faster than its streamed top
     items and sums at this size)."""
     return catalog.num_items <= WHOLE_UP_TO and (catalog.exact_top < catalog.num_items

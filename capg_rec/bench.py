@@ -55,7 +55,7 @@ def _status_mib(field: str) -> float:
 
 def _reset_peak() -> float | None:
     """Resets the kernel's resident high-water mark to the current resident memory → that memory (MiB), or None
-    where it cannot be reset (not Linux): then the peak is the process's lifetime one."""
+    where it cannot be reset (not Linux): then no peak is measured."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")

@@ -573,13 +573,20 @@ class DrawnSample(NegativeSampler):
                 f"{f' from batch_items of shape {list(drawn_with.shape)}' if self.sampler.draws_batch else ''}"
                 f" (-1: unused slots, not counted), got {used}")
 
-    def _check_counts(self, num_items: int) -> None:
-        """A ``TypeError`` / ``ValueError`` where the sampler's log expected counts of the sample's ids are not a
-        floating tensor of one per id, or NaN or ``+inf`` (what a validating :class:`SampledCatalog` checks, for the
-        TorchRec retriever's collective checks, whose sampled catalogs are built unchecked)."""
+    def _check_counts(self, num_items: int, head_items: Tensor | None) -> None:
+        """A ``TypeError`` / ``ValueError`` where the log expected counts of the sample's ids that a
+        :class:`SampledCatalog` of ``head_items [B, H]`` (its batch) reads are not a floating tensor of one per id
+        (per row, where the sample draws the batch), or NaN or ``+inf``: what a validating catalog checks, for the
+        TorchRec retriever's collective checks, whose sampled catalogs are built unchecked."""
         ids = self.ids[self.ids >= 0]
-        _checked_log_count(self, "log_expected_count", self.log_expected_count(ids, num_items, None), tuple(ids.shape),
-                           torch.ones_like(ids, dtype=torch.bool))
+        used = torch.ones_like(ids, dtype=torch.bool)
+        if head_items is not None and self.draws_batch:  # the rows' own heads: each row's counts from the others
+            _checked_log_count(self, "log_expected_count_from_others", self.log_expected_count_from_others(
+                ids, num_items, head_items.long()), (head_items.shape[0], len(ids)), used)
+        else:
+            batch = None if head_items is None else head_items.long()
+            _checked_log_count(self, "log_expected_count", self.log_expected_count(ids, num_items, batch),
+                               tuple(ids.shape), used)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> DrawnSample:
         """The same sample (and batch) on ``device``."""

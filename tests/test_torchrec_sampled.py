@@ -526,3 +526,41 @@ def test_sampled_mode_checks_what_a_sampler_of_your_own_gives():
         retriever(kjt, sample=sample, head_items=head)
     retriever.validate_args = False  # unchecked, as asked
     assert retriever(kjt, sample=sample, head_items=head).log_normalizer().shape == (2, M)
+
+
+def test_sampled_mode_asks_the_counts_the_catalog_reads():
+    """The retriever's check of a sample's counts asked them without the batch: a sample of an InBatchSampler with a
+    given frequency (whose counts need the batch) was refused; and it asked log_expected_count where the catalog reads
+    each row's counts from the other rows (a sampler that draws the batch, the batch being the heads), so a NaN there
+    still gave a normaliser of -inf (the diff review)."""
+    retriever = _retriever()
+    head = torch.tensor([[10, 11, 12], [12, 13, -1]])
+    frequency = torch.full((NUM_ITEMS,), 1 / NUM_ITEMS, dtype=torch.float64)
+    for sampler in (capg_rec.InBatchSampler(frequency=frequency),
+                    capg_rec.MixedSampler(capg_rec.InBatchSampler(frequency=frequency), UniformSampler(4))):
+        sample = DrawnSample(sampler.draw(NUM_ITEMS, head, generator=None, device="cpu"), sampler)
+        listed = torch.cat([sample.ids, head.flatten()])
+        kjt = retriever.with_catalog(_users([3, 1]), items=listed[listed >= 0].unique())
+        got = retriever(kjt, sample=sample, head_items=head).log_normalizer()
+        assert got.shape == (2, M) and bool(got.isfinite().all())
+
+    class OwnInBatch(capg_rec.NegativeSampler):
+        draws_batch = property(lambda self: True)
+
+        def draw(self, num_items, batch_items, *, generator, device):
+            return batch_items.reshape(-1)
+
+        def log_expected_count(self, ids, num_items, batch_items):
+            return torch.full(ids.shape, math.log(6 / num_items), dtype=torch.float64)
+
+        def log_expected_count_from_others(self, ids, num_items, batch_items):
+            out = self.log_expected_count(ids, num_items, batch_items).expand(batch_items.shape[0], -1).clone()
+            out[:, 0] = math.nan
+            return out
+
+    head = torch.tensor([[10, 11, 12], [13, 14, 15]])
+    sampler = OwnInBatch()
+    sample = DrawnSample(sampler.draw(NUM_ITEMS, head, generator=None, device="cpu"), sampler)
+    kjt = retriever.with_catalog(_users([3, 1]), items=head.flatten())
+    with pytest.raises(ValueError, match=r"OwnInBatch\.log_expected_count_from_others must give finite values"):
+        retriever(kjt, sample=sample, head_items=head)

@@ -576,7 +576,7 @@ class TwoTowerRetriever(nn.Module):
         problem = sample._size_problem(head_items)
         if problem is not None:
             raise ValueError(problem)
-        sample._check_counts(self.num_items)
+        sample._check_counts(self.num_items, head_items)
         named = {"sample": sample.ids, "head_items": head_items, "index_items": index_items}
         for name, part in named.items():
             if part is None:
