@@ -31,7 +31,8 @@ def group_normalize(rewards: Tensor, *, offset: float = 0.0, dim: int = 0, eps: 
     CA-PG's variance argument asks for positive rewards (the paper's sufficient condition), hence the ``offset``,
     which shifts the normalised rewards up (the paper's choice, 1, leaves a group's lowest below 0 when it is far
     below the rest: it does not guarantee positivity). ``eps > 0``
-    keeps a constant group finite (half-precision rewards are normalised in float32 and returned in their dtype);
+    keeps a constant group finite, at ``offset`` (rewards are normalised in float64 and returned in their dtype: in
+    float32, a constant group's mean is off by a rounding step, which ``eps`` then scaled up to ±10);
     with ``validate_args`` the rewards must be finite.
     """
     rewards = check_float_tensor("rewards", rewards, ndims=tuple(range(1, 9)),
@@ -47,8 +48,10 @@ def group_normalize(rewards: Tensor, *, offset: float = 0.0, dim: int = 0, eps: 
     if not math.isfinite(offset):
         raise ValueError(f"offset must be finite, got {offset!r}")
     offset = float(offset)
-    # half precision in float32 (as autocast does): eps = 1e-8 rounds to 0 in float16, and a constant group was 0/0
-    x = rewards.float() if rewards.dtype in (torch.float16, torch.bfloat16) else rewards
+    # In float64: eps = 1e-8 rounds to 0 in float16 (a constant group was 0/0), and in float32 a constant group's
+    # mean is a rounding step off its value, whose distance over a std of that size (and eps) came out up to ±10;
+    # in float64 the sum of a narrower dtype's equal values is exact, and so is their mean.
+    x = rewards.double()
     mean = x.mean(dim=dim, keepdim=True)
     std = x.std(dim=dim, keepdim=True, unbiased=False)
     return ((x - mean) / (std + eps) + offset).to(rewards.dtype)
