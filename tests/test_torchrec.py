@@ -532,6 +532,11 @@ def test_context_baseline_is_a_per_context_moving_average(one_rank):
         with pytest.raises(ValueError, match="decay must be in"):
             ContextBaseline(3, decay=1.0)
         assert baseline(torch.zeros(0, dtype=torch.long), torch.zeros(0, 2)).shape == (0,)
+        # review: rows without rewards gave NaN and wrote it into the averages for good
+        before = baseline.average.clone()
+        with pytest.raises(ValueError, match=r"rewards must have at least one column .* got shape \[1, 0\]"):
+            baseline(torch.tensor([0]), torch.zeros(1, 0))
+        torch.testing.assert_close(baseline.average, before)
 
 
 # ---------------------------------------------------------------- bag collections and item towers

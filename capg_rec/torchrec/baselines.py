@@ -39,6 +39,9 @@ def _checked(rewards: Tensor, contexts: Tensor | None, num_contexts: int, group:
     def local() -> list[Tensor]:
         r = check_float_tensor("rewards", rewards, ndims=(2,), validate=False).detach()
         c = None
+        if num_contexts and r.shape[1] == 0 and r.shape[0]:  # a row's mean reward would be NaN, and kept
+            raise ValueError(f"rewards must have at least one column (a shown item's) per row, got shape "
+                             f"{list(r.shape)}")
         if num_contexts:  # None too is refused here (with the checks on, on every rank: in their exchange)
             if not isinstance(contexts, Tensor) or contexts.dim() != 1:
                 raise (ValueError if isinstance(contexts, Tensor) else TypeError)(
