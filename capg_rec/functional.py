@@ -6,7 +6,9 @@ Both take one forward signature::
 
 ``loss = -Σ_l α_l (r_l - b) · score`` per row, reduced over the batch, where the score is
 ``log π(A^K | x)`` for V-PG and ``log π(a_l ∈ A^K | x)`` for CA-PG; rewards, baselines and
-position weights are constants. Sampling with replacement is ``vpg_loss(..., with_replacement=True)``
+position weights are constants. A baseline ``b`` leaves V-PG's expected gradient unchanged, but moves CA-PG's by
+``-b Σ_a ρ(a) ∇π(a ∈ A^K)`` (ρ(a): the chance that the later stage shows a retrieved ``a``; zero where it is the
+same for every item, as at L = K). Sampling with replacement is ``vpg_loss(..., with_replacement=True)``
 (V-PG-SwR) and ``capg_loss(..., method="with_replacement")`` (CA-PG-SwR, TOP1-PG).
 
 The off-policy losses take the same arguments plus what the logging ESR π₀ stored for the row
