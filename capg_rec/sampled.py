@@ -167,6 +167,18 @@ def _checked_log_count(sampler: NegativeSampler, method: str, log_count: object,
     return log_count
 
 
+def _sample_log_counts(sampler: NegativeSampler, ids: Tensor, num_items: int, batch_items: Tensor | None,
+                       per_row: bool, used: Tensor | None) -> Tensor:
+    """The log expected counts of the sample's ``ids [S]`` that a :class:`SampledCatalog` reads, checked
+    (:func:`_checked_log_count`): each row's from the other rows of ``batch_items [B, H]`` → ``[B, S]`` where
+    ``per_row`` (the batch is the rows' own heads, and the sampler draws it), else the sample's → ``[S]``."""
+    if per_row:
+        return _checked_log_count(sampler, "log_expected_count_from_others", sampler.log_expected_count_from_others(
+            ids, num_items, batch_items), (batch_items.shape[0], len(ids)), used)
+    return _checked_log_count(sampler, "log_expected_count", sampler.log_expected_count(ids, num_items, batch_items),
+                              (len(ids),), used)
+
+
 def _device(device: object) -> torch.device | None:
     """A sampler's ``device`` argument: a ``torch.device``, a device string, or None (torch's default device for a
     draw of its own, the batch's for a draw of the batch's items)."""
@@ -579,14 +591,9 @@ class DrawnSample(NegativeSampler):
         (per row, where the sample draws the batch), or NaN or ``+inf``: what a validating catalog checks, for the
         TorchRec retriever's collective checks, whose sampled catalogs are built unchecked."""
         ids = self.ids[self.ids >= 0]
-        used = torch.ones_like(ids, dtype=torch.bool)
-        if head_items is not None and self.draws_batch:  # the rows' own heads: each row's counts from the others
-            _checked_log_count(self, "log_expected_count_from_others", self.log_expected_count_from_others(
-                ids, num_items, head_items.long()), (head_items.shape[0], len(ids)), used)
-        else:
-            batch = None if head_items is None else head_items.long()
-            _checked_log_count(self, "log_expected_count", self.log_expected_count(ids, num_items, batch),
-                               tuple(ids.shape), used)
+        batch = None if head_items is None else head_items.long()
+        _sample_log_counts(self, ids, num_items, batch, batch is not None and self.draws_batch,
+                           torch.ones_like(ids, dtype=torch.bool))
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> DrawnSample:
         """The same sample (and batch) on ``device``."""
@@ -847,14 +854,14 @@ class SampledCatalog(CatalogScores):
             if problem is not None:
                 raise ValueError(problem)
             self.sample_ids, copies, self._sample_sorted = _first_copies(sample.to(self.device).long())  # [S]
-            if own_batch and sampler.draws_batch:
-                # A row's own head items are in the sample but scored exactly (their terms dropped): its sums
-                # take the other rows' draws, whose expected counts are those of the other rows' slots.
-                log_count = _checked_log_count(sampler, "log_expected_count_from_others",
-                                               sampler.log_expected_count_from_others(
-                                                   self.sample_ids, self.num_items, batch_items),
-                                               (self.batch_size, len(self.sample_ids)),
-                                               self.sample_ids >= 0 if self.validate else None).unsqueeze(1)
+            # Where the batch is the rows' own heads, a row's own head items are in the sample but scored exactly
+            # (their terms dropped): its sums take the other rows' draws, whose expected counts are those of the other
+            # rows' slots ([B, S]).
+            per_row = own_batch and sampler.draws_batch
+            log_count = _sample_log_counts(sampler, self.sample_ids, self.num_items, batch_items, per_row,
+                                           self.sample_ids >= 0 if self.validate else None)  # [B, S] or [S]
+            if per_row:
+                log_count = log_count.unsqueeze(1)  # [B, 1, S]
                 if self.validate and log_count.shape[2]:
                     # A row that no other row's slot can give an item (a batch of one row) has no estimate of
                     # the catalog outside its head: its sums would silently be its head's alone.
@@ -863,10 +870,6 @@ class SampledCatalog(CatalogScores):
                         raise ValueError(f"sampler draws from the batch's other rows only, and row "
                                          f"{int(alone.nonzero()[0, 0])} has no other row to draw from (a batch of "
                                          "one row?): mix in a UniformSampler (MixedSampler), or batch more rows")
-            else:
-                log_count = _checked_log_count(sampler, "log_expected_count", sampler.log_expected_count(
-                    self.sample_ids, self.num_items, batch_items), (len(self.sample_ids),),
-                    self.sample_ids >= 0 if self.validate else None)  # [S]
             never = (self.sample_ids >= 0) & (log_count == -math.inf)  # drawn, yet of expected count 0
             if self.validate and bool(never.any()):
                 item = int(self.sample_ids[never.nonzero()[0, -1]])
