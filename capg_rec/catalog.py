@@ -470,6 +470,12 @@ def masked_named_scores(scores: Tensor, items: Tensor, masked_items: Tensor | No
     """The scores ``[B, M, L]`` of ``items [B, L]`` with ``-inf`` at each row's ``masked_items [B, E]``; with
     ``check``, a ``ValueError`` where an unmasked item's score overflowed (inf or NaN: one host sync)."""
     masked = None if masked_items is None else (items.unsqueeze(2) == masked_items.unsqueeze(1)).any(2).unsqueeze(1)
+    return _masked(scores, masked, check=check)
+
+
+def _masked(scores: Tensor, masked: Tensor | None, *, check: bool) -> Tensor:
+    """``scores [B, M, L]`` with ``-inf`` where ``masked [B, 1, L]`` (None: nowhere); with ``check``, a ``ValueError``
+    where an unmasked score overflowed (inf or NaN: one host sync)."""
     if check and scores.numel():  # before the masks' -inf
         if not all_finite(scores.detach() if masked is None else scores.detach().masked_fill(masked, 0.0)):
             raise _overflow_error(scores.dtype)
@@ -684,11 +690,7 @@ class EmbeddingCatalog(CatalogScores):
         with no_autocast(self.device):
             scores = torch.einsum("bmd,nmd->bmn", self.user, self.item)  # hence _whole_in_one_product
         masked = _exclusion_mask(self.masked_items, self.batch_size, 0, self.num_items, self.device)
-        masked = None if masked is None else masked.unsqueeze(1)  # [B, 1, N]
-        if self.validate and scores.numel():  # an unmasked item's score overflowed: as gather checks
-            if not all_finite(scores.detach() if masked is None else scores.detach().masked_fill(masked, 0.0)):
-                raise _overflow_error(scores.dtype)
-        return scores if masked is None else scores.masked_fill(masked, -math.inf)
+        return _masked(scores, None if masked is None else masked.unsqueeze(1), check=self.validate)  # as gather
 
     def log_power_sums(self, exclude: Tensor | None = None, num_powers: int = 1) -> Tensor:
         check_count("num_powers", num_powers)
