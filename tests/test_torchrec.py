@@ -767,6 +767,12 @@ def test_bag_and_tower_set_up_errors():
     with pytest.raises(ValueError, match=r"bag_features must have stride B = 1"):
         retriever(retriever.with_catalog(KeyedJaggedTensor.from_lengths_sync(
             [], torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), stride=1)), bag_features=_bags())
+    # No users on this rank (B = 0): a KJT's stride is at least 1, so one empty sample stands for none; a stride of 0
+    # was refused with "must have stride B = 0 ..., got 0"
+    empty = KeyedJaggedTensor.from_lengths_sync(["user_id", "history"], torch.zeros(0, dtype=torch.long),
+                                                torch.zeros(0, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"bag_features must have stride 1 with an empty sample for no users \(B = 0"):
+        retriever(retriever.with_catalog(_no_user_features(0)), bag_features=empty)
     odd = _bag_retriever(item_tower=nn.Linear(4, 5))
     with pytest.raises(ValueError, match=r"the item side must give \[R, num_experts·D\]"):
         odd(odd.with_catalog(KeyedJaggedTensor.from_lengths_sync(

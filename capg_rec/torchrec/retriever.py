@@ -534,8 +534,9 @@ class TwoTowerRetriever(nn.Module):
                 raise ValueError("bag_features must carry weights: user_embeddings is weighted (is_weighted=True)")
             stride = bag_features.stride()
             if stride not in (batch, batch + 1) or stride < 1:
-                raise ValueError(f"bag_features must have stride B = {batch} (or B + 1 with an empty last sample; "
-                                 f"at least 1), got {stride}")
+                need = (f"B = {batch} (or B + 1 with an empty last sample)" if batch else
+                        "1 with an empty sample for no users (B = 0: a stride of 0 does not carry its keys' lengths)")
+                raise ValueError(f"bag_features must have stride {need}, got {stride}")
             if validate and stride == batch + 1 and int(bag_features.lengths().view(-1, stride)[:, -1].sum()):
                 raise ValueError(f"bag_features has stride B + 1 = {stride} but its last sample is not empty: it "
                                  f"would be dropped (B = {batch} users)")
