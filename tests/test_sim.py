@@ -340,6 +340,26 @@ def test_noisy_lsr_needs_l_scores_above_minus_inf():
         tiny(torch.tensor([[-10.0, -20.0, 1.0]]), 3)
 
 
+
+def test_noisy_lsr_expected_value_at_a_small_temperature():
+    """Regression (a review): for L > 1 the exact value ran in float32, where scores / τ beyond its resolution
+    (5.2e5) were refused with a message about num_candidates, experts and soft masks: NoisyLSR(1e-6) on scores a
+    few units apart. In float64 it is the greedy value; beyond float64's resolution a ValueError names τ."""
+    torch.manual_seed(0)
+    scores, q = 5 * torch.randn(4, 10), torch.rand(4, 10)
+    greedy = OptimalLSR().expected_value(scores, q, 3)
+    for temperature in (1e-4, 1e-6, 1e-12):
+        value = NoisyLSR(temperature).expected_value(scores, q, 3)
+        assert value.dtype == torch.float32
+        torch.testing.assert_close(value, greedy)
+    # a float32 spread within resolution stays in float32, and equals a float64 computation
+    mild = NoisyLSR(0.5)
+    torch.testing.assert_close(mild.expected_value(scores, q, 3),
+                               mild.expected_value(scores.double(), q.double(), 3).float())
+    with pytest.raises(ValueError, match=r"NoisyLSR\(temperature=1e-15\)\.expected_value: scores / temperature span "
+                                         r"more than float64 resolves"):
+        NoisyLSR(1e-15).expected_value(scores, q, 3)
+
 def test_environments_refuse_what_they_would_answer_wrongly():
     """Regression (found by review): a negative id wrapped around to another user or item, 1-d items or a batch of
     another size broadcast to a [B, B] table, the rankers ranked NaN scores, NoisyLSR named num_candidates for

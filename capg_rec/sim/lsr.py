@@ -21,6 +21,7 @@ from torch import Tensor
 
 from capg_rec._checks import check_count, check_positive
 from capg_rec._numerics import gumbel_like
+from capg_rec.catalog import resolution
 
 __all__ = ["LSRPolicy", "OptimalLSR", "AntiOptimalLSR", "NoisyLSR", "UniformLSR", "make_lsr", "LSR_NAMES"]
 
@@ -161,7 +162,16 @@ class NoisyLSR:
         from capg_rec.marginals import inclusion_log_prob  # mean over positions = Σ_a q(a) P(a in top-L) / L
 
         items = torch.arange(s.shape[1], device=s.device).expand(s.shape[0], -1)
-        inclusion = inclusion_log_prob(s, items, num_outputs, method="exact").exp()
+        finite = s[s > -torch.inf]
+        spread = float(finite.max() - finite.min()) if finite.numel() else 0.0
+        # in float64 where a small τ spreads the scores beyond the dtype's resolution (greedy in the limit)
+        work = s if spread <= resolution(s.dtype) else s.double()
+        try:
+            inclusion = inclusion_log_prob(work, items, num_outputs, method="exact").exp().to(s.dtype)
+        except ValueError as err:
+            raise ValueError(f"{self!r}.expected_value: scores / temperature span more than float64 resolves "
+                             f"({resolution(torch.float64):.3g}) for the exact value of num_outputs={num_outputs} "
+                             "picks: raise the temperature, or use OptimalLSR (its greedy limit)") from err
         return (inclusion * q).sum(dim=1) / num_outputs
 
 
