@@ -175,6 +175,36 @@ def test_kuairec_bad_files(tmp_path, case):
         load_kuairec(path)
 
 
+
+def test_kuairec_refuses_lines_of_other_field_counts(tmp_path):
+    """Regression (a review): only user_id, video_id and watch_ratio were read, so a line of 9 fields (an unquoted
+    comma in `time`) was taken with its watch ratio read from `timestamp` (1.59e9, clipped to 10); a line starting
+    with '#' was dropped as a comment; a byte-order mark failed the header. Counted in blocks: a line split across
+    two is counted whole, and the line named is the file's."""
+    from capg_rec.sim import kuairec
+
+    good = "1,2,1000,2000,2020-07-05 05:27:48.378,20200705.0,1593898068.378,0.5"
+    nine = "1,3,1000,2000,2020-07-05,05:27:48.378,20200705.0,1593898068.378,0.2"
+    header = ",".join(KUAIREC_COLUMNS)
+    path = tmp_path / "m.csv"
+    for block in (7, 64, 1 << 24):  # blocks shorter than a line, a few lines, the whole file
+        path.write_text("\n".join([header, good, good, nine, good]) + "\n")
+        with pytest.raises(ValueError, match=r"m.csv: line 4 must hold 8 comma-separated fields .* got 9"):
+            kuairec._check_field_counts(str(path), block=block)
+        path.write_text("\r\n".join([header, good, "", good.replace(",2,", ",7,")]))  # CRLF, a blank, no last \n
+        kuairec._check_field_counts(str(path), block=block)
+    path.write_text("\n".join([header, good, nine]) + "\n")
+    with pytest.raises(ValueError, match="line 3 must hold 8"):
+        load_kuairec(path)
+    path.write_text("\n".join([header, good, "#" + good]) + "\n")  # no comment lines
+    with pytest.raises(ValueError, match="must be numeric"):
+        load_kuairec(path)
+    path.write_text("\ufeff" + "\n".join([header, good]) + "\n", encoding="utf-8")  # a spreadsheet's BOM
+    torch.testing.assert_close(load_kuairec(path).q, torch.tensor([[0.5]]))
+    path.write_bytes(b"\x1f\x8b\x08\x00" + bytes(range(128, 256)))  # gzip, not text
+    with pytest.raises(ValueError, match="m.csv: not a UTF-8 text file"):
+        load_kuairec(path)
+
 def test_every_setting_that_changes_the_tables_changes_the_name(tmp_path):
     """Checkpoints, reused reproduce runs and logs are matched to an environment by its name (review: a checkpoint
     of synthetic_env() loaded into synthetic_env(scale=3, dim=4), whose tables differ, without a word). The defaults'
