@@ -610,6 +610,32 @@ def test_integer_rewards_and_features_are_read_as_floats(tmp_path):
     with pytest.raises(ValueError, match=r"column 'policy_version' must have type string \(or another string "
                                          r"\(dictionary-encoded too\) type read as it\), got int64"):
         LoggedImpressions(tmp_path / "numbered.parquet", 6)
+    # and as booleans (a review: a list<bool> click column, as pipelines write one, was refused)
+    table = table.set_column(table.schema.get_field_index("rewards"), "rewards",
+                             pa.array([[True, False]] * 6, type=pa.list_(pa.bool_())))
+    table = table.set_column(table.schema.get_field_index("features"), "features",
+                             pa.array([[False, True, True]] * 6, type=pa.list_(pa.bool_())))
+    pq.write_table(table, tmp_path / "bools.parquet")
+    (batch,) = LoggedImpressions(tmp_path / "bools.parquet", 6)
+    assert batch.rewards.dtype == batch.features.dtype == torch.float32
+    assert batch.rewards.tolist() == [[1.0, 0.0]] * 6 and batch.features.tolist() == [[0.0, 1.0, 1.0]] * 6
+
+
+def test_a_flipped_bit_in_a_page_is_an_error(tmp_path):
+    """Regression (a review): LogWriter wrote no page checksums and the reader verified none, so a bit flipped in a
+    page that still decodes came back as another value (a propensity of 0.999 read as 1.0, with no error). Pages are
+    now written with CRCs and verified when read."""
+    import struct
+
+    _write(tmp_path / "good.parquet", [6], compression="none")
+    data = bytearray((tmp_path / "good.parquet").read_bytes())
+    value = float(pq.read_table(tmp_path / "good.parquet").column("log_inclusion")[3][1].as_py())
+    at = bytes(data).find(struct.pack("<d", value))
+    assert at > 0  # uncompressed: the float's bytes lie in the file as they are
+    data[at] ^= 1  # the lowest bit of the mantissa: a value a hair away, still in range
+    (tmp_path / "flipped.parquet").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="flipped.parquet, row group 0 cannot be read: .*CRC checksum"):
+        list(LoggedImpressions(tmp_path / "flipped.parquet", 2))
 
 
 def test_file_level_gaps_in_the_schema_are_named(tmp_path):

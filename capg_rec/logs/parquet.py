@@ -57,14 +57,16 @@ def _readable_as(got: pa.DataType, want: pa.DataType, name: str) -> bool:
     (``large_list``, ``fixed_size_list``; elements declared non-nullable or named otherwise, as Spark and Polars
     write them) of readable values; integers as any integer type that int64 holds; floats as any float type, and
     rewards and features (read as float32, the schema's type) as integers too (clicks stored as 0 and 1); strings as
-    either string type, dictionary-encoded or not (as pandas writes a categorical)."""
+    either string type, dictionary-encoded or not (as pandas writes a categorical); rewards and features as booleans
+    (clicks as true and false: 1 and 0)."""
     if pa.types.is_list(want):
         layouts = (pa.types.is_list, pa.types.is_large_list, pa.types.is_fixed_size_list)
         return any(layout(got) for layout in layouts) and _readable_as(got.value_type, want.value_type, name)
     if pa.types.is_integer(want):
         return pa.types.is_signed_integer(got) or (pa.types.is_unsigned_integer(got) and got.bit_width < 64)
     if pa.types.is_floating(want):
-        return pa.types.is_floating(got) or (name in _NUMBERS_AS_FLOATS and pa.types.is_integer(got))
+        return pa.types.is_floating(got) or (name in _NUMBERS_AS_FLOATS and (pa.types.is_integer(got)
+                                                                           or pa.types.is_boolean(got)))
     if pa.types.is_string(want):
         if pa.types.is_dictionary(got):
             got = got.value_type
@@ -76,8 +78,8 @@ def _also_readable(name: str) -> str:
     """What else :func:`_readable_as` reads as column ``name``'s schema type, for messages."""
     want = LOG_SCHEMA.field(name).type
     element = want.value_type if pa.types.is_list(want) else want
-    kinds = "integer or float" if name in _NUMBERS_AS_FLOATS else "float" if pa.types.is_floating(element) else \
-        "integer" if pa.types.is_integer(element) else "string (dictionary-encoded too)"
+    kinds = "boolean, integer or float" if name in _NUMBERS_AS_FLOATS else "float" if pa.types.is_floating(element) \
+        else "integer" if pa.types.is_integer(element) else "string (dictionary-encoded too)"
     return f"or another list layout, or {kinds} type read as it" if pa.types.is_list(want) else \
         f"or another {kinds} type read as it"
 
@@ -269,7 +271,9 @@ class LogWriter:
             raise ValueError(f"path must be in an existing folder, got {self.path} ({self.path.parent} is not one)")
         self._partial = self.path.with_name(f".{self.path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.partial")
         try:
-            self._writer = pq.ParquetWriter(self._partial, self.schema, compression=compression)
+            # page checksums: a flipped bit in a page that still decodes is read as an error, not as another value
+            self._writer = pq.ParquetWriter(self._partial, self.schema, compression=compression,
+                                            write_page_checksum=True)
         except BaseException:
             self._partial.unlink(missing_ok=True)  # opened before it failed: leave nothing behind
             raise
@@ -729,7 +733,8 @@ class LoggedImpressions(torch.utils.data.IterableDataset):
                 if current[0] != file_index:
                     if current[1] is not None:
                         current[1].close()
-                    current = (file_index, pq.ParquetFile(self.files[file_index]))
+                    # pages written with checksums (as LogWriter writes them) are verified
+                    current = (file_index, pq.ParquetFile(self.files[file_index], page_checksum_verification=True))
                 row0 = 0
                 where = f"log file {self.files[file_index]}, row group {group}"
                 for record_batch in _readable(current[1].iter_batches(
