@@ -2,6 +2,7 @@
 
 from capg_rec import functional
 from capg_rec._checks import set_default_validate_args
+from capg_rec.baselines import ContextBaseline, global_mean_baseline
 from capg_rec.catalog import CatalogScores, DenseCatalog, EmbeddingCatalog, as_catalog
 from capg_rec.losses import CAPGLoss, OffPolicyCAPGLoss, OffPolicyVPGLoss, TopKReinforceLoss, VPGLoss
 from capg_rec.marginals import (DEFAULT_METHOD, Enumeration, Exact, InclusionMethod, MeanField, PlugIn, WithReplacement,
@@ -18,6 +19,6 @@ __all__ = [
     "InclusionMethod", "Exact", "MeanField", "PlugIn", "WithReplacement", "Enumeration", "DEFAULT_METHOD",
     "inclusion_log_prob", "inclusion_method", "inclusion_methods", "register_inclusion_method",
     "candidate_log_prob", "expert_of_position", "greedy_candidates", "sample_candidates",
-    "dcg_weights", "group_normalize", "set_default_validate_args",
+    "dcg_weights", "group_normalize", "global_mean_baseline", "ContextBaseline", "set_default_validate_args",
 ]
 __version__ = "0.1.0"

@@ -37,7 +37,7 @@ from capg_rec import CAPGLoss, EmbeddingCatalog, OffPolicyCAPGLoss, OffPolicyVPG
 from capg_rec.functional import vpg_loss
 from capg_rec.testing import count_host_syncs
 from capg_rec.torchrec import ContextBaseline, ShardedEmbeddingCatalog, global_mean_baseline
-from capg_rec.torchrec._collective import exchange
+from capg_rec._collective import exchange
 
 SETUPS = {
     "rw_uneven": h.Setup(num_items=10_001, num_experts=1, dim=8, temperature=0.5),

@@ -4,6 +4,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import HealthCheck, settings
 
 torch.set_num_threads(1)
@@ -23,3 +24,11 @@ DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 def device(request: pytest.FixtureRequest) -> torch.device:
     """Every device this machine has: CPU always, CUDA when present."""
     return torch.device(request.param)
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """A real one-process gloo group, so the collective code paths (exchanges, all-gathers) run here."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()

@@ -17,7 +17,7 @@ except ImportError as err:  # pragma: no cover - depends on the environment
         "(fbgemm-gpu-cpu must be the build matching your torch: 1.8.0 for torch 2.13)"
     ) from err
 
-from capg_rec.torchrec.baselines import ContextBaseline, global_mean_baseline
+from capg_rec.baselines import ContextBaseline, global_mean_baseline  # torch.distributed only: also at the top level
 from capg_rec.torchrec.catalog import ShardedEmbeddingCatalog
 from capg_rec.torchrec.index_head import IndexHead
 from capg_rec.torchrec.retriever import TwoTowerRetriever

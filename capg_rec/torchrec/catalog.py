@@ -23,7 +23,7 @@ from capg_rec._checks import check_count, check_flag, check_float_tensor, check_
 from capg_rec._numerics import no_autocast, safe_logsumexp, top_k
 from capg_rec.catalog import CatalogScores, _chunked_top_k, _ChunkedLogPowerSums, _expert_views, chunk_items, \
     available_given_masks
-from capg_rec.torchrec._collective import agree, all_gather_rows, exchange, gather_rows, on_ranks, ranks_where, \
+from capg_rec._collective import agree, all_gather_rows, exchange, gather_rows, on_ranks, ranks_where, \
     reduce_rows, stack_ranks
 from capg_rec.torchrec._noise import BLOCK, BlockNoise, draw_seed
 

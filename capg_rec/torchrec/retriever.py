@@ -23,7 +23,7 @@ from capg_rec.marginals import DEFAULT_METHOD, InclusionMethod
 from capg_rec.catalog import unpadded
 from capg_rec.sampled import DrawnSample, SampledCatalog, check_index_items
 from capg_rec.serving import ServingRetriever
-from capg_rec.torchrec._collective import agree, all_gather_rows, exchange, least, on_ranks, ranks_where, \
+from capg_rec._collective import agree, all_gather_rows, exchange, least, on_ranks, ranks_where, \
     stack_ranks
 from capg_rec.torchrec.catalog import ShardedEmbeddingCatalog
 

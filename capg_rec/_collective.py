@@ -1,5 +1,5 @@
-"""Collectives of the sharded catalog (private): rows gathered over ranks with autograd, and checks
-that every rank passes or fails together.
+"""Collectives of the sharded catalog and the rank-global baselines (private): rows gathered over ranks with
+autograd, and checks that every rank passes or fails together.
 
 A rank that raises while the others wait in a collective hangs the job, so every check that may
 fail on some ranks only goes through :func:`exchange`: each rank runs its local checks, the

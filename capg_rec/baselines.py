@@ -1,4 +1,5 @@
-"""Reward baselines that are the same whatever the number of ranks the batch is split over.
+"""Reward baselines that are the same whatever the number of ranks the batch is split over (plain
+``torch.distributed``: DDP and TorchRec alike; also exported by :mod:`capg_rec.torchrec`).
 
 A baseline computed from one rank's rewards (``rewards.mean()``) changes with the split: W ranks
 then train a different model than one process on the concatenated batch. These baselines reduce
@@ -15,7 +16,7 @@ from torch import Tensor, nn
 
 from capg_rec._checks import check_count, check_flag, check_float_tensor, check_id_tensor, is_number, \
     resolve_validate_args
-from capg_rec.torchrec._collective import exchange, on_ranks, ranks_where
+from capg_rec._collective import exchange, on_ranks, ranks_where
 
 __all__ = ["ContextBaseline", "global_mean_baseline"]
 
