@@ -661,7 +661,7 @@ class EmbeddingCatalog(CatalogScores):
         self.dtype, self.device = dtype, user.device
         self.masked_items = None if masked_items is None else check_items(
             "masked_items", masked_items, batch_size=self.batch_size, num_items=self.num_items, unique=False,
-            validate=self.validate, low=-1)
+            validate=self.validate, low=-1, columns="E")
 
     def num_available(self) -> Tensor:
         if self.masked_items is None:

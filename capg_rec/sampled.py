@@ -808,10 +808,10 @@ class SampledCatalog(CatalogScores):
         else:
             raise TypeError(f"item must be a torch.Tensor or a callable item tower, got {type(item).__name__}")
         self.sampler = sampler
-        self.masked_items = self._ids("masked_items", masked_items)
+        self.masked_items = self._ids("masked_items", masked_items, "E")
         given_batch = batch_items
-        head_items = self._ids("head_items", head_items)
-        batch_items = head_items if batch_items is None else self._ids("batch_items", batch_items, any_batch=True)
+        head_items = self._ids("head_items", head_items, "H")
+        batch_items = head_items if batch_items is None else self._ids("batch_items", batch_items, "H'", any_batch=True)
         # The rows' own heads (see below): by default, or given again as the batch (compared by value).
         own_batch = head_items is not None and (given_batch is None or (
             batch_items.shape == head_items.shape and torch.equal(batch_items, head_items)))
@@ -951,12 +951,12 @@ class SampledCatalog(CatalogScores):
         return check_index_items(index_items, batch_size=self.batch_size, num_experts=self.num_experts,
                                  num_items=self.num_items, validate=self.validate).to(self.device)
 
-    def _ids(self, name: str, ids: Tensor | None, any_batch: bool = False) -> Tensor | None:
+    def _ids(self, name: str, ids: Tensor | None, columns: str, any_batch: bool = False) -> Tensor | None:
         if ids is None:
             return None
         batch = ids.shape[0] if any_batch and isinstance(ids, Tensor) and ids.dim() == 2 else self.batch_size
         return check_items(name, ids, batch_size=batch, num_items=self.num_items, unique=False,
-                           validate=self.validate, low=-1).to(self.device)
+                           validate=self.validate, low=-1, columns=columns).to(self.device)
 
     def _vectors(self, ids: Tensor) -> Tensor:
         """Item vectors of ``ids [...]`` → ``[..., M, D]`` in the compute dtype."""

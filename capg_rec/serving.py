@@ -173,7 +173,7 @@ class ServingRetriever:
         num_candidates = check_count("num_candidates", num_candidates, high=self.num_items)
         masked = None if masked_items is None else check_items(
             "masked_items", masked_items, batch_size=user.shape[0], num_items=self.num_items, unique=False,
-            low=-1).to(user.device)
+            low=-1, columns="E").to(user.device)
         if not check_flag("sample", sample):
             self._check_index()  # refreshed to another catalog since: its ids would be another catalog's
             return Retrieved(self._greedy(user, num_candidates, masked))

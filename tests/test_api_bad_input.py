@@ -258,3 +258,16 @@ def test_log_reader_takes_the_launchers_ranks_without_a_process_group(tmp_path, 
         monkeypatch.setenv("WORLD_SIZE", world)
         with pytest.raises(ValueError, match=message):
             list(LoggedImpressions(tmp_path, 4))
+
+
+def test_masks_and_heads_are_named_by_their_own_width():
+    """A review: masked_items of the wrong shape was refused as "must have shape [B=4, L]"; its width is E (as the
+    docstrings give it), a SampledCatalog's head H."""
+    users, items = torch.randn(4, 3), torch.randn(10, 3)
+    with pytest.raises(ValueError, match=r"masked_items must have shape \[B=4, E\], got \(5, 1\)"):
+        EmbeddingCatalog(users, items, masked_items=torch.zeros(5, 1, dtype=torch.long))
+    sampler = capg_rec.UniformSampler(4)
+    with pytest.raises(ValueError, match=r"masked_items must have shape \[B=4, E\], got \(5, 1\)"):
+        capg_rec.SampledCatalog(users, items, sampler=sampler, masked_items=torch.zeros(5, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"head_items must have shape \[B=4, H\], got \(3,\)"):
+        capg_rec.SampledCatalog(users, items, sampler=sampler, head_items=torch.zeros(3, dtype=torch.long))

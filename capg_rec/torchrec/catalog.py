@@ -138,7 +138,8 @@ class ShardedEmbeddingCatalog(CatalogScores):
         self._masked_sorted = None  # [B_r, E] this rank's masked global ids, sorted (padding first)
         width = 0
         if masked_items is not None:
-            masked = check_id_tensor("masked_items", masked_items, batch_size=self.batch_size, allow_empty=True)
+            masked = check_id_tensor("masked_items", masked_items, batch_size=self.batch_size, allow_empty=True,
+                                     columns="E")
             self._masked_sorted, width = masked.sort(dim=1).values.contiguous(), masked.shape[1]
         bad: list[int | Tensor] = [0, 0, 0]
         if self.validate:

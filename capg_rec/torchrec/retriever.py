@@ -290,7 +290,7 @@ class TwoTowerRetriever(nn.Module):
             self._check_inputs(features, dense, bag_features, offset, rows, validate, sample, head_items, index_items)
             if sample is not None and masked_items is not None:  # the sampled catalog is built unchecked
                 check_items("masked_items", masked_items, batch_size=features.stride() - 1, num_items=self.num_items,
-                            unique=False, validate=validate, low=-1)
+                            unique=False, validate=validate, low=-1, columns="E")
             # sampled or not, and the heads' widths: the sampled catalogs' lookups are collective when validating;
             # dense's width: the user tower runs on every rank alike
             return [-2 if sample is None else -1 if head_items is None else head_items.shape[1],
