@@ -1,11 +1,13 @@
 """Cost of a whole CA-PG training step on the sampled catalog, as a ratio to in-batch softmax.
 
     OMP_NUM_THREADS=1 python benchmarks/sampled_cost.py [--sizes 100000 1000000 10000000] [--reps 10]
+        [--batch-sizes 128 1024 4096]
 
-One two-tower model (user and item ``nn.Embedding`` tables, D = 32, sparse gradients, SGD), B = 128
-users per step, K = 10 candidates, L = 2 shown items, one thread. Each configuration runs in its own
-process: the tables are built, then ``--reps`` steps (after 2 warm-ups) are timed as CPU time of the
-process; the median is reported, with the peak resident memory beyond the tables (``ru_maxrss``
+One two-tower model (user and item ``nn.Embedding`` tables, D = 32, sparse gradients, SGD), B users per
+step (``--batch-sizes``, 128 by default; the ratios are to the in-batch step at the same B, whose logits
+``[B, B]`` grow as B² while a sampled step's grow as B·S), K = 10 candidates, L = 2 shown items, one thread.
+Each configuration runs in its own process: the tables are built, then ``--reps`` steps (after 2 warm-ups) are
+timed as CPU time of the process; the median is reported, with the peak resident memory beyond the tables (``ru_maxrss``
 after the steps minus after building the tables) and the process's peak resident memory once the tables are
 built ("RSS MB", ``ru_maxrss``: the interpreter, torch and the tables). Steps:
 
@@ -43,15 +45,15 @@ from tqdm import tqdm
 
 from capg_rec._checks import positive_int
 
-BATCH, DIM, K, SHOWN, USERS = 128, 32, 10, 2, 100_000
+DIM, K, SHOWN, USERS = 32, 10, 2, 100_000
 
 
 def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _one(num_items: int, config: str, reps: int) -> dict:
-    """Time ``config`` at ``num_items`` in this process → a result row."""
+def _one(num_items: int, config: str, reps: int, batch: int = 128) -> dict:
+    """Time ``config`` at ``num_items`` and ``batch`` users per step in this process → a result row."""
     from capg_rec import CAPGLoss, EmbeddingCatalog, SampledCatalog, UniformSampler, sample_candidates
     from capg_rec.ann import FaissIndex
 
@@ -75,18 +77,18 @@ def _one(num_items: int, config: str, reps: int) -> dict:
     loss_fn = CAPGLoss(K, method=method, validate_args=False)
 
     def step() -> None:
-        users = torch.randint(USERS, (BATCH,), generator=g)
+        users = torch.randint(USERS, (batch,), generator=g)
         u = users_t(users)
         if config == "in_batch":
-            positives = torch.randint(num_items, (BATCH,), generator=g)
+            positives = torch.randint(num_items, (batch,), generator=g)
             logits = u @ items_t(positives).T
-            loss = torch.nn.functional.cross_entropy(logits, torch.arange(BATCH))
+            loss = torch.nn.functional.cross_entropy(logits, torch.arange(batch))
         elif config.startswith("sampled_softmax"):  # the positive against S uniform negatives, logQ-corrected
-            positives = torch.randint(num_items, (BATCH,), generator=g)
+            positives = torch.randint(num_items, (batch,), generator=g)
             sample = torch.randint(num_items, (negatives,), generator=g)
             pos = (u * items_t(positives)).sum(1, keepdim=True)
             neg = u @ items_t(sample).T - math.log(negatives / num_items)
-            loss = torch.nn.functional.cross_entropy(torch.cat([pos, neg], 1), torch.zeros(BATCH, dtype=torch.long))
+            loss = torch.nn.functional.cross_entropy(torch.cat([pos, neg], 1), torch.zeros(batch, dtype=torch.long))
         else:
             if full:
                 catalog = EmbeddingCatalog(u, items_t.weight, chunk_size=1 << 16, validate_args=False)
@@ -102,7 +104,7 @@ def _one(num_items: int, config: str, reps: int) -> dict:
                     candidates = sample_candidates(draw, K, generator=g, validate_args=False)
                 catalog = SampledCatalog(u, items_t, num_items=num_items, sampler=UniformSampler(negatives),
                                          head_items=candidates, generator=g, validate_args=False)
-            rewards = torch.rand(BATCH, SHOWN, generator=g)
+            rewards = torch.rand(batch, SHOWN, generator=g)
             loss = loss_fn(catalog, candidates, candidates[:, :SHOWN], rewards)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -115,7 +117,7 @@ def _one(num_items: int, config: str, reps: int) -> dict:
         start = time.process_time()
         step()
         times.append(time.process_time() - start)
-    return dict(N=num_items, config=config, step_ms=1e3 * statistics.median(times), reps=reps,
+    return dict(N=num_items, B=batch, config=config, step_ms=1e3 * statistics.median(times), reps=reps,
                 peak_rss_beyond_tables_mb=_rss_mb() - base_rss, rss_after_tables_mb=base_rss,
                 index_build_s=build_s)
 
@@ -131,19 +133,23 @@ def _configs(num_items: int, ann_sizes: list[int]) -> list[str]:
 
 
 def _plot(rows: list[dict], path: pathlib.Path) -> None:
+    """One panel per batch size: each configuration's step time over the in-batch step's, against N."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    base = {r["N"]: r["step_ms"] for r in rows if r["config"] == "in_batch"}
-    fig, ax = plt.subplots(figsize=(6, 3.8))
-    for config in sorted({r["config"] for r in rows} - {"in_batch"}):
-        sel = sorted((r for r in rows if r["config"] == config), key=lambda r: r["N"])
-        ax.plot([r["N"] for r in sel], [r["step_ms"] / base[r["N"]] for r in sel], marker="o", label=config,
-                ls="--" if config.startswith("sampled_softmax") else "-")
-    ax.axhline(1, color="gray", lw=0.5)
-    ax.set(xscale="log", yscale="log", xlabel="catalog size N", ylabel="step time / in-batch softmax step",
-           title=f"B={BATCH}, D={DIM}, K={K}, one thread")
-    ax.legend(fontsize=7)
+    batches = sorted({r["B"] for r in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 3.8), squeeze=False, sharey=True)
+    for ax, batch in zip(axes[0], batches):
+        mine = [r for r in rows if r["B"] == batch]
+        for config in sorted({r["config"] for r in mine} - {"in_batch"}):
+            sel = sorted((r for r in mine if r["config"] == config), key=lambda r: r["N"])
+            ax.plot([r["N"] for r in sel], [r["ratio_to_in_batch"] for r in sel], marker="o", label=config,
+                    ls="--" if config.startswith("sampled_softmax") else "-")
+        ax.axhline(1, color="gray", lw=0.5)
+        ax.axhline(3, color="red", lw=0.5, ls=":")
+        ax.set(xscale="log", yscale="log", xlabel="catalog size N", title=f"B={batch}, D={DIM}, K={K}, one thread")
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("step time / in-batch softmax step")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -153,6 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", type=positive_int, nargs="+", default=[100_000, 1_000_000, 10_000_000])
     p.add_argument("--ann-sizes", type=int, nargs="*", default=[100_000])
+    p.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[128],
+                   help="users per step B (each a panel of the plot; in-batch softmax costs B^2 D)")
     p.add_argument("--reps", type=positive_int, default=10)
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/sampled_cost"))
     p.add_argument("--one", nargs=2, metavar=("N", "CONFIG"),
@@ -164,30 +172,31 @@ def main(argv: list[str] | None = None) -> None:
         if not size.isdigit() or int(size) < 1 or config not in _configs(int(size), [int(size)]):
             p.error(f"--one: N an integer >= 1 and CONFIG one of {', '.join(_configs(10**5, [10**5]))} (full_*: "
                     f"N <= 10^5), got {size} {config}")
-        print(json.dumps(_one(int(size), config, args.reps)))
+        print(json.dumps(_one(int(size), config, args.reps, args.batch_sizes[0])))
         return
     args.out.mkdir(parents=True, exist_ok=True)
-    jobs = [(n, c) for n in args.sizes for c in _configs(n, args.ann_sizes)]
+    jobs = [(n, b, c) for b in args.batch_sizes for n in args.sizes for c in _configs(n, args.ann_sizes)]
     rows = []
-    for n, config in tqdm(jobs, desc="configurations"):
-        done = subprocess.run([sys.executable, __file__, "--one", str(n), config, "--reps", str(args.reps)],
-                              capture_output=True, text=True)
+    for n, batch, config in tqdm(jobs, desc="configurations"):
+        done = subprocess.run([sys.executable, __file__, "--one", str(n), config, "--reps", str(args.reps),
+                               "--batch-sizes", str(batch)], capture_output=True, text=True)
         if done.returncode:  # the measured process's own error, not a CalledProcessError (rows so far are kept)
             print(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}",
                   file=sys.stderr)
-            p.exit(1, f"sampled_cost.py: --one {n} {config} failed (above); measured before it: {rows}\n")
+            p.exit(1, f"sampled_cost.py: --one {n} {config} --batch-sizes {batch} failed (above); measured before "
+                      f"it: {rows}\n")
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    base = {r["N"]: r["step_ms"] for r in rows if r["config"] == "in_batch"}
+    base = {(r["N"], r["B"]): r["step_ms"] for r in rows if r["config"] == "in_batch"}
     for r in rows:
-        r["ratio_to_in_batch"] = r["step_ms"] / base[r["N"]]
+        r["ratio_to_in_batch"] = r["step_ms"] / base[r["N"], r["B"]]
     from capg_rec.train.report import write_csv, write_json  # here: the measured processes import less
 
     write_json(args.out / "sampled_cost.json", {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
     write_csv(args.out / "sampled_cost.csv", rows)
     _plot(rows, args.out / "sampled_cost.png")
-    print(f"{'N':>9} {'config':>18} {'step ms':>9} {'ratio':>7} {'peak MB':>8} {'RSS MB':>9}")
+    print(f"{'N':>9} {'B':>5} {'config':>18} {'step ms':>9} {'ratio':>7} {'peak MB':>8} {'RSS MB':>9}")
     for r in rows:
-        print(f"{r['N']:>9} {r['config']:>18} {r['step_ms']:>9.1f} {r['ratio_to_in_batch']:>7.1f} "
+        print(f"{r['N']:>9} {r['B']:>5} {r['config']:>18} {r['step_ms']:>9.1f} {r['ratio_to_in_batch']:>7.1f} "
               f"{r['peak_rss_beyond_tables_mb']:>8.1f} {r['rss_after_tables_mb']:>9.0f}")
 
 

@@ -391,9 +391,14 @@ def test_benchmarks_run_and_write_their_files(tmp_path):
                                       "--seeds", "0", "--negatives", "32", "--head", "20", "--eval-every", "1",
                                       "--out", str(tmp_path / "learn")])
     cost = _script("sampled_cost")
-    for config in ("in_batch", "sampled_swr_S1024", "full_mf"):
-        row = cost._one(3000, config, reps=1)
-        assert row["step_ms"] > 0 and row["config"] == config
+    rows = []
+    for config, batch in (("in_batch", 128), ("sampled_swr_S1024", 128), ("full_mf", 128), ("in_batch", 16),
+                          ("sampled_swr_S128", 16)):
+        row = cost._one(3000, config, reps=1, batch=batch)
+        assert row["step_ms"] > 0 and row["config"] == config and row["B"] == batch
+        rows.append({**row, "ratio_to_in_batch": 1.0})
+    cost._plot(rows, tmp_path / "cost.png")  # a panel per batch size
+    assert (tmp_path / "cost.png").stat().st_size > 0
     for sub, stem in (("acc", "sampled_accuracy"), ("draw", "sampled_draw"), ("learn", "sampled_learning")):
         for ext in ("json", "png"):
             assert (tmp_path / sub / f"{stem}.{ext}").stat().st_size > 0
