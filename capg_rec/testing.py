@@ -50,10 +50,11 @@ def logits(*, max_batch: int = 3, max_experts: int = 1, min_items: int = 1, max_
 
     Values are numbers of ``dtype`` in ``[-scale, scale]`` (drawn as float32 numbers within the largest number
     that both float32 and ``dtype`` hold at most ``scale``: rounded to ``dtype`` they stay within it); with
-    ``extreme`` about a quarter are ``±EXTREME_LOGIT`` (as ``dtype`` holds it: ±9984 in bfloat16); with
-    ``ties`` many entries repeat a small drawn pool of values; with
-    ``masked`` some items of a row are ``-inf`` under every expert (masked out of that row's
-    catalog), at least ``min_items`` of each row staying unmasked.
+    ``extreme`` many are ``±EXTREME_LOGIT`` (as ``dtype`` holds it: ±9984 in bfloat16), and a row's scores under an
+    expert are often shifted together by ``±EXTREME_LOGIT`` (then rounded to ``dtype``): distinct scores far from
+    0, which no probability may tell from the unshifted ones but by rounding; with ``ties`` many entries repeat a
+    small drawn pool of values; with ``masked`` some items of a row are ``-inf`` under every expert (masked out of
+    that row's catalog), at least ``min_items`` of each row staying unmasked.
     """
     st = _st()
     check_count("max_batch", max_batch)
@@ -79,7 +80,12 @@ def logits(*, max_batch: int = 3, max_experts: int = 1, min_items: int = 1, max_
         shape = (batch, items) if max_experts == 1 else (batch, experts, items)
         size = batch * experts * items
         values = draw(st.lists(element, min_size=size, max_size=size))
-        out = torch.tensor(values, dtype=dtype).reshape(batch, experts, items)
+        out = torch.tensor(values, dtype=torch.float32).reshape(batch, experts, items)
+        if extreme:  # a constant shift of a row's scores under an expert: each (row, expert) its own
+            shifts = st.sampled_from([0.0, 0.0, EXTREME_LOGIT, -EXTREME_LOGIT])
+            out = out + torch.tensor(draw(st.lists(shifts, min_size=batch * experts, max_size=batch * experts)),
+                                     dtype=torch.float32).reshape(batch, experts, 1)
+        out = out.to(dtype)
         if masked:
             keep = torch.tensor(draw(st.lists(st.booleans(), min_size=batch * items, max_size=batch * items)))
             keep = keep.reshape(batch, items)

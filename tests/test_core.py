@@ -508,6 +508,34 @@ def test_functional_equals_modules():
         assert torch.equal(CAPGLoss(4, method=method)(*args), functional.capg_loss(*args, method=method))
 
 
+
+def test_every_module_forwards_every_option_to_its_function():
+    """A mutation review: OffPolicyCAPGLoss could drop the baseline (and so could the other off-policy modules, or drop
+    position weights) with no test failing. Each module equals its function with every option set, and each option
+    changes the loss (so that the comparison would see one dropped)."""
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(5, 2, 20, generator=g)
+    cand = sample_candidates(logits, 4, generator=g)
+    chosen, rewards = cand[:, :2], torch.rand(5, 2, generator=g)
+    logged = {"capg": capg_rec.inclusion_log_prob(logits, chosen, 4) - 0.3,
+              "vpg": candidate_log_prob(logits, cand) - 0.3,
+              "topk": capg_rec.inclusion_log_prob(logits, chosen, 4, method="with_replacement") - math.log(4) - 0.3}
+    pairs = [(VPGLoss, functional.vpg_loss, None, {"with_replacement": True}),
+             (CAPGLoss, functional.capg_loss, None, {"method": "plugin"}),
+             (capg_rec.OffPolicyCAPGLoss, functional.offpolicy_capg_loss, "capg", {"method": "plugin"}),
+             (capg_rec.OffPolicyVPGLoss, functional.offpolicy_vpg_loss, "vpg", {}),
+             (capg_rec.TopKReinforceLoss, functional.topk_reinforce_loss, "topk", {})]
+    call = {"baseline": torch.rand(5, generator=g), "position_weights": torch.tensor([1.0, 0.25])}
+    built = {"temperature": 0.7, "reduction": "sum"}
+    for module, function, log_name, own in pairs:
+        extra = {"max_weight": 1.05, "self_normalize": True} if log_name else {}
+        args = (logits, cand, chosen, rewards) + ((logged[log_name],) if log_name else ())
+        full = function(*args, **call, **built, **own, **extra)
+        torch.testing.assert_close(module(4, **built, **own, **extra)(*args, **call), full, rtol=0, atol=0)
+        for name in (*call, *built, *own, *extra):  # each option matters here
+            kept = {k: v for k, v in {**call, **built, **own, **extra}.items() if k != name}
+            assert not torch.allclose(function(*args, **kept), full), (module.__name__, name)
+
 class _HalfOfSwR(InclusionMethod):
     """A user's own method: half the SwR expected count (deliberately wrong for the validator)."""
 
