@@ -165,13 +165,14 @@ def contexts(*, max_batch: int = 4, dim: int = 8, scale: float = 1.0, dtype: tor
 
 
 def esr_cases(*, max_batch: int = 3, max_experts: int = 1, min_items: int = 1, max_items: int = 8,
-              extreme: bool = True, ties: bool = True, masked: bool = False):
+              extreme: bool = True, ties: bool = True, masked: bool = False, dtype: torch.dtype = torch.float32):
     """``(logits, K, τ, seed)`` with ``K`` at most each row's unmasked items: a complete PL(-MoE)
-    problem to test against, whose draw of K need not tell apart scores ``logits / τ`` beyond float32's
-    resolution (:func:`~capg_rec.plackett_luce.unresolved_draws`: the checks refuse such draws)."""
+    problem to test against (logits of ``dtype``, as :func:`logits` draws them), whose draw of K need not tell
+    apart scores ``logits / τ`` beyond their resolution (:func:`~capg_rec.plackett_luce.unresolved_draws`: the
+    checks refuse such draws)."""
     st = _st()
     cases = logits(max_batch=max_batch, max_experts=max_experts, min_items=min_items, max_items=max_items,
-                   extreme=extreme, ties=ties, masked=masked)  # its arguments checked here, not at the first draw
+                   extreme=extreme, ties=ties, masked=masked, dtype=dtype)  # arguments checked here, not when drawn
 
     @st.composite
     def build(draw) -> tuple[Tensor, int, float, int]:

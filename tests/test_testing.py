@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import find, given, settings
 
+import capg_rec
 from capg_rec import testing
 from capg_rec.testing import EXTREME_LOGIT, assert_esr_valid
 from capg_rec.validate import CatalogESR
@@ -77,6 +78,20 @@ def test_logits_shift_rows_far_from_zero_and_mask_within_limits():
 def test_esr_cases_are_consistent(case):
     x, k, tau, seed = case
     assert 1 <= k <= x.shape[-1] and 0.05 <= tau <= 5.0 and 0 <= seed < 2**32
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_esr_cases_in_other_dtypes(dtype):
+    """A mutation review: esr_cases drew float32 logits only."""
+    @settings(max_examples=20, derandomize=True, database=None)
+    @given(testing.esr_cases(max_items=5, max_experts=2, dtype=dtype))
+    def check(case):
+        x, k, tau, seed = case
+        assert x.dtype == dtype and 1 <= k <= x.shape[-1]
+        candidates = capg_rec.sample_candidates(x, k, temperature=tau, generator=torch.Generator().manual_seed(seed))
+        assert candidates.shape == (x.shape[0], k)
+
+    check()
 
 
 @given(testing.contexts(max_batch=4, dim=3), testing.num_experts(4), testing.temperatures(0.5, 2.0))
