@@ -276,3 +276,23 @@ def test_enumeration_takes_any_catalog_of_few_ordered_draws():
     assert enumeration.affordable(8, 8) and enumeration.affordable(8, 7)  # every draw of 8 items, as before
     assert not enumeration.affordable(9, 12)  # no draw of 12 out of 9 (perm would say 0)
     assert not enumeration.affordable(8000, 1) and enumeration.affordable(567, 1)
+
+
+@pytest.mark.parametrize("method", ["exact", "enumerate", "mean_field", "plugin"])
+def test_a_draw_of_every_item_includes_items_masked_under_some_experts_only(method):
+    """A review: with K = N every item is drawn (π = 1), but the shortcut read expert 0's scores only, so an item
+    masked under expert 0 and drawn by expert 1 had π = 0: CA-PG's loss was +inf, with a gradient on its -inf
+    logit. It is -inf only where every expert that draws a position masks the item."""
+    import capg_rec
+
+    logits = torch.tensor([[[-torch.inf, 0.5, 0.2], [0.0, 0.1, 0.3]]], dtype=torch.float64, requires_grad=True)
+    items = torch.tensor([[0, 1, 2]])  # blocks (expert 0 x 2, expert 1 x 1): expert 1 always takes item 0
+    assert inclusion_log_prob(logits, items, 3, method=method).tolist() == [[0.0, 0.0, 0.0]]
+    loss = capg_rec.CAPGLoss(3, method=method)(logits, items[:, [1, 2, 0]], items[:, :1], torch.ones(1, 1))
+    (grad,) = torch.autograd.grad(loss, logits)
+    assert float(loss.detach()) == 0.0 and bool((grad == 0).all())
+    # masked under every expert that draws (checks off: such a row cannot be drawn whole), or under the only one
+    masked = torch.tensor([[[-torch.inf, 0.5, 0.2], [-torch.inf, 0.1, 0.3]]])
+    assert inclusion_log_prob(masked, items, 3, method=method, validate_args=False)[0, 0] == -torch.inf
+    unused = torch.tensor([[[0.0, 0.5], [0.3, 0.1], [-torch.inf, -torch.inf]]])  # K = N = 2: expert 2 draws none
+    assert inclusion_log_prob(unused, items[:, :2], 2, method=method).tolist() == [[0.0, 0.0]]
