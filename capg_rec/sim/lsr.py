@@ -162,16 +162,19 @@ class NoisyLSR:
         from capg_rec.marginals import inclusion_log_prob  # mean over positions = Σ_a q(a) P(a in top-L) / L
 
         items = torch.arange(s.shape[1], device=s.device).expand(s.shape[0], -1)
-        finite = s[s > -torch.inf]
+        finite = s.detach()[s > -torch.inf]
         spread = float(finite.max() - finite.min()) if finite.numel() else 0.0
         # in float64 where a small τ spreads the scores beyond the dtype's resolution (greedy in the limit)
         work = s if spread <= resolution(s.dtype) else s.double()
         try:
             inclusion = inclusion_log_prob(work, items, num_outputs, method="exact").exp().to(s.dtype)
         except ValueError as err:
-            raise ValueError(f"{self!r}.expected_value: scores / temperature span more than float64 resolves "
-                             f"({resolution(torch.float64):.3g}) for the exact value of num_outputs={num_outputs} "
-                             "picks: raise the temperature, or use OptimalLSR (its greedy limit)") from err
+            if spread <= resolution(torch.float64):  # another cause (e.g. a soft mask): its own message
+                raise
+            raise ValueError(f"{self!r}.expected_value: scores / temperature span {spread:.3g}, more than float64 "
+                             f"resolves ({resolution(torch.float64):.3g}), for the exact value of "
+                             f"num_outputs={num_outputs} picks: raise the temperature, use OptimalLSR (its greedy "
+                             "limit), or mask items with -inf rather than a soft mask such as -1e30") from err
         return (inclusion * q).sum(dim=1) / num_outputs
 
 
