@@ -90,3 +90,15 @@ def test_baselines_need_no_torchrec():
     torchrec = pytest.importorskip("capg_rec.torchrec")
     assert torchrec.ContextBaseline is capg_rec.ContextBaseline
     assert torchrec.global_mean_baseline is capg_rec.global_mean_baseline
+    # a diff review: a baseline saved whole under the old path (pickle names its class's module) failed to load
+    import io
+
+    saved, buffer = capg_rec.ContextBaseline.__module__, io.BytesIO()
+    capg_rec.ContextBaseline.__module__ = "capg_rec.torchrec.baselines"  # as the old code saved it
+    try:
+        torch.save(capg_rec.ContextBaseline(3), buffer)
+    finally:
+        capg_rec.ContextBaseline.__module__ = saved
+    assert b"capg_rec.torchrec.baselines" in buffer.getvalue()
+    buffer.seek(0)
+    assert isinstance(torch.load(buffer, weights_only=False), capg_rec.ContextBaseline)
