@@ -146,7 +146,7 @@ def _plot(rows: list[dict], path: pathlib.Path) -> None:
             ax.plot([r["N"] for r in sel], [r["ratio_to_in_batch"] for r in sel], marker="o", label=config,
                     ls="--" if config.startswith("sampled_softmax") else "-")
         ax.axhline(1, color="gray", lw=0.5)
-        ax.axhline(3, color="red", lw=0.5, ls=":")
+        ax.axhline(3, color="red", lw=0.5, ls=":", label="3x (the target)")
         ax.set(xscale="log", yscale="log", xlabel="catalog size N", title=f"B={batch}, D={DIM}, K={K}, one thread")
         ax.legend(fontsize=7)
     axes[0][0].set_ylabel("step time / in-batch softmax step")
@@ -167,6 +167,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="time one configuration in this process and print its JSON; CONFIG one of "
                         f"{', '.join(_configs(100_000, [100_000]))} (full_* and *_hnsw: N = 10^5)")
     args = p.parse_args(argv)
+    args.batch_sizes = list(dict.fromkeys(args.batch_sizes))  # each once: a ratio is to its own B's in-batch step
+    if args.one and len(args.batch_sizes) > 1:
+        p.error(f"--one times one configuration: give one batch size, got --batch-sizes {args.batch_sizes}")
     if args.one:
         size, config = args.one
         if not size.isdigit() or int(size) < 1 or config not in _configs(int(size), [int(size)]):

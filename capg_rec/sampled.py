@@ -954,7 +954,9 @@ class SampledCatalog(CatalogScores):
     def _ids(self, name: str, ids: Tensor | None, columns: str, any_batch: bool = False) -> Tensor | None:
         if ids is None:
             return None
-        batch = ids.shape[0] if any_batch and isinstance(ids, Tensor) and ids.dim() == 2 else self.batch_size
+        if any_batch and isinstance(ids, Tensor) and ids.dim() != 2:  # of any batch: B' in its message, not B
+            raise ValueError(f"{name} must have shape [B', {columns}], got {tuple(ids.shape)}")
+        batch = ids.shape[0] if any_batch and isinstance(ids, Tensor) else self.batch_size
         return check_items(name, ids, batch_size=batch, num_items=self.num_items, unique=False,
                            validate=self.validate, low=-1, columns=columns).to(self.device)
 

@@ -271,3 +271,6 @@ def test_masks_and_heads_are_named_by_their_own_width():
         capg_rec.SampledCatalog(users, items, sampler=sampler, masked_items=torch.zeros(5, 1, dtype=torch.long))
     with pytest.raises(ValueError, match=r"head_items must have shape \[B=4, H\], got \(3,\)"):
         capg_rec.SampledCatalog(users, items, sampler=sampler, head_items=torch.zeros(3, dtype=torch.long))
+    # a diff review: batch_items, of any batch, was named [B=4, H'] (a [7, 2] is taken)
+    with pytest.raises(ValueError, match=r"batch_items must have shape \[B', H'\], got \(7,\)"):
+        capg_rec.SampledCatalog(users, items, sampler=sampler, batch_items=torch.zeros(7, dtype=torch.long))

@@ -240,6 +240,8 @@ def test_scale_spreads_the_scores_and_is_recorded(tmp_path):
     ("loss_speed", ["--paper-code", "/nonexistent"], "--paper-code"),
     ("offpolicy_speed", ["--warmup", "-3"], "--warmup"),
     ("sampled_cost", ["--one", "1000", "nonsense"], "--one"),
+    ("sampled_cost", ["--one", "1000", "in_batch", "--batch-sizes", "16", "64"], "--batch-sizes"),  # 16 alone
+    ("sampled_cost", ["--batch-sizes", "0"], "--batch-sizes"),
     ("sampled_accuracy", ["--seeds", "1"], "--seeds"),  # a standard deviation over one seed is NaN (a review)
     ("sampled_draw", ["--seeds", "1"], "--seeds"),
 ])
