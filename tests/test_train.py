@@ -620,6 +620,19 @@ def test_targets_and_cli(tmp_path, capsys):
     assert (tmp_path / "tr" / "curves.png").stat().st_size > 0
 
 
+def test_gradient_variance_of_a_k_does_not_depend_on_the_other_ks(env, tmp_path):
+    """A review: one generator ran through every K, so K = 10's row changed with the Ks asked before it; and a K
+    beyond the catalog was refused only after the Ks before it were computed, leaving an empty output folder."""
+    alone = gradient_variance(env, [10], ["vpg", "capg_swr"], num_users=2, samples=50, seed=3)
+    after = gradient_variance(env, [5, 10], ["vpg", "capg_swr"], num_users=2, samples=50, seed=3)
+    assert alone == [row for row in after if row["K"] == 10]
+    from capg_rec.train.variance import gradient_variance_report
+
+    with pytest.raises(ValueError, match="K must be"):
+        gradient_variance_report(tmp_path / "v", ks=[10, 2000], samples=50, num_users=2)
+    assert not (tmp_path / "v").exists()
+
+
 def test_gradient_variance_grows_with_k_for_vpg_only(env):
     rows = gradient_variance(env, [2, 20], ["vpg", "capg_swr"], num_users=4, samples=400, seed=0)
     var = {(r["estimator"], r["K"]): r["variance"] for r in rows}
@@ -634,6 +647,12 @@ def test_demo_and_bench_run(tmp_path, capsys):
     assert args.func(args) == 0
     printed = capsys.readouterr().out
     assert "V-PG-SwR" in printed and "CA-PG-SwR" in printed and "curves.png" in printed
+    # a review: a demo of other --steps into the same folder ended in a traceback (exit 1)
+    args = parser.parse_args(["demo", "--steps", "36", "--out", str(tmp_path / "demo")])
+    with pytest.raises(SystemExit) as exit_info:
+        args.func(args)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "capg-rec demo: error: --out: " in err and "holds a run of another" in err
     from capg_rec.train.bench import bench_train_step
 
     timings = bench_train_step("capg_swr", repeats=2, warmup=1, logit_scale=10.0)

@@ -480,7 +480,10 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"Training the paper's ESR on its synthetic problem ({env.num_users} users x {env.num_items} items), "
           f"K = {args.num_candidates}, optimal LSR, {args.steps} steps, {args.seeds} seed(s) per method ...",
           file=sys.stderr)
-    results = run_cells(env, cells, range(args.seeds), out)
+    try:
+        results = run_cells(env, cells, range(args.seeds), out)
+    except ValueError as err:  # a folder holding a demo of other --steps (whose eval_every is steps // 12)
+        _fail(f"--out: {err} (the demo evaluates every --steps // 12 steps: give the --steps of the run there)", "demo")
     print(summarize("demo", env, cells, results, out, steps=args.steps))
     setting = cells[0].setting
     for vpg, capg in zip(results[("V-PG-SwR", setting)], results[("CA-PG-SwR", setting)]):

@@ -16,6 +16,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from capg_rec._checks import check_count, check_distinct
@@ -40,9 +41,12 @@ def gradient_variance(env: MatrixEnv, ks: Sequence[int], estimators: Sequence[st
     users = torch.randperm(env.num_users, generator=g)[:num_users]
     lsr = OptimalLSR()
     rows = []
-    for k in ks:
+    for k in ks:  # all checked before any is computed
         check_count("K", k, high=env.num_items)
+    for k in ks:
         for estimator in estimators:
+            # each K its own draws, the same for every estimator (a K's row does not depend on the other Ks asked)
+            g = torch.Generator().manual_seed(int(np.random.SeedSequence([seed, k]).generate_state(1)[0]))
             loss_fn = make_loss(TrainConfig(estimator=estimator, num_candidates=k))
             loss_fn.reduction = "none"
             variance = signal = 0.0
@@ -76,9 +80,9 @@ def gradient_variance_report(out: str | os.PathLike, *, ks: Sequence[int] | None
     check_distinct("ks", ks)
     estimators = list(estimators or ("vpg", "vpg_swr", "capg", "capg_swr"))
     check_distinct("estimators", estimators)  # a repeat wrote more cells than headers
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     rows = gradient_variance(synthetic_env(), ks, estimators, num_users=num_users, samples=samples, seed=seed)
+    out = Path(out)  # made once there is something to write into it
+    out.mkdir(parents=True, exist_ok=True)
     header = ["K"] + [ESTIMATOR_LABELS[e] for e in estimators]
     table = [[k] + [f"{r['variance']:.3g}" for e in estimators for r in rows
                     if r["K"] == k and r["estimator"] == ESTIMATOR_LABELS[e]] for k in ks]
