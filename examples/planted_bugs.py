@@ -146,7 +146,17 @@ def main() -> None:
     parser.add_argument("--out", default="runs/planted_bugs/planted_bugs.json", help="the JSON file to write (its "
                         "folder is made)")
     args = parser.parse_args()
-    sizes = [tuple(int(v) for v in pair.split(":")) for pair in args.sizes.split(",")]
+    if args.seeds < 1:  # all() over no seeds holds for a correct ESR too
+        parser.error(f"--seeds must be at least 1, got {args.seeds}")
+    if not 0.0 < args.alpha < 1.0:
+        parser.error(f"--alpha must be in (0, 1), got {args.alpha}")
+    try:
+        sizes = list(dict.fromkeys(tuple(int(v) for v in pair.split(":")) for pair in args.sizes.split(",")))
+    except ValueError:
+        parser.error(f"--sizes must be N:K pairs of integers, comma separated, got {args.sizes!r}")
+    for pair in sizes:
+        if len(pair) != 2 or not 2 <= pair[1] < pair[0]:  # K >= 2: the swapped prefix needs a K-th item to swap in
+            parser.error(f"--sizes: each pair N:K needs 2 <= K < N, got {':'.join(map(str, pair))}")
     rows = []
     print(f"alpha={args.alpha}; n = smallest draws per context (grid {GRID[0]}..{GRID[-1]}) at which "
           f"all {args.seeds} seeds fail the check; deterministic checks fail at any n")

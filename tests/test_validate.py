@@ -937,3 +937,19 @@ def test_numpy_seed_and_bad_sample_counts():
         esr.sample(None, 0, torch.Generator())
     with pytest.raises(TypeError, match="num_samples"):
         esr.sample(None, 5.0, torch.Generator())
+
+
+@pytest.mark.parametrize(("argv", "named"), [(["--seeds", "0"], "--seeds must be at least 1"),
+                                             (["--sizes", "3:5"], "2 <= K < N, got 3:5"),
+                                             (["--sizes", "20:1"], "2 <= K < N, got 20:1"),
+                                             (["--sizes", "20"], "2 <= K < N, got 20"),
+                                             (["--sizes", "a:b"], "N:K pairs of integers"),
+                                             (["--alpha", "0"], "--alpha must be in (0, 1)")])
+def test_planted_bugs_example_refuses_nonsense_options(argv, named, monkeypatch, capsys, tmp_path):
+    """A review: --seeds 0 reported every bug caught at n = 20 (all() over no seeds), K > N and K = 1 ended in
+    tracebacks."""
+    monkeypatch.setattr("sys.argv", ["planted_bugs.py", *argv, "--out", str(tmp_path / "out.json")])
+    with pytest.raises(SystemExit) as exit_info:
+        planted.main()
+    assert exit_info.value.code == 2 and named in capsys.readouterr().err
+    assert not (tmp_path / "out.json").exists()
