@@ -36,7 +36,7 @@ from capg_rec.sim.env import MatrixEnv
 from capg_rec.sim.lsr import OptimalLSR
 from capg_rec.train.config import SEED_MAX, TrainConfig, python_numbers
 from capg_rec.train.logged import _LR, _estimator_loss, ope_columns
-from capg_rec.train.report import markdown_table, mean_pm_se, mean_se, write_csv, write_json
+from capg_rec.train.report import legend_below, markdown_table, mean_pm_se, mean_se, write_csv, write_json
 from capg_rec.train.trainer import Trainer, policy_value
 
 __all__ = ["OffPolicyStudy", "LEARNERS", "run_offpolicy_study"]
@@ -375,13 +375,7 @@ def _plot(cells: dict, study: OffPolicyStudy, out: Path) -> None:
         ax.set_xlabel("logged interactions n")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("true policy value (greedy ESR)")
-    labels: dict[str, object] = {}
-    for ax in axes[0]:
-        for handle, label in zip(*ax.get_legend_handles_labels()):
-            labels.setdefault(label, handle)
-    if labels:
-        axes[0][-1].legend(list(labels.values()), list(labels), fontsize=7, loc="best")
-    fig.tight_layout()
+    legend_below(fig, axes[0], fontsize=7)
     fig.savefig(out / "values.png", dpi=120)
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(4.6, 4.2))

@@ -5,13 +5,14 @@ from __future__ import annotations
 import csv
 import math
 import os
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from capg_rec._json import json_text
 
 __all__ = ["value_at", "mean_se", "write_csv", "write_json", "json_text", "markdown_table", "plot_curves",
-           "METHOD_COLORS"]
+           "legend_below", "METHOD_COLORS"]
 
 METHOD_COLORS = {"V-PG": "tab:red", "V-PG-SwR": "tab:orange", "CA-PG": "tab:blue", "CA-PG-SwR": "tab:green"}
 
@@ -80,15 +81,30 @@ def plot_curves(panels: Mapping[str, Mapping[str, Sequence[Sequence[Mapping]]]],
                     ax.plot(steps[-1], values[-1], "o", color=color, ms=4)
         if optimum is not None:
             ax.axhline(optimum, color="gray", ls="--", lw=0.8, label="best possible (optimal LSR)")
-        ax.set_title(title)
+        ax.set_title(textwrap.fill(title, 44), fontsize=9)  # an environment's name can be long
         ax.set_xlabel("gradient steps")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel(ylabel)
-    labels: dict[str, object] = {}
-    for ax in axes[0]:
-        for handle, label in zip(*ax.get_legend_handles_labels()):
-            labels.setdefault(label, handle)
-    axes[0][-1].legend(list(labels.values()), list(labels), fontsize=8, loc="lower right")
-    fig.tight_layout()
+    legend_below(fig, axes[0], fontsize=8)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def legend_below(fig, axes, *, fontsize: float = 8) -> None:
+    """One legend of every panel's labels under the panels (over none of their curves), then a tight layout that
+    leaves it room."""
+    labels: dict[str, object] = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            labels.setdefault(label, handle)
+    rows = 0
+    if labels:  # as many columns as the figure's width holds (a label is ~0.6 em a character, plus its line)
+        points = fig.get_size_inches()[0] * 72
+        columns = max(1, min(len(labels), int(points // (0.6 * fontsize * max(map(len, labels)) + 3 * fontsize))))
+        rows = -(-len(labels) // columns)
+        fig.legend(list(labels.values()), list(labels), loc="lower center", ncol=columns, fontsize=fontsize,
+                   frameon=False)
+    width, height = fig.get_size_inches()
+    below = rows * fontsize * 1.6 / 72 + (0.1 if rows else 0.0)  # inches: the figure grows by the legend
+    fig.set_size_inches(width, height + below)
+    fig.tight_layout(rect=(0, below / (height + below), 1, 1))
