@@ -953,3 +953,19 @@ def test_planted_bugs_example_refuses_nonsense_options(argv, named, monkeypatch,
         planted.main()
     assert exit_info.value.code == 2 and named in capsys.readouterr().err
     assert not (tmp_path / "out.json").exists()
+
+
+def test_plot_keeps_large_relative_errors_in_view(tmp_path, monkeypatch):
+    """A review: the relative-error panel was clipped to [-1, 1], so a claim 500 times off (the SwR block-power bug)
+    left it empty: the worst failure was the one not shown. Beyond ±1 the axis is logarithmic and reaches it."""
+    import matplotlib.pyplot as plt
+
+    report = validate_esr(planted.planted_esrs()["swr_block_power"], num_samples=2_000)
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    report.plot(tmp_path / "r.png")
+    right = figures[0].axes[1]
+    shown = report.claimed.ravel() * report.num_samples >= 5
+    worst = float((report.empirical.ravel()[shown] / report.claimed.ravel()[shown] - 1).max())
+    assert worst > 10 and right.get_ylim()[1] >= worst and right.get_yscale() == "symlog"
+    plt.close("all")

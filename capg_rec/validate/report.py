@@ -186,12 +186,16 @@ class ValidationReport:
         left.set(xlabel=f"claimed {label}", ylabel=f"empirical {label}",
                  title=f"{'PASS' if self.passed else 'FAIL'}, n={self.num_samples}, alpha={self.alpha:g}")
         shown = claimed * self.num_samples >= 5  # expected count ≥ 5: resolvable relative errors
-        right.errorbar(claimed[shown], empirical[shown] / claimed[shown] - 1, yerr=bar[shown] / claimed[shown],
-                       fmt=".", ms=3, alpha=0.6, elinewidth=0.7)
+        deviation = empirical[shown] / claimed[shown] - 1  # at least -1
+        right.errorbar(claimed[shown], deviation, yerr=bar[shown] / claimed[shown], fmt=".", ms=3, alpha=0.6,
+                       elinewidth=0.7)
         right.axhline(0.0, color="k", ls="--", lw=0.8)
+        top = max(1.0, 2.0 * float(deviation.max())) if deviation.size else 1.0
+        if top > 1.0:  # linear within ±1, logarithmic beyond: a claim off by 500x stays in view
+            right.set_yscale("symlog", linthresh=1.0)
         right.set(xscale="log", xlabel=f"claimed {label} (n × claim ≥ 5)", ylabel="empirical / claimed − 1",
-                  ylim=(-1, 1), title=f"calibration error {self.calibration_error:.3g} "
-                                      f"(noise floor {self.calibration_noise:.3g})")
+                  ylim=(-1, top), title=f"calibration error {self.calibration_error:.3g} "
+                                        f"(noise floor {self.calibration_noise:.3g})")
         fig.tight_layout()
         path = Path(path)
         fig.savefig(path, dpi=120)
