@@ -626,6 +626,9 @@ def test_gradient_variance_of_a_k_does_not_depend_on_the_other_ks(env, tmp_path)
     alone = gradient_variance(env, [10], ["vpg", "capg_swr"], num_users=2, samples=50, seed=3)
     after = gradient_variance(env, [5, 10], ["vpg", "capg_swr"], num_users=2, samples=50, seed=3)
     assert alone == [row for row in after if row["K"] == 10]
+    # a diff review: seed -1, which torch takes (as 2^64 - 1), was refused by numpy's seeding of each K
+    assert gradient_variance(env, [10], ["vpg"], num_users=1, samples=20, seed=-1) == \
+        gradient_variance(env, [10], ["vpg"], num_users=1, samples=20, seed=2**64 - 1)
     from capg_rec.train.variance import gradient_variance_report
 
     with pytest.raises(ValueError, match="K must be"):
@@ -653,6 +656,15 @@ def test_demo_and_bench_run(tmp_path, capsys):
         args.func(args)
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "capg-rec demo: error: --out: " in err and "holds a run of another" in err
+    assert "give the --steps of the run there" in err
+    # a diff review: a damaged result.json got the --steps hint and no file name (a bare JSON error)
+    damaged = next((tmp_path / "demo" / "runs").glob("*/result.json"))
+    damaged.write_text('{"config": ', encoding="utf-8")
+    args = parser.parse_args(["demo", "--steps", "24", "--out", str(tmp_path / "demo")])
+    with pytest.raises(SystemExit) as exit_info:
+        args.func(args)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"{damaged} is not a readable result" in err and "--steps" not in err
     from capg_rec.train.bench import bench_train_step
 
     timings = bench_train_step("capg_swr", repeats=2, warmup=1, logit_scale=10.0)

@@ -469,7 +469,7 @@ def _reach_line(vpg: TrainResult, capg: TrainResult) -> str:
 
 def _demo(args: argparse.Namespace) -> int:
     from capg_rec.sim.synthetic import synthetic_env
-    from capg_rec.train.reproduce import Cell, run_cells, summarize
+    from capg_rec.train.reproduce import Cell, OtherRun, run_cells, summarize
 
     env = synthetic_env()
     if args.num_candidates > env.num_items:
@@ -482,8 +482,10 @@ def _demo(args: argparse.Namespace) -> int:
           file=sys.stderr)
     try:
         results = run_cells(env, cells, range(args.seeds), out)
-    except ValueError as err:  # a folder holding a demo of other --steps (whose eval_every is steps // 12)
-        _fail(f"--out: {err} (the demo evaluates every --steps // 12 steps: give the --steps of the run there)", "demo")
+    except ValueError as err:  # e.g. a folder holding a demo of other --steps (whose eval_every is steps // 12)
+        hint = " (the demo evaluates every --steps // 12 steps: give the --steps of the run there)" \
+            if isinstance(err, OtherRun) else ""
+        _fail(f"--out: {err}{hint}", "demo")
     print(summarize("demo", env, cells, results, out, steps=args.steps))
     setting = cells[0].setting
     for vpg, capg in zip(results[("V-PG-SwR", setting)], results[("CA-PG-SwR", setting)]):

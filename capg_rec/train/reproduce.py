@@ -190,7 +190,11 @@ def run_cells(env: MatrixEnv, cells: Sequence[Cell], seeds: Sequence[int], out: 
         config = cell.config.replace(seed=seed)
         done = run_dir / "result.json"
         if done.exists():
-            saved = json.loads(done.read_text(encoding="utf-8"))
+            try:
+                saved = json.loads(done.read_text(encoding="utf-8"))
+            except ValueError as err:  # a damaged file (a run killed while writing it, an edit)
+                raise ValueError(f"{done} is not a readable result ({err}): delete it to train that run again, or "
+                                 "give another output folder") from None
             if saved.get("env", env.name) != env.name:
                 raise _other_env(run_dir, saved["env"], env)
             same_cell = saved["config"] == config.replace(steps=saved["config"]["steps"]).to_dict()  # any length
@@ -238,14 +242,18 @@ def _other_env(run_dir: Path, saved: str, env: MatrixEnv) -> ValueError:
                       "its own output folder")
 
 
-def _other_run(run_dir: Path, saved: dict, config: TrainConfig) -> ValueError:
+class OtherRun(ValueError):
+    """A folder holds a run of another configuration, which a run here would overwrite."""
+
+
+def _other_run(run_dir: Path, saved: dict, config: TrainConfig) -> OtherRun:
     """What a run of ``config`` raises where ``run_dir`` holds a run of another configuration (``saved``, beyond its
     length): it would overwrite that run."""
     wanted = config.to_dict()
     keys = [key for key in sorted(set(saved) | set(wanted)) if key != "steps" and saved.get(key) != wanted.get(key)]
     differ = ", ".join(f"{key}={saved.get(key)!r} there, {wanted.get(key)!r} here" for key in keys)
-    return ValueError(f"{run_dir} holds a run of another configuration ({differ}): a run here would overwrite it; "
-                      "give another output folder")
+    return OtherRun(f"{run_dir} holds a run of another configuration ({differ}): a run here would overwrite it; "
+                    "give another output folder")
 
 
 def _longer_run(run_dir: Path, step: int, target: int, steps: int) -> ValueError:

@@ -37,6 +37,7 @@ def gradient_variance(env: MatrixEnv, ks: Sequence[int], estimators: Sequence[st
     check_count("num_users", num_users, high=env.num_users)
     check_count("samples", samples, low=2)
     g = torch.Generator().manual_seed(seed)
+    root = g.initial_seed()  # seed as torch reads it (-1 too)
     model = TwoTowerMoE(env.num_users, env.num_items, generator=g)
     users = torch.randperm(env.num_users, generator=g)[:num_users]
     lsr = OptimalLSR()
@@ -46,7 +47,8 @@ def gradient_variance(env: MatrixEnv, ks: Sequence[int], estimators: Sequence[st
     for k in ks:
         for estimator in estimators:
             # each K its own draws, the same for every estimator (a K's row does not depend on the other Ks asked)
-            g = torch.Generator().manual_seed(int(np.random.SeedSequence([seed, k]).generate_state(1)[0]))
+            cell = np.random.SeedSequence([root, k]).generate_state(1)[0]
+            g = torch.Generator().manual_seed(int(cell))
             loss_fn = make_loss(TrainConfig(estimator=estimator, num_candidates=k))
             loss_fn.reduction = "none"
             variance = signal = 0.0
