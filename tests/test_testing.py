@@ -180,3 +180,8 @@ def test_count_host_syncs_counts_and_leaves_torch_tensor_as_it_found_it():
             raise RuntimeError("inside")
     assert calls == ["item", "__bool__"]
     assert {name: vars(torch.Tensor).get(name) for name in names} == before
+
+
+def test_esr_cases_refuses_a_dtype_that_is_not_floating():
+    with pytest.raises(TypeError, match="dtype must be a floating torch.dtype, got torch.int64"):
+        testing.esr_cases(dtype=torch.int64)
