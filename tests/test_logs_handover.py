@@ -4,6 +4,7 @@ process, each slot taken again only once its batch was read and dropped; the fal
 import contextlib
 import gc
 import glob
+import math
 import mmap
 import multiprocessing
 import os
@@ -457,3 +458,46 @@ def test_no_pool_file_outlives_its_loader_and_dead_workers_mappings_are_closed(t
     assert len(_handover._maps) <= 2  # the last epoch's workers' pools at most
     live = {reply for _, reply in _handover._maps.values()}
     assert all(reply.fileno() == -1 for reply in sockets if reply not in live)  # their sockets closed with them
+
+
+def test_pool_files_of_workers_stopped_by_another_worker_s_error_do_not_outlive_the_process(tmp_path):
+    """A review found pool files of earlier runs in /dev/shm: when one worker raised on a malformed row group, the
+    others had batches in their pools that nobody read, and the process, exiting with the error, had multiprocessing
+    terminate those workers (SIGTERM: no finalizer ran). The training process now unlinks its workers' files at exit,
+    and each new pool those of workers that are gone."""
+    import subprocess
+    import sys
+
+    from tests.test_logs_parquet import _set, _table, _write_raw
+
+    cols = _table(30)  # ten row groups of 3 rows: worker 0 fails on its first, 1 and 2 fill their pools meanwhile
+    _write_raw(tmp_path / "bad.parquet", _set(cols, "log_inclusion", 0, [math.nan] + cols["log_inclusion"][0][1:]))
+    code = (f"import torch\nfrom capg_rec.logs import LoggedImpressions\n"
+            f"it = iter(torch.utils.data.DataLoader(LoggedImpressions({str(tmp_path / 'bad.parquet')!r}, 1), "
+            f"batch_size=None, num_workers=3))\n"
+            f"print([w.pid for w in it._workers], flush=True)\n"
+            f"for batch in it:\n    pass\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode != 0 and "is not finite" in done.stderr  # the error, raised in the training process
+    pids = eval(done.stdout.strip().splitlines()[0])
+    assert not _pool_files(pids)
+
+
+def test_a_new_pool_unlinks_the_files_of_workers_that_are_gone(tmp_path, in_worker):
+    """A worker killed with a batch unread (SIGKILL runs nothing) leaves its file: the next pool made, in any process,
+    unlinks it; a live process's file stays."""
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = os.path.join(_handover._SHM_DIR, f"capg_rec-{int(dead.stdout)}-{os.urandom(8).hex()}")
+    alive = os.path.join(_handover._SHM_DIR, f"capg_rec-{os.getppid()}-{os.urandom(8).hex()}")
+    for path in (gone, alive):
+        open(path, "wb").close()
+    try:
+        _handover.buffer(100)  # this worker's first pool
+        assert not os.path.exists(gone) and os.path.exists(alive)
+    finally:
+        for path in (gone, alive):
+            _handover._unlink(path)

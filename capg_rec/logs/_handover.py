@@ -19,7 +19,9 @@ namespace: nothing on disk), whose delivery orders that copy before the worker's
   against their sender); a token that a worker's full queue refuses is sent again at the next read. It unlinks a
   pool's file once it has mapped it, and unmaps it once the worker has exited (looked up by the pid in its name,
   when a new pool comes); a worker unlinks its own at exit if nobody did. A killed worker leaves nothing behind once
-  its first batch has been read.
+  its first batch has been read; before that, its file (left also by workers that multiprocessing terminates at the
+  training process's exit, after another worker's error, with batches unread) is unlinked once multiprocessing has
+  joined them at that exit, or by the next pool made in any process.
 - Each message and slot carry a generation: a message read twice, or a slot overwritten while it is read, raises
   ``RuntimeError`` rather than giving another batch's values.
 - A process forked from one that uses pools starts with none of them and a lock of its own.
@@ -86,9 +88,34 @@ def _close_sockets() -> None:
         reply.close()
 
 
+def _sweep_files(keep: str = "") -> None:
+    """Unlink the pool files in ``/dev/shm`` of workers that exited without giving theirs back (terminated with a
+    batch unread: by multiprocessing at the training process's exit after another worker's error, or killed). A live
+    worker's file is left (its batch may be read yet), and so are ``keep`` and one that another user's process owns
+    (not ours to unlink)."""
+    try:
+        names = [n for n in os.listdir(_SHM_DIR) if n.startswith("capg_rec-")]
+    except OSError:
+        return
+    own = {pool.name for pool in _pools.values()} | {keep}
+    for name in names:
+        try:
+            gone = name not in own and not _alive(name)
+        except (IndexError, ValueError):  # not a name a pool takes
+            continue
+        if gone:
+            try:
+                os.unlink(os.path.join(_SHM_DIR, name))
+            except OSError:  # gone already, or another user's
+                pass
+
+
 if _SUPPORTED:
     os.register_at_fork(after_in_child=_forget)
     atexit.register(_close_sockets)
+    # After multiprocessing has terminated and joined this process's daemonic children (its DataLoader workers) at
+    # exit: the files of those that still held unread batches (finalizers below priority 0 run after that).
+    util.Finalize(None, _sweep_files, exitpriority=-100)
 
 
 def available() -> bool:
@@ -106,6 +133,7 @@ class _Pool:
     pool tries again only :data:`_RETRY_SECONDS` later."""
 
     def __init__(self, size: int) -> None:
+        _sweep_files()  # what earlier workers left
         self.name = f"capg_rec-{os.getpid()}-{uuid.uuid4().hex}"
         self.size = size
         path = os.path.join(_SHM_DIR, self.name)
@@ -350,6 +378,7 @@ def _open(name: str, size: int) -> tuple[mmap.mmap, socket.socket]:
     tokens (datagrams not yet read count against the sending socket: a worker that reads none could fill a shared one),
     after closing those of pools whose workers have exited."""
     _sweep()
+    _sweep_files(keep=name)  # not the one being read: its batch is whole, whether or not its worker still runs
     path = os.path.join(_SHM_DIR, name)
     try:
         fd = os.open(path, os.O_RDWR)
