@@ -486,18 +486,26 @@ def test_pool_files_of_workers_stopped_by_another_worker_s_error_do_not_outlive_
 
 def test_a_new_pool_unlinks_the_files_of_workers_that_are_gone(tmp_path, in_worker):
     """A worker killed with a batch unread (SIGKILL runs nothing) leaves its file: the next pool made, in any process,
-    unlinks it; a live process's file stays."""
+    unlinks it, whatever its name says; a file whose worker lives (it holds the file's lock) stays, whatever its pid:
+    a diff review found live files of another pid namespace (containers sharing /dev/shm) unlinked by the pid test,
+    and a stray name of a huge pid crashing every read with an OverflowError."""
+    import fcntl
     import subprocess
     import sys
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    gone = os.path.join(_handover._SHM_DIR, f"capg_rec-{int(dead.stdout)}-{os.urandom(8).hex()}")
-    alive = os.path.join(_handover._SHM_DIR, f"capg_rec-{os.getppid()}-{os.urandom(8).hex()}")
-    for path in (gone, alive):
+    gone = [os.path.join(_handover._SHM_DIR, f"capg_rec-{pid}-{os.urandom(8).hex()}")
+            for pid in (int(dead.stdout), 99999999999, "x")]
+    held = os.path.join(_handover._SHM_DIR, f"capg_rec-{int(dead.stdout)}-{os.urandom(8).hex()}")
+    for path in (*gone, held):
         open(path, "wb").close()
+    holder = os.open(held, os.O_RDONLY)
+    fcntl.flock(holder, fcntl.LOCK_SH)  # as a live worker of another pid namespace holds its pool
     try:
         _handover.buffer(100)  # this worker's first pool
-        assert not os.path.exists(gone) and os.path.exists(alive)
+        assert not any(os.path.exists(path) for path in gone) and os.path.exists(held)
+        assert all(os.path.exists(os.path.join(_handover._SHM_DIR, pool.name)) for pool in in_worker.values())
     finally:
-        for path in (gone, alive):
+        os.close(holder)
+        for path in (*gone, held):
             _handover._unlink(path)

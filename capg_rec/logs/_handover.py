@@ -21,7 +21,8 @@ namespace: nothing on disk), whose delivery orders that copy before the worker's
   when a new pool comes); a worker unlinks its own at exit if nobody did. A killed worker leaves nothing behind once
   its first batch has been read; before that, its file (left also by workers that multiprocessing terminates at the
   training process's exit, after another worker's error, with batches unread) is unlinked once multiprocessing has
-  joined them at that exit, or by the next pool made in any process.
+  joined them at that exit, or by the next pool made in any process: a worker holds a lock on its pool's file while
+  it lives, so a file that no process holds is a leftover, whatever pid namespace made it.
 - Each message and slot carry a generation: a message read twice, or a slot overwritten while it is read, raises
   ``RuntimeError`` rather than giving another batch's values.
 - A process forked from one that uses pools starts with none of them and a lock of its own.
@@ -48,6 +49,11 @@ from multiprocessing import util
 import numpy as np
 import torch
 from torch import Tensor
+
+try:
+    import fcntl
+except ImportError:  # not a POSIX system: no pools there
+    fcntl = None
 
 _SHM_DIR = "/dev/shm"
 _SUPPORTED = sys.platform == "linux" and os.path.isdir(_SHM_DIR)
@@ -89,25 +95,31 @@ def _close_sockets() -> None:
 
 
 def _sweep_files(keep: str = "") -> None:
-    """Unlink the pool files in ``/dev/shm`` of workers that exited without giving theirs back (terminated with a
-    batch unread: by multiprocessing at the training process's exit after another worker's error, or killed). A live
-    worker's file is left (its batch may be read yet), and so are ``keep`` and one that another user's process owns
-    (not ours to unlink)."""
+    """Unlink the pool files in ``/dev/shm`` that no live worker holds (its lock goes with its last fd, whatever
+    ended it): those of workers terminated with a batch unread (by multiprocessing at the training process's exit,
+    after another worker's error) or killed. A locked file is left, whichever process or pid namespace holds it, and
+    so are ``keep`` and files this process may not open (another user's)."""
     try:
         names = [n for n in os.listdir(_SHM_DIR) if n.startswith("capg_rec-")]
     except OSError:
         return
     own = {pool.name for pool in _pools.values()} | {keep}
     for name in names:
-        try:
-            gone = name not in own and not _alive(name)
-        except (IndexError, ValueError):  # not a name a pool takes
+        if name in own:
             continue
-        if gone:
-            try:
-                os.unlink(os.path.join(_SHM_DIR, name))
-            except OSError:  # gone already, or another user's
-                pass
+        path = os.path.join(_SHM_DIR, name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:  # gone already, or another user's
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its worker lives
+            pass
+        else:
+            _unlink(path)
+        finally:
+            os.close(fd)
 
 
 if _SUPPORTED:
@@ -137,13 +149,18 @@ class _Pool:
         self.name = f"capg_rec-{os.getpid()}-{uuid.uuid4().hex}"
         self.size = size
         path = os.path.join(_SHM_DIR, self.name)
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        hidden = os.path.join(_SHM_DIR, "." + self.name)  # no sweep looks at it before it is locked
+        self.fd = os.open(hidden, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
+            # Held while this worker lives (its fd open): a sweep, in any process or pid namespace sharing /dev/shm,
+            # leaves a locked file alone.
+            fcntl.flock(self.fd, fcntl.LOCK_SH)
             os.ftruncate(self.fd, size * _SLOTS)  # sparse: nothing reserved yet
             self.map = mmap.mmap(self.fd, size * _SLOTS)
+            os.rename(hidden, path)
         except OSError:
             os.close(self.fd)
-            os.unlink(path)
+            _unlink(hidden)
             raise
         self.reserved = [False] * _SLOTS
         self.retry_at = 0.0
