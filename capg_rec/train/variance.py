@@ -45,10 +45,10 @@ def gradient_variance(env: MatrixEnv, ks: Sequence[int], estimators: Sequence[st
     for k in ks:  # all checked before any is computed
         check_count("K", k, high=env.num_items)
     for k in ks:
+        # each K its own draws, the same for every estimator (a K's row does not depend on the other Ks asked)
+        seed_k = int(np.random.SeedSequence([root, k]).generate_state(1)[0])
         for estimator in estimators:
-            # each K its own draws, the same for every estimator (a K's row does not depend on the other Ks asked)
-            cell = np.random.SeedSequence([root, k]).generate_state(1)[0]
-            g = torch.Generator().manual_seed(int(cell))
+            g = torch.Generator().manual_seed(seed_k)
             loss_fn = make_loss(TrainConfig(estimator=estimator, num_candidates=k))
             loss_fn.reduction = "none"
             variance = signal = 0.0
