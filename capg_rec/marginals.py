@@ -368,12 +368,7 @@ def _inclusion_log_prob(catalog: CatalogScores, items: Tensor, num_candidates: i
     if method.is_probability and num_candidates == catalog.num_items:  # every item is drawn: log 1
         # -inf where no expert that draws a position can take the item (masked under each of them); an item masked
         # under only some of them is drawn by another (it was -inf where the first expert masked it)
-        scores = catalog.gather(items)
-        if catalog.num_experts > 1:
-            used = sorted({expert for expert, _ in runs})
-            scores = scores.index_select(1, torch.tensor(used, device=scores.device)) if len(used) > 1 else \
-                scores[:, used[0]:used[0] + 1]
-        best = scores.amax(1)
+        best = catalog.gather(items)[:, sorted({expert for expert, _ in runs})].amax(1)  # [B, L]
         return torch.where(best > -math.inf, best * 0.0, best)  # zero gradient; -inf stays (masked)
     out = method.log_inclusion(catalog, items, runs)
     if not _known_lookups(method):
