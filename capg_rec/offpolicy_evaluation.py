@@ -21,8 +21,12 @@ effective sample size is ``(Σ_i W_i)² / Σ_i W_i²`` (n for equal weights). Be
 ``min_effective_sample_size`` the intervals are NaN, with a warning: a sample variance over a handful of
 weighted rows claims a certainty the rows do not hold (one row with weight gives SNIPS a zero-width
 interval; none gives IPS one at 0). Above it they are still asymptotic: with skewed weights at an effective sample
-size of a few tens, a nominal 95% IPS interval was seen to cover 86–91% of the time (SNIPS: 91%); raise
-``min_effective_sample_size`` (to 100, say) where coverage matters more than having an interval.
+size of a few tens, a nominal 95% IPS interval was seen to cover 86–91% of the time (SNIPS: 91%). No threshold
+catches a large weight that the logs rarely show: the samples without it have equal, small weights, a high effective
+sample size and intervals that miss the value (a review's check: an item in 0.2% of the shown rows, of weight 230,
+300 rows: intervals in half of the samples, none of them covering), so raising ``min_effective_sample_size`` does
+not buy coverage there. Bound the largest weight the evaluated ESR can reach (``π_θ / π₀`` over the items it
+retrieves) apart, or cap it with ``max_weight``.
 """
 
 from __future__ import annotations
@@ -80,8 +84,9 @@ def off_policy_value(target_log_inclusion: Tensor, logged_log_inclusion: Tensor,
     (``log π_θ(a_l ∈ A^K | x_i)``; ``-inf`` for an item it never retrieves, e.g. a greedy top-K)
     from rows logged with ``logged_log_inclusion [n, L]`` (``log π₀``, finite) and ``rewards [n, L]``.
 
-    ``max_weight`` caps the weights (biased low, lower variance). Without it, IPS's weights are still capped below
-    ``sqrt`` of the dtype's largest value (1.3e154 in float64), so that their squares stay finite: a weight that
+    ``max_weight`` caps the weights (lower variance; biased low for rewards >= 0, high for rewards <= 0). Without
+    it, IPS's weights are still capped below ``sqrt`` of float64's largest value (1.3e154: the estimates are computed
+    in float64, whatever the inputs' dtype), so that their squares stay finite: a weight that
     large is beyond any unbiased use anyway. SNIPS and the effective sample size take the weights relative to the
     largest, uncapped (but for ``max_weight``), so rows beyond that cap keep their ratios. Needs ``n >= 2``
     rows. Both estimates' intervals are NaN (and a warning says so) where that effective sample size is below
