@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from capg_rec import bench
 from capg_rec.logs import cli as logs_cli
@@ -22,7 +23,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    raise SystemExit(args.func(args) or 0)
+    try:
+        code = args.func(args) or 0
+    except KeyboardInterrupt:  # Ctrl-C: a message and the shell's code for it, not a traceback
+        print(f"capg-rec {args.command}: interrupted (a train run continues from its last checkpoint with --resume)",
+              file=sys.stderr)
+        code = 130
+    raise SystemExit(code)
 
 
 if __name__ == "__main__":

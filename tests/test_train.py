@@ -1142,3 +1142,22 @@ def test_policy_value_model_and_trainer_arguments_are_checked():
         Trainer(env, TrainConfig(steps=3), train_lsr=5)
     with pytest.raises(ValueError, match="eval_lsr must be one of"):
         Trainer(env, TrainConfig(steps=3), eval_lsr="zzz")
+
+
+def test_ctrl_c_ends_a_command_with_a_message_and_code_130(monkeypatch, capsys):
+    """A command interrupted by Ctrl-C ended in a traceback (a review); it now says so in one line and exits 130, as
+    a shell reports a SIGINT."""
+    from capg_rec import cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    parser = cli.build_parser()
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    args = parser.parse_args(["demo", "--steps", "1"])
+    monkeypatch.setattr(parser, "parse_args", lambda argv: argparse.Namespace(**{**vars(args), "func": interrupted}))
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["demo"])
+    assert exit_.value.code == 130
+    assert capsys.readouterr().err == ("capg-rec demo: interrupted (a train run continues from its last checkpoint "
+                                       "with --resume)\n")
