@@ -24,7 +24,8 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from capg_rec._checks import check_choice, check_count, check_float_tensor, is_id_tensor, resolve_validate_args
+from capg_rec._checks import check_choice, check_count, check_float_tensor, check_items, is_id_tensor, \
+    resolve_validate_args
 from capg_rec.catalog import _chunked_top_k, compute_dtype
 
 __all__ = ["ItemIndex", "ExactIndex", "FaissIndex", "recall_at_k"]
@@ -84,9 +85,25 @@ class ItemIndex(abc.ABC):
         k = check_count("k", k, high=self.num_items)
         queries = queries.detach()
         if self.num_experts is None:
-            return self._search_one(0, queries, k)
-        found = [self._search_one(m, queries[:, m], k) for m in range(self.num_experts)]
+            return self._checked(self._search_one(0, queries, k), queries.shape[0], k)
+        found = [self._checked(self._search_one(m, queries[:, m], k), queries.shape[0], k)
+                 for m in range(self.num_experts)]
         return torch.stack([s for s, _ in found], 1), torch.stack([i for _, i in found], 1)
+
+    def _checked(self, found: object, batch: int, k: int) -> tuple[Tensor, Tensor]:
+        """What :meth:`_search_one` gave (an index of your own's too): ``(scores, ids)`` ``[B, k]``, float scores and
+        integer ids, and with the checks on, ids in ``[-1, N)`` none of which repeats in a row (a repeated or
+        foreign id would be served, or scored as a head item, silently) → with ids as int64."""
+        name = f"{type(self).__name__}._search_one"
+        if not (isinstance(found, tuple) and len(found) == 2 and all(isinstance(x, Tensor) for x in found)):
+            raise TypeError(f"{name} must return a (scores, ids) pair of tensors, got {type(found).__name__}")
+        scores, ids = found
+        if not scores.is_floating_point():
+            raise TypeError(f"{name} must return floating-point scores, got {scores.dtype}")
+        if scores.shape != (batch, k):
+            raise ValueError(f"{name} must return scores [B={batch}, k={k}], got {tuple(scores.shape)}")
+        return scores, check_items(f"{name}'s ids", ids, batch_size=batch, num_items=self.num_items, low=-1,
+                                   width=k, columns="k", validate=resolve_validate_args(None))
 
     @abc.abstractmethod
     def _build(self, per_expert: list[Tensor]) -> None:
@@ -122,10 +139,12 @@ class ExactIndex(ItemIndex):
         self._vectors = [v.clone() for v in per_expert]  # a snapshot, as any index built from them holds
 
     def _search_one(self, expert: int, queries: Tensor, k: int) -> tuple[Tensor, Tensor]:
-        dtype = compute_dtype(queries.dtype)  # half-precision products overflow and tie: scored in float32
-        items = self._vectors[expert].to(device=queries.device, dtype=dtype)
-        scores, ids = _chunked_top_k(queries.to(dtype).unsqueeze(1), items.unsqueeze(1), k, None, None,
-                                     self.chunk_size)
+        # In the wider of the two dtypes, at least float32 (half-precision products overflow and tie), as the
+        # catalogs score; a product beyond it (inf or NaN, which would rank first) is a ValueError with the checks on.
+        items = self._vectors[expert]
+        dtype = compute_dtype(queries.dtype, items.dtype)
+        scores, ids = _chunked_top_k(queries.to(dtype).unsqueeze(1), items.to(queries.device, dtype).unsqueeze(1), k,
+                                     None, None, self.chunk_size, check_finite=resolve_validate_args(None))
         return scores[:, 0], ids[:, 0]
 
 
@@ -138,8 +157,8 @@ class FaissIndex(ItemIndex):
     Args:
         item_vectors: ``[N, D]`` or ``[N, M, D]``.
         kind: ``"flat"`` (exact: ``IndexFlatIP``), ``"hnsw"`` (``IndexHNSWFlat``, ``hnsw_m`` links,
-            search depth ``ef_search``) or ``"ivf"`` (``IndexIVFFlat``, ``nlist`` lists, ``nprobe``
-            probed; trained on the items).
+            search depth ``ef_search``) or ``"ivf"`` (``IndexIVFFlat``, ``nlist`` lists, by default 4·√N and at most
+            N/39, ``nprobe`` probed; trained on the items).
         ef_search, hnsw_m, nlist, nprobe: the approximate kinds' settings (their recall trades
             against time: measure it with :func:`recall_at_k`).
         num_threads: faiss's OpenMP threads while it builds and searches (``None``: the process's setting). They
@@ -168,7 +187,7 @@ class FaissIndex(ItemIndex):
         self.nlist = None if nlist is None else check_count("nlist", nlist)
         self.nprobe = check_count("nprobe", nprobe)
         self.num_threads = None if num_threads is None else check_count("num_threads", num_threads)
-        self._faiss = _import_faiss()
+        _import_faiss()  # not kept: an index holding a module would not pickle
         super().__init__(item_vectors)
 
     @contextlib.contextmanager
@@ -177,12 +196,13 @@ class FaissIndex(ItemIndex):
         if self.num_threads is None:
             yield
             return
-        before = self._faiss.omp_get_max_threads()
-        self._faiss.omp_set_num_threads(self.num_threads)
+        faiss = _import_faiss()
+        before = faiss.omp_get_max_threads()
+        faiss.omp_set_num_threads(self.num_threads)
         try:
             yield
         finally:
-            self._faiss.omp_set_num_threads(before)
+            faiss.omp_set_num_threads(before)
 
     def _build(self, per_expert: list[Tensor]) -> None:
         vectors = [_float32("item_vectors", v) for v in per_expert]
@@ -191,7 +211,7 @@ class FaissIndex(ItemIndex):
         self._longest = [float(v.double().norm(dim=1).max()) for v in vectors]  # bounds |score| with the query's
 
     def _build_one(self, vectors):  # numpy [N, D] float32
-        faiss = self._faiss
+        faiss = _import_faiss()
         num, dim = vectors.shape
         metric = faiss.METRIC_INNER_PRODUCT
         if self.kind == "flat":
@@ -200,7 +220,8 @@ class FaissIndex(ItemIndex):
             index = faiss.IndexHNSWFlat(dim, self.hnsw_m, metric)
             index.hnsw.efSearch = self.ef_search
         else:
-            nlist = self.nlist if self.nlist is not None else max(1, int(4 * num ** 0.5))
+            # default 4·√N lists, at most N/39 (faiss warns below 39 training points a list)
+            nlist = self.nlist if self.nlist is not None else max(1, min(int(4 * num ** 0.5), num // 39))
             nlist = min(nlist, num)
             index = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, nlist, metric)
             index.train(vectors)

@@ -95,7 +95,8 @@ class ServingRetriever:
         temperature: the serving policy's τ > 0 (a softened ESR explores).
         epsilon: the share ε in ``[0, 1]`` of requests answered by K uniform items.
         method: the inclusion method of the logged ``log_inclusion`` (default: the library's, ``"mean_field"``;
-            pass ``"exact"`` where it is affordable). Write the rows with a
+            pass ``"exact"`` where it is affordable: exact for one expert, block-exact, an approximation, for a
+            mixture, where only ``"enumerate"`` is exact, on few draws). Write the rows with a
             :class:`~capg_rec.logs.LogWriter` of the same ``method=server.method``: the file records it, and training
             from the logs computes the weights' numerator by it.
 

@@ -149,3 +149,62 @@ def test_recall_of_zero_dim_ids_is_a_value_error():
 
     with pytest.raises(ValueError, match=r"found and exact must have one shape \[\.\.\., k\]"):
         recall_at_k(torch.tensor(1), torch.tensor(1))
+
+
+def test_index_results_of_your_own_are_checked_and_exact_scores_never_rank_an_overflow_first():
+    """A review's findings: what an index of your own returns was served unchecked (a repeated id, an id beyond the
+    catalog, a short row), where the same ids as index_items were refused; ExactIndex, the reference, ranked a NaN
+    score (an inf - inf product) first and scored float64 items in the queries' float32 (overflowing to inf)."""
+    from capg_rec.ann import ItemIndex
+
+    items, queries = _data(n=40, b=3, d=4)
+
+    class Mine(ItemIndex):
+        def __init__(self, vectors, edit):
+            self.edit = edit
+            super().__init__(vectors)
+
+        def _build(self, per_expert):
+            self.vectors = per_expert
+
+        def _search_one(self, expert, q, k):
+            scores, ids = (q @ self.vectors[expert].T).topk(k, 1)
+            return self.edit(scores, ids)
+
+    def repeat(s, i):
+        i[:, 1] = i[:, 0]
+        return s, i
+
+    def beyond(s, i):
+        i[:, 1] = 45
+        return s, i
+
+    assert torch.equal(Mine(items, lambda s, i: (s, i.int())).search(queries, 5)[1], ExactIndex(items).search(
+        queries, 5)[1])  # integer ids of any width, as int64
+    for edit, error, match in ((repeat, ValueError, "ids must not repeat"),
+                               (beyond, ValueError, r"ids must hold ids in \[-1, 40\)"),
+                               (lambda s, i: (s[:, :-1], i[:, :-1]), ValueError, r"scores \[B=3, k=5\]"),
+                               (lambda s, i: (s, i.float()), TypeError, "integer dtype"),
+                               (lambda s, i: (s.long(), i), TypeError, "floating-point scores"),
+                               (lambda s, i: [s, i], TypeError, r"a \(scores, ids\) pair")):
+        with pytest.raises(error, match=match):
+            Mine(items, edit).search(queries, 5)
+    with pytest.raises(ValueError, match="overflow"):
+        ExactIndex(torch.tensor([[3e38, -3e38], [0.0, 1.0], [1.0, 0.0]])).search(torch.tensor([[10.0, 10.0]]), 3)
+    wide = torch.tensor([[1.0], [1.0 + 1e-12]], dtype=torch.float64)
+    scores, ids = ExactIndex(wide).search(torch.tensor([[1.0]]), 1)
+    assert ids.item() == 1 and scores.dtype == torch.float64  # scored in the wider dtype, as the catalogs do
+
+
+def test_faiss_indexes_pickle_and_ivf_lists_fit_small_catalogs(capfd):
+    """A FaissIndex held the faiss module and could not be pickled, deep-copied or saved (a review); an IVF index of
+    50 items made 28 lists and faiss warned about its training on every build."""
+    import copy
+    import pickle
+
+    items, queries = _data(n=50, b=3, d=4)
+    for kind in ("flat", "hnsw", "ivf"):
+        index = FaissIndex(items, kind=kind)
+        for other in (pickle.loads(pickle.dumps(index)), copy.deepcopy(index)):
+            assert [torch.equal(a, b) for a, b in zip(other.search(queries, 5), index.search(queries, 5))] == [True] * 2
+    assert "WARNING" not in capfd.readouterr().err

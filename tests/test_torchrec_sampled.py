@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -216,8 +217,12 @@ def test_index_head_state_dict_continues_as_the_saved_head():
                        ({"calls": 2, "vectors": torch.zeros(NUM_ITEMS, M + 1, D)}, "vectors")):
         with pytest.raises(ValueError, match=match):
             restored.load_state_dict(bad)
-    restored.load_state_dict({"calls": 0})  # a state from before the first build: nothing built
-    assert restored.index is None and sorted(restored.state_dict()) == ["calls"]
+    with pytest.raises(ValueError, match=rf"\(N, M\) = \({NUM_ITEMS}, {M}\) and D = {D}, got"):  # a review's
+        restored.load_state_dict({"calls": 2, "vectors": torch.zeros(NUM_ITEMS, M, D + 1)})
+    with pytest.raises(TypeError, match=r"floating-point tensor of item vectors, got torch.int64"):
+        restored.load_state_dict({"calls": 2, "vectors": torch.zeros(NUM_ITEMS, M, D, dtype=torch.long)})
+    restored.load_state_dict({"calls": np.int64(0)})  # a state from before the first build: nothing built
+    assert restored.index is None and sorted(restored.state_dict()) == ["calls"] and type(restored.calls) is int
 
 
 def test_sampled_mode_with_an_index_head_equals_a_sampled_catalog_with_the_index():

@@ -189,7 +189,8 @@ def log_propensities(logits: Tensor | CatalogScores, candidates: Tensor, shown: 
         candidates: ``[B, K]`` the ordered draw, distinct ids.
         shown: ``[B, L]`` the items the later stage showed, each one of the row's candidates.
         method: the inclusion method of ``log_inclusion`` (an :class:`~capg_rec.InclusionMethod` or a
-            registered name: ``"exact"`` where affordable, the default otherwise). It must give a
+            registered name: ``"exact"`` where affordable, the default otherwise; for a mixture "exact" is block-exact,
+            an approximation, and only ``"enumerate"`` is exact, on few draws). It must give a
             probability: the with-replacement count is ``log_expected_count`` already.
         temperature: τ > 0 of the PL part (1 when ``logits`` is a catalog object).
         epsilon: the uniform share ε in ``[0, 1]`` of the exploration mixture.

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from torchrec import KeyedJaggedTensor
 
-from capg_rec._checks import check_count, check_device
+from capg_rec._checks import check_count, check_device, is_int
 from capg_rec.ann import ExactIndex, ItemIndex
 from capg_rec.torchrec.retriever import TwoTowerRetriever
 
@@ -106,17 +106,21 @@ class IndexHead:
         if "calls" not in state or set(state) - {"calls", "vectors"}:
             raise ValueError(f"state must hold 'calls' and, once built, 'vectors', got keys {sorted(state)}")
         calls, vectors = state["calls"], state.get("vectors")
-        if isinstance(calls, bool) or not isinstance(calls, int) or calls < 0:
+        if not is_int(calls) or calls < 0:
             raise ValueError(f"state['calls'] must be an int >= 0, got {calls!r}")
+        calls = int(calls)
         if calls % self.refresh_every and vectors is None:
             raise ValueError(f"state holds no 'vectors' at call {calls}, between rebuilds (every "
                              f"{self.refresh_every} calls): it is not an IndexHead state of this schedule")
         if vectors is not None:
             shape = (self.retriever.num_items, self.retriever.num_experts)
-            if not isinstance(vectors, Tensor) or not vectors.is_floating_point() or vectors.dim() != 3 \
-                    or tuple(vectors.shape[:2]) != shape:
-                raise ValueError(f"state['vectors'] must be floating item vectors [N, M, D] with (N, M) = {shape}, "
-                                 f"got {getattr(vectors, 'shape', type(vectors).__name__)}")
+            if not isinstance(vectors, Tensor) or not vectors.is_floating_point():
+                raise TypeError(f"state['vectors'] must be a floating-point tensor of item vectors, got "
+                                f"{getattr(vectors, 'dtype', type(vectors).__name__)}")
+            dim = None if self.index is None else self.index.dim  # the D of this head's index, once built
+            if vectors.dim() != 3 or tuple(vectors.shape[:2]) != shape or dim not in (None, vectors.shape[2]):
+                raise ValueError(f"state['vectors'] must be item vectors [N, M, D] with (N, M) = {shape}"
+                                 f"{'' if dim is None else f' and D = {dim}'}, got {tuple(vectors.shape)}")
             self._build(vectors.to(self.device))
         else:
             self.index, self._vectors = None, None
