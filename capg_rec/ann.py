@@ -35,9 +35,10 @@ class ItemIndex(abc.ABC):
     """Top-k inner-product search over a fixed set of item vectors (abstract).
 
     ``item_vectors [N, D]`` or ``[N, M, D]``; queries ``[B, D]`` or ``[B, M, D]`` to match. Results
-    are ``(scores, ids)`` of shape ``[B, k]`` or ``[B, M, k]``, best first, scores in the queries' dtype but at least
-    float32 (half-precision products overflow), ids int64 in ``[0, N)`` (an approximate index that finds fewer than
-    k pads with id ``-1``, scored ``-inf``). No gradient flows through an index.
+    are ``(scores, ids)`` of shape ``[B, k]`` or ``[B, M, k]``, best first, scores at least float32 (half-precision
+    products overflow: :class:`ExactIndex` scores in the wider of the queries' and the items' dtypes, as the catalogs
+    do; :class:`FaissIndex` in float32, returned in the queries' dtype), ids int64 in ``[0, N)`` (an approximate
+    index that finds fewer than k pads with id ``-1``, scored ``-inf``). No gradient flows through an index.
 
     Args:
         item_vectors: ``[N, D]`` (one expert) or ``[N, M, D]`` (one index per expert); the index holds a snapshot.
