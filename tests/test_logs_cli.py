@@ -2,6 +2,7 @@
 reader, propensities recomputed), its usage errors, and the reader benchmark script."""
 
 import json
+import os
 import math
 
 import pytest
@@ -204,3 +205,16 @@ def test_log_refuses_fewer_positions_than_the_checkpoints_experts(tmp_path, caps
     assert "-K 2: fewer positions than the ESR's 3 experts" in capsys.readouterr().err
     assert not (tmp_path / "l.parquet").exists()
     assert _run(["log", "--seed", str(2**64), "-n", "10", "--out", str(tmp_path / "s.parquet")]) == 2
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc, where no file can be made")
+def test_an_out_file_that_cannot_be_written_is_named_as_given(capsys):
+    """`log --out` where no file can be made named the hidden partial file it writes first (a review); LogWriter's
+    OSError names the path it was given."""
+    from capg_rec.logs import LogWriter
+
+    assert _run(["log", "-n", "10", "--out", "/proc/capg_rec_no_such.parquet", "--no-progress"]) == 2
+    assert capsys.readouterr().err == ("capg-rec log: error: --out /proc/capg_rec_no_such.parquet cannot be written "
+                                       "(No such file or directory)\n")
+    with pytest.raises(OSError, match=r"^\[Errno 2\] path /proc/capg_rec_no_such.parquet cannot be written"):
+        LogWriter("/proc/capg_rec_no_such.parquet", num_candidates=2, num_shown=1)

@@ -6,6 +6,7 @@ import argparse
 import io
 import json
 import math
+import os
 import re
 
 import numpy as np
@@ -1161,3 +1162,16 @@ def test_ctrl_c_ends_a_command_with_a_message_and_code_130(monkeypatch, capsys):
     assert exit_.value.code == 130
     assert capsys.readouterr().err == ("capg-rec demo: interrupted (a train run continues from its last checkpoint "
                                        "with --resume)\n")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc, where no folder can be made")
+def test_an_out_folder_that_cannot_be_made_is_named_with_exit_2(capsys):
+    """`--out` where no folder can be made (a review: /proc, /sys, a folder without write permission) ended in a
+    FileNotFoundError or PermissionError traceback, exit 1, once the run had started; it exits 2 at once, naming it."""
+    from capg_rec.cli import main
+
+    for argv in (["train", "--steps", "2"], ["reproduce", "variance", "--ks", "2"], ["demo", "--steps", "2"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*argv, "--out", "/proc/capg_rec_no_such/run"])
+        assert exit_info.value.code == 2
+        assert "--out /proc/capg_rec_no_such/run: cannot write there" in capsys.readouterr().err

@@ -338,6 +338,13 @@ def test_resume_refuses_other_logs_at_the_same_path(tmp_path, capsys):
     capsys.readouterr()
     assert _train(path, out, "--resume", "--epochs", "2") == 2
     assert "the logs changed since the checkpoint" in capsys.readouterr().err
+    # rewritten with another L: the same reason, not an option the user never typed (a review: "--num-outputs = 2
+    # differs from the logs' 1")
+    assert _run([*argv[:6], str(L - 1), *argv[7:], "--seed", "9"]) == 0
+    capsys.readouterr()
+    assert _train(path, out, "--resume", "--epochs", "2") == 2
+    err = capsys.readouterr().err
+    assert "the logs changed since the checkpoint" in err and "num-outputs" not in err
 
 
 def test_a_log_file_named_twice_is_refused_and_the_holdout_is_the_share_asked(tmp_path, capsys):

@@ -222,8 +222,9 @@ def _log(args: argparse.Namespace) -> int:
                                 num_outputs=length, temperature=tau, epsilon=args.epsilon, method=args.method,
                                 lsr=args.lsr, batch_size=args.batch_size, seed=args.seed, policy_version=version,
                                 extra=facts, progress=not args.no_progress)
-    except (ValueError, TypeError, FileNotFoundError) as err:
-        _fail(flagged(str(err), args, path="--out"))
+    except (ValueError, TypeError, OSError) as err:
+        _fail(flagged(err.args[1] if isinstance(err, OSError) and len(err.args) == 2 else str(err), args,
+                      path="--out"))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(summary, indent=1), encoding="utf-8")
     print(json.dumps(summary, indent=1))

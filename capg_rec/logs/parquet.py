@@ -274,8 +274,11 @@ class LogWriter:
             # page checksums: a flipped bit in a page that still decodes is read as an error, not as another value
             self._writer = pq.ParquetWriter(self._partial, self.schema, compression=compression,
                                             write_page_checksum=True)
-        except BaseException:
+        except BaseException as err:
             self._partial.unlink(missing_ok=True)  # opened before it failed: leave nothing behind
+            if isinstance(err, OSError):  # named by the path asked for, not by the hidden file written first
+                reason = os.strerror(err.errno) if err.errno else str(err)  # pyarrow's names the hidden file
+                raise OSError(err.errno, f"path {self.path} cannot be written ({reason})") from err
             raise
 
     def __enter__(self) -> LogWriter:

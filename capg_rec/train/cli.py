@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -175,11 +177,18 @@ def _fail(message: str, command: str = "train") -> NoReturn:
 
 
 def _out_dir(path: str, command: str = "train") -> Path:
-    """``--out`` as a folder: an existing file there, or on its path, exits 2 (a run writes several files into it)."""
+    """``--out`` as a folder: an existing file there, or on its path, or a folder that cannot be made or written to,
+    exits 2 (a run writes several files into it). Nothing is left behind by the check: a run refused later leaves no
+    folder."""
     out = Path(path)
     blocking = file_in_the_way(out)
     if blocking is not None:
         _fail(f"--out {out}: {blocking} is a file, not a folder (the run writes several files into it)", command)
+    existing = next(p for p in (out, *out.parents, Path.cwd()) if p.is_dir())  # where the run's first write goes
+    try:  # tried, not asked (os.access): root is refused too, e.g. on /proc or a read-only file system
+        os.rmdir(tempfile.mkdtemp(dir=existing, prefix=".capg_rec-"))
+    except OSError as err:
+        _fail(f"--out {out}: cannot write there ({err.strerror or err})", command)
     return out
 
 

@@ -54,6 +54,7 @@ LOG_ESTIMATORS = {
 
 _LR = {"vpg_ips": 1e-1}  # the paper's V-PG rate; every other estimator uses CA-PG's 1e-2
 _ON_OVERFLOW = ("stop", "skip")
+_LOGS_CHANGED = "the logs changed since the checkpoint: the files at these paths hold other rows (their bytes differ)"
 
 
 @dataclass(frozen=True)
@@ -449,17 +450,27 @@ class LogTrainer(Trainer):
         if epochs is not None:
             config = config.replace(epochs=epochs)
         trainer = cls.__new__(cls)
-        trainer._setup_logs(config, env)
+        saved = state.get("logs_fingerprint")  # absent in checkpoints written before it was kept
+        try:
+            trainer._setup_logs(config, env)
+        except ValueError as err:  # logs rewritten with another K or L, say: that is what to say, not the option
+            from capg_rec.logs.parquet import LoggedImpressions
+
+            try:
+                changed = saved is not None and saved != LoggedImpressions(list(config.logs), 1).fingerprint()
+            except (OSError, ValueError):
+                changed = False
+            if changed:
+                raise ValueError(_LOGS_CHANGED) from err
+            raise
         name = None if env is None else env.name
         if name != state["env"]:
             raise ValueError(f"env must be the checkpoint's {state['env']!r}, got {name!r}")
         if trainer.train_data.num_rows != state["num_rows"]:
             raise ValueError(f"the logs changed since the checkpoint: {trainer.train_data.num_rows} training rows, "
                              f"the run had {state['num_rows']}")
-        saved = state.get("logs_fingerprint")  # absent in checkpoints written before it was kept
         if saved is not None and saved != trainer.train_data.fingerprint():
-            raise ValueError("the logs changed since the checkpoint: the files at these paths hold other rows "
-                             "(their Parquet footers differ)")
+            raise ValueError(_LOGS_CHANGED)
         if epochs is not None and trainer.num_steps <= state["step"]:
             raise ValueError(f"epochs = {epochs} ends at step {trainer.num_steps}, the saved run is at step "
                              f"{state['step']}; give more epochs to go on")
