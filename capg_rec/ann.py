@@ -24,7 +24,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from capg_rec._checks import check_choice, check_count, check_float_tensor, check_items, is_id_tensor, \
+from capg_rec._checks import all_finite, check_choice, check_count, check_float_tensor, check_items, is_id_tensor, \
     resolve_validate_args
 from capg_rec.catalog import _chunked_top_k, compute_dtype
 
@@ -141,12 +141,17 @@ class ExactIndex(ItemIndex):
 
     def _search_one(self, expert: int, queries: Tensor, k: int) -> tuple[Tensor, Tensor]:
         # In the wider of the two dtypes, at least float32 (half-precision products overflow and tie), as the
-        # catalogs score; a product beyond it (inf or NaN, which would rank first) is a ValueError with the checks on.
+        # catalogs score; a product beyond it among the best k (inf or NaN, which rank first, or -inf, whose order is
+        # lost) is a ValueError with the checks on.
         items = self._vectors[expert]
         dtype = compute_dtype(queries.dtype, items.dtype)
         scores, ids = _chunked_top_k(queries.to(dtype).unsqueeze(1), items.to(queries.device, dtype).unsqueeze(1), k,
-                                     None, None, self.chunk_size, check_finite=resolve_validate_args(None))
-        return scores[:, 0], ids[:, 0]
+                                     None, None, self.chunk_size)
+        scores, ids = scores[:, 0], ids[:, 0]
+        if resolve_validate_args(None) and scores.numel() and not all_finite(scores):  # no item is masked here
+            raise ValueError(f"queries and item_vectors must have inner products within {dtype}'s range, got one that "
+                             f"overflows (inf or NaN) among the best {k} of expert {expert}")
+        return scores, ids
 
 
 FAISS_KINDS = ("flat", "hnsw", "ivf")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from capg_rec import bench
 from capg_rec.logs import cli as logs_cli
@@ -26,10 +27,18 @@ def main(argv: list[str] | None = None) -> None:
     try:
         code = args.func(args) or 0
     except KeyboardInterrupt:  # Ctrl-C: a message and the shell's code for it, not a traceback
-        print(f"capg-rec {args.command}: interrupted (a train run continues from its last checkpoint with --resume)",
-              file=sys.stderr)
+        print(f"capg-rec {args.command}: interrupted{_resumable(args)}", file=sys.stderr)
         code = 130
     raise SystemExit(code)
+
+
+def _resumable(args: argparse.Namespace) -> str:
+    """What an interrupted ``train`` left to continue: its last checkpoint, or nothing yet."""
+    if args.command != "train":
+        return ""
+    if (Path(args.out) / "checkpoint.pt").is_file():
+        return f"; continue from its last checkpoint with --resume --out {args.out}"
+    return " before its first checkpoint: nothing to --resume, start it again"
 
 
 if __name__ == "__main__":

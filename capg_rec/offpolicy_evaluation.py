@@ -84,9 +84,9 @@ def off_policy_value(target_log_inclusion: Tensor, logged_log_inclusion: Tensor,
     (``log π_θ(a_l ∈ A^K | x_i)``; ``-inf`` for an item it never retrieves, e.g. a greedy top-K)
     from rows logged with ``logged_log_inclusion [n, L]`` (``log π₀``, finite) and ``rewards [n, L]``.
 
-    ``max_weight`` caps the weights (lower variance; biased low for rewards >= 0, high for rewards <= 0). Without
-    it, IPS's weights are still capped below ``sqrt`` of float64's largest value (1.3e154: the estimates are computed
-    in float64, whatever the inputs' dtype), so that their squares stay finite: a weight that
+    ``max_weight`` caps the weights (lower variance; IPS biased low for rewards >= 0, high for rewards <= 0, SNIPS
+    either way). Without it, IPS's weights are still capped below ``sqrt`` of float64's largest value (1.3e154: the
+    estimates are computed in float64, whatever the inputs' dtype), so that their squares stay finite: a weight that
     large is beyond any unbiased use anyway. SNIPS and the effective sample size take the weights relative to the
     largest, uncapped (but for ``max_weight``), so rows beyond that cap keep their ratios. Needs ``n >= 2``
     rows. Both estimates' intervals are NaN (and a warning says so) where that effective sample size is below

@@ -189,8 +189,10 @@ def test_index_results_of_your_own_are_checked_and_exact_scores_never_rank_an_ov
                                (lambda s, i: [s, i], TypeError, r"a \(scores, ids\) pair")):
         with pytest.raises(error, match=match):
             Mine(items, edit).search(queries, 5)
-    with pytest.raises(ValueError, match="overflow"):
-        ExactIndex(torch.tensor([[3e38, -3e38], [0.0, 1.0], [1.0, 0.0]])).search(torch.tensor([[10.0, 10.0]]), 3)
+    for vectors in ([[3e38, -3e38], [0.0, 1.0], [1.0, 0.0]], [[-3e38, 0.0], [-2e38, 0.0], [1.0, 0.0]]):  # NaN, -inf
+        with pytest.raises(ValueError, match=r"queries and item_vectors must have inner products within "
+                                             r"torch.float32's range, got one that overflows .* of expert 0"):
+            ExactIndex(torch.tensor(vectors)).search(torch.tensor([[10.0, 10.0]]), 3)
     wide = torch.tensor([[1.0], [1.0 + 1e-12]], dtype=torch.float64)
     scores, ids = ExactIndex(wide).search(torch.tensor([[1.0]]), 1)
     assert ids.item() == 1 and scores.dtype == torch.float64  # scored in the wider dtype, as the catalogs do

@@ -1145,23 +1145,34 @@ def test_policy_value_model_and_trainer_arguments_are_checked():
         Trainer(env, TrainConfig(steps=3), eval_lsr="zzz")
 
 
-def test_ctrl_c_ends_a_command_with_a_message_and_code_130(monkeypatch, capsys):
+def test_ctrl_c_ends_a_command_with_a_message_and_code_130(tmp_path, monkeypatch, capsys):
     """A command interrupted by Ctrl-C ended in a traceback (a review); it now says so in one line and exits 130, as
-    a shell reports a SIGINT."""
+    a shell reports a SIGINT; an interrupted train run says whether it left a checkpoint to resume from (a review:
+    it promised one before the first was written)."""
     from capg_rec import cli
 
     def interrupted(args):
         raise KeyboardInterrupt
 
-    parser = cli.build_parser()
+    build_parser = cli.build_parser
+    parser = build_parser()
     monkeypatch.setattr(cli, "build_parser", lambda: parser)
-    args = parser.parse_args(["demo", "--steps", "1"])
-    monkeypatch.setattr(parser, "parse_args", lambda argv: argparse.Namespace(**{**vars(args), "func": interrupted}))
-    with pytest.raises(SystemExit) as exit_:
-        cli.main(["demo"])
-    assert exit_.value.code == 130
-    assert capsys.readouterr().err == ("capg-rec demo: interrupted (a train run continues from its last checkpoint "
-                                       "with --resume)\n")
+    out = tmp_path / "run"
+    for argv, said in ((["demo", "--steps", "1"], "capg-rec demo: interrupted\n"),
+                       (["train", "--out", str(out)], "capg-rec train: interrupted before its first checkpoint: "
+                                                      "nothing to --resume, start it again\n"),
+                       (["train", "--out", str(out)], f"capg-rec train: interrupted; continue from its last checkpoint "
+                                                      f"with --resume --out {out}\n")):
+        if "continue" in said:
+            out.mkdir()
+            (out / "checkpoint.pt").write_bytes(b"")
+        args = build_parser().parse_args(argv)
+        monkeypatch.setattr(parser, "parse_args",
+                            lambda _, args=args: argparse.Namespace(**{**vars(args), "func": interrupted}))
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(argv)
+        assert exit_.value.code == 130
+        assert capsys.readouterr().err == said
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc, where no folder can be made")

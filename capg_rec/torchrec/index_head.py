@@ -115,8 +115,8 @@ class IndexHead:
         if vectors is not None:
             shape = (self.retriever.num_items, self.retriever.num_experts)
             if not isinstance(vectors, Tensor) or not vectors.is_floating_point():
-                raise TypeError(f"state['vectors'] must be a floating-point tensor of item vectors, got "
-                                f"{getattr(vectors, 'dtype', type(vectors).__name__)}")
+                raise TypeError(f"state['vectors'] must be a floating-point torch.Tensor of item vectors, got "
+                                f"{vectors.dtype if isinstance(vectors, Tensor) else type(vectors).__name__}")
             dim = None if self.index is None else self.index.dim  # the D of this head's index, once built
             if vectors.dim() != 3 or tuple(vectors.shape[:2]) != shape or dim not in (None, vectors.shape[2]):
                 raise ValueError(f"state['vectors'] must be item vectors [N, M, D] with (N, M) = {shape}"
@@ -132,6 +132,9 @@ class IndexHead:
             self.refresh()
         user = self.retriever.user_vectors(features, dense, bag_features=bag_features)  # in eval mode
         self.calls += 1
+        if user.shape[-1] != self.index.dim:  # a restored head's vectors are checked here, where D is known
+            raise ValueError(f"the index holds item vectors of D={self.index.dim} (load_state_dict's, or the item "
+                             f"side's at the last rebuild), the retriever's users have D={user.shape[-1]}")
         if user.shape[0] == 0:  # a rank without users (the lookups above are collective: it took part)
             return torch.zeros(0, user.shape[1], self.size, dtype=torch.long, device=user.device)
         return self.index.search(user.to(self.device), self.size)[1].to(user.device)
