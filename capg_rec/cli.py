@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -36,8 +37,9 @@ def _resumable(args: argparse.Namespace) -> str:
     """What an interrupted ``train`` left to continue: its last checkpoint, or nothing yet."""
     if args.command != "train":
         return ""
-    if (Path(args.out) / "checkpoint.pt").is_file():
-        return f"; continue from its last checkpoint with --resume --out {args.out}"
+    out = Path(args.out)
+    if (out / "checkpoint.pt").is_file() or (out / "checkpoint.pt.prev").is_file():  # as --resume reads them
+        return f"; continue from its last checkpoint with --resume --out {shlex.quote(args.out)}"
     return " before its first checkpoint: nothing to --resume, start it again"
 
 

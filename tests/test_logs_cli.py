@@ -218,3 +218,30 @@ def test_an_out_file_that_cannot_be_written_is_named_as_given(capsys):
                                        "(No such file or directory)\n")
     with pytest.raises(OSError, match=r"^\[Errno 2\] path /proc/capg_rec_no_such.parquet cannot be written"):
         LogWriter("/proc/capg_rec_no_such.parquet", num_candidates=2, num_shown=1)
+
+
+def test_log_out_errors_name_out_on_a_read_only_file_system_and_behind_a_dangling_link(tmp_path, monkeypatch, capsys):
+    """A diff review's findings: on a read-only file system LogWriter's clean-up (an unlink of the partial file that
+    was never made) raised first, naming the hidden file; the command dropped the path of other write errors; a link
+    to nothing on --out's path was not named."""
+    import errno
+    import pathlib
+
+    import pyarrow.parquet as pq
+
+    from capg_rec.logs import LogWriter
+
+    (tmp_path / "dl").symlink_to(tmp_path / "nowhere")
+    assert _run(["log", "-n", "10", "--no-progress", "--out", str(tmp_path / "dl" / "x.parquet")]) == 2
+    assert f"{tmp_path / 'dl'} is a link to nothing, not a folder" in capsys.readouterr().err
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(pq, "ParquetWriter", read_only)
+    monkeypatch.setattr(pathlib.Path, "unlink", read_only)
+    with pytest.raises(OSError, match=rf"path {tmp_path / 'x.parquet'} cannot be written \(Read-only file system\)"):
+        LogWriter(tmp_path / "x.parquet", num_candidates=2, num_shown=1)
+    assert _run(["log", "-n", "10", "--no-progress", "--out", str(tmp_path / "y.parquet")]) == 2
+    assert capsys.readouterr().err == (f"capg-rec log: error: --out {tmp_path / 'y.parquet'} cannot be written "
+                                       "(Read-only file system)\n")

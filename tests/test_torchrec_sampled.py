@@ -227,6 +227,7 @@ def test_index_head_state_dict_continues_as_the_saved_head():
     fresh.load_state_dict({"calls": 2, "vectors": torch.zeros(NUM_ITEMS, M, D + 1)})
     with pytest.raises(ValueError, match=rf"item vectors of D={D + 1} \(load_state_dict's.* users have D={D}"):
         fresh(users)
+    assert fresh.calls == 2  # a refused call does not count (it moved the head on to its next rebuild)
     restored.load_state_dict({"calls": np.int64(0)})  # a state from before the first build: nothing built
     assert restored.index is None and sorted(restored.state_dict()) == ["calls"] and type(restored.calls) is int
 

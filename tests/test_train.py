@@ -1157,15 +1157,15 @@ def test_ctrl_c_ends_a_command_with_a_message_and_code_130(tmp_path, monkeypatch
     build_parser = cli.build_parser
     parser = build_parser()
     monkeypatch.setattr(cli, "build_parser", lambda: parser)
-    out = tmp_path / "run"
+    out = tmp_path / "a run"
     for argv, said in ((["demo", "--steps", "1"], "capg-rec demo: interrupted\n"),
                        (["train", "--out", str(out)], "capg-rec train: interrupted before its first checkpoint: "
                                                       "nothing to --resume, start it again\n"),
                        (["train", "--out", str(out)], f"capg-rec train: interrupted; continue from its last checkpoint "
-                                                      f"with --resume --out {out}\n")):
-        if "continue" in said:
+                                                      f"with --resume --out '{out}'\n")):
+        if "continue" in said:  # only the .prev (interrupted between a checkpoint's two renames), under a space
             out.mkdir()
-            (out / "checkpoint.pt").write_bytes(b"")
+            (out / "checkpoint.pt.prev").write_bytes(b"")
         args = build_parser().parse_args(argv)
         monkeypatch.setattr(parser, "parse_args",
                             lambda _, args=args: argparse.Namespace(**{**vars(args), "func": interrupted}))
@@ -1186,3 +1186,27 @@ def test_an_out_folder_that_cannot_be_made_is_named_with_exit_2(capsys):
             main([*argv, "--out", "/proc/capg_rec_no_such/run"])
         assert exit_info.value.code == 2
         assert "--out /proc/capg_rec_no_such/run: cannot write there" in capsys.readouterr().err
+
+
+def test_an_out_behind_a_dangling_link_or_an_unsearchable_folder_exits_2(tmp_path, monkeypatch, capsys):
+    """A diff review's findings: an --out that is (or lies under) a link to nothing passed the check and failed at
+    mkdir with a traceback, exit 1; a folder on the way that cannot be searched raised PermissionError from the
+    check itself."""
+    from capg_rec import cli
+    from capg_rec.train import cli as train_cli
+
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    for out in ("dangling", "dangling/run"):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["train", "--steps", "2", "--out", str(tmp_path / out)])
+        assert exit_info.value.code == 2
+        assert f"{tmp_path / 'dangling'} is a link to nothing, not a folder" in capsys.readouterr().err
+
+    def unsearchable(folder):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(train_cli, "file_in_the_way", unsearchable)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train", "--steps", "2", "--out", str(tmp_path / "locked" / "run")])
+    assert exit_info.value.code == 2
+    assert f"--out {tmp_path / 'locked' / 'run'}: cannot write there (Permission denied)" in capsys.readouterr().err

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -193,12 +194,12 @@ def _summary_path(args: argparse.Namespace) -> Path:
         _fail(f"the summary would overwrite the logs {args.out}: give --out a .parquet name or another --summary")
     if path.is_dir():
         _fail(f"--summary {path}: a folder, not a file")
-    from capg_rec.train.cli import file_in_the_way
+    from capg_rec.train.cli import file_in_the_way, not_a_folder
 
     for option, file in (("--out", Path(args.out)), ("--summary", path)):
         blocking = file_in_the_way(file.parent)
         if blocking is not None:
-            _fail(f"{option} {file}: {blocking} is a file, not a folder")
+            _fail(f"{option} {file}: {not_a_folder(blocking)}")
     return path
 
 
@@ -222,9 +223,10 @@ def _log(args: argparse.Namespace) -> int:
                                 num_outputs=length, temperature=tau, epsilon=args.epsilon, method=args.method,
                                 lsr=args.lsr, batch_size=args.batch_size, seed=args.seed, policy_version=version,
                                 extra=facts, progress=not args.no_progress)
-    except (ValueError, TypeError, OSError) as err:
-        _fail(flagged(err.args[1] if isinstance(err, OSError) and len(err.args) == 2 else str(err), args,
-                      path="--out"))
+    except (ValueError, TypeError) as err:
+        _fail(flagged(str(err), args, path="--out"))
+    except OSError as err:  # writing --out (its folder, the file): reading the --checkpoint raised above
+        _fail(f"--out {args.out} cannot be written ({os.strerror(err.errno) if err.errno else err})")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(summary, indent=1), encoding="utf-8")
     print(json.dumps(summary, indent=1))

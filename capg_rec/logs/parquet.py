@@ -9,6 +9,7 @@ row and the column it failed on; none is a silent skip.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import itertools
@@ -275,7 +276,8 @@ class LogWriter:
             self._writer = pq.ParquetWriter(self._partial, self.schema, compression=compression,
                                             write_page_checksum=True)
         except BaseException as err:
-            self._partial.unlink(missing_ok=True)  # opened before it failed: leave nothing behind
+            with contextlib.suppress(OSError):  # a read-only file system refuses even the unlink of nothing
+                self._partial.unlink(missing_ok=True)  # opened before it failed: leave nothing behind
             if isinstance(err, OSError):  # named by the path asked for, not by the hidden file written first
                 reason = os.strerror(err.errno) if err.errno else str(err)  # pyarrow's names the hidden file
                 raise OSError(err.errno, f"path {self.path} cannot be written ({reason})") from err

@@ -131,10 +131,10 @@ class IndexHead:
         if self.calls % self.refresh_every == 0:
             self.refresh()
         user = self.retriever.user_vectors(features, dense, bag_features=bag_features)  # in eval mode
-        self.calls += 1
         if user.shape[-1] != self.index.dim:  # a restored head's vectors are checked here, where D is known
             raise ValueError(f"the index holds item vectors of D={self.index.dim} (load_state_dict's, or the item "
                              f"side's at the last rebuild), the retriever's users have D={user.shape[-1]}")
+        self.calls += 1  # a refused call does not count
         if user.shape[0] == 0:  # a rank without users (the lookups above are collective: it took part)
             return torch.zeros(0, user.shape[1], self.size, dtype=torch.long, device=user.device)
         return self.index.search(user.to(self.device), self.size)[1].to(user.device)

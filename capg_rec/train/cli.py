@@ -181,21 +181,29 @@ def _out_dir(path: str, command: str = "train") -> Path:
     exits 2 (a run writes several files into it). Nothing is left behind by the check: a run refused later leaves no
     folder."""
     out = Path(path)
-    blocking = file_in_the_way(out)
-    if blocking is not None:
-        _fail(f"--out {out}: {blocking} is a file, not a folder (the run writes several files into it)", command)
-    existing = next(p for p in (out, *out.parents, Path.cwd()) if p.is_dir())  # where the run's first write goes
-    try:  # tried, not asked (os.access): root is refused too, e.g. on /proc or a read-only file system
-        os.rmdir(tempfile.mkdtemp(dir=existing, prefix=".capg_rec-"))
-    except OSError as err:
+    try:
+        blocking = file_in_the_way(out)
+        if blocking is None:
+            existing = next(p for p in (out, *out.parents, Path.cwd()) if p.is_dir())  # where the first write goes
+            # tried, not asked (os.access): root is refused too, e.g. on /proc or a read-only file system
+            os.rmdir(tempfile.mkdtemp(dir=existing, prefix=".capg_rec-"))
+    except OSError as err:  # also a folder on the way that cannot be searched
         _fail(f"--out {out}: cannot write there ({err.strerror or err})", command)
+    if blocking is not None:
+        _fail(f"--out {out}: {not_a_folder(blocking)} (the run writes several files into it)", command)
     return out
 
 
 def file_in_the_way(folder: Path) -> Path | None:
-    """The first of ``folder`` and its parents that exists as something else than a folder (it cannot be created
-    there), or None."""
-    return next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+    """The first of ``folder`` and its parents that exists as something else than a folder, a link to nothing
+    included (it cannot be created there), or None."""
+    return next((p for p in (folder, *folder.parents) if (p.exists() or p.is_symlink()) and not p.is_dir()), None)
+
+
+def not_a_folder(blocking: Path) -> str:
+    """What :func:`file_in_the_way` found, said: ``"PATH is a file, not a folder"`` (or a link to nothing)."""
+    what = "a link to nothing" if blocking.is_symlink() and not blocking.exists() else "a file"
+    return f"{blocking} is {what}, not a folder"
 
 
 _RUN_FILES = ("checkpoint.pt", "checkpoint.pt.prev", "result.json")
