@@ -214,7 +214,7 @@ def test_an_out_file_that_cannot_be_written_is_named_as_given(capsys):
     from capg_rec.logs import LogWriter
 
     assert _run(["log", "-n", "10", "--out", "/proc/capg_rec_no_such.parquet", "--no-progress"]) == 2
-    assert capsys.readouterr().err == ("capg-rec log: error: --out /proc/capg_rec_no_such.parquet cannot be written "
+    assert capsys.readouterr().err == ("capg-rec log: error: --out /proc/capg_rec_no_such.parquet: cannot write there "
                                        "(No such file or directory)\n")
     with pytest.raises(OSError, match=r"^\[Errno 2\] path /proc/capg_rec_no_such.parquet cannot be written"):
         LogWriter("/proc/capg_rec_no_such.parquet", num_candidates=2, num_shown=1)
@@ -234,6 +234,11 @@ def test_log_out_errors_name_out_on_a_read_only_file_system_and_behind_a_danglin
     (tmp_path / "dl").symlink_to(tmp_path / "nowhere")
     assert _run(["log", "-n", "10", "--no-progress", "--out", str(tmp_path / "dl" / "x.parquet")]) == 2
     assert f"{tmp_path / 'dl'} is a link to nothing, not a folder" in capsys.readouterr().err
+    if os.path.isdir("/proc/self"):  # a --summary that cannot be written was found after the logs were (a traceback)
+        logs = tmp_path / "z.parquet"
+        assert _run(["log", "-n", "10", "--no-progress", "--out", str(logs), "--summary", "/proc/capg_rec_s.json"]) == 2
+        assert "--summary /proc/capg_rec_s.json: cannot write there" in capsys.readouterr().err
+        assert not logs.exists()
 
     def read_only(*args, **kwargs):
         raise OSError(errno.EROFS, "Read-only file system")

@@ -194,12 +194,12 @@ def _summary_path(args: argparse.Namespace) -> Path:
         _fail(f"the summary would overwrite the logs {args.out}: give --out a .parquet name or another --summary")
     if path.is_dir():
         _fail(f"--summary {path}: a folder, not a file")
-    from capg_rec.train.cli import file_in_the_way, not_a_folder
+    from capg_rec.train.cli import unwritable
 
     for option, file in (("--out", Path(args.out)), ("--summary", path)):
-        blocking = file_in_the_way(file.parent)
-        if blocking is not None:
-            _fail(f"{option} {file}: {not_a_folder(blocking)}")
+        reason = unwritable(file.parent)  # before the logs are made: a summary refused at the end would lose them
+        if reason is not None:
+            _fail(f"{option} {file}: {reason}")
     return path
 
 

@@ -177,21 +177,28 @@ def _fail(message: str, command: str = "train") -> NoReturn:
 
 
 def _out_dir(path: str, command: str = "train") -> Path:
-    """``--out`` as a folder: an existing file there, or on its path, or a folder that cannot be made or written to,
-    exits 2 (a run writes several files into it). Nothing is left behind by the check: a run refused later leaves no
-    folder."""
+    """``--out`` as a folder: one that cannot be made or written to (:func:`unwritable`) exits 2 (a run writes several
+    files into it). Nothing is left behind by the check: a run refused later leaves no folder."""
     out = Path(path)
-    try:
-        blocking = file_in_the_way(out)
-        if blocking is None:
-            existing = next(p for p in (out, *out.parents, Path.cwd()) if p.is_dir())  # where the first write goes
-            # tried, not asked (os.access): root is refused too, e.g. on /proc or a read-only file system
-            os.rmdir(tempfile.mkdtemp(dir=existing, prefix=".capg_rec-"))
-    except OSError as err:  # also a folder on the way that cannot be searched
-        _fail(f"--out {out}: cannot write there ({err.strerror or err})", command)
-    if blocking is not None:
-        _fail(f"--out {out}: {not_a_folder(blocking)} (the run writes several files into it)", command)
+    reason = unwritable(out)
+    if reason is not None:
+        _fail(f"--out {out}: {reason}", command)
     return out
+
+
+def unwritable(folder: Path) -> str | None:
+    """Why no file can be written in ``folder`` (made if need be), or None: something else than a folder on its path
+    (a file, a link to nothing), or a folder on the way that refuses a write (tried, not asked with ``os.access``:
+    root is refused too, e.g. on /proc or a read-only file system) or a search. Leaves nothing behind."""
+    try:
+        blocking = file_in_the_way(folder)
+        if blocking is not None:
+            return not_a_folder(blocking)
+        existing = next(p for p in (folder, *folder.parents, Path.cwd()) if p.is_dir())  # where the first write goes
+        os.rmdir(tempfile.mkdtemp(dir=existing, prefix=".capg_rec-"))
+    except OSError as err:
+        return f"cannot write there ({err.strerror or err})"
+    return None
 
 
 def file_in_the_way(folder: Path) -> Path | None:
