@@ -250,3 +250,20 @@ def test_log_out_errors_name_out_on_a_read_only_file_system_and_behind_a_danglin
     assert _run(["log", "-n", "10", "--no-progress", "--out", str(tmp_path / "y.parquet")]) == 2
     assert capsys.readouterr().err == (f"capg-rec log: error: --out {tmp_path / 'y.parquet'} cannot be written "
                                        "(Read-only file system)\n")
+
+
+def test_log_files_of_long_names_write_and_other_kinds_of_files_are_not_replaced(tmp_path):
+    """A diff review's findings: a legal name of 235 characters was refused (the hidden partial file's name went past
+    255 bytes); `--out /dev/null` run as root replaced the device by a regular file (here a FIFO stands for it)."""
+    from capg_rec.logs import LogWriter, LoggedBatch
+
+    path = tmp_path / ("n" * 235 + ".parquet")
+    with LogWriter(path, num_candidates=2, num_shown=1) as writer:
+        writer.write(LoggedBatch(torch.tensor([0]), torch.tensor([[0, 1]]), torch.tensor([[1]]), torch.ones(1, 1),
+                                 torch.full((1, 1), -0.5, dtype=torch.float64), torch.zeros(1, 1, dtype=torch.float64),
+                                 torch.full((1,), -1.0, dtype=torch.float64)))
+    assert path.is_file() and LoggedImpressions(path, 1).num_rows == 1
+    fifo = tmp_path / "fifo.parquet"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="path must be a regular file to create or replace, got .*fifo.parquet"):
+        LogWriter(fifo, num_candidates=2, num_shown=1)

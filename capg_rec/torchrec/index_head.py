@@ -117,10 +117,9 @@ class IndexHead:
             if not isinstance(vectors, Tensor) or not vectors.is_floating_point():
                 raise TypeError(f"state['vectors'] must be a floating-point torch.Tensor of item vectors, got "
                                 f"{vectors.dtype if isinstance(vectors, Tensor) else type(vectors).__name__}")
-            dim = None if self.index is None else self.index.dim  # the D of this head's index, once built
-            if vectors.dim() != 3 or tuple(vectors.shape[:2]) != shape or dim not in (None, vectors.shape[2]):
-                raise ValueError(f"state['vectors'] must be item vectors [N, M, D] with (N, M) = {shape}"
-                                 f"{'' if dim is None else f' and D = {dim}'}, got {tuple(vectors.shape)}")
+            if vectors.dim() != 3 or tuple(vectors.shape[:2]) != shape:  # D is checked at the first search
+                raise ValueError(f"state['vectors'] must be item vectors [N, M, D] with (N, M) = {shape}, got "
+                                 f"{tuple(vectors.shape)}")
             self._build(vectors.to(self.device))
         else:
             self.index, self._vectors = None, None
@@ -133,7 +132,8 @@ class IndexHead:
         user = self.retriever.user_vectors(features, dense, bag_features=bag_features)  # in eval mode
         if user.shape[-1] != self.index.dim:  # a restored head's vectors are checked here, where D is known
             raise ValueError(f"the index holds item vectors of D={self.index.dim} (load_state_dict's, or the item "
-                             f"side's at the last rebuild), the retriever's users have D={user.shape[-1]}")
+                             f"side's at the last rebuild), the retriever's users have D={user.shape[-1]}: load a "
+                             "state of this retriever, or refresh()")
         self.calls += 1  # a refused call does not count
         if user.shape[0] == 0:  # a rank without users (the lookups above are collective: it took part)
             return torch.zeros(0, user.shape[1], self.size, dtype=torch.long, device=user.device)

@@ -194,7 +194,11 @@ def unwritable(folder: Path) -> str | None:
         blocking = file_in_the_way(folder)
         if blocking is not None:
             return not_a_folder(blocking)
-        existing = next(p for p in (folder, *folder.parents, Path.cwd()) if p.is_dir())  # where the first write goes
+        existing = next((p for p in (folder, *folder.parents) if p.is_dir()), Path("."))  # where the first write goes
+        longest = os.pathconf(existing, "PC_NAME_MAX")
+        too_long = [part for part in folder.parts[len(existing.parts):] if len(os.fsencode(part)) > longest]
+        if too_long:  # the folders before it would be made, then refused
+            return f"cannot write there (a name longer than {longest} bytes: {too_long[0][:40]}...)"
         os.rmdir(tempfile.mkdtemp(dir=existing, prefix=".capg_rec-"))
     except OSError as err:
         return f"cannot write there ({err.strerror or err})"
