@@ -248,7 +248,7 @@ def test_log_out_errors_name_out_on_a_read_only_file_system_and_behind_a_danglin
     with pytest.raises(OSError, match=rf"path {tmp_path / 'x.parquet'} cannot be written \(Read-only file system\)"):
         LogWriter(tmp_path / "x.parquet", num_candidates=2, num_shown=1)
     assert _run(["log", "-n", "10", "--no-progress", "--out", str(tmp_path / "y.parquet")]) == 2
-    assert capsys.readouterr().err == (f"capg-rec log: error: --out {tmp_path / 'y.parquet'} cannot be written "
+    assert capsys.readouterr().err == (f"capg-rec log: error: --out {tmp_path / 'y.parquet'}: cannot write there "
                                        "(Read-only file system)\n")
 
 

@@ -1210,7 +1210,7 @@ def test_an_out_behind_a_dangling_link_or_an_unsearchable_folder_exits_2(tmp_pat
         cli.main(["train", "--steps", "2", "--out", str(long)])
     assert exit_info.value.code == 2 and "a name longer than" in capsys.readouterr().err
     assert not (tmp_path / "y").exists()
-    monkeypatch.setattr(train_cli, "file_in_the_way", unsearchable)
+    monkeypatch.setattr(train_cli, "_file_in_the_way", unsearchable)
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["train", "--steps", "2", "--out", str(tmp_path / "locked" / "run")])
     assert exit_info.value.code == 2

@@ -226,7 +226,7 @@ def _log(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as err:
         _fail(flagged(str(err), args, path="--out"))
     except OSError as err:  # writing --out (its folder, the file): reading the --checkpoint raised above
-        _fail(f"--out {args.out} cannot be written ({os.strerror(err.errno) if err.errno else err})")
+        _fail(f"--out {args.out}: cannot write there ({os.strerror(err.errno) if err.errno else err})")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(summary, indent=1), encoding="utf-8")
     print(json.dumps(summary, indent=1))

@@ -191,9 +191,9 @@ def unwritable(folder: Path) -> str | None:
     (a file, a link to nothing), or a folder on the way that refuses a write (tried, not asked with ``os.access``:
     root is refused too, e.g. on /proc or a read-only file system) or a search. Leaves nothing behind."""
     try:
-        blocking = file_in_the_way(folder)
+        blocking = _file_in_the_way(folder)
         if blocking is not None:
-            return not_a_folder(blocking)
+            return _not_a_folder(blocking)
         existing = next((p for p in (folder, *folder.parents) if p.is_dir()), Path("."))  # where the first write goes
         longest = os.pathconf(existing, "PC_NAME_MAX")
         too_long = [part for part in folder.parts[len(existing.parts):] if len(os.fsencode(part)) > longest]
@@ -205,14 +205,14 @@ def unwritable(folder: Path) -> str | None:
     return None
 
 
-def file_in_the_way(folder: Path) -> Path | None:
+def _file_in_the_way(folder: Path) -> Path | None:
     """The first of ``folder`` and its parents that exists as something else than a folder, a link to nothing
     included (it cannot be created there), or None."""
     return next((p for p in (folder, *folder.parents) if (p.exists() or p.is_symlink()) and not p.is_dir()), None)
 
 
-def not_a_folder(blocking: Path) -> str:
-    """What :func:`file_in_the_way` found, said: ``"PATH is a file, not a folder"`` (or a link to nothing)."""
+def _not_a_folder(blocking: Path) -> str:
+    """What :func:`_file_in_the_way` found, said: ``"PATH is a file, not a folder"`` (or a link to nothing)."""
     what = "a link to nothing" if blocking.is_symlink() and not blocking.exists() else "a file"
     return f"{blocking} is {what}, not a folder"
 
