@@ -272,8 +272,8 @@ class LogWriter:
             raise ValueError(f"path must be a regular file to create or replace, got {self.path}, which is not one")
         if not self.path.parent.is_dir():  # else the error would name the hidden file written first
             raise ValueError(f"path must be in an existing folder, got {self.path} ({self.path.parent} is not one)")
-        # the name cut short: a legal name of up to 255 bytes must leave room for the hidden file's
-        self._partial = self.path.with_name(f".{self.path.name[:100]}.{os.getpid()}.{uuid.uuid4().hex[:8]}.partial")
+        # the name cut short (50 characters, at most 200 bytes): a legal name of up to 255 bytes leaves room for it
+        self._partial = self.path.with_name(f".{self.path.name[:50]}.{os.getpid()}.{uuid.uuid4().hex[:8]}.partial")
         try:
             # page checksums: a flipped bit in a page that still decodes is read as an error, not as another value
             self._writer = pq.ParquetWriter(self._partial, self.schema, compression=compression,
