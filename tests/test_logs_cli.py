@@ -263,6 +263,15 @@ def test_log_files_of_long_names_write_and_other_kinds_of_files_are_not_replaced
                                  torch.full((1, 1), -0.5, dtype=torch.float64), torch.zeros(1, 1, dtype=torch.float64),
                                  torch.full((1,), -1.0, dtype=torch.float64)))
     assert path.is_file() and LoggedImpressions(path, 1).num_rows == 1
+    for name in ("日" * 80, "a" * 247):  # 248 and 255 bytes: legal names, the hidden file's within the limit too
+        with LogWriter(tmp_path / (name + ".parquet"), num_candidates=2, num_shown=1):
+            pass
+        assert (tmp_path / (name + ".parquet")).is_file()
+    never_closed = LogWriter(tmp_path / ("b" * 247 + ".parquet"), num_candidates=2, num_shown=1)
+    with pytest.warns(UserWarning, match="was never closed: .* its 0 rows are lost"):
+        never_closed.__del__()  # no room for ".unclosed" beside this name: a warning, not a traceback
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # nor a hidden file left
+    never_closed._writer = None
     fifo = tmp_path / "fifo.parquet"
     os.mkfifo(fifo)
     with pytest.raises(ValueError, match="path must be a regular file to create or replace, got .*fifo.parquet"):

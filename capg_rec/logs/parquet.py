@@ -314,15 +314,17 @@ class LogWriter:
 
     def __del__(self) -> None:
         if getattr(self, "_writer", None) is not None:
-            kept = self.path.with_name(self.path.name + ".unclosed")
-            for copy_number in itertools.count(1):  # an earlier unclosed writer's rows stay where they are
-                if not kept.exists():
-                    break
-                kept = self.path.with_name(f"{self.path.name}.unclosed.{copy_number}")
-            try:
+            try:  # (a name near the file system's limit has no room for the suffix: the rows are then lost)
+                kept = self.path.with_name(self.path.name + ".unclosed")
+                for copy_number in itertools.count(1):  # an earlier unclosed writer's rows stay where they are
+                    if not kept.exists():
+                        break
+                    kept = self.path.with_name(f"{self.path.name}.unclosed.{copy_number}")
                 self._finish(kept)
             except OSError:
                 kept = None
+                with contextlib.suppress(OSError):
+                    self.discard()
             warnings.warn(f"LogWriter for {self.path} was never closed: the path was left as it was, and its "
                           f"{self.rows_written} rows are {f'in {kept}' if kept else 'lost'} (close the writer, or use "
                           "it in a with block)", UserWarning, stacklevel=1)

@@ -195,8 +195,8 @@ def unwritable(folder: Path) -> str | None:
         if blocking is not None:
             return _not_a_folder(blocking)
         existing = next((p for p in (folder, *folder.parents) if p.is_dir()), Path("."))  # where the first write goes
-        longest = os.pathconf(existing, "PC_NAME_MAX")
-        too_long = [part for part in folder.parts[len(existing.parts):] if len(os.fsencode(part)) > longest]
+        longest = os.pathconf(existing, "PC_NAME_MAX")  # -1: no limit
+        too_long = [part for part in folder.parts[len(existing.parts):] if 0 < longest < len(os.fsencode(part))]
         if too_long:  # the folders before it would be made, then refused
             return f"cannot write there (a name longer than {longest} bytes: {too_long[0][:40]}...)"
         os.rmdir(tempfile.mkdtemp(dir=existing, prefix=".capg_rec-"))
