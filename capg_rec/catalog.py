@@ -152,6 +152,17 @@ class CatalogScores(abc.ABC):
             check_items(name, items, batch_size=self.batch_size, num_items=self.num_items, unique=False)
         return items
 
+    def _exclusions(self, exclude: object) -> Tensor | None:
+        """``exclude [B, E]`` (or None) checked for its type and shape and, with the checks on outside
+        :meth:`_trusting`, for ids in ``[-1, N)`` (``-1``: padding; one host read): one out of range was ignored by
+        some placements and failed inside torch in others. A placement whose processes must raise alike checks
+        only the type and shape here."""
+        exclude = check_exclude(exclude, self.batch_size)
+        if exclude is not None and self.validate and not self._trusted:
+            check_items("exclude", exclude, batch_size=self.batch_size, num_items=self.num_items, unique=False,
+                        low=-1, columns="E")
+        return exclude
+
     def _drawing(self, num_candidates: int,
                  failed: Exception | None = None) -> contextlib.AbstractContextManager | None:
         """For a draw of ``num_candidates``: None (the default) leaves its checks to the caller
@@ -417,7 +428,7 @@ class DenseCatalog(CatalogScores):
 
         One scatter of E writes per row (no ``[B, N]`` mask, no host sync); padding (``-1``) writes
         to a spare last column. (A scatter-min without the spare column has a 6x slower backward.)"""
-        exclude = check_exclude(exclude, self.batch_size)
+        exclude = self._exclusions(exclude)
         if exclude is None or exclude.numel() == 0:
             return scores
         index = torch.where(exclude >= 0, exclude, self.num_items).unsqueeze(1).expand(-1, scores.shape[1], -1)
@@ -669,7 +680,7 @@ class EmbeddingCatalog(CatalogScores):
         return available_given_masks(self.masked_items, self.num_items, self.num_experts)
 
     def _with_masked(self, exclude: Tensor | None) -> Tensor | None:
-        exclude = check_exclude(exclude, self.batch_size)
+        exclude = self._exclusions(exclude)
         if self.masked_items is None or exclude is None:
             return self.masked_items if exclude is None else exclude
         return torch.cat([self.masked_items, exclude], dim=1)

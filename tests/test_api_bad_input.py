@@ -73,6 +73,23 @@ def test_top_items_takes_perturb_as_a_bool(perturb):
             catalog.top_items(2, perturb=perturb)
 
 
+@pytest.mark.parametrize("bad", [8, -2])
+def test_every_catalog_refuses_exclusions_out_of_range_by_name(bad):
+    """An id of ``exclude`` outside [-1, N) was ignored silently by the embedding and sampled catalogs and failed inside
+    torch (a RuntimeError) in the dense one (found by review); ``-1`` pads, and the checks off, are as before."""
+    logits, _, _, _ = _problem()
+    catalogs = _catalogs(logits) + [capg_rec.SampledCatalog(torch.randn(4, 4), torch.randn(8, 4),
+                                                            sampler=capg_rec.UniformSampler(6))]
+    exclude = torch.tensor([[bad], [1], [-1], [2]])
+    for catalog in catalogs:
+        for call in (lambda: catalog.log_power_sums(exclude), lambda: catalog.top_items(2, exclude=exclude)):
+            with pytest.raises(ValueError, match=r"exclude must hold ids in \[-1, 8\)"):
+                call()
+        padded = catalog.log_power_sums(exclude.clamp(min=-1, max=7))
+        assert padded.shape == (4, 1, 1) and padded.isfinite().all()
+    assert DenseCatalog(logits, validate_args=False).log_power_sums(torch.full((4, 1), -2)).isfinite().all()
+
+
 def test_samplers_check_the_arguments_of_their_public_methods():
     """Called directly (the catalogs call them with checked arguments), they leaked torch's errors, or answered
     garbage: ``-5`` ids drawn, ``-inf`` counts for float ids."""

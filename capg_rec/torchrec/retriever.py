@@ -20,7 +20,7 @@ from capg_rec._checks import check_count, check_flag, check_id_tensor, check_ite
     check_same_device, is_id_tensor, resolve_validate_args
 from capg_rec.ann import ItemIndex
 from capg_rec.marginals import DEFAULT_METHOD, InclusionMethod
-from capg_rec.catalog import unpadded
+from capg_rec.catalog import check_exclude, unpadded
 from capg_rec.sampled import DrawnSample, SampledCatalog, check_index_items
 from capg_rec.serving import ServingRetriever
 from capg_rec._collective import agree, all_gather_rows, exchange, least, on_ranks, ranks_where, \
@@ -634,6 +634,9 @@ class _RankSampledCatalog(SampledCatalog):
 
     def _trusting(self, trust: bool = True) -> contextlib.AbstractContextManager:
         return self._tower.trusting(trust)
+
+    def _exclusions(self, exclude: object) -> Tensor | None:
+        return check_exclude(exclude, self.batch_size)  # type and shape only: a rank alone must not raise
 
     def _named(self, items: Tensor, name: str = "items") -> Tensor:
         # Type, shape and device only: the ids are the tower's to check, alike on every rank (a rank alone must not
