@@ -641,7 +641,7 @@ def top_k(x: Tensor, k: int) -> Tensor:
     then a sort of the k: ``torch.topk`` on the CPU sorts each row serially, 5x slower at k = 50 of
     1000); elsewhere it is ``torch.topk`` with the same ties (:func:`_top_k_torch`)."""
     if 0 < k <= x.shape[-1] and x.numel() and x.dtype in _NUMPY_TOP_K and eager_cpu(x):
-        return _top_k_numpy(x.detach(), k)
+        return _top_k_numpy(x.detach().resolve_neg(), k)  # numpy reads no negative bit (a torch._neg_view)
     return _top_k_torch(x, k)
 
 

@@ -253,9 +253,10 @@ class FaissIndex(ItemIndex):
 
 
 def _float32(name: str, x: Tensor) -> Tensor:
-    """``x`` in float32 on the host, where faiss works: a ``ValueError`` naming ``name`` when a finite value leaves
-    float32's range there (faiss would take inf and NaN scores; checked with the index's other checks)."""
-    y = x.to("cpu", torch.float32)
+    """``x`` in float32 on the host, where faiss works (without a negative bit, which numpy cannot read): a
+    ``ValueError`` naming ``name`` when a finite value leaves float32's range there (faiss would take inf and NaN
+    scores; checked with the index's other checks)."""
+    y = x.to("cpu", torch.float32).resolve_neg()
     if x.dtype == torch.float64 and resolve_validate_args(None) and not bool(y.isfinite().all()):
         raise ValueError(f"{name} must be within float32's range (faiss scores in float32), got values up to "
                          f"{float(x.abs().max()):.3g}")

@@ -210,3 +210,20 @@ def test_faiss_indexes_pickle_and_ivf_lists_fit_small_catalogs(capfd):
         for other in (pickle.loads(pickle.dumps(index)), copy.deepcopy(index)):
             assert [torch.equal(a, b) for a, b in zip(other.search(queries, 5), index.search(queries, 5))] == [True] * 2
     assert "WARNING" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["exact", "faiss"])
+def test_indexes_and_greedy_candidates_take_negative_views(kind):
+    """Vectors and logits with the negative bit set (``torch._neg_view``, ``z.conj().imag``) were a RuntimeError from
+    numpy in FaissIndex and in greedy_candidates (found by review); they give the values of the plain tensors."""
+    import capg_rec
+
+    g = torch.Generator().manual_seed(0)
+    items, queries = torch.randn(50, 4, generator=g), torch.randn(3, 4, generator=g)
+    make = ExactIndex if kind == "exact" else FaissIndex
+    want = make(items).search(queries, 5)
+    for got in (make(torch._neg_view(-items)).search(queries, 5), make(items).search(torch._neg_view(-queries), 5)):
+        torch.testing.assert_close(got, want)
+    for logits in (torch.randn(2, 7, generator=g), torch.randn(2, 3000, generator=g)):
+        assert torch.equal(capg_rec.greedy_candidates(torch._neg_view(-logits), 3),
+                           capg_rec.greedy_candidates(logits, 3))

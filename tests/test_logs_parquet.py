@@ -962,6 +962,19 @@ def test_a_batch_of_negative_views_goes_between_processes():
     assert torch.equal(batch.context, -torch.arange(3.0))
 
 
+def test_the_writer_takes_negative_views(tmp_path):
+    """Columns with the negative bit set (``torch._neg_view``, ``z.conj().imag``) were a RuntimeError from numpy (found
+    by review); they are written with their values."""
+    batch = _batch(4, 0)
+    neg = batch._replace(rewards=torch._neg_view(-batch.rewards),
+                              features=torch._neg_view(-batch.features))
+    with LogWriter(tmp_path / "n.parquet", num_candidates=K, num_shown=L, num_items=N, num_features=F) as writer:
+        writer.write(neg)
+    back = next(iter(LoggedImpressions(tmp_path / "n.parquet", 4)))
+    assert torch.equal(back.rewards, batch.rewards.to(back.rewards.dtype))
+    assert torch.equal(back.features, batch.features.to(back.features.dtype))
+
+
 def test_writer_takes_numpy_numbers_in_extra_and_names_a_bad_path(tmp_path):
     """A review's sweep: numpy numbers in extra (or in a LogMetadata) failed JSON's encoder; a path of another type
     gave Python's error naming nothing."""

@@ -342,7 +342,7 @@ class LogWriter:
             raise ValueError(f"LogWriter for {self.path} is closed")
         if not isinstance(batch, LoggedBatch):
             raise TypeError(f"batch must be a LoggedBatch, got {type(batch).__name__}")
-        cols = {name: x.detach().cpu().numpy() for name, x in self._columns(batch).items()}
+        cols = {name: x.detach().cpu().resolve_neg().numpy() for name, x in self._columns(batch).items()}
         n = len(cols["context"])
         if self.validate:
             where = f"batch {self.batches_written} written to {self.path}"
