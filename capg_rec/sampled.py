@@ -61,8 +61,8 @@ from capg_rec._checks import FAILED_ELSEWHERE, _host_view, all_finite, check_cou
 from capg_rec._numerics import (exp_floor, gumbel_group_size, gumbel_top_k, no_autocast, safe_logsumexp,
                                 select_experts, top_k)
 from capg_rec.ann import ItemIndex
-from capg_rec.catalog import CatalogScores, _overflow_error, agreement, available_given_masks, \
-    compute_dtype, ids_in_range, masked_named_scores, unpadded
+from capg_rec.catalog import CatalogScores, _exclusion_mask, _masked, _overflow_error, agreement, \
+    available_given_masks, compute_dtype, ids_in_range, masked_named_scores, unpadded
 
 __all__ = ["SampledCatalog", "NegativeSampler", "UniformSampler", "InBatchSampler", "MixedSampler", "DrawnSample",
            "MAX_SAMPLED_POWERS"]
@@ -295,6 +295,9 @@ class InBatchSampler(NegativeSampler):
             if bool((frequency < 0).any()) or not bool(torch.isfinite(frequency).all()):
                 raise ValueError("frequency must hold finite probabilities >= 0")
             total = float(frequency.double().sum())
+            if total == 0.0:
+                raise ValueError("frequency must hold probabilities that sum to 1 (the chance that one batch slot "
+                                 "holds each item), got all zeros")
             # Normalised in its dtype (a pairwise sum: ⌈log2 N⌉ roundings, then one per quotient), a vector sums to 1
             # within (⌈log2 N⌉ + 1)·eps; N·eps, the bound of a sequential sum, let 10% errors through at N = 10^6.
             slack = (math.ceil(math.log2(max(frequency.shape[0], 2))) + 1) * torch.finfo(frequency.dtype).eps
@@ -987,16 +990,23 @@ class SampledCatalog(CatalogScores):
     def _every_score(self) -> Tensor:
         """Every item's vectors looked up once ``[N, M, D]`` and one product with the users, rather than the default
         lookup of every item for every row (a ``[B, N, M, D]`` copy: 23x the memory and 10x the time of an
-        :class:`~capg_rec.EmbeddingCatalog`'s read at B = 512, N = 2000, D = 64). The ids are in range by construction;
-        the item side's own checks run (nobody vouched for the whole catalog: in TorchRec's sampled mode, every row
-        must have been listed)."""
-        everything = torch.arange(self.num_items, device=self.device)
+        :class:`~capg_rec.EmbeddingCatalog`'s read at B = 512, N = 2000, D = 64), masks scattered as that catalog's
+        are. The ids are in range by construction; the item side's own checks run (nobody vouched for the whole
+        catalog: in TorchRec's sampled mode, every row must have been listed). An empty batch asks for no item, but
+        still calls the item side (whose checks may be collective)."""
+        everything = torch.arange(self.num_items if self.batch_size else 0, device=self.device)
         with self._trusting(False):
             vectors = self._vectors(everything)
+        if not self.batch_size:
+            return self.user.new_zeros(0, self.num_experts, self.num_items)
         with no_autocast(self.device):
             scores = torch.einsum("bmd,nmd->bmn", self.user, vectors)
-        return masked_named_scores(scores, everything.expand(self.batch_size, -1), self.masked_items,
-                                   check=self.validate)
+        masked = _exclusion_mask(self.masked_items, self.batch_size, 0, self.num_items, self.device)
+        masked = None if masked is None else masked.unsqueeze(1)
+        try:
+            return _masked(scores, masked, check=self.validate)
+        except ValueError:  # an overflow, or vectors that are not finite
+            raise self._not_finite(vectors if masked is None else vectors[~masked[:, 0].all(0)]) from None  # used
 
     def gather(self, items: Tensor) -> Tensor:
         items = self._named(items)
@@ -1008,6 +1018,8 @@ class SampledCatalog(CatalogScores):
         except ValueError:  # an overflow, or vectors that are not finite (read again only here, with no collective)
             with self._trusting():
                 vectors = self._vectors(items).detach()
+            if self.masked_items is not None:  # a masked item's vectors are never used
+                vectors = vectors[~(items.unsqueeze(2) == self.masked_items.unsqueeze(1)).any(2)]
             raise self._not_finite(vectors) from None
 
     def _not_finite(self, vectors: Tensor) -> ValueError:

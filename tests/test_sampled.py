@@ -855,6 +855,8 @@ def test_a_frequency_off_by_rounding_is_refused_with_its_error_and_the_way_out()
     with pytest.raises(ValueError, match=r"within 1.3e-15 \(torch.float64 at N = 30\), got 1 \+ 5.2e-08: normalise"):
         InBatchSampler(frequency=frequency)
     InBatchSampler(frequency=frequency / frequency.sum())
+    with pytest.raises(ValueError, match="got all zeros"):  # where that advice would give NaN (found by review)
+        InBatchSampler(frequency=torch.zeros(5))
 
 
 def test_a_whole_catalog_head_with_padding_names_only_what_it_found():
@@ -948,6 +950,23 @@ def test_an_item_side_giving_nan_is_named_not_taken_for_an_overflow():
         cat.gather(torch.tensor([[3], [1]]))
     with pytest.raises(ValueError, match="overflow torch.float32"):
         _overflowing_gather(user, item)
+    # read whole (up to 2048 items), where an item outside the head and sample is first seen (found by a diff review)
+    candidates = torch.tensor([[1, 2, 4], [5, 6, 7]])
+    for method in ("mean_field", "plugin", "exact"):
+        with pytest.raises(ValueError, match=message):
+            CAPGLoss(3, method=method)(cat, candidates, candidates[:, :1], torch.ones(2, 1))
+    # a masked item's vectors are never used: NaN there is fine, and does not take the blame for an overflow
+    masked = SampledCatalog(user, tower, num_items=20, sampler=DrawnSample(torch.tensor([5, 4]), UniformSampler(2)),
+                            masked_items=torch.tensor([[3], [3]]))
+    assert CAPGLoss(3)(masked, candidates, candidates[:, :1], torch.ones(2, 1)).isfinite()
+
+    def overflowing(ids):
+        return tower(ids).masked_fill((ids == 7).unsqueeze(-1), 1e30)
+
+    masked = SampledCatalog(torch.full((2, 4), 1e10), overflowing, num_items=20, masked_items=torch.tensor([[3], [3]]),
+                            sampler=DrawnSample(torch.tensor([5, 4]), UniformSampler(2)))
+    with pytest.raises(ValueError, match="overflow torch.float32"):
+        masked.gather(torch.tensor([[3, 7], [3, 7]]))
 
 
 def test_exclude_of_another_shape_or_dtype_is_refused_by_every_catalog():

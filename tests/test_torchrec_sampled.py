@@ -331,6 +331,30 @@ def test_listed_rows_check_every_call_outside_trusting():
         assert torch.equal(empty(torch.tensor([[3, 4]])), torch.zeros(1, 2, 1, 2))
 
 
+@pytest.mark.parametrize("method", ["mean_field", "plugin", "exact"])
+def test_a_rank_without_users_reads_a_small_catalog_whole_without_listing_it(method):
+    """A rank with an empty batch asks the item side for no item when the catalog is read whole (found by a diff review:
+    the one-product read asked it for every item, which that rank had not listed, and every rank raised); it still
+    calls the item side, whose check is collective."""
+    from capg_rec.torchrec.retriever import _ListedRows, _RankSampledCatalog
+
+    item, listed = torch.randn(50, 4), torch.tensor([5, 9, 11])
+    asked = []
+
+    class Rows(_ListedRows):
+        def __call__(self, ids):
+            asked.append(ids.numel())
+            return super().__call__(ids)
+
+    user = torch.zeros(0, 4, requires_grad=True)
+    cat = _RankSampledCatalog(user, Rows(listed, item[listed], None, True), num_items=50,
+                              sampler=DrawnSample(listed, UniformSampler(3)), group=None, check_draws=True)
+    asked.clear()
+    none = torch.zeros(0, 3, dtype=torch.long)
+    loss = CAPGLoss(3, method=method)(cat, none, none[:, :1], torch.zeros(0, 1))
+    assert float(loss) == 0.0 and 0 in asked
+
+
 def test_resampled_catalog_of_the_sampled_mode_equals_a_fresh_one():
     """The loss's catalog of an on-policy step, drawn candidates as its head and a second sample listed in the
     same lookup, is the SampledCatalog built on the full tables with that sample, head and index head; an id
