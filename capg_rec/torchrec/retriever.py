@@ -200,16 +200,8 @@ class TwoTowerRetriever(nn.Module):
         if sharding.sharding_type not in _SHARDABLE:
             raise ValueError(f"the item table {self.item_table!r} must be sharded {' or '.join(_SHARDABLE)} "
                              f"(each rank holding whole rows), got {sharding.sharding_type}")
-        shards = sharding.sharding_spec.shards
-        # Every rank reads the same plan: each raises here alike (no rank is left waiting).
-        empty = [s.placement.rank() for s in shards if s.shard_sizes[0] == 0 and s.placement.device().type == "cpu"]
-        if empty:
-            raise ValueError(f"the item table {self.item_table!r} is sharded {sharding.sharding_type} into blocks of "
-                             f"{shards[0].shard_sizes[0]} rows, which leaves ranks {empty} no row (N = "
-                             f"{self.num_items} over {len(shards)} ranks), and TorchRec's CPU lookup fails on an empty "
-                             "shard: shard it table-wise, or over fewer ranks")
         rank = dist.get_rank(self.process_group if self.process_group is not None else dist.group.WORLD)
-        for shard in shards:
+        for shard in sharding.sharding_spec.shards:
             if shard.placement.rank() == rank:
                 return shard.shard_offsets[0], shard.shard_sizes[0]
         return 0, 0
