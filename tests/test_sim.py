@@ -112,6 +112,10 @@ def test_matrix_env_validation():
     same = env.subset(torch.tensor([False, False, True]), torch.tensor([True, False, False, True]))
     assert torch.equal(same.q, sub.q) and same.name == sub.name
     assert env.subset(items=torch.tensor([0, 1])).name != env.subset(items=torch.tensor([2, 3])).name
+    # a float64 table with the negative bit set (torch._neg_view, z.conj().imag) is named as the plain table (found by
+    # review: numpy's RuntimeError, where no ids made a fresh tensor)
+    table = torch.arange(12.0, dtype=torch.float64).view(3, 4)
+    assert MatrixEnv.from_table(torch._neg_view(-table)).subset().name == MatrixEnv.from_table(table).subset().name
 
 
 def test_subset_refuses_ids_it_cannot_take():

@@ -167,5 +167,6 @@ class MatrixEnv:
             if ids.dim() != 1 or not ids.numel():
                 raise ValueError(f"{name} must be a non-empty 1-d tensor of ids, got shape {list(ids.shape)}")
             tables = [t.index_select(dim, ids.to(t.device)) for t in tables]
-        digest = hashlib.sha256(b"".join(t.detach().cpu().double().numpy().tobytes() for t in tables)).hexdigest()
+        data = (t.detach().cpu().double().resolve_neg().numpy().tobytes() for t in tables)  # numpy: no negative bit
+        digest = hashlib.sha256(b"".join(data)).hexdigest()
         return MatrixEnv(*tables, name=f"{self.name}[subset {digest[:12]}]")
