@@ -862,6 +862,18 @@ def test_ordered_draws_check_is_bonferroni_over_contexts():
             "outside the enumerated ones") in check.detail
 
 
+def test_an_ordered_draws_check_without_power_says_so():
+    """With every context's ordered draws expected fewer than 5 times each (all pooled into one cell), the check's
+    p = 1 said nothing, yet its detail read as a test (found by review: a wrong ESR passed it at n = 30)."""
+    flat = validate_esr(CatalogESR(torch.zeros(1, 4), 3), num_samples=30, alpha=0.1).check("ordered_draws")
+    assert flat.passed and flat.p_value == 1.0
+    assert "not testable at this sample size" in flat.detail and "raise num_samples" in flat.detail
+    tested = validate_esr(CatalogESR(torch.zeros(1, 4), 3), num_samples=2_000, alpha=0.1).check("ordered_draws")
+    assert "not testable" not in tested.detail and "could not be tested" not in tested.detail
+    assert _stats.chi_square_cells(np.array([1.0, 2.0, 1.5])) == 1  # all pooled, and the pool below 5: one cell
+    assert _stats.chi_square_cells(np.array([1.0, 2.0, 3.0, 7.0])) == 2  # one kept, the pool of 6 another
+
+
 def test_calibration_noise_floor_is_the_expected_error_of_correct_claims():
     """The noise floor is E[calibration error] for correct claims: Monte-Carlo over 400 replicates of binomial counts
     agrees within 4 standard errors of their mean (a floor without its sqrt(2/π) went unnoticed: a review's

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-_MIN_EXPECTED = 5.0
+MIN_EXPECTED = 5.0
 
 
 def scipy_stats():
@@ -37,6 +37,14 @@ def binomial_p_values(counts: np.ndarray, trials: int, low: np.ndarray, high: np
     return np.minimum(1.0, 2.0 * np.minimum(lower_tail, upper_tail))
 
 
+def chi_square_cells(expected: np.ndarray) -> int:
+    """The number of cells :func:`multinomial_p_value` tests for ``expected [C]`` counts (after pooling): below 2
+    the test has nothing to go on and returns 1."""
+    keep = expected >= MIN_EXPECTED
+    pooled = float(expected[~keep].sum())
+    return int(keep.sum()) + int(pooled >= MIN_EXPECTED or not keep.any())
+
+
 def multinomial_p_value(counts: np.ndarray, probs: np.ndarray) -> float:
     """Pearson chi-square p-value of ``counts [C]`` against cell probabilities ``probs [C]``.
 
@@ -50,10 +58,10 @@ def multinomial_p_value(counts: np.ndarray, probs: np.ndarray) -> float:
     if bool((counts[probs <= 0] > 0).any()):
         return 0.0
     expected = probs / probs.sum() * total
-    keep = expected >= _MIN_EXPECTED
+    keep = expected >= MIN_EXPECTED
     obs, exp = list(counts[keep].astype(float)), list(expected[keep])
     pooled_obs, pooled_exp = float(counts[~keep].sum()), float(expected[~keep].sum())
-    if pooled_exp >= _MIN_EXPECTED or not obs:
+    if pooled_exp >= MIN_EXPECTED or not obs:
         obs.append(pooled_obs)
         exp.append(pooled_exp)
     elif pooled_exp > 0:

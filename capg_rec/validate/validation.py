@@ -250,13 +250,20 @@ def _worst_draw(p: list[float], observed: Tensor, stray: Tensor, probs: Tensor, 
     """Where the ordered-draw test is furthest from its claims: the context of the least p-value (and how many fall
     below the per-context ``level``), and in it the draw seen furthest from its expected count (in standard
     errors), or the draws outside the enumerated support."""
+    draws = (observed.sum(1) + stray).double()  # [B]
+    expected_all = probs * draws.unsqueeze(1)  # [B, S]
+    blind = [b for b in range(len(p)) if _stats.chi_square_cells(expected_all[b].numpy()) < 2 and not stray[b]]
+    if len(blind) == len(p):  # every context's draws pooled into one cell: p = 1 says nothing
+        return (f"not testable at this sample size: no context has two ordered draws (or pools of them) expected "
+                f"{_stats.MIN_EXPECTED:g} times or more, so every p is 1; raise num_samples")
     worst = int(np.argmin(p))
-    draws = float(observed[worst].sum() + stray[worst])
-    expected = probs[worst] * draws
+    expected = expected_all[worst]
     deviation = (observed[worst] - expected) / expected.clamp(min=1e-300).sqrt()
     at = int(deviation.abs().argmax())
     text = (f"context {worst} is furthest off (p = {p[worst]:.3g}; {sum(q <= level for q in p)} of {len(p)} contexts "
             f"below the per-context level), where draw {seqs[at].tolist()} came {int(observed[worst, at])} times "
             f"against {float(expected[at]):.1f} claimed")
+    if blind:
+        text += f" ({len(blind)} context{'s' if len(blind) > 1 else ''} could not be tested at this sample size)"
     return text + (f", and {int(stray[worst])} draws fell outside the enumerated ones" if stray[worst] else "")
 
