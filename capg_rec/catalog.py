@@ -487,8 +487,8 @@ def masked_named_scores(scores: Tensor, items: Tensor, masked_items: Tensor | No
 def _masked(scores: Tensor, masked: Tensor | None, *, check: bool) -> Tensor:
     """``scores [B, M, L]`` with ``-inf`` where ``masked [B, 1, L]`` (None: nowhere); with ``check``, a ``ValueError``
     where an unmasked score overflowed (inf or NaN: one host sync)."""
-    if check and scores.numel():  # before the masks' -inf
-        if not all_finite(scores.detach() if masked is None else scores.detach().masked_fill(masked, 0.0)):
+    if check and scores.numel() and not all_finite(scores.detach()):  # before the masks' -inf; masked entries are
+        if masked is None or not all_finite(scores.detach().masked_fill(masked, 0.0)):  # only read on this rare path
             raise _overflow_error(scores.dtype)
     return scores if masked is None else scores.masked_fill(masked, -math.inf)
 

@@ -68,6 +68,10 @@ __all__ = ["SampledCatalog", "NegativeSampler", "UniformSampler", "InBatchSample
            "MAX_SAMPLED_POWERS"]
 
 MAX_SAMPLED_POWERS = 3
+
+_NOT_FINITE_VECTORS = ("the item side gave vectors that are not finite (NaN or inf) for items asked of this "
+                       "SampledCatalog (masked items' too: their gradient, 0 times NaN, is NaN): check the item tower "
+                       "or table")
 """The highest power sum ``Σ exp(p·s)`` a :class:`SampledCatalog` estimates (mean-field's tail needs 3)."""
 
 
@@ -297,14 +301,14 @@ class InBatchSampler(NegativeSampler):
             total = float(frequency.double().sum())
             if total == 0.0:
                 raise ValueError("frequency must hold probabilities that sum to 1 (the chance that one batch slot "
-                                 "holds each item), got all zeros")
+                                 f"holds each item), got {'an empty tensor' if not frequency.numel() else 'all zeros'}")
             # Normalised in its dtype (a pairwise sum: ⌈log2 N⌉ roundings, then one per quotient), a vector sums to 1
             # within (⌈log2 N⌉ + 1)·eps; N·eps, the bound of a sequential sum, let 10% errors through at N = 10^6.
             slack = (math.ceil(math.log2(max(frequency.shape[0], 2))) + 1) * torch.finfo(frequency.dtype).eps
             if abs(total - 1.0) > slack:
                 raise ValueError(f"frequency must sum to 1 (the chance that one batch slot holds each item) within "
-                                 f"{slack:.2g} ({frequency.dtype} at N = {frequency.shape[0]}), got 1 "
-                                 f"{'+' if total > 1 else '-'} {abs(total - 1.0):.2g}: normalise popularity counts in "
+                                 f"{slack:.3g} ({frequency.dtype} at N = {frequency.shape[0]}), got 1 "
+                                 f"{'+' if total > 1 else '-'} {abs(total - 1.0):.3g}: normalise popularity counts in "
                                  "the frequency's own dtype first (frequency / frequency.sum())")
         self.frequency = frequency
         self.num_buckets = check_count("num_buckets", num_buckets)
@@ -901,8 +905,9 @@ class SampledCatalog(CatalogScores):
                 self.sample_scores = (self.user[:, 0] @ vectors[:, 0].T).unsqueeze(1)
             else:
                 self.sample_scores = torch.matmul(self.user.transpose(0, 1), vectors.permute(1, 2, 0)).transpose(0, 1)
+        self._check_vectors(self.sample_scores, lambda: vectors)
         if self.validate and self.sample_scores.numel() and not all_finite(self.sample_scores.detach()):
-            raise self._not_finite(vectors)
+            raise _overflow_error(self.dtype)
 
     @property
     def sample_drop(self) -> Tensor:
@@ -993,43 +998,38 @@ class SampledCatalog(CatalogScores):
         :class:`~capg_rec.EmbeddingCatalog`'s read at B = 512, N = 2000, D = 64), masks scattered as that catalog's
         are. The ids are in range by construction; the item side's own checks run (nobody vouched for the whole
         catalog: in TorchRec's sampled mode, every row must have been listed). An empty batch asks for no item, but
-        still calls the item side (whose checks may be collective)."""
+        still calls the item side (whose checks may be collective), and stays in the graph as a lookup would."""
         everything = torch.arange(self.num_items if self.batch_size else 0, device=self.device)
         with self._trusting(False):
             vectors = self._vectors(everything)
         if not self.batch_size:
-            return self.user.new_zeros(0, self.num_experts, self.num_items)
+            return (self.user.sum() + vectors.sum()) * self.user.new_zeros(0, self.num_experts, self.num_items)
         with no_autocast(self.device):
             scores = torch.einsum("bmd,nmd->bmn", self.user, vectors)
+        self._check_vectors(scores, lambda: vectors)
         masked = _exclusion_mask(self.masked_items, self.batch_size, 0, self.num_items, self.device)
-        masked = None if masked is None else masked.unsqueeze(1)
-        try:
-            return _masked(scores, masked, check=self.validate)
-        except ValueError:  # an overflow, or vectors that are not finite
-            raise self._not_finite(vectors if masked is None else vectors[~masked[:, 0].all(0)]) from None  # used
+        return _masked(scores, None if masked is None else masked.unsqueeze(1), check=self.validate)
 
     def gather(self, items: Tensor) -> Tensor:
         items = self._named(items)
         # A table's lookup refuses ids out of range itself; a callable tower's errors are its own.
         table = self._lookup_refuses_bad_ids
         scores = ids_in_range(self.num_items, self._score, items) if table else self._score(items)
-        try:
-            return masked_named_scores(scores, items, self.masked_items, check=self.validate)
-        except ValueError:  # an overflow, or vectors that are not finite (read again only here, with no collective)
-            with self._trusting():
-                vectors = self._vectors(items).detach()
-            if self.masked_items is not None:  # a masked item's vectors are never used
-                vectors = vectors[~(items.unsqueeze(2) == self.masked_items.unsqueeze(1)).any(2)]
-            raise self._not_finite(vectors) from None
 
-    def _not_finite(self, vectors: Tensor) -> ValueError:
-        """The error for scores that are not finite, from the item ``vectors`` they were made of: the item side's
-        fault where those hold NaN or inf (the user vectors are checked when the catalog is made), else an
-        overflow."""
-        if not all_finite(vectors.detach()):
-            return ValueError("the item side gave vectors that are not finite (NaN or inf) for items asked of this "
-                              "SampledCatalog: check the item tower or table")
-        return _overflow_error(self.dtype)
+        def vectors() -> Tensor:  # read again only where a score is not finite, with no collective
+            with self._trusting():
+                return self._vectors(items)
+
+        self._check_vectors(scores, vectors)
+        return masked_named_scores(scores, items, self.masked_items, check=self.validate)
+
+    def _check_vectors(self, scores: Tensor, vectors: Callable[[], Tensor]) -> None:
+        """With the checks on, where a score is not finite (one host read), a ``ValueError`` if the item ``vectors()``
+        it was made of are not finite, masked items' included (the mask's gradient, 0 times NaN, is NaN); an overflow
+        of finite vectors is left to the masks' check (harmless where masked)."""
+        if self.validate and scores.numel() and not all_finite(scores.detach()):
+            if not all_finite(vectors().detach()):
+                raise ValueError(_NOT_FINITE_VECTORS)
 
     def _terms(self, exclude: Tensor | None) -> tuple[Tensor, Tensor]:
         """The head's scores ``[B, M, T]`` and the sample's bias ``[B | 1, 1, S]`` (``log w_j``) with ``-inf``

@@ -852,11 +852,13 @@ def test_a_frequency_off_by_rounding_is_refused_with_its_error_and_the_way_out()
     """A float32-normalised frequency in float64 is off by ~1e-8, beyond float64's slack: the message said "got 1"
     (six digits of the sum; found by review). It gives the error and the slack, and the advice works."""
     frequency = torch.full((30,), 1 / 30, dtype=torch.float32).double()
-    with pytest.raises(ValueError, match=r"within 1.3e-15 \(torch.float64 at N = 30\), got 1 \+ 5.2e-08: normalise"):
+    with pytest.raises(ValueError, match=r"within 1.33e-15 \(torch.float64 at N = 30\), got 1 \+ 5.22e-08: normalise"):
         InBatchSampler(frequency=frequency)
     InBatchSampler(frequency=frequency / frequency.sum())
     with pytest.raises(ValueError, match="got all zeros"):  # where that advice would give NaN (found by review)
         InBatchSampler(frequency=torch.zeros(5))
+    with pytest.raises(ValueError, match="got an empty tensor"):
+        InBatchSampler(frequency=torch.zeros(0))
 
 
 def test_a_whole_catalog_head_with_padding_names_only_what_it_found():
@@ -955,18 +957,28 @@ def test_an_item_side_giving_nan_is_named_not_taken_for_an_overflow():
     for method in ("mean_field", "plugin", "exact"):
         with pytest.raises(ValueError, match=message):
             CAPGLoss(3, method=method)(cat, candidates, candidates[:, :1], torch.ones(2, 1))
-    # a masked item's vectors are never used: NaN there is fine, and does not take the blame for an overflow
-    masked = SampledCatalog(user, tower, num_items=20, sampler=DrawnSample(torch.tensor([5, 4]), UniformSampler(2)),
-                            masked_items=torch.tensor([[3], [3]]))
-    assert CAPGLoss(3)(masked, candidates, candidates[:, :1], torch.ones(2, 1)).isfinite()
+    # NaN vectors of a masked item (in the head, a lookup or the whole read) are refused too: the mask's gradient,
+    # 0 times NaN, made the users' gradient NaN silently (found by a diff review); finite vectors of a masked item
+    # whose product overflows are harmless there, as before
+    masked = dict(num_items=20, sampler=DrawnSample(torch.tensor([5, 4]), UniformSampler(2)),
+                  masked_items=torch.tensor([[3], [3]]))
+    with pytest.raises(ValueError, match=message):
+        SampledCatalog(user, tower, head_items=torch.tensor([[3], [1]]), **masked)
+    with pytest.raises(ValueError, match=message):
+        SampledCatalog(user, tower, **masked).gather(torch.tensor([[3], [1]]))
+    for method in ("mean_field", "plugin", "exact"):
+        with pytest.raises(ValueError, match=message):
+            CAPGLoss(3, method=method)(SampledCatalog(user, tower, **masked), candidates, candidates[:, :1],
+                                       torch.ones(2, 1))
 
     def overflowing(ids):
-        return tower(ids).masked_fill((ids == 7).unsqueeze(-1), 1e30)
+        return item[ids].masked_fill((ids == 3).unsqueeze(-1), 1e30)
 
-    masked = SampledCatalog(torch.full((2, 4), 1e10), overflowing, num_items=20, masked_items=torch.tensor([[3], [3]]),
-                            sampler=DrawnSample(torch.tensor([5, 4]), UniformSampler(2)))
-    with pytest.raises(ValueError, match="overflow torch.float32"):
-        masked.gather(torch.tensor([[3, 7], [3, 7]]))
+    leaf = user.clone().requires_grad_()
+    cat = SampledCatalog(leaf, overflowing, **masked)
+    assert cat.gather(torch.tensor([[3], [1]]))[0, 0, 0] == -math.inf
+    CAPGLoss(3)(cat, candidates, candidates[:, :1], torch.ones(2, 1)).backward()
+    assert leaf.grad.isfinite().all()
 
 
 def test_exclude_of_another_shape_or_dtype_is_refused_by_every_catalog():
