@@ -68,11 +68,11 @@ __all__ = ["SampledCatalog", "NegativeSampler", "UniformSampler", "InBatchSample
            "MAX_SAMPLED_POWERS"]
 
 MAX_SAMPLED_POWERS = 3
+"""The highest power sum ``Σ exp(p·s)`` a :class:`SampledCatalog` estimates (mean-field's tail needs 3)."""
 
 _NOT_FINITE_VECTORS = ("the item side gave vectors that are not finite (NaN or inf) for items asked of this "
                        "SampledCatalog (masked items' too: their gradient, 0 times NaN, is NaN): check the item tower "
                        "or table")
-"""The highest power sum ``Σ exp(p·s)`` a :class:`SampledCatalog` estimates (mean-field's tail needs 3)."""
 
 
 class NegativeSampler(abc.ABC):
@@ -907,6 +907,7 @@ class SampledCatalog(CatalogScores):
                 self.sample_scores = torch.matmul(self.user.transpose(0, 1), vectors.permute(1, 2, 0)).transpose(0, 1)
         self._check_vectors(self.sample_scores, lambda: vectors)
         if self.validate and self.sample_scores.numel() and not all_finite(self.sample_scores.detach()):
+            # an overflow of finite vectors, in any slot: the sums add a slot's bias (-inf where left out) to its score
             raise _overflow_error(self.dtype)
 
     @property

@@ -971,14 +971,22 @@ def test_an_item_side_giving_nan_is_named_not_taken_for_an_overflow():
             CAPGLoss(3, method=method)(SampledCatalog(user, tower, **masked), candidates, candidates[:, :1],
                                        torch.ones(2, 1))
 
-    def overflowing(ids):
-        return item[ids].masked_fill((ids == 3).unsqueeze(-1), 1e30)
+    def overflowing(ids):  # 4e38 against a user of ones: beyond float32
+        return item[ids].masked_fill((ids == 3).unsqueeze(-1), 1e38)
 
-    leaf = user.clone().requires_grad_()
+    leaf = torch.ones(2, 4, requires_grad=True)
     cat = SampledCatalog(leaf, overflowing, **masked)
     assert cat.gather(torch.tensor([[3], [1]]))[0, 0, 0] == -math.inf
     CAPGLoss(3)(cat, candidates, candidates[:, :1], torch.ones(2, 1)).backward()
     assert leaf.grad.isfinite().all()
+    with pytest.raises(ValueError, match="overflow torch.float32"):  # unmasked, it is an overflow
+        SampledCatalog(torch.ones(2, 4), overflowing, num_items=20,
+                       sampler=UniformSampler(2)).gather(torch.tensor([[3], [1]]))
+    # but not in the negative sample, whose sums add each slot's bias (-inf for a masked one) to its score: inf - inf
+    # (a diff review asked for it to pass there; the sums then came out -inf)
+    drawn = dict(masked, sampler=DrawnSample(torch.tensor([3, 4]), UniformSampler(2)))
+    with pytest.raises(ValueError, match="overflow torch.float32"):
+        SampledCatalog(torch.ones(2, 4), overflowing, **drawn)
 
 
 def test_exclude_of_another_shape_or_dtype_is_refused_by_every_catalog():

@@ -864,14 +864,31 @@ def test_ordered_draws_check_is_bonferroni_over_contexts():
 
 def test_an_ordered_draws_check_without_power_says_so():
     """With every context's ordered draws expected fewer than 5 times each (all pooled into one cell), the check's
-    p = 1 said nothing, yet its detail read as a test (found by review: a wrong ESR passed it at n = 30)."""
+    p = 1 said nothing, yet its detail read as a test (found by review: a wrong ESR passed it at n = 30). What is
+    testable is the test's own verdict (a diff review: a draw seen at a claimed probability of 0, p = 0, and claims
+    that do not sum to 1, which the test rescales, were miscounted)."""
     flat = validate_esr(CatalogESR(torch.zeros(1, 4), 3), num_samples=30, alpha=0.1).check("ordered_draws")
     assert flat.passed and flat.p_value == 1.0
-    assert "not testable at this sample size" in flat.detail and "raise num_samples" in flat.detail
+    assert "not testable at this sample size" in flat.detail and "raise the number of samples" in flat.detail
     tested = validate_esr(CatalogESR(torch.zeros(1, 4), 3), num_samples=2_000, alpha=0.1).check("ordered_draws")
     assert "not testable" not in tested.detail and "could not be tested" not in tested.detail
-    assert _stats.chi_square_cells(np.array([1.0, 2.0, 1.5])) == 1  # all pooled, and the pool below 5: one cell
-    assert _stats.chi_square_cells(np.array([1.0, 2.0, 3.0, 7.0])) == 2  # one kept, the pool of 6 another
+
+    class Impossible(CatalogESR):  # claims half the ordered draws impossible (and the rest twice as likely)
+        def candidate_log_prob(self, contexts, candidates):
+            out = super().candidate_log_prob(contexts, candidates).clone()
+            out[:, :12] = -math.inf
+            return out + math.log(2)
+
+    class Scaled(CatalogESR):  # claims a tenth of the mass: the test rescales, and tests
+        def candidate_log_prob(self, contexts, candidates):
+            return super().candidate_log_prob(contexts, candidates) + math.log(0.1)
+
+    seen = validate_esr(Impossible(torch.zeros(2, 4), 3), num_samples=30, alpha=0.1).check("ordered_draws")
+    assert seen.p_value == 0.0 and "not testable" not in seen.detail and "could not be tested" not in seen.detail
+    scaled = validate_esr(Scaled(torch.zeros(1, 4), 3), num_samples=500, alpha=0.1).check("ordered_draws")
+    assert scaled.p_value < 1.0 and "not testable" not in scaled.detail
+    assert _stats.multinomial_test(np.array([1, 2, 1]), np.array([0.3, 0.4, 0.3])) == (1.0, False)  # one pooled cell
+    assert _stats.multinomial_test(np.array([3, 0]), np.array([0.0, 1.0])) == (0.0, True)
 
 
 def test_calibration_noise_floor_is_the_expected_error_of_correct_claims():

@@ -37,26 +37,24 @@ def binomial_p_values(counts: np.ndarray, trials: int, low: np.ndarray, high: np
     return np.minimum(1.0, 2.0 * np.minimum(lower_tail, upper_tail))
 
 
-def chi_square_cells(expected: np.ndarray) -> int:
-    """The number of cells :func:`multinomial_p_value` tests for ``expected [C]`` counts (after pooling): below 2
-    the test has nothing to go on and returns 1."""
-    keep = expected >= MIN_EXPECTED
-    pooled = float(expected[~keep].sum())
-    return int(keep.sum()) + int(pooled >= MIN_EXPECTED or not keep.any())
-
-
 def multinomial_p_value(counts: np.ndarray, probs: np.ndarray) -> float:
     """Pearson chi-square p-value of ``counts [C]`` against cell probabilities ``probs [C]``.
 
     Cells with expected count below 5 are pooled into one cell (merged into the smallest kept
     cell if the pool itself stays below 5). A count in a cell of probability 0 gives 0.
     """
+    return multinomial_test(counts, probs)[0]
+
+
+def multinomial_test(counts: np.ndarray, probs: np.ndarray) -> tuple[float, bool]:
+    """:func:`multinomial_p_value` and whether it tested anything: False where no draw was counted or every cell
+    pooled into one (the p-value is then 1 by default, not by evidence)."""
     stats = scipy_stats()
     total = counts.sum()
     if total == 0:
-        return 1.0
+        return 1.0, False
     if bool((counts[probs <= 0] > 0).any()):
-        return 0.0
+        return 0.0, True
     expected = probs / probs.sum() * total
     keep = expected >= MIN_EXPECTED
     obs, exp = list(counts[keep].astype(float)), list(expected[keep])
@@ -69,9 +67,9 @@ def multinomial_p_value(counts: np.ndarray, probs: np.ndarray) -> float:
         obs[smallest] += pooled_obs
         exp[smallest] += pooled_exp
     if len(obs) < 2:
-        return 1.0
+        return 1.0, False
     o, e = np.asarray(obs), np.asarray(exp)
-    return float(stats.chi2.sf(((o - e) ** 2 / e).sum(), len(o) - 1))
+    return float(stats.chi2.sf(((o - e) ** 2 / e).sum(), len(o) - 1)), True
 
 
 def z_scores(empirical: np.ndarray, claimed: np.ndarray, unit_variance: np.ndarray,

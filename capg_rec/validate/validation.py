@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -237,33 +238,36 @@ def _check_sets(esr: ESR, contexts: Any, claimed: np.ndarray, seq_counts: Tensor
                        f"inclusion values within {incl_dev:.2g} (allowed {tol:g})")
     observed = seq_counts[:, :-1]  # [B, S]
     stray = seq_counts[:, -1]  # draws outside the enumerated support
-    p = [_stats.multinomial_p_value(np.append(observed[b].numpy(), stray[b].item()),
-                                    np.append(probs[b].numpy(), 0.0)) for b in range(batch)]
+    p, tested = zip(*(_stats.multinomial_test(np.append(observed[b].numpy(), stray[b].item()),
+                                              np.append(probs[b].numpy(), 0.0)) for b in range(batch)))
     family_p = min(1.0, batch * min(p))
+    where = _worst_draw(p, tested, observed, stray, probs, seqs, level / batch)
     return [consistent, Check("ordered_draws", family_p > level,
                               f"chi-square over {seqs.shape[0]} ordered draws per context, Bonferroni over "
-                              f"{batch} contexts; {_worst_draw(p, observed, stray, probs, seqs, level / batch)}",
-                              family_p, level)]
+                              f"{batch} contexts; {where}", family_p, level)]
 
 
-def _worst_draw(p: list[float], observed: Tensor, stray: Tensor, probs: Tensor, seqs: Tensor, level: float) -> str:
+def _worst_draw(p: Sequence[float], tested: Sequence[bool], observed: Tensor, stray: Tensor, probs: Tensor,
+                seqs: Tensor, level: float) -> str:
     """Where the ordered-draw test is furthest from its claims: the context of the least p-value (and how many fall
     below the per-context ``level``), and in it the draw seen furthest from its expected count (in standard
-    errors), or the draws outside the enumerated support."""
-    draws = (observed.sum(1) + stray).double()  # [B]
-    expected_all = probs * draws.unsqueeze(1)  # [B, S]
-    blind = [b for b in range(len(p)) if _stats.chi_square_cells(expected_all[b].numpy()) < 2 and not stray[b]]
-    if len(blind) == len(p):  # every context's draws pooled into one cell: p = 1 says nothing
+    errors), or the draws outside the enumerated support; and the contexts it could not test (``tested``: False
+    where every cell pooled into one at this sample size), or that it tested none."""
+    untested = sum(not t for t in tested)
+    if untested == len(p):
         return (f"not testable at this sample size: no context has two ordered draws (or pools of them) expected "
-                f"{_stats.MIN_EXPECTED:g} times or more, so every p is 1; raise num_samples")
+                f"{_stats.MIN_EXPECTED:g} times or more, so every p is 1; raise the number of samples")
     worst = int(np.argmin(p))
-    expected = expected_all[worst]
+    draws = float(observed[worst].sum() + stray[worst])
+    expected = probs[worst] / probs[worst].sum().clamp(min=1e-300) * draws  # as the test scales them
     deviation = (observed[worst] - expected) / expected.clamp(min=1e-300).sqrt()
     at = int(deviation.abs().argmax())
     text = (f"context {worst} is furthest off (p = {p[worst]:.3g}; {sum(q <= level for q in p)} of {len(p)} contexts "
             f"below the per-context level), where draw {seqs[at].tolist()} came {int(observed[worst, at])} times "
             f"against {float(expected[at]):.1f} claimed")
-    if blind:
-        text += f" ({len(blind)} context{'s' if len(blind) > 1 else ''} could not be tested at this sample size)"
-    return text + (f", and {int(stray[worst])} draws fell outside the enumerated ones" if stray[worst] else "")
+    if stray[worst]:
+        text += f", and {int(stray[worst])} draws fell outside the enumerated ones"
+    if untested:
+        text += f"; {untested} context{'s' if untested > 1 else ''} could not be tested at this sample size"
+    return text
 
