@@ -196,17 +196,20 @@ def register(subparsers) -> None:
                                           "and the inclusion methods' accuracy against the exact method (and a "
                                           "Monte-Carlo estimate), written as one JSON file (--out).")
     p.add_argument("--sizes", type=positive_int, nargs="+", default=[1_000, 100_000, 1_000_000],
-                   help=f"catalog sizes N of the cost table (each at least its largest K, {_COST_CASES[-1][0]})")
-    p.add_argument("--batch", type=positive_int, default=128)
-    p.add_argument("--dim", type=positive_int, default=16)
-    p.add_argument("--reps", type=positive_int, default=3)
+                   help=f"catalog sizes N of the cost table (each at least its largest K, {_COST_CASES[-1][0]}; "
+                        "default: 1000 100000 1000000)")
+    p.add_argument("--batch", type=positive_int, default=128, help="contexts B (default: 128)")
+    p.add_argument("--dim", type=positive_int, default=16, help="embedding width D (default: 16)")
+    p.add_argument("--reps", type=positive_int, default=3, help="timed calls per case, their median kept (default: 3)")
     p.add_argument("--case-timeout", type=positive_float, default=1800.0,
                    help="seconds allowed per (estimator, size) case")
     p.add_argument("--memory-limit", type=positive_float, default=16.0, help="GiB of address space allowed per case")
-    p.add_argument("--mc-samples", type=positive_int, default=100_000)
+    p.add_argument("--mc-samples", type=positive_int, default=100_000,
+                   help="Monte-Carlo draws of the accuracy table (default: 100000)")
     p.add_argument("--skip-cost", action="store_true")
     p.add_argument("--skip-accuracy", action="store_true")
-    p.add_argument("--out", default="runs/bench.json", help="where the tables are written as JSON")
+    p.add_argument("--out", default="runs/bench.json",
+                   help="where the tables are written as JSON (default: runs/bench.json)")
     p.set_defaults(func=_main)
 
 
@@ -232,7 +235,8 @@ def _main(args: argparse.Namespace) -> None:
     if problem is not None:
         print(f"capg-rec bench: error: {problem}", file=sys.stderr)
         raise SystemExit(2)
-    result = {}
+    result: dict = {"settings": {"sizes": args.sizes, "batch": args.batch, "dim": args.dim, "reps": args.reps,
+                                 "mc_samples": args.mc_samples, "seconds": "median CPU seconds of a forward+backward"}}
     if not args.skip_cost:
         print("(a) cost: forward+backward of each loss, ratio to bare scoring (chunked logits + logsumexp)")
         result["cost"] = cost_table(args.sizes, list(_COST_CASES), args.batch, args.dim, args.reps,

@@ -453,6 +453,51 @@ def test_reproduce_reuses_a_diverged_run(env, tmp_path):
     assert summarize("t", env, [cell], again, tmp_path, steps=6) == table
 
 
+def test_reproduce_plots_what_its_tables_hold_one_colour_per_method(env, tmp_path, monkeypatch):
+    """Found by review: table3's L = 5 cells were tabled as sums over the positions and plotted per position; a method
+    the paper does not name (CA-PG (plugin)) took a new colour of matplotlib's cycle for each seed, other methods'
+    among them; a run that overflowed got its dot at its NaN value (invisible)."""
+    from capg_rec.train import report
+    from capg_rec.train.reproduce import summarize
+
+    drawn = {}
+
+    def plot_curves(panels, path, **kwargs):
+        drawn.update(panels=panels, **kwargs)
+
+    monkeypatch.setattr("capg_rec.train.reproduce.plot_curves", plot_curves)
+    cells = [Cell("L=5", _config(estimator="capg_swr", steps=4, eval_every=2), scale=5.0)]
+    results = run_cells(env, cells, [0], tmp_path, progress=False)
+    summarize("t", env, cells, results, tmp_path, steps=4)
+    plotted = drawn["panels"]["L=5"]["CA-PG-SwR"][0][-1]["policy_value"]
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert plotted == pytest.approx(saved["cells"][0]["values"][0]) and saved["cells"][0]["positions_summed"] == 5
+    assert "sum over positions" in drawn["ylabel"] and drawn["optimum"] is None
+    uniform = [Cell("uniform", _config(estimator="capg_swr", steps=4, eval_every=2, eval_lsr="uniform"))]
+    summarize("t", env, uniform, run_cells(env, uniform, [0], tmp_path / "u", progress=False), tmp_path / "u", steps=4)
+    assert drawn["optimum"] is None  # the optimal LSR's best, not the uniform one's
+    plain = [Cell("K=5", _config(estimator="capg_swr", steps=4, eval_every=2))]
+    summarize("t", env, plain, run_cells(env, plain, [0], tmp_path / "p", progress=False), tmp_path / "p", steps=4)
+    assert drawn["optimum"] == pytest.approx(env.optimal_value(1))
+    colors = report.method_colors(["CA-PG (plugin)", "V-PG-SwR", "CA-PG (plugin)", "mine", "CA-PG"])
+    assert colors == {"CA-PG (plugin)": colors["CA-PG (plugin)"], "V-PG-SwR": "tab:orange", "mine": colors["mine"],
+                      "CA-PG": "tab:blue"}
+    assert len(set(colors.values())) == 4 and not {colors["mine"], colors["CA-PG (plugin)"]} & set(
+        report.METHOD_COLORS.values())
+    import matplotlib.pyplot as plt
+
+    seen = []
+    monkeypatch.setattr(plt, "close", lambda fig: seen.append(fig))
+    nan = float("nan")
+    history = [{"step": 0, "policy_value": 1.0}, {"step": 2, "policy_value": 2.0},
+               {"step": 4, "policy_value": nan, "overflows": 1}]
+    report.plot_curves({"p": {"mine": [history, history, history], "V-PG": [history]}}, tmp_path / "c.png")
+    lines = seen[0].axes[0].get_lines()
+    assert len({line.get_color() for line in lines if line.get_label() != "best possible (optimal LSR)"}) == 2
+    dots = [line for line in lines if line.get_marker() == "o"]
+    assert dots and all(list(dot.get_xdata()) == [2] and list(dot.get_ydata()) == [2.0] for dot in dots)
+
+
 def test_reproduce_refuses_runs_of_another_environment_and_repeated_cells(env, tmp_path, capsys):
     """A finished run is reused only for its own environment (the same config on another env or data file
     was reported as this one's); a repeated K or estimator would count one run twice."""
@@ -854,6 +899,7 @@ def test_demo_and_bench_refuse_bad_arguments_up_front(argv, tmp_path, capsys, mo
     (["reproduce", "table2", "--steps", "0"], "--steps: must be an integer >= 1"),  # named the parameter 'steps'
     (["reproduce", "table2", "--ks", "5", "0"], "--ks: must be an integer >= 1"),
     (["reproduce", "offpolicy", "--sizes", "0"], "--sizes: must be an integer >= 1"),
+    (["reproduce", "offpolicy", "--sizes", "10"], "--sizes must be at least the study's batch of 128 rows"),
     (["reproduce", "offpolicy", "--logging-temperature", "0"], "--logging-temperature: must be a finite number > 0"),
     (["reproduce", "offpolicy", "--first-seed", "-1"], "--first-seed must be in [0, 2^63 - --seeds]"),
     (["reproduce", "offpolicy", "--first-seed", str(2**63 - 1), "--seeds", "2"], "--first-seed must be in"),
@@ -997,6 +1043,26 @@ def test_help_states_each_default_once_and_every_method(capsys):
         else:
             method = text[text.index("--method METHOD inclusion"):]
             assert "with_replacement" not in method[:200] and "mean_field" in method[:200]
+    # demo and bench stated none of their defaults (found by review)
+    for command, defaults in (("demo", ("default: 3000", "default: 20", "default: 1", "default: runs/demo")),
+                              ("bench", ("default: 1000 100000 1000000", "default: 128", "default: 16", "default: 3",
+                                         "default: 100000", "default: runs/bench.json"))):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert all(default in text for default in defaults), command
+
+
+def test_bench_json_records_its_settings(tmp_path):
+    """Found by review: bench.json held the tables alone, not the batch, width, repetitions and draws they came from,
+    nor that its seconds are CPU time."""
+    from capg_rec.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--skip-cost", "--mc-samples", "100", "--out", str(tmp_path / "b.json")])
+    assert exit_info.value.code == 0
+    settings = json.loads((tmp_path / "b.json").read_text())["settings"]
+    assert settings["mc_samples"] == 100 and settings["batch"] == 128 and "CPU seconds" in settings["seconds"]
 
 
 def test_a_method_that_cannot_score_the_catalog_exits_2(tmp_path, capsys):

@@ -116,7 +116,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("offpolicy", "options of the off-policy study (target offpolicy; --ks and --seeds too)")
     g.add_argument("--env", choices=("synthetic", "movielens"), default=None, help="default synthetic")
     g.add_argument("--sizes", nargs="+", type=positive_int, default=None,
-                   help="numbers of logged interactions n (default 10^4 10^5 10^6)")
+                   help="numbers of logged interactions n, each at least the study's batch of 128 rows (default "
+                        "10^4 10^5 10^6)")
     g.add_argument("--learners", nargs="+", default=None, choices=tuple(LEARNERS), metavar="LEARNER",
                    help=f"among {', '.join(LEARNERS)} (default all; the study's names: capg_clip is train --logs' "
                         "capg)")
@@ -134,10 +135,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_reproduce)
 
     p = subparsers.add_parser("demo", help="a short V-PG-SwR vs CA-PG-SwR run (one to two minutes on 2 CPU cores)")
-    p.add_argument("--steps", type=positive_int, default=3000)
-    p.add_argument("-K", "--num-candidates", type=positive_int, default=20)
-    p.add_argument("--seeds", type=positive_int, default=1)
-    p.add_argument("--out", default="runs/demo")
+    p.add_argument("--steps", type=positive_int, default=3000, help="gradient steps of each run (default: 3000)")
+    p.add_argument("-K", "--num-candidates", type=positive_int, default=20,
+                   help="candidates the ESR draws (default: 20)")
+    p.add_argument("--seeds", type=positive_int, default=1, help="runs per estimator (default: 1)")
+    p.add_argument("--out", default="runs/demo", help="the results' folder (default: runs/demo)")
     p.set_defaults(func=_demo)
 
 

@@ -113,7 +113,8 @@ class OffPolicyStudy:
         if self.num_outputs > min(self.ks):
             raise ValueError(f"num_outputs must be <= every K of ks, got {self.num_outputs} and ks {list(self.ks)}")
         if min(self.sizes) < self.batch_size:
-            raise ValueError(f"sizes must be >= batch_size={self.batch_size}, got {min(self.sizes)}")
+            raise ValueError(f"sizes must be at least the study's batch of {self.batch_size} rows (each size is "
+                             f"trained in whole batches), got {min(self.sizes)}")
         python_numbers(self)
 
 

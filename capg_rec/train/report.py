@@ -12,7 +12,7 @@ from pathlib import Path
 from capg_rec._json import json_text
 
 __all__ = ["value_at", "mean_se", "write_csv", "write_json", "json_text", "markdown_table", "plot_curves",
-           "legend_below", "METHOD_COLORS"]
+           "legend_below", "method_colors", "METHOD_COLORS"]
 
 METHOD_COLORS = {"V-PG": "tab:red", "V-PG-SwR": "tab:orange", "CA-PG": "tab:blue", "CA-PG-SwR": "tab:green"}
 
@@ -70,15 +70,17 @@ def plot_curves(panels: Mapping[str, Mapping[str, Sequence[Sequence[Mapping]]]],
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False, sharey=True)
+    colors = method_colors([method for methods in panels.values() for method in methods])
     for ax, (title, methods) in zip(axes[0], panels.items()):
         for method, histories in methods.items():
-            color = METHOD_COLORS.get(method)
+            color = colors[method]
             for i, history in enumerate(histories):
                 steps = [row["step"] for row in history]
                 values = [row["policy_value"] for row in history]
                 ax.plot(steps, values, color=color, alpha=0.8, lw=1.0, label=method if i == 0 else None)
-                if history[-1].get("overflows", 0):
-                    ax.plot(steps[-1], values[-1], "o", color=color, ms=4)
+                finite = [(x, y) for x, y in zip(steps, values) if y is not None and math.isfinite(y)]
+                if history[-1].get("overflows", 0) and finite:  # at the last finite value (an overflow ends in NaN)
+                    ax.plot(*finite[-1], "o", color=color, ms=4)
         if optimum is not None:
             ax.axhline(optimum, color="gray", ls="--", lw=0.8, label="best possible (optimal LSR)")
         ax.set_title(textwrap.fill(title, 44), fontsize=9)  # an environment's name can be long
@@ -88,6 +90,18 @@ def plot_curves(panels: Mapping[str, Mapping[str, Sequence[Sequence[Mapping]]]],
     legend_below(fig, axes[0], fontsize=8)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def method_colors(methods: Sequence[str]) -> dict[str, str]:
+    """One colour per method, the same in every panel: :data:`METHOD_COLORS`' for the paper's four, the other
+    tab10 colours in turn for the rest (found by review: an unknown method took the next colour of matplotlib's
+    cycle for each seed, other methods' among them)."""
+    spare = [c for c in (f"tab:{n}" for n in ("purple", "brown", "pink", "gray", "olive", "cyan", "blue", "orange",
+                                                 "green", "red")) if c not in METHOD_COLORS.values()]
+    colors: dict[str, str] = {}
+    for method in dict.fromkeys(methods):
+        colors[method] = METHOD_COLORS.get(method) or spare[sum(m not in METHOD_COLORS for m in colors) % len(spare)]
+    return colors
 
 
 def legend_below(fig, axes, *, fontsize: float = 8) -> None:

@@ -282,11 +282,12 @@ def summarize(target: str, env: MatrixEnv, cells: Sequence[Cell], results: dict,
                      "–" if p50 is None else f"{p50:.2f}", "–" if p500 is None else f"{p500:.2f}",
                      f"{overflows} ({stopped} stopped)"])
         summary.append({"method": cell.method, "setting": cell.setting, "mean": mean, "se": se, "n": len(runs),
-                        "values": values, "paper_50k": p50, "paper_500k": p500, "overflows": overflows,
-                        "stopped_runs": stopped, "config": cell.config.to_dict()})
+                        "values": values, "positions_summed": cell.scale, "paper_50k": p50, "paper_500k": p500,
+                        "overflows": overflows, "stopped_runs": stopped, "config": cell.config.to_dict()})
         for r in runs:
             per_run.append({"method": cell.method, "setting": cell.setting, "seed": r.config["seed"],
                             "steps_done": r.steps_done, f"value@{steps}": value_at(r.history, steps) * cell.scale,
+                            "positions_summed": cell.scale,
                             "overflow_count": r.overflow_count, "stopped_at": r.stopped_at, "lr": r.lr,
                             "seconds": round(r.seconds, 1)})
     unit = " (sum over positions)" if any(c.scale != 1 for c in cells) else ""
@@ -301,9 +302,13 @@ def summarize(target: str, env: MatrixEnv, cells: Sequence[Cell], results: dict,
     write_json(out / "results.json", {"target": target, "env": env.name, "steps": steps,
                                       "best_value": best, "cells": summary, "runs": per_run})
     panels: dict[str, dict[str, list]] = {}
-    for cell in cells:
+    for cell in cells:  # in the tables' unit (found by review: L = 5 cells were plotted per position, tabled summed)
         for r in results.get((cell.method, cell.setting), []):
-            panels.setdefault(cell.setting, {}).setdefault(cell.method, []).append(r.history)
+            history = [{**row, "policy_value": row["policy_value"] * cell.scale} for row in r.history]
+            panels.setdefault(cell.setting, {}).setdefault(cell.method, []).append(history)
     if panels:
-        plot_curves(panels, out / "curves.png", optimum=best if all(c.scale == 1 for c in cells) else None)
+        # the best value is the optimal LSR's at L = 1: drawn only where every panel is valued so (found by review)
+        comparable = not unit and all(c.config.eval_lsr == "optimal" for c in cells)
+        plot_curves(panels, out / "curves.png", optimum=best if comparable else None,
+                    ylabel=f"policy value (greedy ESR){unit}")
     return text

@@ -25,7 +25,7 @@ from capg_rec.sim.env import MatrixEnv
 from capg_rec.sim.lsr import OptimalLSR
 from capg_rec.train.config import ESTIMATOR_LABELS, TrainConfig
 from capg_rec.train.model import TwoTowerMoE
-from capg_rec.train.report import METHOD_COLORS, markdown_table, write_csv, write_json
+from capg_rec.train.report import markdown_table, method_colors, write_csv, write_json
 from capg_rec.train.trainer import make_loss
 
 __all__ = ["gradient_variance", "gradient_variance_report"]
@@ -105,10 +105,11 @@ def _plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(4.6, 3.4))
-    for name in dict.fromkeys(r["estimator"] for r in rows):
+    colors = method_colors([r["estimator"] for r in rows])
+    for name in colors:
         mine = [r for r in rows if r["estimator"] == name]
         ax.plot([r["K"] for r in mine], [r["variance"] for r in mine], "o-", label=name,
-                color=METHOD_COLORS.get(name))
+                color=colors[name])
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("number of candidates K")
