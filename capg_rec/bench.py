@@ -235,8 +235,13 @@ def _main(args: argparse.Namespace) -> None:
     if problem is not None:
         print(f"capg-rec bench: error: {problem}", file=sys.stderr)
         raise SystemExit(2)
-    result: dict = {"settings": {"sizes": args.sizes, "batch": args.batch, "dim": args.dim, "reps": args.reps,
-                                 "mc_samples": args.mc_samples, "seconds": "median CPU seconds of a forward+backward"}}
+    result: dict = {"settings": {}}  # of the tables that run
+    if not args.skip_cost:
+        result["settings"]["cost"] = {"sizes": args.sizes, "batch": args.batch, "dim": args.dim, "reps": args.reps,
+                                      "case_timeout": args.case_timeout, "memory_limit_gib": args.memory_limit,
+                                      "seconds": "median CPU seconds of a forward+backward"}
+    if not args.skip_accuracy:
+        result["settings"]["accuracy"] = {"mc_samples": args.mc_samples}
     if not args.skip_cost:
         print("(a) cost: forward+backward of each loss, ratio to bare scoring (chunked logits + logsumexp)")
         result["cost"] = cost_table(args.sizes, list(_COST_CASES), args.batch, args.dim, args.reps,

@@ -472,13 +472,15 @@ def test_reproduce_plots_what_its_tables_hold_one_colour_per_method(env, tmp_pat
     plotted = drawn["panels"]["L=5"]["CA-PG-SwR"][0][-1]["policy_value"]
     saved = json.loads((tmp_path / "results.json").read_text())
     assert plotted == pytest.approx(saved["cells"][0]["values"][0]) and saved["cells"][0]["positions_summed"] == 5
-    assert "sum over positions" in drawn["ylabel"] and drawn["optimum"] is None
-    uniform = [Cell("uniform", _config(estimator="capg_swr", steps=4, eval_every=2, eval_lsr="uniform"))]
-    summarize("t", env, uniform, run_cells(env, uniform, [0], tmp_path / "u", progress=False), tmp_path / "u", steps=4)
-    assert drawn["optimum"] is None  # the optimal LSR's best, not the uniform one's
-    plain = [Cell("K=5", _config(estimator="capg_swr", steps=4, eval_every=2))]
-    summarize("t", env, plain, run_cells(env, plain, [0], tmp_path / "p", progress=False), tmp_path / "p", steps=4)
-    assert drawn["optimum"] == pytest.approx(env.optimal_value(1))
+    assert "sum over positions" in drawn["ylabel"] and drawn["optimum"] == {"L=5": None}
+    # the optimal LSR's best value on its panels only, and panels of sums beside per-position ones on their own axes
+    mixed = [Cell("uniform", _config(estimator="capg_swr", steps=4, eval_every=2, eval_lsr="uniform")),
+             Cell("K=5", _config(estimator="capg_swr", steps=4, eval_every=2))]
+    summarize("t", env, mixed, run_cells(env, mixed, [0], tmp_path / "u", progress=False), tmp_path / "u", steps=4)
+    assert drawn["optimum"] == {"uniform": None, "K=5": pytest.approx(env.optimal_value(1))} and drawn["sharey"]
+    both = cells + mixed[1:]
+    summarize("t", env, both, run_cells(env, both, [0], tmp_path / "b", progress=False), tmp_path / "b", steps=4)
+    assert not drawn["sharey"]
     colors = report.method_colors(["CA-PG (plugin)", "V-PG-SwR", "CA-PG (plugin)", "mine", "CA-PG"])
     assert colors == {"CA-PG (plugin)": colors["CA-PG (plugin)"], "V-PG-SwR": "tab:orange", "mine": colors["mine"],
                       "CA-PG": "tab:blue"}
@@ -1053,7 +1055,7 @@ def test_help_states_each_default_once_and_every_method(capsys):
         assert all(default in text for default in defaults), command
 
 
-def test_bench_json_records_its_settings(tmp_path):
+def test_bench_json_records_its_settings(tmp_path, monkeypatch):
     """Found by review: bench.json held the tables alone, not the batch, width, repetitions and draws they came from,
     nor that its seconds are CPU time."""
     from capg_rec.cli import main
@@ -1062,7 +1064,15 @@ def test_bench_json_records_its_settings(tmp_path):
         main(["bench", "--skip-cost", "--mc-samples", "100", "--out", str(tmp_path / "b.json")])
     assert exit_info.value.code == 0
     settings = json.loads((tmp_path / "b.json").read_text())["settings"]
-    assert settings["mc_samples"] == 100 and settings["batch"] == 128 and "CPU seconds" in settings["seconds"]
+    assert settings == {"accuracy": {"mc_samples": 100}}  # the settings of the tables that ran (a diff review)
+    from capg_rec.bench import cost_table
+
+    monkeypatch.setattr("capg_rec.bench.cost_table", lambda *args: {"stub": True})
+    assert cost_table is not None
+    with pytest.raises(SystemExit):
+        main(["bench", "--skip-accuracy", "--sizes", "200", "--batch", "4", "--out", str(tmp_path / "c.json")])
+    cost = json.loads((tmp_path / "c.json").read_text())["settings"]["cost"]
+    assert cost["sizes"] == [200] and cost["batch"] == 4 and "CPU seconds" in cost["seconds"]
 
 
 def test_a_method_that_cannot_score_the_catalog_exits_2(tmp_path, capsys):

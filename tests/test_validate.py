@@ -888,6 +888,13 @@ def test_an_ordered_draws_check_without_power_says_so():
     scaled = validate_esr(Scaled(torch.zeros(1, 4), 3), num_samples=500, alpha=0.1).check("ordered_draws")
     assert scaled.p_value < 1.0 and "not testable" not in scaled.detail
     assert _stats.multinomial_test(np.array([1, 2, 1]), np.array([0.3, 0.4, 0.3])) == (1.0, False)  # one pooled cell
+    from capg_rec.validate.validation import _worst_draw  # among equal p, a tested context is named (a diff review)
+
+    counts, seqs = torch.tensor([[10.0, 0.0], [5.0, 5.0]]), torch.tensor([[0], [1]])
+    named = _worst_draw([1.0, 1.0], [False, True], counts, torch.zeros(2), torch.tensor([[0.95, 0.05], [0.5, 0.5]]),
+                        seqs, 0.01)
+    assert named.startswith("context 1 is furthest off") and named.endswith("1 context could not be tested at this "
+                                                                            "sample size")
     assert _stats.multinomial_test(np.array([3, 0]), np.array([0.0, 1.0])) == (0.0, True)
 
 

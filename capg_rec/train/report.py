@@ -60,16 +60,18 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> s
 
 
 def plot_curves(panels: Mapping[str, Mapping[str, Sequence[Sequence[Mapping]]]], path: str | os.PathLike, *,
-                optimum: float | None = None, ylabel: str = "policy value (greedy ESR)") -> None:
+                optimum: float | Mapping[str, float | None] | None = None, ylabel: str = "policy value (greedy ESR)",
+                sharey: bool = True) -> None:
     """One panel per setting; in each, every seed's learning curve as a thin line coloured by
     method (as the paper's figures), a dot at the end of a run that met a gradient overflow, and the best
-    achievable value as a dashed line. ``panels[title][method] = [history, ...]``."""
+    achievable value as a dashed line (``optimum``: one for every panel, or per panel title; None: none).
+    ``panels[title][method] = [history, ...]``; ``sharey=False`` for panels in different units."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False, sharey=sharey)
     colors = method_colors([method for methods in panels.values() for method in methods])
     for ax, (title, methods) in zip(axes[0], panels.items()):
         for method, histories in methods.items():
@@ -81,12 +83,14 @@ def plot_curves(panels: Mapping[str, Mapping[str, Sequence[Sequence[Mapping]]]],
                 finite = [(x, y) for x, y in zip(steps, values) if y is not None and math.isfinite(y)]
                 if history[-1].get("overflows", 0) and finite:  # at the last finite value (an overflow ends in NaN)
                     ax.plot(*finite[-1], "o", color=color, ms=4)
-        if optimum is not None:
-            ax.axhline(optimum, color="gray", ls="--", lw=0.8, label="best possible (optimal LSR)")
+        best = optimum.get(title) if isinstance(optimum, Mapping) else optimum
+        if best is not None:
+            ax.axhline(best, color="gray", ls="--", lw=0.8, label="best possible (optimal LSR)")
         ax.set_title(textwrap.fill(title, 44), fontsize=9)  # an environment's name can be long
         ax.set_xlabel("gradient steps")
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel(ylabel)
+    for ax in axes[0] if not sharey else axes[0][:1]:
+        ax.set_ylabel(textwrap.fill(ylabel, 32))  # within the panel's height
     legend_below(fig, axes[0], fontsize=8)
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -96,8 +100,8 @@ def method_colors(methods: Sequence[str]) -> dict[str, str]:
     """One colour per method, the same in every panel: :data:`METHOD_COLORS`' for the paper's four, the other
     tab10 colours in turn for the rest (found by review: an unknown method took the next colour of matplotlib's
     cycle for each seed, other methods' among them)."""
-    spare = [c for c in (f"tab:{n}" for n in ("purple", "brown", "pink", "gray", "olive", "cyan", "blue", "orange",
-                                                 "green", "red")) if c not in METHOD_COLORS.values()]
+    spare = [c for c in (f"tab:{n}" for n in ("purple", "brown", "pink", "olive", "cyan", "blue", "orange", "green",
+                                                 "red")) if c not in METHOD_COLORS.values()]  # gray: the best value's
     colors: dict[str, str] = {}
     for method in dict.fromkeys(methods):
         colors[method] = METHOD_COLORS.get(method) or spare[sum(m not in METHOD_COLORS for m in colors) % len(spare)]

@@ -282,14 +282,14 @@ def summarize(target: str, env: MatrixEnv, cells: Sequence[Cell], results: dict,
                      "–" if p50 is None else f"{p50:.2f}", "–" if p500 is None else f"{p500:.2f}",
                      f"{overflows} ({stopped} stopped)"])
         summary.append({"method": cell.method, "setting": cell.setting, "mean": mean, "se": se, "n": len(runs),
-                        "values": values, "positions_summed": cell.scale, "paper_50k": p50, "paper_500k": p500,
-                        "overflows": overflows, "stopped_runs": stopped, "config": cell.config.to_dict()})
+                        "values": values, "paper_50k": p50, "paper_500k": p500, "overflows": overflows,
+                        "stopped_runs": stopped, "config": cell.config.to_dict(),
+                        "positions_summed": round(cell.scale)})
         for r in runs:
             per_run.append({"method": cell.method, "setting": cell.setting, "seed": r.config["seed"],
                             "steps_done": r.steps_done, f"value@{steps}": value_at(r.history, steps) * cell.scale,
-                            "positions_summed": cell.scale,
                             "overflow_count": r.overflow_count, "stopped_at": r.stopped_at, "lr": r.lr,
-                            "seconds": round(r.seconds, 1)})
+                            "seconds": round(r.seconds, 1), "positions_summed": round(cell.scale)})
     unit = " (sum over positions)" if any(c.scale != 1 for c in cells) else ""
     header = ["method", "setting", f"ours @{steps} steps{unit} (mean ± se)", "seeds", "paper @50K",
               "paper @500K", "overflows"]
@@ -307,8 +307,9 @@ def summarize(target: str, env: MatrixEnv, cells: Sequence[Cell], results: dict,
             history = [{**row, "policy_value": row["policy_value"] * cell.scale} for row in r.history]
             panels.setdefault(cell.setting, {}).setdefault(cell.method, []).append(history)
     if panels:
-        # the best value is the optimal LSR's at L = 1: drawn only where every panel is valued so (found by review)
-        comparable = not unit and all(c.config.eval_lsr == "optimal" for c in cells)
-        plot_curves(panels, out / "curves.png", optimum=best if comparable else None,
-                    ylabel=f"policy value (greedy ESR){unit}")
+        # the best value is the optimal LSR's at L = 1: drawn only on the panels valued so (found by review); panels
+        # of sums over positions beside per-position ones get their own y axes
+        optimum = {c.setting: best if c.scale == 1 and c.config.eval_lsr == "optimal" else None for c in cells}
+        plot_curves(panels, out / "curves.png", optimum=optimum, ylabel=f"policy value (greedy ESR){unit}",
+                    sharey=len({c.scale for c in cells}) == 1)
     return text

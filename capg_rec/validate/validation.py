@@ -257,9 +257,9 @@ def _worst_draw(p: Sequence[float], tested: Sequence[bool], observed: Tensor, st
     if untested == len(p):
         return (f"not testable at this sample size: no context has two ordered draws (or pools of them) expected "
                 f"{_stats.MIN_EXPECTED:g} times or more, so every p is 1; raise the number of samples")
-    worst = int(np.argmin(p))
+    worst = min(range(len(p)), key=lambda b: (p[b], not tested[b]))  # a tested context first among equal p
     draws = float(observed[worst].sum() + stray[worst])
-    expected = probs[worst] / probs[worst].sum().clamp(min=1e-300) * draws  # as the test scales them
+    expected = probs[worst] * draws  # as claimed (draw_claims checks that the claims sum to 1)
     deviation = (observed[worst] - expected) / expected.clamp(min=1e-300).sqrt()
     at = int(deviation.abs().argmax())
     text = (f"context {worst} is furthest off (p = {p[worst]:.3g}; {sum(q <= level for q in p)} of {len(p)} contexts "
