@@ -97,6 +97,8 @@ def test_review_regressions(monkeypatch):
         assert torch.equal(env.expected_reward(users.to(dtype), items.to(dtype)), ref)
         assert torch.equal(env.to_matrix_env().expected_reward(users.to(dtype), items.to(dtype)),
                            env.to_matrix_env().expected_reward(users, items))
+    with pytest.raises(ValueError, match=r"users must hold ids in \[0, 40\), got ids of 2\^63 or more"):
+        env.user_vectors(torch.tensor([2**64 - 1], dtype=torch.uint64))  # not as the negative int64 it reads as
     with pytest.raises(ValueError, match="num_items"):
         OnDemandSyntheticEnv(0, num_items=2**32 + 1)
     for bad in (torch.tensor([40]), torch.tensor([-1]), torch.tensor([], dtype=torch.long)):

@@ -478,6 +478,9 @@ def test_reproduce_plots_what_its_tables_hold_one_colour_per_method(env, tmp_pat
              Cell("K=5", _config(estimator="capg_swr", steps=4, eval_every=2))]
     summarize("t", env, mixed, run_cells(env, mixed, [0], tmp_path / "u", progress=False), tmp_path / "u", steps=4)
     assert drawn["optimum"] == {"uniform": None, "K=5": pytest.approx(env.optimal_value(1))} and drawn["sharey"]
+    wider = [Cell("L=3", _config(estimator="capg_swr", steps=4, eval_every=2, num_outputs=3))]  # per position
+    summarize("t", env, wider, run_cells(env, wider, [0], tmp_path / "w", progress=False), tmp_path / "w", steps=4)
+    assert drawn["optimum"] == {"L=3": None}  # the best value drawn is L = 1's (a diff review)
     both = cells + mixed[1:]
     summarize("t", env, both, run_cells(env, both, [0], tmp_path / "b", progress=False), tmp_path / "b", steps=4)
     assert not drawn["sharey"]

@@ -29,7 +29,9 @@ def check_ids(name: str, ids: object, count: int) -> Tensor:
     negative id would wrap around to another user or item) → as int64 (one host read of its range)."""
     if not is_id_tensor(ids):
         raise TypeError(f"{name} must be an integer tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
-    if not ids.is_signed():  # torch has no aminmax of uint16-64 (found by review); above 2^63 they read as negative
+    if not ids.is_signed():  # torch has no aminmax of uint16-64 (found by review)
+        if ids.dtype == torch.uint64 and ids.numel() and bool((ids.view(torch.int64) < 0).any()):
+            raise ValueError(f"{name} must hold ids in [0, {count}), got ids of 2^63 or more")
         ids = ids.long()
     low, high = (int(v) for v in torch.aminmax(ids)) if ids.numel() else (0, 0)
     if low < 0 or high >= count:

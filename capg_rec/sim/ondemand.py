@@ -174,7 +174,7 @@ class OnDemandSyntheticEnv:
 
     def optimal_value(self, num_outputs: int = 1, *, users: Tensor | None = None) -> float:
         """Best achievable policy value: mean over ``users`` (default: all) of the mean of the top-L ``q``. A scan of
-        every item for each user: about 0.2 ms per user per 10^6 items here (195 s for 1,000 users at 10^6 items, in
+        every item for each user: about 0.2 s per user per 10^6 items here (195 s for 1,000 users at 10^6 items, in
         a review's run); at large N, pass a sample of ``users``."""
         check_count("num_outputs", num_outputs, high=self.num_items)
         users = torch.arange(self.num_users, device=self.device) if users is None else users

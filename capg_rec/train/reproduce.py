@@ -263,6 +263,11 @@ def _longer_run(run_dir: Path, step: int, target: int, steps: int) -> ValueError
                       "it; give another output folder, or as many steps as the run has")
 
 
+def _number(x: float) -> int | float:
+    """``x`` as an int where it is one (a count of positions), else as is."""
+    return int(x) if float(x).is_integer() else x
+
+
 def summarize(target: str, env: MatrixEnv, cells: Sequence[Cell], results: dict, out: str | os.PathLike,
               *, steps: int) -> str:
     """Write ``results.{md,csv,json}`` and ``curves.png``; return the Markdown text."""
@@ -284,12 +289,12 @@ def summarize(target: str, env: MatrixEnv, cells: Sequence[Cell], results: dict,
         summary.append({"method": cell.method, "setting": cell.setting, "mean": mean, "se": se, "n": len(runs),
                         "values": values, "paper_50k": p50, "paper_500k": p500, "overflows": overflows,
                         "stopped_runs": stopped, "config": cell.config.to_dict(),
-                        "positions_summed": round(cell.scale)})
+                        "positions_summed": _number(cell.scale)})
         for r in runs:
             per_run.append({"method": cell.method, "setting": cell.setting, "seed": r.config["seed"],
                             "steps_done": r.steps_done, f"value@{steps}": value_at(r.history, steps) * cell.scale,
                             "overflow_count": r.overflow_count, "stopped_at": r.stopped_at, "lr": r.lr,
-                            "seconds": round(r.seconds, 1), "positions_summed": round(cell.scale)})
+                            "seconds": round(r.seconds, 1), "positions_summed": _number(cell.scale)})
     unit = " (sum over positions)" if any(c.scale != 1 for c in cells) else ""
     header = ["method", "setting", f"ours @{steps} steps{unit} (mean ± se)", "seeds", "paper @50K",
               "paper @500K", "overflows"]
@@ -309,7 +314,8 @@ def summarize(target: str, env: MatrixEnv, cells: Sequence[Cell], results: dict,
     if panels:
         # the best value is the optimal LSR's at L = 1: drawn only on the panels valued so (found by review); panels
         # of sums over positions beside per-position ones get their own y axes
-        optimum = {c.setting: best if c.scale == 1 and c.config.eval_lsr == "optimal" else None for c in cells}
+        optimum = {c.setting: best if c.scale == 1 and c.config.num_outputs == 1 and c.config.eval_lsr == "optimal"
+                   else None for c in cells}
         plot_curves(panels, out / "curves.png", optimum=optimum, ylabel=f"policy value (greedy ESR){unit}",
                     sharey=len({c.scale for c in cells}) == 1)
     return text
