@@ -73,7 +73,7 @@ from torch import Tensor
 
 from capg_rec._checks import is_int
 from capg_rec._head_tail import HeadTail
-from capg_rec._numerics import cumsum, log1mexp, log1mexp_exp, safe_logsumexp
+from capg_rec._numerics import cumsum, log1mexp, log1mexp_exp, safe_logsumexp, select_experts
 
 __all__ = ["DEFAULT_MEMORY_BUDGET", "EXACT_NUM_POWERS", "exact_log_inclusion"]
 
@@ -705,9 +705,11 @@ def exact_log_inclusion(summary: HeadTail, runs: Sequence[tuple[int, int]], *,
     num_candidates = sum(count for _, count in runs)
     s_all, tail_all = _to_frame(scores, tail, _reference(scores, num_candidates))
     valid_all = torch.isfinite(s_all)  # [B, M, T]
-    valid_any = valid_all.any(1)  # [B, T]
-    # Every item is drawn when the catalog has no more than K items.
-    full = torch.isinf(tail_all[:, :, 0]).all(1) & (valid_any.sum(1) <= num_candidates)  # [B]
+    # Every item is drawn when the catalog has no more than K items that a drawing expert can take (an expert that
+    # draws no position, M > K, takes none: found by review, its unmasked items turned this off).
+    drawing = sorted({expert for expert, _ in runs})
+    valid_any = select_experts(valid_all, drawing).any(1)  # [B, T]
+    full = torch.isinf(select_experts(tail_all, drawing)[:, :, 0]).all(1) & (valid_any.sum(1) <= num_candidates)
     log_survival: Tensor | None = None
     terms = []
     for i, (expert, count) in enumerate(runs):

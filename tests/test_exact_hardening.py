@@ -638,3 +638,20 @@ def test_exact_beyond_the_head_is_invariant_to_a_logit_offset(experts):
     torch.testing.assert_close(inclusion_log_prob(single, items, k, method="exact").double(),
                                inclusion_log_prob(single.double() - 1e7, items, k, method="exact"),
                                rtol=0, atol=100 * torch.finfo(torch.float32).eps)
+
+
+def test_an_expert_that_draws_no_position_changes_nothing():
+    """With more experts than candidates (M > K), the experts past K draw no position: their masks changed "exact"'s
+    answer (found by review: [0, 0.875, 0.875] for two items certain to be drawn, where every other method gave 1),
+    since its every-item-is-drawn shortcut counted their unmasked items."""
+    import capg_rec
+
+    ninf = -math.inf
+    items = torch.arange(3)[None]
+    for drawing in ([[ninf, 0.0, 0.0], [ninf, 0.0, 0.0]], [[ninf, 1.0, 0.0], [ninf, 0.0, 2.0]]):
+        two = torch.tensor(drawing, dtype=torch.float64)[None]
+        want = capg_rec.inclusion_log_prob(two, items, 2, method="enumerate")
+        for unused in ([0.0, 0.0, 0.0], [0.0, ninf, 0.0], [ninf, 0.0, 0.0]):
+            logits = torch.tensor([*drawing, unused], dtype=torch.float64)[None]
+            got = capg_rec.inclusion_log_prob(logits, items, 2, method="exact")
+            torch.testing.assert_close(got.exp(), want.exp(), rtol=0.0, atol=1e-12)
