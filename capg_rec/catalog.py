@@ -641,7 +641,9 @@ class EmbeddingCatalog(CatalogScores):
         temperature: τ > 0.
         masked_items: ``[B, E]`` ids of items outside each row's catalog (already seen,
             unavailable), padded with ``-1``; they score ``-inf``.
-        chunk_size: items scored at once; None: :func:`chunk_items`'s default for the user's device and ``B·M``.
+        chunk_size: items scored at once; None: :func:`chunk_items`'s default for the user's device and ``B·M``. A
+            draw's Gumbel noise is made a chunk at a time, so a seeded draw depends on the chunk size (and differs
+            from one of the same scores as dense logits); its law does not.
         validate_args: check that the embeddings are finite, that their scores do not overflow
             and that ``masked_items`` holds ids in ``[-1, N)``; ``None`` takes the module default.
 
@@ -660,6 +662,7 @@ class EmbeddingCatalog(CatalogScores):
         self.validate = resolve_validate_args(validate_args)
         user = check_float_tensor("user", user, ndims=(2, 3), validate=self.validate)
         item = check_float_tensor("item", item, ndims=(2, 3), validate=self.validate)
+        check_same_device(user.device, item=item)  # the scores' device is the users' (found by review: torch's error)
         tau = check_positive("temperature", temperature)
         user, item, dtype = _expert_views(user, item)
         self.chunk_size = chunk_items(chunk_size, user.shape[0] * user.shape[1], user.device)
@@ -670,9 +673,9 @@ class EmbeddingCatalog(CatalogScores):
         self.batch_size, self.num_experts = self.user.shape[:2]
         self.num_items = item.shape[0]
         self.dtype, self.device = dtype, user.device
-        self.masked_items = None if masked_items is None else check_items(
+        self.masked_items = None if masked_items is None else check_items(  # on the scores' device, checks or not
             "masked_items", masked_items, batch_size=self.batch_size, num_items=self.num_items, unique=False,
-            validate=self.validate, low=-1, columns="E")
+            validate=self.validate, low=-1, columns="E", device=self.device)  # (found by review: scattered wrong)
 
     def num_available(self) -> Tensor:
         if self.masked_items is None:

@@ -90,6 +90,18 @@ def test_every_catalog_refuses_exclusions_out_of_range_by_name(bad):
     assert DenseCatalog(logits, validate_args=False).log_power_sums(torch.full((4, 1), -2)).isfinite().all()
 
 
+@pytest.mark.parametrize("validate", [True, False])
+def test_an_embedding_catalog_refuses_tables_and_masks_on_another_device(validate):
+    """With the checks off, masked_items on another device were scattered as garbage (a log normaliser that changed from
+    run to run) and an item table on another device failed inside torch at the first use, naming neither (found by
+    review); either is a ValueError naming it, checks or not."""
+    user, item, masks = torch.randn(4, 8), torch.randn(30, 8), torch.tensor([[0], [1], [2], [3]])
+    with pytest.raises(ValueError, match="masked_items must be on the scores' device cpu, got meta"):
+        EmbeddingCatalog(user, item, masked_items=masks.to("meta"), validate_args=validate)
+    with pytest.raises(ValueError, match="item must be on the scores' device cpu, got meta|item is on the meta device"):
+        EmbeddingCatalog(user, item.to("meta"), validate_args=validate)  # with the checks: meta holds no values
+
+
 def test_samplers_check_the_arguments_of_their_public_methods():
     """Called directly (the catalogs call them with checked arguments), they leaked torch's errors, or answered
     garbage: ``-5`` ids drawn, ``-inf`` counts for float ids."""
