@@ -240,13 +240,11 @@ def _main(args: argparse.Namespace) -> None:
         result["settings"]["cost"] = {"sizes": args.sizes, "batch": args.batch, "dim": args.dim, "reps": args.reps,
                                       "case_timeout": args.case_timeout, "memory_limit_gib": args.memory_limit,
                                       "seconds": "median CPU seconds of a forward+backward"}
-    if not args.skip_accuracy:
-        result["settings"]["accuracy"] = {"mc_samples": args.mc_samples}
-    if not args.skip_cost:
         print("(a) cost: forward+backward of each loss, ratio to bare scoring (chunked logits + logsumexp)")
         result["cost"] = cost_table(args.sizes, list(_COST_CASES), args.batch, args.dim, args.reps,
                                     args.case_timeout, args.memory_limit)
     if not args.skip_accuracy:
+        result["settings"]["accuracy"] = {"mc_samples": args.mc_samples}
         print("(b) accuracy: mean relative error of inclusion probabilities vs Monte-Carlo "
               f"({args.mc_samples} draws; mc_se is its own relative standard error) and vs exact, N=1000")
         result["accuracy"] = accuracy_table(args.mc_samples)

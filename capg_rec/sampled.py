@@ -905,8 +905,7 @@ class SampledCatalog(CatalogScores):
                 self.sample_scores = (self.user[:, 0] @ vectors[:, 0].T).unsqueeze(1)
             else:
                 self.sample_scores = torch.matmul(self.user.transpose(0, 1), vectors.permute(1, 2, 0)).transpose(0, 1)
-        self._check_vectors(self.sample_scores, lambda: vectors)
-        if self.validate and self.sample_scores.numel() and not all_finite(self.sample_scores.detach()):
+        if self._not_finite(self.sample_scores, lambda: vectors):
             # an overflow of finite vectors, in any slot: the sums add a slot's bias (-inf where left out) to its score
             raise _overflow_error(self.dtype)
 
@@ -1007,9 +1006,9 @@ class SampledCatalog(CatalogScores):
             return (self.user.sum() + vectors.sum()) * self.user.new_zeros(0, self.num_experts, self.num_items)
         with no_autocast(self.device):
             scores = torch.einsum("bmd,nmd->bmn", self.user, vectors)
-        self._check_vectors(scores, lambda: vectors)
+        suspect = self._not_finite(scores, lambda: vectors)
         masked = _exclusion_mask(self.masked_items, self.batch_size, 0, self.num_items, self.device)
-        return _masked(scores, None if masked is None else masked.unsqueeze(1), check=self.validate)
+        return _masked(scores, None if masked is None else masked.unsqueeze(1), check=suspect)
 
     def gather(self, items: Tensor) -> Tensor:
         items = self._named(items)
@@ -1021,16 +1020,18 @@ class SampledCatalog(CatalogScores):
             with self._trusting():
                 return self._vectors(items)
 
-        self._check_vectors(scores, vectors)
-        return masked_named_scores(scores, items, self.masked_items, check=self.validate)
+        return masked_named_scores(scores, items, self.masked_items, check=self._not_finite(scores, vectors))
 
-    def _check_vectors(self, scores: Tensor, vectors: Callable[[], Tensor]) -> None:
-        """With the checks on, where a score is not finite (one host read), a ``ValueError`` if the item ``vectors()``
-        it was made of are not finite, masked items' included (the mask's gradient, 0 times NaN, is NaN); an overflow
-        of finite vectors is left to the masks' check (harmless where masked)."""
-        if self.validate and scores.numel() and not all_finite(scores.detach()):
-            if not all_finite(vectors().detach()):
-                raise ValueError(_NOT_FINITE_VECTORS)
+    def _not_finite(self, scores: Tensor, vectors: Callable[[], Tensor]) -> bool:
+        """With the checks on, whether a score is not finite (one host read; False with them off); if so, a
+        ``ValueError`` where the item ``vectors()`` it was made of are not finite, masked items' included (the mask's
+        gradient, 0 times NaN, is NaN). True means an overflow of finite vectors, for the masks' check to judge
+        (harmless where masked): the scores are read again only then."""
+        if not (self.validate and scores.numel() and not all_finite(scores.detach())):
+            return False
+        if not all_finite(vectors().detach()):
+            raise ValueError(_NOT_FINITE_VECTORS)
+        return True
 
     def _terms(self, exclude: Tensor | None) -> tuple[Tensor, Tensor]:
         """The head's scores ``[B, M, T]`` and the sample's bias ``[B | 1, 1, S]`` (``log w_j``) with ``-inf``

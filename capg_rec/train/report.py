@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import itertools
 import math
 import os
 import textwrap
@@ -100,12 +101,10 @@ def method_colors(methods: Sequence[str]) -> dict[str, str]:
     """One colour per method, the same in every panel: :data:`METHOD_COLORS`' for the paper's four, the other
     tab10 colours in turn for the rest (found by review: an unknown method took the next colour of matplotlib's
     cycle for each seed, other methods' among them)."""
-    spare = [c for c in (f"tab:{n}" for n in ("purple", "brown", "pink", "olive", "cyan", "blue", "orange", "green",
-                                                 "red")) if c not in METHOD_COLORS.values()]  # gray: the best value's
-    colors: dict[str, str] = {}
-    for method in dict.fromkeys(methods):
-        colors[method] = METHOD_COLORS.get(method) or spare[sum(m not in METHOD_COLORS for m in colors) % len(spare)]
-    return colors
+    spare = itertools.cycle([c for c in (f"tab:{n}" for n in ("purple", "brown", "pink", "olive", "cyan", "blue",
+                                                              "orange", "green", "red"))
+                             if c not in METHOD_COLORS.values()])  # not gray: the best value's
+    return {method: METHOD_COLORS.get(method) or next(spare) for method in dict.fromkeys(methods)}
 
 
 def legend_below(fig, axes, *, fontsize: float = 8) -> None:
